@@ -1,0 +1,85 @@
+"""The program every train_*.py runs, given its strategy: parse, join, load, build, train."""
+from __future__ import annotations
+
+import sys
+from typing import Sequence
+
+import torch
+from torch import nn
+
+from common.checkpoint import CheckpointWriter, load_checkpoint, restore_model, resume_path
+from common.config import Config, parse_args
+from common.data import Dataset, TrainLoader, load_dataset
+from common.distributed import DistContext, distributed
+from common.errors import PeerFailed, UserError
+from common.logger import NullLogger, make_logger
+from common.models import build_model
+from common.strategy import Strategy
+from common.trainer import Trainer
+
+
+def main(strategy: Strategy, argv: Sequence[str] | None = None) -> None:
+    cfg = parse_args(argv, strategy=strategy.name, default_dataset=strategy.default_dataset)
+    try:
+        with distributed(cfg) as ctx:
+            train(cfg, ctx, strategy)
+    except UserError as e:
+        if not isinstance(e, PeerFailed):
+            print(f"error: {e}", file=sys.stderr, flush=True)
+        sys.exit(e.exit_code)
+
+
+def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
+    log = make_logger(cfg, ctx.is_primary)
+    final = None
+    try:
+        data = load_dataset(cfg.dataset, cfg.data_dir, cfg.synthetic_shape, cfg.download, ctx)
+        describe(cfg, ctx, data, log)
+        loader = TrainLoader(data.train, data.spec, cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed,
+                             ctx.device, cfg.max_steps)
+        model = build_model(cfg.model, data.spec.channels, data.spec.size, data.spec.classes, cfg.seed).to(ctx.device)
+        optimizer = make_optimizer(cfg, model)
+        scheduler = make_scheduler(cfg, optimizer, cfg.epochs * loader.steps_per_epoch)
+        start_epoch = resume(cfg, model, optimizer, scheduler, log)
+        trainer = Trainer(cfg, ctx, strategy, strategy.wrap(model, ctx), optimizer, scheduler, data, loader, log,
+                          CheckpointWriter(cfg.checkpoint_dir, ctx.is_primary))
+        final = trainer.fit(start_epoch)
+    finally:
+        log.close(final)
+
+
+def describe(cfg: Config, ctx: DistContext, data: Dataset, log: NullLogger) -> None:
+    log.info(f"{cfg.strategy}: world {ctx.world_size} ({ctx.local_world_size} per node), backend {ctx.backend}, "
+             f"device {ctx.device}, {torch.get_num_threads()} thread(s) per rank")
+    log.info(f"{data.name}: {len(data.train)} train / {len(data.test)} test images; model {cfg.model}; "
+             f"global batch {cfg.batch_size} = {cfg.batch_size // ctx.world_size} per rank x {ctx.world_size}; "
+             f"peak lr {cfg.lr:g}; {cfg.epochs} epoch(s); TensorBoard: {cfg.log_dir}")
+
+
+def make_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
+                           nesterov=cfg.momentum > 0, weight_decay=cfg.weight_decay)
+
+
+def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
+    """Stepped once per optimizer step. One-cycle: a 25% warm-up to the peak lr, then cosine to ~0."""
+    if cfg.schedule == "onecycle":
+        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=cfg.lr, total_steps=total_steps,
+                                                   pct_start=0.25, cycle_momentum=False)
+    if cfg.schedule == "cosine":
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
+    return torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0)
+
+
+def resume(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer,
+           scheduler: torch.optim.lr_scheduler.LRScheduler, log: NullLogger) -> int:
+    """Load a checkpoint into the plain model (before wrapping) on every rank; returns the epoch to start at."""
+    path = resume_path(cfg.resume, cfg.checkpoint_dir)
+    if path is None:
+        return 0
+    state = load_checkpoint(path)
+    restore_model(model, state, path)
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    log.info(f"resumed from {path}: {state['epoch']} epoch(s) done")
+    return int(state["epoch"])
