@@ -14,6 +14,7 @@ from common.distributed import DistContext, distributed
 from common.errors import PeerFailed, UserError
 from common.logger import NullLogger, make_logger
 from common.models import build_model
+from common.optim import make_optimizer, make_scheduler
 from common.strategy import Strategy
 from common.trainer import Trainer
 
@@ -56,23 +57,8 @@ def describe(cfg: Config, ctx: DistContext, data: Dataset, log: NullLogger) -> N
              f"peak lr {cfg.lr:g}; {cfg.epochs} epoch(s); TensorBoard: {cfg.log_dir}")
 
 
-def make_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                           nesterov=cfg.momentum > 0, weight_decay=cfg.weight_decay)
-
-
-def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int) -> torch.optim.lr_scheduler.LRScheduler:
-    """Stepped once per optimizer step. One-cycle: a 25% warm-up to the peak lr, then cosine to ~0."""
-    if cfg.schedule == "onecycle":
-        return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=cfg.lr, total_steps=total_steps,
-                                                   pct_start=0.25, cycle_momentum=False)
-    if cfg.schedule == "cosine":
-        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps)
-    return torch.optim.lr_scheduler.ConstantLR(optimizer, factor=1.0)
-
-
 def resume(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer,
-           scheduler: torch.optim.lr_scheduler.LRScheduler, log: NullLogger) -> int:
+           scheduler: torch.optim.lr_scheduler.LambdaLR, log: NullLogger) -> int:
     """Load a checkpoint into the plain model (before wrapping) on every rank; returns the epoch to start at."""
     path = resume_path(cfg.resume, cfg.checkpoint_dir)
     if path is None:

@@ -1,0 +1,86 @@
+"""Write small data sets in the real on-disk formats, so tests run the real readers.
+
+CIFAR-10: cifar-10-batches-py/ with data_batch_1..5, test_batch and batches.meta, each a pickled
+dict {'batch_label', 'labels', 'data' (N x 3072 uint8, channel-major rows), 'filenames'}.
+MNIST: MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte as big-endian IDX, plain or .gz.
+The pixels come from the synthetic generator, so the files are learnable.
+"""
+from __future__ import annotations
+
+import gzip
+import pickle
+import struct
+from pathlib import Path
+
+import numpy as np
+
+from common.data import CIFAR_DIR, CIFAR_TEST, CIFAR_TRAIN, MNIST_DIR, make_synthetic
+
+CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
+
+
+def _write_pickle(path: Path, obj: dict) -> None:
+    with open(path, "wb") as f:
+        pickle.dump(obj, f, protocol=2)  # the original files are Python 2 pickles
+
+
+def write_cifar10(root: Path, per_batch: int = 200, test_size: int = 301) -> Path:
+    data = make_synthetic("cifar", train_size=per_batch * len(CIFAR_TRAIN), test_size=test_size)
+    folder = root / CIFAR_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    chunks = zip(data.train.images.split(per_batch), data.train.labels.split(per_batch))
+    for name, (images, labels) in zip(CIFAR_TRAIN + CIFAR_TEST, [*chunks, (data.test.images, data.test.labels)]):
+        _write_pickle(folder / name, {
+            "batch_label": f"{name} (generated)",
+            "labels": labels.tolist(),
+            "data": images.reshape(len(images), -1).numpy().astype(np.uint8),
+            "filenames": [f"img_{i}.png" for i in range(len(images))],
+        })
+    _write_pickle(folder / "batches.meta", {"label_names": CIFAR_CLASSES, "num_cases_per_batch": per_batch,
+                                            "num_vis": 3072})
+    return root
+
+
+def _idx_bytes(array: np.ndarray) -> bytes:
+    header = struct.pack(">HBB", 0, 0x08, array.ndim) + struct.pack(f">{array.ndim}I", *array.shape)
+    return header + array.astype(np.uint8).tobytes()
+
+
+def write_mnist(root: Path, train_size: int = 1200, test_size: int = 301, gz: bool = False) -> Path:
+    data = make_synthetic("mnist", train_size=train_size, test_size=test_size)
+    folder = root / MNIST_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    files = {
+        "train-images-idx3-ubyte": data.train.images.squeeze(1).numpy(),
+        "train-labels-idx1-ubyte": data.train.labels.numpy(),
+        "t10k-images-idx3-ubyte": data.test.images.squeeze(1).numpy(),
+        "t10k-labels-idx1-ubyte": data.test.labels.numpy(),
+    }
+    for stem, array in files.items():
+        payload = _idx_bytes(array)
+        if gz:
+            with gzip.open(folder / f"{stem}.gz", "wb") as f:
+                f.write(payload)
+        else:
+            (folder / stem).write_bytes(payload)
+    return root
+
+
+def main() -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(description="Write a generated data set in the real on-disk format, for offline runs.")
+    p.add_argument("dataset", choices=("cifar10", "mnist"))
+    p.add_argument("root", type=Path, help="the --data-dir to train from")
+    p.add_argument("--train", type=int, default=None, help="training images (default: the real set's 50000 / 60000)")
+    p.add_argument("--test", type=int, default=10000, help="test images (default: %(default)s)")
+    a = p.parse_args()
+    if a.dataset == "cifar10":
+        write_cifar10(a.root, per_batch=(a.train or 50000) // len(CIFAR_TRAIN), test_size=a.test)
+    else:
+        write_mnist(a.root, train_size=a.train or 60000, test_size=a.test, gz=True)
+    print(f"wrote generated {a.dataset} under {a.root}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,90 @@
+"""train_ddp.py under real torchrun processes (gloo, CPU) on generated data in the real formats."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.conftest import run_script
+
+TAGS = {"train/loss", "train/acc", "test/loss", "test/acc", "test/samples", "lr", "train/images_per_s", "time/epoch_s"}
+
+
+def read_scalars(log_dir: Path) -> tuple[EventAccumulator, dict[str, list[tuple[int, float]]]]:
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return acc, {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def assert_ok(result) -> None:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+
+
+def train(tmp_path: Path, *flags: str, nproc: int = 2, name: str = "run"):
+    log_dir, ckpt_dir = tmp_path / f"tb-{name}", tmp_path / "ckpt"
+    result = run_script(["train_ddp.py", "--log-dir", str(log_dir), "--checkpoint-dir", str(ckpt_dir), *flags], nproc=nproc)
+    assert_ok(result)
+    return result, log_dir, ckpt_dir
+
+
+@pytest.mark.parametrize("dataset", ["cifar10", "mnist"])
+def test_two_ranks_train_log_checkpoint_and_resume(dataset, cifar_root, mnist_gz_root, tmp_path):
+    root = cifar_root if dataset == "cifar10" else mnist_gz_root
+    flags = ["--dataset", dataset, "--data-dir", str(root), "--no-download", "--model", "lenet", "--batch-size", "100"]
+    first, log_dir, ckpt_dir = train(tmp_path, *flags, "--epochs", "1")
+    assert "global batch 100 = 50 per rank x 2" in first.stdout
+    assert first.stdout.count("epoch 1/1") == 1  # rank 0 alone prints
+    assert "(301 images)" in first.stdout  # 301 test images on 2 ranks: counted once each
+
+    acc, scalars = read_scalars(log_dir)
+    assert TAGS <= set(scalars)
+    assert scalars["test/samples"] == [(1, 301.0)]
+    assert 0.0 <= scalars["test/acc"][0][1] <= 1.0
+    assert "config/text_summary" in acc.Tags()["tensors"]
+    assert {"_hparams_/experiment", "_hparams_/session_start_info"} <= set(acc.PluginTagToContent("hparams"))
+    assert len(list(log_dir.glob("events.out.tfevents.*"))) == 1  # one writer: rank 0's
+
+    state = torch.load(ckpt_dir / "last.pt", weights_only=True)
+    assert state["epoch"] == 1 and state["config"]["dataset"] == dataset
+    assert not any(key.startswith("module.") for key in state["model"])
+    assert {"optimizer", "scheduler"} <= set(state)
+
+    second, resumed_log, _ = train(tmp_path, *flags, "--epochs", "2", "--resume", name="resumed")
+    assert f"resumed from {ckpt_dir / 'last.pt'}: 1 epoch(s) done" in second.stdout
+    assert "epoch 1/2" not in second.stdout and "epoch 2/2" in second.stdout
+    assert [step for step, _ in read_scalars(resumed_log)[1]["test/acc"]] == [2]
+    after = torch.load(ckpt_dir / "last.pt", weights_only=True)
+    assert after["epoch"] == 2
+    assert not all(torch.equal(after["model"][k], state["model"][k]) for k in state["model"])
+
+
+def test_synthetic_learns_well_above_chance(tmp_path):
+    result, log_dir, _ = train(tmp_path, "--dataset", "synthetic", "--synthetic-shape", "mnist", "--epochs", "2")
+    final_acc = read_scalars(log_dir)[1]["test/acc"][-1][1]
+    assert final_acc > 0.5, result.stdout  # chance is 0.1
+    assert re.search(r"epoch 2/2 .* test acc \d+\.\d\d% \(2000 images\)", result.stdout)
+
+
+def test_single_process_without_torchrun(tmp_path):
+    result, log_dir, ckpt_dir = train(tmp_path, "--dataset", "synthetic", "--epochs", "1", "--max-steps", "5", nproc=None)
+    assert "world 1" in result.stdout and (ckpt_dir / "last.pt").is_file()
+
+
+def test_missing_data_ends_every_rank_with_one_message(tmp_path):
+    result = run_script(["train_ddp.py", "--data-dir", str(tmp_path / "empty"), "--no-download",
+                         "--log-dir", str(tmp_path / "tb")], nproc=2, timeout=60)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "cifar10 is missing" in errors[0] and "cifar-10-python.tar.gz" in errors[0]
+    assert "/common/" not in result.stderr and 'train_ddp.py", line' not in result.stderr  # no rank's traceback
+
+
+def test_resume_from_another_model_is_a_clear_error(tmp_path):
+    _, _, ckpt_dir = train(tmp_path, "--dataset", "synthetic", "--epochs", "1", "--max-steps", "3", "--model", "lenet")
+    result = run_script(["train_ddp.py", "--dataset", "synthetic", "--model", "convnet", "--resume",
+                         "--checkpoint-dir", str(ckpt_dir), "--log-dir", str(tmp_path / "tb2")], nproc=2, timeout=60)
+    assert result.returncode != 0
+    assert "does not fit this model" in result.stderr and "--model" in result.stderr

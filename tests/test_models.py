@@ -1,0 +1,31 @@
+"""Every model trains a step on both image shapes."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from common.data import CIFAR_SPEC, MNIST_SPEC
+from common.models import MODELS, build_model
+
+
+@pytest.mark.parametrize("spec", [CIFAR_SPEC, MNIST_SPEC], ids=["cifar", "mnist"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_model_forward_backward(name, spec):
+    torch.set_num_threads(1)
+    model = build_model(name, spec.channels, spec.size, spec.classes, seed=0)
+    images = torch.randn(4, spec.channels, spec.size, spec.size)
+    logits = model(images)
+    assert logits.shape == (4, 10)
+    F.cross_entropy(logits, torch.arange(4)).backward()
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters() if p.requires_grad)
+
+
+def test_same_seed_same_weights():
+    a, b = (build_model("lenet", 3, 32, 10, seed=7) for _ in range(2))
+    assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
+
+
+def test_resnet18_keeps_resolution_for_small_images():
+    model = build_model("resnet18", 3, 32, 10, seed=0)
+    assert model.conv1.stride == (1, 1) and isinstance(model.maxpool, torch.nn.Identity)
