@@ -1,6 +1,7 @@
 """The program every train_*.py runs, given its strategy: parse, join, load, build, train."""
 from __future__ import annotations
 
+import os
 import sys
 from typing import Sequence
 
@@ -11,6 +12,7 @@ from common.checkpoint import CheckpointWriter, load_checkpoint, restore_model, 
 from common.config import Config, parse_args
 from common.data import Dataset, TrainLoader, load_dataset
 from common.distributed import DistContext, distributed
+from common.equivalence import check_equivalence
 from common.errors import PeerFailed, UserError
 from common.logger import NullLogger, make_logger
 from common.models import build_model
@@ -20,8 +22,11 @@ from common.trainer import Trainer
 
 
 def main(strategy: Strategy, argv: Sequence[str] | None = None) -> None:
-    cfg = parse_args(argv, strategy=strategy.name, default_dataset=strategy.default_dataset)
     try:
+        strategy.check_world(int(os.environ.get("WORLD_SIZE", "1")))
+        cfg = parse_args(argv, strategy=strategy.name, default_dataset=strategy.default_dataset,
+                         add_flags=strategy.add_flags)
+        strategy.configure(cfg.options)
         with distributed(cfg) as ctx:
             train(cfg, ctx, strategy)
     except UserError as e:
@@ -40,9 +45,14 @@ def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
                              ctx.device, cfg.max_steps)
         model = build_model(cfg.model, data.spec.channels, data.spec.size, data.spec.classes, cfg.seed).to(ctx.device)
         optimizer = make_optimizer(cfg, model)
-        scheduler = make_scheduler(cfg, optimizer, cfg.epochs * loader.steps_per_epoch)
+        total_steps = cfg.epochs * loader.steps_per_epoch
+        scheduler = make_scheduler(cfg, optimizer, total_steps)
         start_epoch = resume(cfg, model, optimizer, scheduler, log)
-        trainer = Trainer(cfg, ctx, strategy, strategy.wrap(model, ctx), optimizer, scheduler, data, loader, log,
+        wrapped = strategy.wrap(model, ctx)
+        if cfg.check_equivalence:
+            check_equivalence(cfg, ctx, strategy, wrapped, optimizer, scheduler, data, loader, total_steps, log)
+            return
+        trainer = Trainer(cfg, ctx, strategy, wrapped, optimizer, scheduler, data, loader, log,
                           CheckpointWriter(cfg.checkpoint_dir, ctx.is_primary))
         final = trainer.fit(start_epoch)
     finally:

@@ -5,8 +5,8 @@ import argparse
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
-from typing import Any, Sequence
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any, Callable, Sequence
 
 from common.models import MODELS
 
@@ -56,10 +56,17 @@ class Config:
     log_dir: str
     checkpoint_dir: str
     resume: str
+    log_every: int
+    check_equivalence: int
+    check_replicas: int
+    options: dict[str, Any] = field(default_factory=dict)  # the strategy's own flags
 
     def as_plain_dict(self) -> dict[str, Any]:
-        """Only str/int/float/bool values: safe for torch.load(weights_only=True) and TensorBoard."""
-        return asdict(self)
+        """Only str/int/float/bool values, the strategy's flags inline: safe for
+        torch.load(weights_only=True) and TensorBoard hparams."""
+        plain = asdict(self)
+        options = plain.pop("options")
+        return {**plain, **options}
 
 
 class _RankZeroParser(argparse.ArgumentParser):
@@ -99,6 +106,12 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
     add("--checkpoint-dir", default="checkpoints", help="where checkpoints are written (default: %(default)s)")
     add("--resume", nargs="?", const="auto", default="none",
         help="resume: bare --resume or 'auto' loads CHECKPOINT_DIR/last.pt; or a file path (default: none)")
+    add("--log-every", type=int, default=50, help="steps between time/* TensorBoard points (default: %(default)s)")
+    add("--check-equivalence", type=int, default=0, metavar="K",
+        help="train K steps beside a one-process reference on the same global batches, print max |dw|, "
+             "exit non-zero above 1e-5")
+    add("--check-replicas", type=int, default=0, metavar="N",
+        help="every N steps, stop with an error if any parameter or buffer differs across ranks")
     return p
 
 
@@ -120,14 +133,20 @@ def _validate(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int
         p.error(f"--epochs must be >= 1 (got {a.epochs})")
     if a.lr <= 0:
         p.error(f"--lr must be > 0 (got {a.lr})")
-    if a.max_steps < 0 or a.eval_batch_size < 1 or a.timeout_s <= 0:
-        p.error("--max-steps must be >= 0, --eval-batch-size >= 1 and --timeout-s > 0")
+    if a.max_steps < 0 or a.eval_batch_size < 1 or a.timeout_s <= 0 or a.log_every < 1:
+        p.error("--max-steps must be >= 0, --eval-batch-size >= 1, --timeout-s > 0 and --log-every >= 1")
+    if a.check_equivalence < 0 or a.check_replicas < 0:
+        p.error("--check-equivalence and --check-replicas take a step count >= 0")
 
 
 def parse_args(argv: Sequence[str] | None = None, *, strategy: str, default_dataset: str,
-               world_size: int | None = None) -> Config:
-    """Parse and validate; exits 2 with a message naming the flag on bad input."""
+               world_size: int | None = None,
+               add_flags: Callable[[argparse.ArgumentParser], None] | None = None) -> Config:
+    """Parse and validate; exits 2 with a message naming the flag on bad input.
+    `add_flags` lets a strategy add its own flags; they land in Config.options."""
     p = build_parser(strategy, default_dataset)
+    if add_flags is not None:
+        add_flags(p.add_argument_group(f"{strategy} strategy"))
     a = p.parse_args(argv)
     world_size = _world_size_from_env() if world_size is None else world_size
     recipe = RECIPES.get(a.dataset, RECIPES["synthetic"])
@@ -140,5 +159,8 @@ def parse_args(argv: Sequence[str] | None = None, *, strategy: str, default_data
     if a.log_dir is None:
         stamp = time.strftime("%Y%m%d-%H%M%S")
         a.log_dir = os.path.join("runs", f"{strategy}-{a.dataset}-{a.model}-w{world_size}-{stamp}")
-    return Config(strategy=strategy, **vars(a))
+    common = {f.name for f in fields(Config)}
+    values = vars(a)
+    options = {k: v for k, v in values.items() if k not in common}
+    return Config(strategy=strategy, options=options, **{k: v for k, v in values.items() if k in common})
 

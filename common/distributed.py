@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from common.config import Config
-from common.errors import ConfigError
+from common.errors import ConfigError, PeerFailed, UserError
 
 
 @dataclass(frozen=True)
@@ -43,6 +43,10 @@ class DistContext:
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
         return values
+
+    def fail_together(self, message: str) -> None:
+        """For a verdict every rank reached together: rank 0 reports it, the others exit quietly."""
+        raise UserError(message) if self.is_primary else PeerFailed(message)
 
     def all_ok(self, ok: bool) -> bool:
         """True only if every rank says ok: lets ranks fail together instead of hanging."""
@@ -106,5 +110,6 @@ def distributed(cfg: Config) -> Iterator[DistContext]:
         dist.init_process_group(ctx.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     try:
         yield ctx
+        dist.barrier()  # leave together: a rank tearing down gloo while a peer still talks can abort it
     finally:
         dist.destroy_process_group()

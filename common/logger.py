@@ -15,6 +15,19 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
+class StepTimes:
+    """Mean ms per step, averaged over ranks."""
+
+    data_ms: float
+    compute_ms: float  # forward, backward and the optimizer update
+    sync_ms: float  # gradient synchronization not hidden behind backward
+
+    @property
+    def sync_share(self) -> float:
+        return self.sync_ms / max(self.data_ms + self.compute_ms + self.sync_ms, 1e-9)
+
+
+@dataclass(frozen=True)
 class EpochResult:
     epoch: int  # 1-based, as printed
     train_loss: float
@@ -25,6 +38,7 @@ class EpochResult:
     lr: float
     images_per_s: float
     epoch_s: float
+    times: StepTimes
 
 
 class NullLogger:
@@ -37,6 +51,9 @@ class NullLogger:
         return iter(items)
 
     def epoch(self, result: EpochResult, epochs: int) -> None:
+        pass
+
+    def step_times(self, step: int, times: StepTimes) -> None:
         pass
 
     def flush(self) -> None:
@@ -69,7 +86,8 @@ class Logger(NullLogger):
     def epoch(self, r: EpochResult, epochs: int) -> None:
         self.info(f"epoch {r.epoch}/{epochs}  train loss {r.train_loss:.4f}  test loss {r.test_loss:.4f}  "
                   f"test acc {100 * r.test_acc:.2f}% ({r.test_samples} images)  "
-                  f"{r.images_per_s:,.0f} img/s  {r.epoch_s:.1f} s")
+                  f"{r.images_per_s:,.0f} img/s  {r.epoch_s:.1f} s  per step: data {r.times.data_ms:.1f} / "
+                  f"compute {r.times.compute_ms:.1f} / sync {r.times.sync_ms:.1f} ms ({100 * r.times.sync_share:.0f}% sync)")
         scalars = {
             "train/loss": r.train_loss, "train/acc": r.train_acc, "test/loss": r.test_loss,
             "test/acc": r.test_acc, "test/samples": r.test_samples, "lr": r.lr,
@@ -77,6 +95,11 @@ class Logger(NullLogger):
         }
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, r.epoch)
+
+    def step_times(self, step: int, times: StepTimes) -> None:
+        self.writer.add_scalar("time/data_ms", times.data_ms, step)
+        self.writer.add_scalar("time/compute_ms", times.compute_ms, step)
+        self.writer.add_scalar("time/sync_ms", times.sync_ms, step)
 
     def flush(self) -> None:
         self.writer.flush()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -12,7 +13,8 @@ from common.checkpoint import CheckpointWriter
 from common.config import Config
 from common.data import Dataset, TrainLoader, eval_batches
 from common.distributed import DistContext
-from common.logger import EpochResult, NullLogger
+from common.logger import EpochResult, NullLogger, StepTimes
+from common.replicas import check_replicas
 from common.strategy import Strategy
 
 
@@ -54,6 +56,67 @@ def evaluate(model: nn.Module, data: Dataset, ctx: DistContext, batch: int) -> M
     return result
 
 
+DATA, COMPUTE, SYNC, STEPS = range(4)
+
+
+class StepClock:
+    """Splits each step into data, compute (forward + backward + update) and exposed sync time,
+    per logging interval and per epoch. On CUDA it synchronizes the device at each boundary, or
+    queued kernels would be charged to the wrong phase."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.interval = torch.zeros(4, dtype=torch.float64)  # data, compute, sync seconds; steps
+        self.epoch = torch.zeros(4, dtype=torch.float64)
+        self.last = time.perf_counter()
+
+    def lap(self, phase: int) -> None:
+        if self.cuda:
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.interval[phase] += now - self.last
+        self.epoch[phase] += now - self.last
+        self.last = now
+
+    def end_step(self) -> None:
+        self.interval[STEPS] += 1
+        self.epoch[STEPS] += 1
+
+    def take_interval(self, ctx: DistContext) -> StepTimes:
+        times = _mean_ms(self.interval, ctx)
+        self.interval.zero_()
+        return times
+
+    def epoch_mean(self, ctx: DistContext) -> StepTimes:
+        return _mean_ms(self.epoch, ctx)
+
+
+def _mean_ms(totals: torch.Tensor, ctx: DistContext) -> StepTimes:
+    """ms per step averaged over ranks: a collective, so every rank calls it at the same step."""
+    summed = ctx.all_reduce_sum(totals.to(ctx.device)).cpu()
+    return StepTimes(*(1000 * summed[:STEPS] / max(float(summed[STEPS]), 1.0)).tolist())
+
+
+def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Optimizer,
+               scheduler: torch.optim.lr_scheduler.LRScheduler, images: torch.Tensor, labels: torch.Tensor,
+               clock: StepClock | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One optimizer step on this rank's share of the global batch; returns (logits, mean loss)."""
+    logits = model(images)
+    loss = F.cross_entropy(logits, labels)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    if clock:
+        clock.lap(COMPUTE)
+    strategy.after_backward(model)
+    if clock:
+        clock.lap(SYNC)
+    strategy.step(optimizer)
+    scheduler.step()
+    if clock:
+        clock.lap(COMPUTE)
+    return logits, loss
+
+
 @dataclass
 class Trainer:
     cfg: Config
@@ -78,27 +141,31 @@ class Trainer:
     def run_epoch(self, epoch: int) -> EpochResult:
         start = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]
-        train = self.train_epoch(epoch)
+        train, times = self.train_epoch(epoch)
         train_s = time.perf_counter() - start
         test = evaluate(self.strategy.unwrap(self.model), self.data, self.ctx, self.cfg.eval_batch_size)
         return EpochResult(epoch + 1, train.loss, train.acc, test.loss, test.acc, test.samples, lr,
-                           train.samples / train_s, time.perf_counter() - start)
+                           train.samples / train_s, time.perf_counter() - start, times)
 
-    def train_epoch(self, epoch: int) -> Metrics:
-        """Loss and accuracy over all ranks' training samples (as seen before each step)."""
+    def global_step(self, epoch: int, step: int) -> int:
+        return epoch * self.loader.steps_per_epoch + step + 1
+
+    def train_epoch(self, epoch: int) -> tuple[Metrics, StepTimes]:
+        """Loss and accuracy over all ranks' training samples (as seen before each step), and the
+        epoch's mean step-time split."""
         self.model.train()
-        tally = Tally(self.ctx.device)
+        tally, clock = Tally(self.ctx.device), StepClock(self.ctx.device)
         batches = self.log.progress(self.loader.epoch(epoch), self.loader.steps_per_epoch, f"epoch {epoch + 1}")
-        for images, labels in batches:
-            logits = self.model(images)
-            loss = F.cross_entropy(logits, labels)
-            self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self.strategy.after_backward(self.model)
-            self.strategy.step(self.optimizer)
-            self.scheduler.step()
+        for step, (images, labels) in enumerate(_timed(batches, clock)):
+            logits, loss = train_step(self.model, self.strategy, self.optimizer, self.scheduler, images, labels, clock)
+            clock.end_step()
             tally.add(logits, labels, loss * len(labels))
-        return tally.all_ranks(self.ctx)
+            done = self.global_step(epoch, step)
+            if done % self.cfg.log_every == 0:
+                self.log.step_times(done, clock.take_interval(self.ctx))
+            if self.cfg.check_replicas and done % self.cfg.check_replicas == 0:
+                check_replicas(self.strategy.unwrap(self.model), self.ctx, done)
+        return tally.all_ranks(self.ctx), clock.epoch_mean(self.ctx)
 
     def save(self, epochs_done: int) -> None:
         self.checkpoints.save({
@@ -110,3 +177,11 @@ class Trainer:
         })
         self.log.flush()
         self.ctx.barrier()  # nobody races ahead (or exits) while rank 0 is still writing
+
+
+def _timed(batches: Iterator, clock: StepClock) -> Iterator:
+    """Charge the time spent producing each batch to the data phase."""
+    clock.last = time.perf_counter()
+    for batch in batches:
+        clock.lap(DATA)
+        yield batch

@@ -1,0 +1,115 @@
+"""Every strategy side by side: same model, global batch, world size and threads per rank, each
+run as real torchrun processes on synthetic data, timed by the suite's own step clock.
+
+    python bench/strategies.py                 # convnet (MNIST shape) and resnet18 (CIFAR shape)
+    python bench/strategies.py --models convnet --repeats 3
+
+Per row: images/s, ms per step, ms of exposed sync (step time minus the no-sync row's, which
+counts sync hidden inside backward too, e.g. DDP's), and the ratio of images/s to DDP's.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+ROWS = [  # label, script and flags
+    ("no sync (floor)", ["bench/nosync.py"]),
+    ("per-param all_reduce (tutorials)", ["train_allreduce.py", "--allreduce", "per-param"]),
+    ("ddp", ["train_ddp.py"]),
+    ("allreduce (buckets)", ["train_allreduce.py"]),
+    ("allreduce --allreduce ring", ["train_allreduce.py", "--allreduce", "ring"]),
+    ("master (reduce+broadcast)", ["train_master.py"]),
+    ("master --master-update", ["train_master.py", "--master-update"]),
+    ("dp (one process, all threads)", ["train_dp.py"]),
+]
+
+MODELS = {  # model -> (synthetic shape, steps timed, steps per logging interval)
+    "convnet": ("mnist", 120, 20),
+    "resnet18": ("cifar", 24, 4),
+}
+
+
+@dataclass
+class Timing:
+    data_ms: float
+    compute_ms: float
+    sync_ms: float
+
+    @property
+    def step_ms(self) -> float:
+        return self.data_ms + self.compute_ms + self.sync_ms
+
+
+def run_row(script: list[str], model: str, batch: int, world: int, threads: int) -> Timing:
+    shape, steps, every = MODELS[model]
+    single_process = script[0] == "train_dp.py"
+    with tempfile.TemporaryDirectory() as tmp:
+        flags = ["--dataset", "synthetic", "--synthetic-shape", shape, "--model", model, "--batch-size", str(batch),
+                 "--epochs", "1", "--max-steps", str(steps), "--log-every", str(every),
+                 "--log-dir", f"{tmp}/tb", "--checkpoint-dir", f"{tmp}/ckpt"]
+        launcher = [sys.executable] if single_process else \
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads * world if single_process else threads)}
+        done = subprocess.run([*launcher, *script, *flags], cwd=ROOT, env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"{' '.join(script)} failed:\n{done.stderr[-3000:]}")
+        return _read_timing(Path(tmp) / "tb")
+
+
+def _read_timing(log_dir: Path) -> Timing:
+    """Mean of the logging intervals after the first (warm-up: allocator, first buckets, caches)."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    def mean(tag: str) -> float:
+        return statistics.fmean(e.value for e in acc.Scalars(tag)[1:])
+    return Timing(mean("time/data_ms"), mean("time/compute_ms"), mean("time/sync_ms"))
+
+
+def best(timings: list[Timing]) -> Timing:
+    """Fastest repeat: noise on a shared machine only ever adds time."""
+    return min(timings, key=lambda t: t.step_ms)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    p.add_argument("--batch-size", type=int, default=128, help="global batch (default: %(default)s)")
+    p.add_argument("--world", type=int, default=2, help="processes (default: %(default)s)")
+    p.add_argument("--threads", type=int, default=1, help="threads per rank (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=1, help="runs per row, fastest kept (default: %(default)s)")
+    a = p.parse_args()
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores; world {a.world}, "
+          f"{a.threads} thread(s)/rank, gloo, global batch {a.batch_size}")
+    for model in a.models:
+        results = {}
+        for repeat in range(a.repeats):  # rows interleaved, so drift in machine load hits all of them
+            for label, script in ROWS:
+                results.setdefault(label, []).append(run_row(script, model, a.batch_size, a.world, a.threads))
+        print_table(model, a.batch_size, {label: best(t) for label, t in results.items()})
+
+
+def print_table(model: str, batch: int, rows: dict[str, Timing]) -> None:
+    floor, ddp = rows["no sync (floor)"].step_ms, rows["ddp"].step_ms
+    baseline = rows["per-param all_reduce (tutorials)"].step_ms
+    print(f"\n{model} ({MODELS[model][0]} shape)\n")
+    print("| strategy | images/s | ms/step | data / compute / sync ms | exposed sync ms | vs DDP | vs per-param |")
+    print("|---|---|---|---|---|---|---|")
+    for label, t in rows.items():
+        print(f"| {label} | {1000 * batch / t.step_ms:,.0f} | {t.step_ms:.1f} | "
+              f"{t.data_ms:.1f} / {t.compute_ms:.1f} / {t.sync_ms:.1f} | {t.step_ms - floor:.1f} | "
+              f"{ddp / t.step_ms:.2f}x | {baseline / t.step_ms:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,242 @@
+"""Gradient communication written by hand: buckets launched from backward hooks, a ring all-reduce.
+
+DDP and Horovod hide most of the synchronization behind backward by packing gradients into a few
+flat buckets and launching each bucket's collective as soon as its last gradient is ready. The
+`GradientBuckets` below does the same for any collective, so hand-written strategies pay one
+round trip per bucket, not one per parameter (NOTES.md §2).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+
+class Handle(Protocol):
+    def wait(self) -> object: ...
+
+
+class _Done:
+    """Handle of a collective that already finished (the ring runs synchronously)."""
+
+    def wait(self) -> None:
+        return None
+
+
+# A collective started on a flat bucket: returns a handle to wait on before reading the bucket.
+Launch = Callable[[torch.Tensor], Handle]
+
+
+def ring_all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """Sum `tensor` over all ranks in place with a ring: reduce-scatter, then all-gather.
+
+    The tensor is cut into W chunks; in W-1 steps each rank sends one chunk to its right neighbour
+    and adds the chunk from its left, after which rank r holds the full sum of chunk r+1; W-1 more
+    steps pass the finished chunks around. Each rank sends 2(W-1)/W of the tensor, whatever W.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    if world == 1:
+        return tensor
+    flat = tensor.view(-1)
+    chunks = list(torch.tensor_split(flat, world))
+    right, left = dist.get_global_rank(group or dist.group.WORLD, (rank + 1) % world), \
+        dist.get_global_rank(group or dist.group.WORLD, (rank - 1) % world)
+    for step in range(world - 1):  # reduce-scatter
+        send, recv = chunks[(rank - step) % world], chunks[(rank - step - 1) % world]
+        recv.add_(_exchange(send, torch.empty_like(recv), right, left, group))
+    for step in range(world - 1):  # all-gather
+        send, recv = chunks[(rank - step + 1) % world], chunks[(rank - step) % world]
+        recv.copy_(_exchange(send, torch.empty_like(recv), right, left, group))
+    return tensor
+
+
+def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int,
+              group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Send to the right while receiving from the left; empty chunks (tensor smaller than W) skip."""
+    ops = []
+    if send.numel():
+        ops.append(dist.P2POp(dist.isend, send, right, group))
+    if recv.numel():
+        ops.append(dist.P2POp(dist.irecv, recv, left, group))
+    for request in dist.batch_isend_irecv(ops) if ops else []:
+        request.wait()
+    return recv
+
+
+def launch_all_reduce(ring: bool) -> Launch:
+    if ring:
+        return lambda flat: (ring_all_reduce(flat), _Done())[1]
+    return lambda flat: dist.all_reduce(flat, async_op=True)
+
+
+def launch_reduce_to_root(flat: torch.Tensor) -> Handle:
+    return dist.reduce(flat, dst=0, async_op=True)
+
+
+def _split_into_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
+    """Consecutive groups of at most cap_bytes (a parameter larger than the cap gets its own).
+    cap_bytes 0: one parameter per bucket."""
+    buckets: list[list[nn.Parameter]] = [[]]
+    size = 0
+    for p in params:
+        nbytes = p.numel() * p.element_size()
+        if buckets[-1] and size + nbytes > cap_bytes:
+            buckets.append([])
+            size = 0
+        buckets[-1].append(p)
+        size += nbytes
+    return buckets
+
+
+@dataclass
+class Bucket:
+    """One flat buffer: [gradients | one 'used here' flag per parameter | root-wins buffers]."""
+
+    params: list[nn.Parameter]
+    flat: torch.Tensor
+    grads: torch.Tensor  # views into flat
+    used: torch.Tensor
+    buffers: list[torch.Tensor] = field(default_factory=list)
+    ready: set[int] = field(default_factory=set)
+    handle: Handle | None = None
+
+    @classmethod
+    def make(cls, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> "Bucket":
+        n_grads = sum(p.numel() for p in params)
+        flat = torch.zeros(n_grads + len(params) + sum(b.numel() for b in buffers),
+                           dtype=params[0].dtype, device=params[0].device)
+        return cls(params, flat, flat[:n_grads], flat[n_grads:n_grads + len(params)], buffers)
+
+    @property
+    def buffer_region(self) -> torch.Tensor:
+        return self.flat[self.grads.numel() + len(self.params):]
+
+
+Then = Callable[[Bucket], Handle]
+
+
+class GradientBuckets:
+    """Flattens gradients into buckets and starts `launch` on each as soon as it is complete.
+
+    Buckets are filled in reverse registration order (roughly the order backward produces
+    gradients) and launched strictly in bucket order, so every rank issues the same collectives in
+    the same order even when gradients arrive in a different order. Parameters that got no gradient
+    on this rank are sent as zeros with a 'used' flag of 0; a parameter no rank used keeps grad None,
+    as in a single process.
+
+    `root_buffers` (BatchNorm running statistics) ride in the last bucket: rank 0 sends its values,
+    the others zeros, so after a summing collective every rank holds rank 0's buffers. That is DDP's
+    buffer broadcast without a collective of its own.
+    """
+
+    def __init__(self, model: nn.Module, cap_mb: float, launch: Launch, *, rank: int, scale: float = 1.0,
+                 then: Then | None = None, root_buffers: list[torch.Tensor] | None = None) -> None:
+        """`then`, if given, starts on each bucket once `launch` finished (reduce, then broadcast);
+        the gradients times `scale` become .grad."""
+        params = [p for p in reversed(list(model.parameters())) if p.requires_grad]
+        groups = _split_into_buckets(params, int(cap_mb * 2**20))
+        self.buckets = [Bucket.make(group, (root_buffers or []) if i == len(groups) - 1 else [])
+                        for i, group in enumerate(groups)]
+        self.launch, self.then, self.scale, self.is_root = launch, then, scale, rank == 0
+        self.bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
+        self.next_launch = 0
+        self.launches = 0  # collectives started so far, for tests and the benchmark
+        for p in params:
+            p.register_post_accumulate_grad_hook(self._on_grad_ready)
+
+    def _on_grad_ready(self, param: nn.Parameter) -> None:
+        self.buckets[self.bucket_of[id(param)]].ready.add(id(param))
+        while self.next_launch < len(self.buckets) and \
+                len(self.buckets[self.next_launch].ready) == len(self.buckets[self.next_launch].params):
+            self._launch(self.buckets[self.next_launch])
+
+    def _launch(self, bucket: Bucket) -> None:
+        offset = 0
+        for i, p in enumerate(bucket.params):
+            view = bucket.grads[offset:offset + p.numel()]
+            view.zero_() if p.grad is None else view.copy_(p.grad.view(-1))
+            offset += p.numel()
+        bucket.used.copy_(torch.tensor([p.grad is not None for p in bucket.params], dtype=bucket.used.dtype))
+        if bucket.buffers:
+            region = bucket.buffer_region
+            region.copy_(torch.cat([b.detach().reshape(-1) for b in bucket.buffers])) if self.is_root else region.zero_()
+        bucket.handle = self.launch(bucket.flat)
+        self.next_launch += 1
+        self.launches += 1
+
+    def finish(self) -> None:
+        """Launch what backward left (unused parameters), wait for every bucket, write the results
+        back into .grad and the buffers. Called once per step, after backward."""
+        for bucket in self.buckets[self.next_launch:]:
+            self._launch(bucket)
+        if self.then is not None:
+            for bucket in self.buckets:
+                bucket.handle.wait()
+                bucket.handle = self.then(bucket)
+        for bucket in self.buckets:
+            bucket.handle.wait()
+            self._write_back(bucket)
+            bucket.ready.clear()
+            bucket.handle = None
+        self.next_launch = 0
+
+    def _write_back(self, bucket: Bucket) -> None:
+        offset = 0
+        for p, used_anywhere in zip(bucket.params, bucket.used.tolist()):
+            if used_anywhere:
+                grad = bucket.grads[offset:offset + p.numel()].view_as(p)
+                p.grad = grad.mul(self.scale) if p.grad is None else torch.mul(grad, self.scale, out=p.grad)
+            offset += p.numel()
+        offset = 0
+        for b in bucket.buffers:
+            b.copy_(bucket.buffer_region[offset:offset + b.numel()].view_as(b))
+            offset += b.numel()
+
+
+def float_buffers(model: nn.Module) -> list[torch.Tensor]:
+    """Buffers that training changes differently per rank (BatchNorm running mean and variance).
+    Integer buffers (BatchNorm's batch counter) advance identically on every rank."""
+    return [b for b in model.buffers() if b.is_floating_point()]
+
+
+def broadcast_coalesced(tensors: list[torch.Tensor], src: int = 0) -> None:
+    """Rank src's values to every rank, one broadcast per dtype (BatchNorm counts are int64)."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group in by_dtype.values():
+        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        dist.broadcast(flat, src=src)
+        offset = 0
+        for t in group:
+            t.data.copy_(flat[offset:offset + t.numel()].view_as(t))
+            offset += t.numel()
+
+
+def replicate_from_rank0(model: nn.Module) -> None:
+    """Start every rank from rank 0's weights and buffers instead of trusting equal seeds."""
+    broadcast_coalesced([*model.parameters(), *model.buffers()])
+
+
+class PerParameterAllReduce:
+    """The tutorials' loop, kept as the benchmark's baseline: after backward, one blocking
+    all_reduce per parameter, each paying a full round trip (plus one broadcast of the BatchNorm
+    buffers, which the tutorials forgot)."""
+
+    def __init__(self, model: nn.Module, scale: float) -> None:
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.buffers = float_buffers(model)
+        self.scale = scale
+        self.launches = 0
+
+    def finish(self) -> None:
+        for p in self.params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            dist.all_reduce(p.grad)
+            p.grad.mul_(self.scale)
+            self.launches += 1
+        broadcast_coalesced(self.buffers)

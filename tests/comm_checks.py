@@ -1,0 +1,86 @@
+"""Collective checks that need real processes; run under torchrun by tests/test_comm.py.
+Prints one 'ok ...' line per check on rank 0 and exits non-zero on the first failure."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.comm import GradientBuckets, float_buffers, launch_all_reduce, ring_all_reduce  # noqa: E402
+
+SIZES = (1, 7, 1000, 2**20 + 3)
+
+
+def check_ring(rank: int, world: int) -> None:
+    for size in SIZES:
+        g = torch.Generator().manual_seed(100 * rank + size)
+        integers = torch.randint(-1000, 1000, (size,), generator=g).float()  # sums are exact in any order
+        expected = integers.clone()
+        dist.all_reduce(expected)
+        assert torch.equal(ring_all_reduce(integers.clone()), expected), f"ring != all_reduce, integers, size {size}"
+        reals = torch.randn(size, generator=g, dtype=torch.float64)
+        expected = reals.clone()
+        dist.all_reduce(expected)
+        torch.testing.assert_close(ring_all_reduce(reals.clone()), expected, rtol=1e-12, atol=1e-12)
+        report(rank, f"ring size {size}")
+
+
+class WithUnused(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.used = nn.Linear(8, 4)
+        self.bn = nn.BatchNorm1d(4)
+        self.unused = nn.Linear(8, 4)  # never called: must keep grad None, must not stall the buckets
+        self.sometimes = nn.Linear(8, 4)  # used on rank 0 only: every rank must get rank 0's grad / world
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.bn(self.used(x))
+        return out + self.sometimes(x) if dist.get_rank() == 0 else out
+
+
+def check_buckets(rank: int, world: int) -> None:
+    torch.manual_seed(0)
+    model = WithUnused()
+    # A tiny cap: several buckets, so ordering and partial readiness are exercised.
+    buckets = GradientBuckets(model, cap_mb=64 / 2**20, launch=launch_all_reduce(ring=False), rank=rank,
+                              scale=1.0 / world, root_buffers=float_buffers(model))
+    for step in range(3):
+        model.zero_grad(set_to_none=True)
+        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * step + rank))
+        model(x).pow(2).mean().backward()
+        local = {name: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for name, p in model.named_parameters()}
+        buckets.finish()
+        for name, p in model.named_parameters():
+            expected = local[name].clone()
+            dist.all_reduce(expected)
+            expected /= world
+            if name.startswith("unused"):
+                assert p.grad is None, f"{name} got a gradient"
+            else:
+                torch.testing.assert_close(p.grad, expected, rtol=1e-6, atol=1e-7, msg=f"{name} not averaged")
+        reference = model.bn.running_mean.clone()
+        dist.broadcast(reference, src=0)
+        assert torch.equal(model.bn.running_mean, reference), "BatchNorm buffers differ from rank 0's"
+    assert buckets.launches == 3 * len(buckets.buckets), f"{buckets.launches} launches for {len(buckets.buckets)} buckets x 3 steps"
+    report(rank, f"buckets: {len(buckets.buckets)} buckets, one launch each per step, unused grad None")
+
+
+def report(rank: int, message: str) -> None:
+    if rank == 0:
+        print(f"ok {message}", flush=True)
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        {"ring": check_ring, "buckets": check_buckets}[sys.argv[1]](rank, world)
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -1,0 +1,99 @@
+"""Every strategy trains the same model as one process, end to end under torchrun."""
+from __future__ import annotations
+
+import re
+import time
+
+import pytest
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.conftest import run_script
+
+STRATEGIES = {
+    "ddp": ["train_ddp.py"],
+    "allreduce": ["train_allreduce.py"],
+    "allreduce-ring": ["train_allreduce.py", "--allreduce", "ring"],
+    "master": ["train_master.py"],
+    "master-update": ["train_master.py", "--master-update"],
+}
+EQUIVALENCE = re.compile(r"equivalence: max \|dw\| = (\S+) after 4 steps \((\w+), world (\d)\)")
+
+
+def check_equivalence(script: list[str], world: int | None, model: str, tmp_path) -> tuple[int, str, float]:
+    result = run_script([*script, "--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", model,
+                         "--batch-size", "48", "--check-equivalence", "4", "--log-dir", str(tmp_path / "tb")],
+                        nproc=world, timeout=240)
+    found = EQUIVALENCE.search(result.stdout)
+    assert found, f"exit {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}"
+    return result.returncode, result.stderr, float(found.group(1))
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_strategy_equals_one_process(name, world, tmp_path):
+    model = "lenet" if world != 2 else "cifar_net"
+    code, stderr, max_dw = check_equivalence(STRATEGIES[name], world, model, tmp_path)
+    assert code == 0 and max_dw <= 1e-5, stderr[-2000:]
+
+
+def test_data_parallel_equals_one_process(tmp_path):
+    code, stderr, max_dw = check_equivalence(["train_dp.py"], None, "lenet", tmp_path)
+    assert code == 0 and max_dw <= 1e-5, stderr[-2000:]
+
+
+def test_equivalence_check_catches_a_strategy_that_does_not_sync(tmp_path):
+    code, stderr, max_dw = check_equivalence(["tests/broken_strategies.py", "nosync"], 2, "lenet", tmp_path)
+    assert code != 0 and max_dw > 1e-5
+    assert "equivalence check failed" in stderr
+
+
+def test_batchnorm_models_differ_from_one_process_by_design(tmp_path):
+    """Per-rank batch statistics (24 images each) are not the 48-image statistics of one process."""
+    code, _, max_dw = check_equivalence(["train_allreduce.py"], 2, "convnet", tmp_path)
+    assert code != 0 and max_dw > 1e-5
+
+
+def test_replica_check_names_the_drifting_tensor(tmp_path):
+    result = run_script(["tests/broken_strategies.py", "drift", "--dataset", "synthetic", "--model", "lenet",
+                         "--batch-size", "32", "--epochs", "1", "--max-steps", "8", "--check-replicas", "2",
+                         "--log-dir", str(tmp_path / "tb"), "--checkpoint-dir", str(tmp_path / "ckpt")], nproc=2, timeout=120)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "replica check at step 4" in errors[0] and "differs across ranks" in errors[0], result.stderr[-2000:]
+
+
+def test_replica_check_passes_for_a_correct_strategy(tmp_path):
+    result = run_script(["train_master.py", "--dataset", "synthetic", "--model", "convnet", "--batch-size", "32",
+                         "--epochs", "1", "--max-steps", "6", "--check-replicas", "1", "--log-dir", str(tmp_path / "tb"),
+                         "--checkpoint-dir", str(tmp_path / "ckpt")], nproc=2, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
+@pytest.mark.parametrize("script, dataset, nproc", [
+    (["train_allreduce.py", "--allreduce", "ring"], "mnist", 2),
+    (["train_master.py", "--master-update"], "cifar10", 2),
+    (["train_dp.py"], "mnist", None),
+])
+def test_script_end_to_end(script, dataset, nproc, cifar_root, mnist_root, tmp_path):
+    root = cifar_root if dataset == "cifar10" else mnist_root
+    log_dir, ckpt = tmp_path / "tb", tmp_path / "ckpt"
+    result = run_script([*script, "--dataset", dataset, "--data-dir", str(root), "--no-download", "--model", "lenet",
+                         "--batch-size", "100", "--epochs", "1", "--log-every", "2", "--log-dir", str(log_dir),
+                         "--checkpoint-dir", str(ckpt)], nproc=nproc, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "(301 images)" in result.stdout
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    assert {"time/data_ms", "time/compute_ms", "time/sync_ms", "test/acc"} <= set(acc.Tags()["scalars"])
+    state = torch.load(ckpt / "last.pt", weights_only=True)
+    assert not any(key.startswith("module.") for key in state["model"])
+
+
+def test_data_parallel_under_torchrun_fails_cleanly_and_quickly(tmp_path):
+    start = time.monotonic()
+    result = run_script(["train_dp.py", "--dataset", "synthetic", "--log-dir", str(tmp_path / "tb")], nproc=2, timeout=60)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 2 and all("run `python train_dp.py`" in e for e in errors)  # one per rank
+    assert time.monotonic() - start < 30

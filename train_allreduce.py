@@ -1,0 +1,47 @@
+"""Hand-written gradient averaging with all_reduce, done the way DDP does it: flattened buckets,
+each launched from a backward hook as soon as its gradients are ready, waited on before the step.
+
+    torchrun --standalone --nproc_per_node=2 train_allreduce.py [--allreduce torch|ring|per-param]
+"""
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from torch import nn
+
+from common.app import main as run
+from common.comm import GradientBuckets, PerParameterAllReduce, float_buffers, launch_all_reduce
+from common.distributed import DistContext
+from common.strategy import HandWrittenSync
+
+
+class AllReduceStrategy(HandWrittenSync):
+    name = "allreduce"
+    default_dataset = "mnist"
+
+    @classmethod
+    def add_flags(cls, group: argparse._ArgumentGroup) -> None:
+        super().add_flags(group)
+        group.add_argument("--allreduce", default="torch", choices=("torch", "ring", "per-param"),
+                           help="torch: dist.all_reduce per bucket; ring: the hand-written ring all-reduce; "
+                                "per-param: the tutorials' blocking all_reduce per parameter after backward "
+                                "(a baseline, slow) (default: %(default)s)")
+
+    def configure(self, options: dict[str, Any]) -> None:
+        super().configure(options)
+        self.mode = options["allreduce"]
+
+    def make_sync(self, model: nn.Module, ctx: DistContext) -> GradientBuckets | PerParameterAllReduce:
+        if self.mode == "per-param":
+            return PerParameterAllReduce(model, scale=1.0 / ctx.world_size)
+        return GradientBuckets(model, self.bucket_mb, launch_all_reduce(ring=self.mode == "ring"), rank=ctx.rank,
+                               scale=1.0 / ctx.world_size, root_buffers=float_buffers(model))
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(AllReduceStrategy(), argv)
+
+
+if __name__ == "__main__":
+    main()
