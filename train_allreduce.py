@@ -32,6 +32,9 @@ class AllReduceStrategy(HandWrittenSync):
         super().configure(options)
         self.mode = options["allreduce"]
 
+    def describe(self) -> str:
+        return f"allreduce/{self.mode}"
+
     def make_sync(self, model: nn.Module, ctx: DistContext) -> GradientBuckets | PerParameterAllReduce:
         if self.mode == "per-param":
             return PerParameterAllReduce(model, scale=1.0 / ctx.world_size)

@@ -35,6 +35,9 @@ class MasterWorkerStrategy(HandWrittenSync):
         super().configure(options)
         self.master_update = options["master_update"]
 
+    def describe(self) -> str:
+        return "master/update" if self.master_update else "master"
+
     def make_sync(self, model: nn.Module, ctx: DistContext) -> GradientBuckets:
         self.is_master = ctx.is_primary
         if self.master_update:  # only rank 0 needs the average; it sends parameters and buffers after its step

@@ -18,6 +18,7 @@ from common.logger import NullLogger, make_logger
 from common.models import build_model
 from common.optim import make_optimizer, make_scheduler
 from common.strategy import Strategy
+from common.sync_batchnorm import convert_batchnorm
 from common.trainer import Trainer
 
 
@@ -40,10 +41,12 @@ def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
     final = None
     try:
         data = load_dataset(cfg.dataset, cfg.data_dir, cfg.synthetic_shape, cfg.download, ctx)
-        describe(cfg, ctx, data, log)
+        describe(cfg, ctx, strategy, data, log)
         loader = TrainLoader(data.train, data.spec, cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed,
                              ctx.device, cfg.max_steps)
         model = build_model(cfg.model, data.spec.channels, data.spec.size, data.spec.classes, cfg.seed).to(ctx.device)
+        if cfg.sync_bn:
+            convert_batchnorm(model)
         optimizer = make_optimizer(cfg, model)
         total_steps = cfg.epochs * loader.steps_per_epoch
         scheduler = make_scheduler(cfg, optimizer, total_steps)
@@ -59,8 +62,8 @@ def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
         log.close(final)
 
 
-def describe(cfg: Config, ctx: DistContext, data: Dataset, log: NullLogger) -> None:
-    log.info(f"{cfg.strategy}: world {ctx.world_size} ({ctx.local_world_size} per node), backend {ctx.backend}, "
+def describe(cfg: Config, ctx: DistContext, strategy: Strategy, data: Dataset, log: NullLogger) -> None:
+    log.info(f"{strategy.describe()}: world {ctx.world_size} ({ctx.local_world_size} per node), backend {ctx.backend}, "
              f"device {ctx.device}, {torch.get_num_threads()} thread(s) per rank")
     log.info(f"{data.name}: {len(data.train)} train / {len(data.test)} test images; model {cfg.model}; "
              f"global batch {cfg.batch_size} = {cfg.batch_size // ctx.world_size} per rank x {ctx.world_size}; "

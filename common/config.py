@@ -59,6 +59,7 @@ class Config:
     log_every: int
     check_equivalence: int
     check_replicas: int
+    sync_bn: bool
     options: dict[str, Any] = field(default_factory=dict)  # the strategy's own flags
 
     def as_plain_dict(self) -> dict[str, Any]:
@@ -110,6 +111,8 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
     add("--check-equivalence", type=int, default=0, metavar="K",
         help="train K steps beside a one-process reference on the same global batches, print max |dw|, "
              "exit non-zero above 1e-5")
+    add("--sync-bn", action="store_true",
+        help="BatchNorm statistics over the global batch instead of each rank's share (one all-reduce per layer)")
     add("--check-replicas", type=int, default=0, metavar="N",
         help="every N steps, stop with an error if any parameter or buffer differs across ranks")
     return p

@@ -42,16 +42,16 @@ def check_equivalence(cfg: Config, ctx: DistContext, strategy: Strategy, model: 
             train_step(reference, Strategy(), ref_optimizer, ref_scheduler, all_images, all_labels)
             steps += 1
             if steps == cfg.check_equivalence:
-                return _verdict(cfg, ctx, plain, reference, steps, log)
+                return _verdict(strategy.describe(), ctx, plain, reference, steps, log)
 
 
-def _verdict(cfg: Config, ctx: DistContext, plain: nn.Module, reference: nn.Module, steps: int,
+def _verdict(label: str, ctx: DistContext, plain: nn.Module, reference: nn.Module, steps: int,
              log: NullLogger) -> None:
     local = max((a.detach() - b.detach()).abs().max() for a, b in zip(plain.parameters(), reference.parameters()))
     worst = local.reshape(1).to(ctx.device)
     torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
     max_dw = worst.item()
-    log.info(f"equivalence: max |dw| = {max_dw:.3g} after {steps} steps ({cfg.strategy}, world {ctx.world_size})")
+    log.info(f"equivalence: max |dw| = {max_dw:.3g} after {steps} steps ({label}, world {ctx.world_size})")
     if not max_dw <= TOLERANCE:  # also catches NaN
         ctx.fail_together(f"equivalence check failed: max |dw| = {max_dw:.3g} > {TOLERANCE:g}; models with "
                           "BatchNorm or dropout differ from one process by design (see README)")

@@ -28,6 +28,10 @@ class Strategy:
     def configure(self, options: dict[str, Any]) -> None:
         pass
 
+    def describe(self) -> str:
+        """Name plus the options that change how it synchronizes, for logs and reports."""
+        return self.name
+
     def check_world(self, world_size: int) -> None:
         """Raise ConfigError if the strategy cannot run at this world size (before anything starts)."""
 

@@ -17,15 +17,17 @@ STRATEGIES = {
     "master": ["train_master.py"],
     "master-update": ["train_master.py", "--master-update"],
 }
-EQUIVALENCE = re.compile(r"equivalence: max \|dw\| = (\S+) after 4 steps \((\w+), world (\d)\)")
+EQUIVALENCE = re.compile(r"equivalence: max \|dw\| = (\S+) after 4 steps \(([\w/-]+), world (\d)\)")
 
 
-def check_equivalence(script: list[str], world: int | None, model: str, tmp_path) -> tuple[int, str, float]:
+def check_equivalence(script: list[str], world: int | None, model: str, tmp_path,
+                      *flags: str) -> tuple[int, str, float]:
     result = run_script([*script, "--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", model,
-                         "--batch-size", "48", "--check-equivalence", "4", "--log-dir", str(tmp_path / "tb")],
+                         "--batch-size", "48", "--check-equivalence", "4", "--log-dir", str(tmp_path / "tb"), *flags],
                         nproc=world, timeout=240)
     found = EQUIVALENCE.search(result.stdout)
     assert found, f"exit {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}"
+    assert found.group(3) == str(world or 1)
     return result.returncode, result.stderr, float(found.group(1))
 
 
@@ -52,6 +54,12 @@ def test_batchnorm_models_differ_from_one_process_by_design(tmp_path):
     """Per-rank batch statistics (24 images each) are not the 48-image statistics of one process."""
     code, _, max_dw = check_equivalence(["train_allreduce.py"], 2, "convnet", tmp_path)
     assert code != 0 and max_dw > 1e-5
+
+
+@pytest.mark.parametrize("name", ["ddp", "allreduce", "master-update"])
+def test_sync_batchnorm_matches_one_process(name, tmp_path):
+    code, stderr, max_dw = check_equivalence(STRATEGIES[name], 2, "convnet", tmp_path, "--sync-bn")
+    assert code == 0 and max_dw <= 1e-5, stderr[-2000:]
 
 
 def test_replica_check_names_the_drifting_tensor(tmp_path):
