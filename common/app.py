@@ -3,13 +3,16 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import replace
+from pathlib import Path
 from typing import Sequence
 
 import torch
 from torch import nn
 
-from common.checkpoint import CheckpointWriter, load_checkpoint, restore_model, resume_path
-from common.config import Config, parse_args
+from common.checkpoint import (CheckpointWriter, Found, InvalidCheckpoint, check_compatible, find_checkpoint,
+                               read_checkpoint)
+from common.config import Config, default_log_dir, parse_args
 from common.data import Dataset, TrainLoader, load_dataset
 from common.distributed import DistContext, distributed
 from common.equivalence import check_equivalence
@@ -19,7 +22,8 @@ from common.models import build_model
 from common.optim import make_optimizer, make_scheduler
 from common.strategy import Strategy
 from common.sync_batchnorm import convert_batchnorm
-from common.trainer import Trainer
+from common.preemption import StopRequest
+from common.trainer import Position, Trainer
 
 
 def main(strategy: Strategy, argv: Sequence[str] | None = None) -> None:
@@ -32,34 +36,86 @@ def main(strategy: Strategy, argv: Sequence[str] | None = None) -> None:
             train(cfg, ctx, strategy)
     except UserError as e:
         if not isinstance(e, PeerFailed):
-            print(f"error: {e}", file=sys.stderr, flush=True)
+            print(f"{e.prefix}{e}", file=sys.stderr, flush=True)
         sys.exit(e.exit_code)
 
 
 def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
-    log = make_logger(cfg, ctx.is_primary)
+    data = load_dataset(cfg.dataset, cfg.data_dir, cfg.synthetic_shape, cfg.download, ctx)
+    loader = TrainLoader(data.train, data.spec, cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed,
+                         ctx.device, cfg.max_steps)
+    model = build_model(cfg.model, data.spec.channels, data.spec.size, data.spec.classes, cfg.seed).to(ctx.device)
+    if cfg.sync_bn:
+        convert_batchnorm(model)
+    optimizer = make_optimizer(cfg, model)
+    total_steps = cfg.epochs * loader.steps_per_epoch
+    scheduler = make_scheduler(cfg, optimizer, total_steps)
+    checkpoints = CheckpointWriter(cfg.checkpoint_dir, cfg.keep, ctx.is_primary)  # also clears a killed save's temp files
+    found, warnings = agree_on_checkpoint(cfg, ctx)
+    start = restore(found, cfg, ctx, model, optimizer, scheduler, loader) if found else Position(0, 0)
+    cfg = replace(cfg, log_dir=cfg.log_dir or (found and found.state["config"].get("log_dir"))
+                  or default_log_dir(cfg, ctx.world_size))
+    log = make_logger(cfg, ctx.is_primary, purge_step=start.epoch * loader.steps_per_epoch + start.step + 1 if found else None)
+    stop = StopRequest(ctx)
     final = None
     try:
-        data = load_dataset(cfg.dataset, cfg.data_dir, cfg.synthetic_shape, cfg.download, ctx)
+        for warning in warnings:
+            log.warn(warning)
         describe(cfg, ctx, strategy, data, log)
-        loader = TrainLoader(data.train, data.spec, cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed,
-                             ctx.device, cfg.max_steps)
-        model = build_model(cfg.model, data.spec.channels, data.spec.size, data.spec.classes, cfg.seed).to(ctx.device)
-        if cfg.sync_bn:
-            convert_batchnorm(model)
-        optimizer = make_optimizer(cfg, model)
-        total_steps = cfg.epochs * loader.steps_per_epoch
-        scheduler = make_scheduler(cfg, optimizer, total_steps)
-        start_epoch = resume(cfg, model, optimizer, scheduler, log)
+        if found:
+            log.info(f"resumed from {found.path}: epoch {start.epoch + 1}, step {start.step} "
+                     f"(saved at world {found.state['world_size']})")
         wrapped = strategy.wrap(model, ctx)
         if cfg.check_equivalence:
             check_equivalence(cfg, ctx, strategy, wrapped, optimizer, scheduler, data, loader, total_steps, log)
             return
-        trainer = Trainer(cfg, ctx, strategy, wrapped, optimizer, scheduler, data, loader, log,
-                          CheckpointWriter(cfg.checkpoint_dir, ctx.is_primary))
-        final = trainer.fit(start_epoch)
+        if start.epoch >= cfg.epochs:
+            log.info(f"training already complete ({cfg.epochs} epochs); use --resume none or another "
+                     "--checkpoint-dir to start over")
+            return
+        trainer = Trainer(cfg, ctx, strategy, wrapped, optimizer, scheduler, data, loader, log, checkpoints, stop)
+        final = trainer.fit(start)
     finally:
+        stop.close()
         log.close(final)
+
+
+def agree_on_checkpoint(cfg: Config, ctx: DistContext) -> tuple[Found | None, list[str]]:
+    """Rank 0 picks the checkpoint (one view of the directory, its warnings printed once); every
+    rank then loads that file, so the checkpoint directory must be shared by all nodes."""
+    choice: list = [None, [], None]  # path, warnings, error
+    if ctx.is_primary:
+        try:
+            found, warnings = find_checkpoint(cfg.resume, cfg.checkpoint_dir)
+            choice = [str(found.path) if found else None, warnings, None]
+        except UserError as e:
+            choice = [None, [], str(e)]
+    torch.distributed.broadcast_object_list(choice, src=0)
+    path, warnings, error = choice
+    if error:
+        ctx.fail_together(error)
+    if path is None:
+        return None, warnings
+    try:
+        return Found(Path(path), read_checkpoint(Path(path))), warnings
+    except InvalidCheckpoint as e:  # rank 0 read it a moment ago: this node sees another file
+        raise UserError(f"rank {ctx.rank} cannot use checkpoint {path} ({e}); --checkpoint-dir must be on a "
+                        "file system shared by every node") from None
+
+
+def restore(found: Found, cfg: Config, ctx: DistContext, model: nn.Module, optimizer: torch.optim.Optimizer,
+            scheduler: torch.optim.lr_scheduler.LambdaLR, loader: TrainLoader) -> Position:
+    """Load into the plain model (before wrapping) on every rank; returns where to continue."""
+    try:
+        check_compatible(found.state, cfg.as_plain_dict(), model, found.path)
+    except UserError as e:
+        ctx.fail_together(str(e))  # every rank read the same file and reached the same verdict
+    state = found.state
+    model.load_state_dict(state["model"])
+    optimizer.load_state_dict(state["optimizer"])
+    scheduler.load_state_dict(state["scheduler"])
+    epoch, step = int(state["epoch"]), int(state["step_in_epoch"])
+    return Position(epoch + 1, 0) if step >= loader.steps_per_epoch else Position(epoch, step)
 
 
 def describe(cfg: Config, ctx: DistContext, strategy: Strategy, data: Dataset, log: NullLogger) -> None:
@@ -67,18 +123,4 @@ def describe(cfg: Config, ctx: DistContext, strategy: Strategy, data: Dataset, l
              f"device {ctx.device}, {torch.get_num_threads()} thread(s) per rank")
     log.info(f"{data.name}: {len(data.train)} train / {len(data.test)} test images; model {cfg.model}; "
              f"global batch {cfg.batch_size} = {cfg.batch_size // ctx.world_size} per rank x {ctx.world_size}; "
-             f"peak lr {cfg.lr:g}; {cfg.epochs} epoch(s); TensorBoard: {cfg.log_dir}")
-
-
-def resume(cfg: Config, model: nn.Module, optimizer: torch.optim.Optimizer,
-           scheduler: torch.optim.lr_scheduler.LambdaLR, log: NullLogger) -> int:
-    """Load a checkpoint into the plain model (before wrapping) on every rank; returns the epoch to start at."""
-    path = resume_path(cfg.resume, cfg.checkpoint_dir)
-    if path is None:
-        return 0
-    state = load_checkpoint(path)
-    restore_model(model, state, path)
-    optimizer.load_state_dict(state["optimizer"])
-    scheduler.load_state_dict(state["scheduler"])
-    log.info(f"resumed from {path}: {state['epoch']} epoch(s) done")
-    return int(state["epoch"])
+             f"peak lr {cfg.lr:g}; {cfg.epochs} epoch(s); TensorBoard: {cfg.log_dir}; checkpoints: {cfg.checkpoint_dir}")

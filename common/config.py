@@ -56,6 +56,8 @@ class Config:
     log_dir: str
     checkpoint_dir: str
     resume: str
+    keep: int
+    save_every_steps: int
     log_every: int
     check_equivalence: int
     check_replicas: int
@@ -103,10 +105,14 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
     add("--device", default="auto", help="auto | cpu | cuda (auto: cuda:LOCAL_RANK when there are enough GPUs)")
     add("--backend", default="auto", choices=("auto", "gloo", "nccl"), help="auto: nccl when every rank is on CUDA, else gloo")
     add("--timeout-s", type=float, default=300.0, help="process-group timeout: a dead peer ends the job after this (default: %(default)s)")
-    add("--log-dir", default=None, help="TensorBoard directory (default: runs/<script>-<dataset>-<model>-w<world>-<time>)")
-    add("--checkpoint-dir", default="checkpoints", help="where checkpoints are written (default: %(default)s)")
-    add("--resume", nargs="?", const="auto", default="none",
-        help="resume: bare --resume or 'auto' loads CHECKPOINT_DIR/last.pt; or a file path (default: none)")
+    add("--log-dir", default="", help="TensorBoard directory (default: the resumed run's, or "
+                                      "runs/<script>-<dataset>-<model>-w<world>-<time>)")
+    add("--checkpoint-dir", default="", help="where checkpoints are written (default: checkpoints/<script>-<dataset>-<model>)")
+    add("--resume", nargs="?", const="auto", default="auto",
+        help="auto: the newest valid checkpoint in --checkpoint-dir, if any; none: start fresh; or a file (default: auto)")
+    add("--keep", type=int, default=3, help="checkpoints kept, newest first; at least 2 (default: %(default)s)")
+    add("--save-every-steps", type=int, default=0, metavar="S",
+        help="also save every S optimizer steps inside an epoch (epoch ends always save; 0: only those)")
     add("--log-every", type=int, default=50, help="steps between time/* TensorBoard points (default: %(default)s)")
     add("--check-equivalence", type=int, default=0, metavar="K",
         help="train K steps beside a one-process reference on the same global batches, print max |dw|, "
@@ -116,6 +122,11 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
     add("--check-replicas", type=int, default=0, metavar="N",
         help="every N steps, stop with an error if any parameter or buffer differs across ranks")
     return p
+
+
+def default_log_dir(cfg: Config, world_size: int) -> str:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return os.path.join("runs", f"{cfg.strategy}-{cfg.dataset}-{cfg.model}-w{world_size}-{stamp}")
 
 
 def _world_size_from_env() -> int:
@@ -138,6 +149,10 @@ def _validate(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int
         p.error(f"--lr must be > 0 (got {a.lr})")
     if a.max_steps < 0 or a.eval_batch_size < 1 or a.timeout_s <= 0 or a.log_every < 1:
         p.error("--max-steps must be >= 0, --eval-batch-size >= 1, --timeout-s > 0 and --log-every >= 1")
+    if a.keep < 2:
+        p.error(f"--keep must be >= 2 (got {a.keep}): the newest checkpoint may be the one a crash cut short")
+    if a.save_every_steps < 0:
+        p.error(f"--save-every-steps must be >= 0 (got {a.save_every_steps})")
     if a.check_equivalence < 0 or a.check_replicas < 0:
         p.error("--check-equivalence and --check-replicas take a step count >= 0")
 
@@ -159,9 +174,7 @@ def parse_args(argv: Sequence[str] | None = None, *, strategy: str, default_data
     if a.lr is None:  # linear scaling; a bad --batch-size is reported by _validate, not as a bad lr
         a.lr = recipe.lr * max(a.batch_size, 1) / recipe.batch_size
     _validate(p, a, world_size)
-    if a.log_dir is None:
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        a.log_dir = os.path.join("runs", f"{strategy}-{a.dataset}-{a.model}-w{world_size}-{stamp}")
+    a.checkpoint_dir = a.checkpoint_dir or os.path.join("checkpoints", f"{strategy}-{a.dataset}-{a.model}")
     common = {f.name for f in fields(Config)}
     values = vars(a)
     options = {k: v for k, v in values.items() if k not in common}

@@ -46,7 +46,14 @@ class DistContext:
 
     def fail_together(self, message: str) -> None:
         """For a verdict every rank reached together: rank 0 reports it, the others exit quietly."""
-        raise UserError(message) if self.is_primary else PeerFailed(message)
+        self.fail_together_with(UserError(message))
+
+    def fail_together_with(self, error: UserError) -> None:
+        if not self.is_primary:
+            quiet = PeerFailed(str(error))
+            quiet.exit_code = error.exit_code
+            raise quiet
+        raise error
 
     def all_ok(self, ok: bool) -> bool:
         """True only if every rank says ok: lets ranks fail together instead of hanging."""
@@ -105,7 +112,12 @@ def distributed(cfg: Config) -> Iterator[DistContext]:
         torch.cuda.set_device(ctx.device)
     timeout = timedelta(seconds=cfg.timeout_s)
     if "RANK" in os.environ:
-        dist.init_process_group(ctx.backend, timeout=timeout)
+        # torchrun keeps its store across restarts: without a per-attempt prefix a restarted rank
+        # can read the dead attempt's gloo addresses and fail to connect.
+        store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
+        attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        dist.init_process_group(ctx.backend, store=dist.PrefixStore(f"attempt-{attempt}", store),
+                                rank=ctx.rank, world_size=ctx.world_size, timeout=timeout)
     else:
         dist.init_process_group(ctx.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
     try:

@@ -5,6 +5,7 @@ class UserError(Exception):
     """Bad input or environment (missing data, unusable device): printed as one line."""
 
     exit_code = 1
+    prefix = "error: "
 
 
 class ConfigError(UserError):

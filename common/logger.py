@@ -30,6 +30,7 @@ class StepTimes:
 @dataclass(frozen=True)
 class EpochResult:
     epoch: int  # 1-based, as printed
+    global_step: int  # the x axis of every TensorBoard point
     train_loss: float
     train_acc: float
     test_loss: float
@@ -45,6 +46,9 @@ class NullLogger:
     """What ranks != 0 hold: accepts every call, writes nothing."""
 
     def info(self, message: str) -> None:
+        pass
+
+    def warn(self, message: str) -> None:
         pass
 
     def progress(self, items: Iterable[T], total: int, desc: str) -> Iterator[T]:
@@ -66,15 +70,20 @@ class NullLogger:
 class Logger(NullLogger):
     """Rank 0: console lines, a tqdm bar on a terminal, and one TensorBoard run."""
 
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, purge_step: int | None) -> None:
+        """purge_step: on resume, TensorBoard drops the cut run's points from this step on, so
+        curves neither repeat nor cross."""
         from torch.utils.tensorboard import SummaryWriter
 
         self.cfg = cfg
-        self.writer = SummaryWriter(cfg.log_dir)
+        self.writer = SummaryWriter(cfg.log_dir, purge_step=purge_step)
         self.writer.add_text("config", _markdown_table(cfg.as_plain_dict()))
 
     def info(self, message: str) -> None:
         print(message, flush=True)
+
+    def warn(self, message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
 
     def progress(self, items: Iterable[T], total: int, desc: str) -> Iterator[T]:
         if not sys.stderr.isatty():  # CI logs and redirected output stay one line per epoch
@@ -94,7 +103,7 @@ class Logger(NullLogger):
             "train/images_per_s": r.images_per_s, "time/epoch_s": r.epoch_s,
         }
         for tag, value in scalars.items():
-            self.writer.add_scalar(tag, value, r.epoch)
+            self.writer.add_scalar(tag, value, r.global_step)
 
     def step_times(self, step: int, times: StepTimes) -> None:
         self.writer.add_scalar("time/data_ms", times.data_ms, step)
@@ -123,5 +132,5 @@ def _markdown_table(values: dict[str, object]) -> str:
     return f"| flag | value |\n|---|---|\n{rows}"
 
 
-def make_logger(cfg: Config, is_primary: bool) -> NullLogger:
-    return Logger(cfg) if is_primary else NullLogger()
+def make_logger(cfg: Config, is_primary: bool, purge_step: int | None = None) -> NullLogger:
+    return Logger(cfg, purge_step) if is_primary else NullLogger()

@@ -1,19 +1,22 @@
 """The training loop and exact evaluation, written once for every strategy."""
 from __future__ import annotations
 
+import signal
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.checkpoint import CheckpointWriter
+from common.checkpoint import CheckpointWriter, step_path
 from common.config import Config
 from common.data import Dataset, TrainLoader, eval_batches
 from common.distributed import DistContext
 from common.logger import EpochResult, NullLogger, StepTimes
+from common.preemption import Preempted, StopRequest
 from common.replicas import check_replicas
 from common.strategy import Strategy
 
@@ -117,6 +120,20 @@ def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Opti
     return logits, loss
 
 
+@dataclass(frozen=True)
+class Position:
+    """Where training stands: `step` optimizer steps of epoch `epoch` (0-based) are done."""
+
+    epoch: int
+    step: int
+
+
+def reseed(seed: int, rank: int, global_step: int) -> None:
+    """Dropout and any other torch randomness become a function of (seed, rank, step): a resumed
+    run draws exactly what the uninterrupted one drew, with no RNG state to save."""
+    torch.manual_seed((seed * 1_000_003 + rank) * 1_000_000_007 + global_step)
+
+
 @dataclass
 class Trainer:
     cfg: Config
@@ -129,54 +146,75 @@ class Trainer:
     loader: TrainLoader
     log: NullLogger
     checkpoints: CheckpointWriter
+    stop: StopRequest
 
-    def fit(self, start_epoch: int) -> EpochResult | None:
+    def fit(self, start: Position) -> EpochResult | None:
         result = None
-        for epoch in range(start_epoch, self.cfg.epochs):
-            result = self.run_epoch(epoch)
+        for epoch in range(start.epoch, self.cfg.epochs):
+            result = self.run_epoch(epoch, start.step if epoch == start.epoch else 0)
             self.log.epoch(result, self.cfg.epochs)
-            self.save(epoch + 1)
+            self.save(Position(epoch + 1, 0))
         return result
 
-    def run_epoch(self, epoch: int) -> EpochResult:
+    def run_epoch(self, epoch: int, first_step: int) -> EpochResult:
         start = time.perf_counter()
         lr = self.optimizer.param_groups[0]["lr"]
-        train, times = self.train_epoch(epoch)
+        train, times = self.train_epoch(epoch, first_step)
         train_s = time.perf_counter() - start
         test = evaluate(self.strategy.unwrap(self.model), self.data, self.ctx, self.cfg.eval_batch_size)
-        return EpochResult(epoch + 1, train.loss, train.acc, test.loss, test.acc, test.samples, lr,
-                           train.samples / train_s, time.perf_counter() - start, times)
+        return EpochResult(epoch + 1, self.global_step(Position(epoch + 1, 0)), train.loss, train.acc, test.loss,
+                           test.acc, test.samples, lr, train.samples / train_s, time.perf_counter() - start, times)
 
-    def global_step(self, epoch: int, step: int) -> int:
-        return epoch * self.loader.steps_per_epoch + step + 1
+    def global_step(self, at: Position) -> int:
+        return at.epoch * self.loader.steps_per_epoch + at.step
 
-    def train_epoch(self, epoch: int) -> tuple[Metrics, StepTimes]:
+    def train_epoch(self, epoch: int, first_step: int) -> tuple[Metrics, StepTimes]:
         """Loss and accuracy over all ranks' training samples (as seen before each step), and the
         epoch's mean step-time split."""
         self.model.train()
         tally, clock = Tally(self.ctx.device), StepClock(self.ctx.device)
-        batches = self.log.progress(self.loader.epoch(epoch), self.loader.steps_per_epoch, f"epoch {epoch + 1}")
-        for step, (images, labels) in enumerate(_timed(batches, clock)):
+        remaining = self.loader.steps_per_epoch - first_step
+        batches = self.log.progress(self.loader.epoch(epoch, first_step), remaining, f"epoch {epoch + 1}")
+        for step, (images, labels) in enumerate(_timed(batches, clock), start=first_step):
+            reseed(self.cfg.seed, self.ctx.rank, self.global_step(Position(epoch, step)))
+            self.stop.begin_step()
             logits, loss = train_step(self.model, self.strategy, self.optimizer, self.scheduler, images, labels, clock)
             clock.end_step()
             tally.add(logits, labels, loss * len(labels))
-            done = self.global_step(epoch, step)
-            if done % self.cfg.log_every == 0:
-                self.log.step_times(done, clock.take_interval(self.ctx))
-            if self.cfg.check_replicas and done % self.cfg.check_replicas == 0:
-                check_replicas(self.strategy.unwrap(self.model), self.ctx, done)
+            self.after_step(Position(epoch, step + 1), clock)
         return tally.all_ranks(self.ctx), clock.epoch_mean(self.ctx)
 
-    def save(self, epochs_done: int) -> None:
-        self.checkpoints.save({
+    def after_step(self, done: Position, clock: StepClock) -> None:
+        """Every rank runs the same collectives here, in the same order."""
+        step = self.global_step(done)
+        if step % self.cfg.log_every == 0:
+            self.log.step_times(step, clock.take_interval(self.ctx))
+        if self.cfg.check_replicas and step % self.cfg.check_replicas == 0:
+            check_replicas(self.strategy.unwrap(self.model), self.ctx, step)
+        signum = self.stop.agreed_signal()
+        if signum:
+            path = self.save(done)
+            self.ctx.fail_together_with(Preempted(
+                f"stopped by {signal.Signals(signum).name} after step {step} (epoch {done.epoch + 1}, step "
+                f"{done.step}); checkpoint {path}; run the same command again to resume", signum))
+        mid_epoch = done.step < self.loader.steps_per_epoch
+        if self.cfg.save_every_steps and step % self.cfg.save_every_steps == 0 and mid_epoch:
+            self.save(done)
+
+    def save(self, at: Position) -> Path:
+        path = self.checkpoints.save({
             "model": self.strategy.unwrap(self.model).state_dict(),
             "optimizer": self.optimizer.state_dict(),
             "scheduler": self.scheduler.state_dict(),
-            "epoch": epochs_done,
+            "epoch": at.epoch,
+            "step_in_epoch": at.step,
+            "global_step": self.global_step(at),
+            "world_size": self.ctx.world_size,
             "config": self.cfg.as_plain_dict(),
         })
         self.log.flush()
         self.ctx.barrier()  # nobody races ahead (or exits) while rank 0 is still writing
+        return path or step_path(self.checkpoints.folder, self.global_step(at))
 
 
 def _timed(batches: Iterator, clock: StepClock) -> Iterator:

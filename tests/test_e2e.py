@@ -33,6 +33,7 @@ def train(tmp_path: Path, *flags: str, nproc: int = 2, name: str = "run"):
 @pytest.mark.parametrize("dataset", ["cifar10", "mnist"])
 def test_two_ranks_train_log_checkpoint_and_resume(dataset, cifar_root, mnist_gz_root, tmp_path):
     root = cifar_root if dataset == "cifar10" else mnist_gz_root
+    steps = 10 if dataset == "cifar10" else 12  # 1000 or 1200 training images, 100 per step
     flags = ["--dataset", dataset, "--data-dir", str(root), "--no-download", "--model", "lenet", "--batch-size", "100"]
     first, log_dir, ckpt_dir = train(tmp_path, *flags, "--epochs", "1")
     assert "global batch 100 = 50 per rank x 2" in first.stdout
@@ -41,7 +42,7 @@ def test_two_ranks_train_log_checkpoint_and_resume(dataset, cifar_root, mnist_gz
 
     acc, scalars = read_scalars(log_dir)
     assert TAGS <= set(scalars)
-    assert scalars["test/samples"] == [(1, 301.0)]
+    assert scalars["test/samples"] == [(steps, 301.0)]  # x axis: the global step
     assert 0.0 <= scalars["test/acc"][0][1] <= 1.0
     assert "config/text_summary" in acc.Tags()["tensors"]
     assert {"_hparams_/experiment", "_hparams_/session_start_info"} <= set(acc.PluginTagToContent("hparams"))
@@ -53,9 +54,9 @@ def test_two_ranks_train_log_checkpoint_and_resume(dataset, cifar_root, mnist_gz
     assert {"optimizer", "scheduler"} <= set(state)
 
     second, resumed_log, _ = train(tmp_path, *flags, "--epochs", "2", "--resume", name="resumed")
-    assert f"resumed from {ckpt_dir / 'last.pt'}: 1 epoch(s) done" in second.stdout
+    assert f"resumed from {ckpt_dir / 'last.pt'}: epoch 2, step 0" in second.stdout
     assert "epoch 1/2" not in second.stdout and "epoch 2/2" in second.stdout
-    assert [step for step, _ in read_scalars(resumed_log)[1]["test/acc"]] == [2]
+    assert [step for step, _ in read_scalars(resumed_log)[1]["test/acc"]] == [2 * steps]
     after = torch.load(ckpt_dir / "last.pt", weights_only=True)
     assert after["epoch"] == 2
     assert not all(torch.equal(after["model"][k], state["model"][k]) for k in state["model"])
@@ -80,11 +81,3 @@ def test_missing_data_ends_every_rank_with_one_message(tmp_path):
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "cifar10 is missing" in errors[0] and "cifar-10-python.tar.gz" in errors[0]
     assert "/common/" not in result.stderr and 'train_ddp.py", line' not in result.stderr  # no rank's traceback
-
-
-def test_resume_from_another_model_is_a_clear_error(tmp_path):
-    _, _, ckpt_dir = train(tmp_path, "--dataset", "synthetic", "--epochs", "1", "--max-steps", "3", "--model", "lenet")
-    result = run_script(["train_ddp.py", "--dataset", "synthetic", "--model", "convnet", "--resume",
-                         "--checkpoint-dir", str(ckpt_dir), "--log-dir", str(tmp_path / "tb2")], nproc=2, timeout=60)
-    assert result.returncode != 0
-    assert "does not fit this model" in result.stderr and "--model" in result.stderr

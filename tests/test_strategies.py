@@ -45,7 +45,7 @@ def test_data_parallel_equals_one_process(tmp_path):
 
 
 def test_equivalence_check_catches_a_strategy_that_does_not_sync(tmp_path):
-    code, stderr, max_dw = check_equivalence(["tests/broken_strategies.py", "nosync"], 2, "lenet", tmp_path)
+    code, stderr, max_dw = check_equivalence(["tests/faults.py", "nosync", "none", "0"], 2, "lenet", tmp_path)
     assert code != 0 and max_dw > 1e-5
     assert "equivalence check failed" in stderr
 
@@ -63,7 +63,7 @@ def test_sync_batchnorm_matches_one_process(name, tmp_path):
 
 
 def test_replica_check_names_the_drifting_tensor(tmp_path):
-    result = run_script(["tests/broken_strategies.py", "drift", "--dataset", "synthetic", "--model", "lenet",
+    result = run_script(["tests/faults.py", "allreduce", "drift", "3", "--dataset", "synthetic", "--model", "lenet",
                          "--batch-size", "32", "--epochs", "1", "--max-steps", "8", "--check-replicas", "2",
                          "--log-dir", str(tmp_path / "tb"), "--checkpoint-dir", str(tmp_path / "ckpt")], nproc=2, timeout=120)
     assert result.returncode != 0

@@ -1,0 +1,51 @@
+"""SIGTERM / SIGINT: every rank stops at the same step boundary, after a checkpoint.
+
+A signal only sets a flag. At each step start the flag is all-reduced (MAX) asynchronously, so
+the round trip hides behind the step, and read at its end: every rank sees the same verdict
+after the same step. torchrun forwards SIGTERM to its workers and kills them 30 s later.
+"""
+from __future__ import annotations
+
+import signal
+
+import torch
+import torch.distributed as dist
+
+from common.distributed import DistContext
+from common.errors import UserError
+
+SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class Preempted(UserError):
+    prefix = ""  # not an error: the run stopped where it was asked to
+
+    def __init__(self, message: str, signum: int) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + signum  # the shell's convention for "ended by signal N"
+
+
+class StopRequest:
+    def __init__(self, ctx: DistContext) -> None:
+        self.ctx = ctx
+        self.received = 0
+        self.flag = torch.zeros(1, dtype=torch.int32, device=ctx.device)
+        self.handle = None
+        self.previous = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
+
+    def _on_signal(self, signum: int, frame: object) -> None:
+        self.received = signum
+        signal.signal(signum, self.previous[signum])  # a second signal acts as it would have
+
+    def begin_step(self) -> None:
+        self.flag.fill_(self.received)
+        self.handle = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, async_op=True)
+
+    def agreed_signal(self) -> int:
+        """0, or the signal some rank received before this step began (same answer on every rank)."""
+        self.handle.wait()
+        return int(self.flag.item())
+
+    def close(self) -> None:
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)

@@ -1,0 +1,75 @@
+"""Run a train_*.py strategy with a fault injected, under torchrun, to prove the suite survives it
+or catches it.
+
+    torchrun ... tests/faults.py STRATEGY FAULT STEP [training flags]
+
+STRATEGY: ddp, allreduce, master, dp, or nosync (never synchronizes).
+FAULT, after the STEP-th optimizer step of this process:
+  none     nothing
+  sigterm  every rank sends itself SIGTERM (preemption)
+  sigkill  rank 1 SIGKILLs itself, on torchrun's first attempt only
+  raise    rank 1 raises RuntimeError
+  drift    rank 1 nudges one weight (the replicas drift apart)
+"""
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from common.app import main as run  # noqa: E402
+from common.strategy import Strategy  # noqa: E402
+from train_allreduce import AllReduceStrategy  # noqa: E402
+from train_ddp import DDPStrategy  # noqa: E402
+from train_dp import DataParallelStrategy  # noqa: E402
+from train_master import MasterWorkerStrategy  # noqa: E402
+
+
+class NoSync(Strategy):
+    name = "nosync"
+
+
+STRATEGIES = {"ddp": DDPStrategy, "allreduce": AllReduceStrategy, "master": MasterWorkerStrategy,
+              "dp": DataParallelStrategy, "nosync": NoSync}
+
+
+def _nudge(optimizer: torch.optim.Optimizer) -> None:
+    with torch.no_grad():
+        optimizer.param_groups[0]["params"][2].add_(1e-3)
+
+
+def inject(fault: str, optimizer: torch.optim.Optimizer) -> None:
+    rank = dist.get_rank()
+    if fault == "sigterm":
+        os.kill(os.getpid(), signal.SIGTERM)
+    elif fault == "sigkill" and rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+        os.kill(os.getpid(), signal.SIGKILL)
+    elif fault == "raise" and rank == 1:
+        raise RuntimeError("injected failure on rank 1")
+    elif fault == "drift" and rank == 1:
+        _nudge(optimizer)
+
+
+def faulty(base: type[Strategy], fault: str, at_step: int) -> Strategy:
+    class Faulty(base):  # type: ignore[misc, valid-type]
+        steps = 0
+
+        def step(self, optimizer: torch.optim.Optimizer) -> None:
+            super().step(optimizer)
+            self.steps += 1
+            if self.steps == at_step:
+                inject(fault, optimizer)
+
+    return Faulty()
+
+
+if __name__ == "__main__":
+    name, fault, step = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    del sys.argv[1:4]
+    run(faulty(STRATEGIES[name], fault, step))

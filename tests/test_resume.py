@@ -1,0 +1,244 @@
+"""Crash-safe checkpoints and exact resume, with real torchrun processes (gloo, CPU)."""
+from __future__ import annotations
+
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.checkpoint import CheckpointWriter, newest_valid, read_checkpoint
+from tests.conftest import ROOT, child_env, run_script
+
+# 8 steps per epoch, 3 epochs: small enough for CI, long enough to cut mid-epoch.
+RUN = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
+       "--epochs", "3", "--max-steps", "8"]
+SCRIPTS = {"ddp": ["train_ddp.py"], "allreduce": ["train_allreduce.py"], "master": ["train_master.py"],
+           "master-update": ["train_master.py", "--master-update"], "dp": ["train_dp.py"]}
+FAULT_NAME = {"master-update": "master"}
+
+
+def train(script: list[str], ckpt: Path, *extra: str, nproc: int | None = 2, torchrun: list[str] = ()):
+    flags = [*RUN, "--checkpoint-dir", str(ckpt), "--log-dir", str(ckpt.parent / f"tb-{ckpt.name}"), *extra]
+    if torchrun:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               *torchrun, *script, *flags]
+        return subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+    return run_script([*script, *flags], nproc=nproc, timeout=300)
+
+
+def faulty(name: str, fault: str, step: int) -> list[str]:
+    return ["tests/faults.py", FAULT_NAME.get(name, name), fault, str(step), *SCRIPTS[name][1:]]
+
+
+def final_weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    state = torch.load(ckpt / "last.pt", weights_only=True)
+    assert state["epoch"] == 3 and state["step_in_epoch"] == 0, (state["epoch"], state["step_in_epoch"])
+    return state["model"]
+
+
+def max_dw(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def preempted(result, step: int) -> None:
+    """torchrun exits 1 when its workers exit non-zero; the workers' own line says what happened.
+    A signal that lands during step k is agreed on during step k+1, so the run stops after k+1."""
+    assert result.returncode != 0 and f"stopped by SIGTERM after step {step} " in result.stderr, result.stderr[-3000:]
+
+
+def ok(result) -> None:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr[-4000:]}"
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """Uninterrupted runs, one per strategy, computed once."""
+    cache: dict[str, dict[str, torch.Tensor]] = {}
+
+    def weights(name: str) -> dict[str, torch.Tensor]:
+        if name not in cache:
+            ckpt = tmp_path_factory.mktemp(f"ref-{name}") / "ckpt"
+            ok(train(SCRIPTS[name], ckpt, nproc=None if name == "dp" else 2))
+            cache[name] = final_weights(ckpt)
+        return cache[name]
+    return weights
+
+
+# 1 -------------------------------------------------------------------------------------------
+def test_killed_worker_is_restarted_and_ends_with_the_uninterrupted_weights(reference, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    result = train(faulty("ddp", "sigkill", 12), ckpt, "--save-every-steps", "3", torchrun=["--max-restarts=1"])
+    ok(result)
+    assert "resumed from" in result.stdout  # the restart found the checkpoint by itself
+    dw = max_dw(final_weights(ckpt), reference("ddp"))
+    print(f"\nkilled rank 1 at step 12 (epoch 2), restarted: max |dw| = {dw:.3g}")
+    assert dw <= 1e-6
+
+
+# 2 -------------------------------------------------------------------------------------------
+def test_sigkill_during_saves_never_costs_the_newest_complete_checkpoint(tmp_path):
+    rng = random.Random(0)
+    last_done = 0
+    leftovers_seen = 0
+    for attempt in range(20):
+        proc = subprocess.Popen([sys.executable, "tests/save_loop.py", str(tmp_path), str(last_done)], cwd=ROOT,
+                                env=child_env(), stdout=subprocess.PIPE, text=True)
+        first = proc.stdout.readline()  # the writer is up and saving
+        assert first.strip(), "the save loop did not start"
+        time.sleep(rng.uniform(0.0, 0.4))
+        proc.send_signal(signal.SIGKILL)
+        completed = [int(line) for line in [first, *proc.stdout.read().split()] if line.strip()]
+        proc.wait()
+        found, warnings = newest_valid(tmp_path)
+        assert found is not None, warnings
+        assert found.state["global_step"] >= max(completed), "a save reported complete was lost"
+        assert torch.equal(found.state["model"]["w"][:3], read_checkpoint(found.path)["model"]["w"][:3])
+        leftovers_seen += len(list(tmp_path.glob(".*.tmp-*")))
+        CheckpointWriter(str(tmp_path), keep=3, enabled=True)  # what the next start does
+        assert not list(tmp_path.glob(".*.tmp-*")), "temp files survived the next start"
+        last_done = found.state["global_step"]
+    print(f"\n20 SIGKILLs during saves: newest complete checkpoint loaded every time; "
+          f"{leftovers_seen} temp files left by the kills, all removed at the next start")
+
+
+# 3 -------------------------------------------------------------------------------------------
+def _three_checkpoints(folder: Path) -> None:
+    writer = CheckpointWriter(str(folder), keep=3, enabled=True)
+    for step in (3, 6, 9):
+        writer.save({"model": {"w": torch.full((4,), float(step))}, "optimizer": {}, "scheduler": {}, "epoch": 0,
+                     "step_in_epoch": step, "global_step": step, "config": {}, "world_size": 1})
+
+
+@pytest.mark.parametrize("damage, why", [
+    (lambda raw: raw[: len(raw) // 2], "is truncated or not a checkpoint"),
+    (lambda raw: b"", "is empty"),
+    (lambda raw: os.urandom(len(raw)), "is truncated or not a checkpoint"),
+])
+def test_damaged_newest_checkpoint_falls_back_to_the_previous(damage, why, tmp_path):
+    _three_checkpoints(tmp_path)
+    last = tmp_path / "last.pt"
+    last.write_bytes(damage(last.read_bytes()))  # last.pt is a hard link: the newest step file is damaged too
+    found, warnings = newest_valid(tmp_path)
+    assert found.path.name == "step-00000006.pt" and found.state["global_step"] == 6
+    assert any(str(last) in w and why in w for w in warnings), warnings
+    assert all("\n" not in w for w in warnings)
+
+
+def test_damaged_checkpoint_warning_in_a_real_resume(reference, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    preempted(train(faulty("ddp", "sigterm", 10), ckpt, "--save-every-steps", "4"), 11)
+    (ckpt / "last.pt").write_bytes(os.urandom(1000))  # the step-11 checkpoint is lost
+    resumed = train(SCRIPTS["ddp"], ckpt)
+    ok(resumed)
+    assert f"warning: checkpoint {ckpt / 'last.pt'} is truncated or not a checkpoint" in resumed.stderr
+    assert f"resumed from {ckpt / 'step-00000008.pt'}" in resumed.stdout
+    assert max_dw(final_weights(ckpt), reference("ddp")) <= 1e-6  # it redid steps 9-11 exactly
+
+
+# 4 -------------------------------------------------------------------------------------------
+def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ok(train(SCRIPTS["ddp"], ckpt, "--epochs", "1", "--max-steps", "2"))
+    start = time.monotonic()
+    result = train(SCRIPTS["ddp"], ckpt, "--model", "cifar_net", "--batch-size", "64")
+    seconds = time.monotonic() - start
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1, result.stderr[-3000:]
+    for part in ("model is 'lenet' in the checkpoint, 'cifar_net' now", "batch_size is 32 in the checkpoint, 64 now",
+                 "missing keys", "unexpected keys"):
+        assert part in errors[0]
+    print(f"\nmismatched checkpoint: exit {result.returncode} after {seconds:.1f} s (process start included)")
+    assert seconds < 10
+
+
+# 5 -------------------------------------------------------------------------------------------
+class Payload:
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_pickle_payload_is_refused_and_never_runs(tmp_path):
+    marker = tmp_path / "payload-ran"
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    torch.save({"model": Payload(marker), "optimizer": {}, "scheduler": {}, "epoch": 0, "step_in_epoch": 0,
+                "global_step": 1, "config": {}, "world_size": 1}, ckpt / "last.pt")
+    found, warnings = newest_valid(ckpt)
+    assert found is None and "was refused unread" in warnings[0]
+    result = train(SCRIPTS["ddp"], ckpt, "--resume", str(ckpt / "last.pt"), nproc=None)
+    assert result.returncode == 1 and "was refused unread" in result.stderr
+    assert not marker.exists()
+
+
+# 6 -------------------------------------------------------------------------------------------
+def test_sigterm_to_torchrun_saves_exits_and_resumes_losing_nothing(reference, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_ddp.py",
+           *RUN, "--max-steps", "0", "--epochs", "1", "--checkpoint-dir", str(ckpt), "--log-dir", str(tmp_path / "tb")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for line in proc.stdout:  # wait until training runs
+        if line.startswith("synthetic"):
+            break
+    time.sleep(2.0)
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=60)
+    seconds = time.monotonic() - sent
+    stopped = [line for line in stderr.splitlines() if line.startswith("stopped by SIGTERM after step")]
+    assert len(stopped) == 1, stderr[-3000:]
+    step = int(stopped[0].split("after step ")[1].split()[0])
+    state = torch.load(ckpt / "last.pt", weights_only=True)
+    print(f"\nSIGTERM to torchrun: all processes gone after {seconds:.1f} s; stopped after step {step}, "
+          f"checkpoint at step {state['global_step']}: {step - state['global_step']} steps lost")
+    assert seconds < 30 and state["global_step"] == step
+    assert 0 < step < 312  # mid-epoch (10000 images / 32)
+
+
+# 7 -------------------------------------------------------------------------------------------
+def test_resume_at_another_world_size_continues_the_same_sample_stream(reference, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    preempted(train(faulty("ddp", "sigterm", 11), ckpt), 12)  # world 2, mid-epoch 2
+    resumed = train(SCRIPTS["ddp"], ckpt, nproc=None)  # world 1, same global batch
+    ok(resumed)
+    assert "saved at world 2" in resumed.stdout and "world 1" in resumed.stdout
+    dw = max_dw(final_weights(ckpt), reference("ddp"))
+    print(f"\nsaved at world 2, resumed at world 1: max |dw| = {dw:.3g} vs the uninterrupted world-2 run")
+    assert dw <= 1e-5
+
+
+# 8 -------------------------------------------------------------------------------------------
+def test_one_rank_raising_ends_every_process(tmp_path):
+    start = time.monotonic()
+    result = train(faulty("ddp", "raise", 3), tmp_path / "ckpt")
+    seconds = time.monotonic() - start
+    assert result.returncode != 0
+    assert result.stderr.count("RuntimeError: injected failure on rank 1") == 1
+    print(f"\nrank 1 raised at step 3: every process exited non-zero after {seconds:.1f} s")
+    assert seconds < 30
+
+
+# 9 -------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", list(SCRIPTS))
+def test_every_strategy_resumes_exactly(name, reference, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    nproc = None if name == "dp" else 2
+    cut = train(faulty(name, "sigterm", 13), ckpt, nproc=nproc)
+    preempted(cut, 14)
+    if nproc is None:  # no torchrun in between: the process's own status, 128 + SIGTERM
+        assert cut.returncode == 128 + signal.SIGTERM
+    resumed = train(SCRIPTS[name], ckpt, nproc=nproc)
+    ok(resumed)
+    assert "resumed from" in resumed.stdout and "epoch 2, step 6" in resumed.stdout
+    dw = max_dw(final_weights(ckpt), reference(name))
+    print(f"\n{name}: stopped after step 14, resumed: max |dw| = {dw:.3g}")
+    assert dw <= 1e-6
