@@ -37,9 +37,9 @@ class AllReduceStrategy(HandWrittenSync):
 
     def make_sync(self, model: nn.Module, ctx: DistContext) -> GradientBuckets | PerParameterAllReduce:
         if self.mode == "per-param":
-            return PerParameterAllReduce(model, scale=1.0 / ctx.world_size)
+            return PerParameterAllReduce(model, scale=1.0 / ctx.world_size, device=ctx.comm_device)
         return GradientBuckets(model, self.bucket_mb, launch_all_reduce(ring=self.mode == "ring"), rank=ctx.rank,
-                               scale=1.0 / ctx.world_size, root_buffers=float_buffers(model))
+                               device=ctx.comm_device, scale=1.0 / ctx.world_size, root_buffers=float_buffers(model))
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -41,14 +41,15 @@ class MasterWorkerStrategy(HandWrittenSync):
     def make_sync(self, model: nn.Module, ctx: DistContext) -> GradientBuckets:
         self.is_master = ctx.is_primary
         if self.master_update:  # only rank 0 needs the average; it sends parameters and buffers after its step
-            self.replicated = [*model.parameters(), *float_buffers(model)]
-            return GradientBuckets(model, self.bucket_mb, launch_reduce_to_root, rank=ctx.rank, scale=1.0 / ctx.world_size)
+            self.replicated, self.device = [*model.parameters(), *float_buffers(model)], ctx.comm_device
+            return GradientBuckets(model, self.bucket_mb, launch_reduce_to_root, rank=ctx.rank, device=ctx.comm_device,
+                                   scale=1.0 / ctx.world_size)
 
         def average_on_master_then_broadcast(bucket: Bucket) -> Handle:
             bucket.grads.div_(ctx.world_size)  # meaningful on rank 0; the broadcast overwrites the others
             return dist.broadcast(bucket.flat, src=0, async_op=True)
 
-        return GradientBuckets(model, self.bucket_mb, launch_reduce_to_root, rank=ctx.rank,
+        return GradientBuckets(model, self.bucket_mb, launch_reduce_to_root, rank=ctx.rank, device=ctx.comm_device,
                                then=average_on_master_then_broadcast, root_buffers=float_buffers(model))
 
     def step(self, optimizer: torch.optim.Optimizer) -> None:
@@ -57,7 +58,7 @@ class MasterWorkerStrategy(HandWrittenSync):
             return
         if self.is_master:  # workers' gradients are partial sums: only the master may step
             optimizer.step()
-        broadcast_coalesced(self.replicated)
+        broadcast_coalesced(self.replicated, self.device)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,15 +14,16 @@ from common.checkpoint import (CheckpointWriter, Found, InvalidCheckpoint, check
                                read_checkpoint)
 from common.config import Config, default_log_dir, parse_args
 from common.data import Dataset, TrainLoader, load_dataset
-from common.distributed import DistContext, distributed
+from common.distributed import DistContext, check_same_flags, distributed
 from common.equivalence import check_equivalence
 from common.errors import PeerFailed, UserError
 from common.logger import NullLogger, make_logger
 from common.models import build_model
 from common.optim import make_optimizer, make_scheduler
+from common.preemption import StopRequest
+from common.warnings_relay import WarningRelay
 from common.strategy import Strategy
 from common.sync_batchnorm import convert_batchnorm
-from common.preemption import StopRequest
 from common.trainer import Position, Trainer
 
 
@@ -41,6 +42,7 @@ def main(strategy: Strategy, argv: Sequence[str] | None = None) -> None:
 
 
 def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
+    check_same_flags(cfg, ctx)
     data = load_dataset(cfg.dataset, cfg.data_dir, cfg.synthetic_shape, cfg.download, ctx)
     loader = TrainLoader(data.train, data.spec, cfg.batch_size, ctx.rank, ctx.world_size, cfg.seed,
                          ctx.device, cfg.max_steps)
@@ -53,10 +55,11 @@ def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
     checkpoints = CheckpointWriter(cfg.checkpoint_dir, cfg.keep, ctx.is_primary)  # also clears a killed save's temp files
     found, warnings = agree_on_checkpoint(cfg, ctx)
     start = restore(found, cfg, ctx, model, optimizer, scheduler, loader) if found else Position(0, 0)
-    cfg = replace(cfg, log_dir=cfg.log_dir or (found and found.state["config"].get("log_dir"))
-                  or default_log_dir(cfg, ctx.world_size))
-    log = make_logger(cfg, ctx.is_primary, purge_step=start.epoch * loader.steps_per_epoch + start.step + 1 if found else None)
-    stop = StopRequest(ctx)
+    cfg = replace(cfg, log_dir=log_dir(cfg, found, ctx.world_size))
+    # On resume TensorBoard drops the cut run's points after the resume point.
+    log = make_logger(cfg, ctx.rank, run_hparams(cfg, ctx, strategy),
+                      purge_step=start.global_step(loader.steps_per_epoch) + 1 if found else None)
+    stop, relay = StopRequest(ctx), WarningRelay()
     final = None
     try:
         for warning in warnings:
@@ -73,11 +76,25 @@ def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
             log.info(f"training already complete ({cfg.epochs} epochs); use --resume none or another "
                      "--checkpoint-dir to start over")
             return
-        trainer = Trainer(cfg, ctx, strategy, wrapped, optimizer, scheduler, data, loader, log, checkpoints, stop)
+        trainer = Trainer(cfg, ctx, strategy, wrapped, optimizer, scheduler, data, loader, log, checkpoints, stop, relay)
         final = trainer.fit(start)
     finally:
         stop.close()
+        relay.close()
         log.close(final)
+
+
+def run_hparams(cfg: Config, ctx: DistContext, strategy: Strategy) -> dict[str, object]:
+    """What tells runs apart in TensorBoard's hparams table and in the report."""
+    return {"strategy": strategy.describe(), "world_size": ctx.world_size,
+            "nodes": ctx.world_size // ctx.local_world_size, "backend": ctx.backend, "device": ctx.device.type,
+            "model": cfg.model, "dataset": cfg.dataset, "batch_size": cfg.batch_size, "lr": cfg.lr,
+            "epochs": cfg.epochs}
+
+
+def log_dir(cfg: Config, found: Found | None, world_size: int) -> str:
+    """The flag's, else the resumed run's (its curves continue), else a new timestamped one."""
+    return cfg.log_dir or (found and found.state["config"].get("log_dir")) or default_log_dir(cfg, world_size)
 
 
 def agree_on_checkpoint(cfg: Config, ctx: DistContext) -> tuple[Found | None, list[str]]:
@@ -119,8 +136,10 @@ def restore(found: Found, cfg: Config, ctx: DistContext, model: nn.Module, optim
 
 
 def describe(cfg: Config, ctx: DistContext, strategy: Strategy, data: Dataset, log: NullLogger) -> None:
-    log.info(f"{strategy.describe()}: world {ctx.world_size} ({ctx.local_world_size} per node), backend {ctx.backend}, "
-             f"device {ctx.device}, {torch.get_num_threads()} thread(s) per rank")
+    master = f"{os.environ.get('MASTER_ADDR', 'local')}:{os.environ.get('MASTER_PORT', '-')}"
+    log.info(f"{strategy.describe()}: world {ctx.world_size} = {ctx.nodes} node(s) x {ctx.local_world_size}, "
+             f"backend {ctx.backend}, master {master}, device {ctx.device} (rank 0), "
+             f"{torch.get_num_threads()} thread(s) per rank")
     log.info(f"{data.name}: {len(data.train)} train / {len(data.test)} test images; model {cfg.model}; "
              f"global batch {cfg.batch_size} = {cfg.batch_size // ctx.world_size} per rank x {ctx.world_size}; "
              f"peak lr {cfg.lr:g}; {cfg.epochs} epoch(s); TensorBoard: {cfg.log_dir}; checkpoints: {cfg.checkpoint_dir}")

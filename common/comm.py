@@ -104,10 +104,9 @@ class Bucket:
     handle: Handle | None = None
 
     @classmethod
-    def make(cls, params: list[nn.Parameter], buffers: list[torch.Tensor]) -> "Bucket":
+    def make(cls, params: list[nn.Parameter], buffers: list[torch.Tensor], device: torch.device) -> "Bucket":
         n_grads = sum(p.numel() for p in params)
-        flat = torch.zeros(n_grads + len(params) + sum(b.numel() for b in buffers),
-                           dtype=params[0].dtype, device=params[0].device)
+        flat = torch.zeros(n_grads + len(params) + sum(b.numel() for b in buffers), dtype=params[0].dtype, device=device)
         return cls(params, flat, flat[:n_grads], flat[n_grads:n_grads + len(params)], buffers)
 
     @property
@@ -132,13 +131,14 @@ class GradientBuckets:
     buffer broadcast without a collective of its own.
     """
 
-    def __init__(self, model: nn.Module, cap_mb: float, launch: Launch, *, rank: int, scale: float = 1.0,
-                 then: Then | None = None, root_buffers: list[torch.Tensor] | None = None) -> None:
+    def __init__(self, model: nn.Module, cap_mb: float, launch: Launch, *, rank: int, device: torch.device,
+                 scale: float = 1.0, then: Then | None = None, root_buffers: list[torch.Tensor] | None = None) -> None:
         """`then`, if given, starts on each bucket once `launch` finished (reduce, then broadcast);
-        the gradients times `scale` become .grad."""
+        the gradients times `scale` become .grad. `device` holds the buckets: the parameters' own
+        device, or the CPU when gloo serves a CUDA rank."""
         params = [p for p in reversed(list(model.parameters())) if p.requires_grad]
         groups = _split_into_buckets(params, int(cap_mb * 2**20))
-        self.buckets = [Bucket.make(group, (root_buffers or []) if i == len(groups) - 1 else [])
+        self.buckets = [Bucket.make(group, (root_buffers or []) if i == len(groups) - 1 else [], device)
                         for i, group in enumerate(groups)]
         self.launch, self.then, self.scale, self.is_root = launch, then, scale, rank == 0
         self.bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
@@ -187,8 +187,8 @@ class GradientBuckets:
         offset = 0
         for p, used_anywhere in zip(bucket.params, bucket.used.tolist()):
             if used_anywhere:
-                grad = bucket.grads[offset:offset + p.numel()].view_as(p)
-                p.grad = grad.mul(self.scale) if p.grad is None else torch.mul(grad, self.scale, out=p.grad)
+                grad = bucket.grads[offset:offset + p.numel()].view_as(p).mul(self.scale)
+                p.grad = grad.to(p.device) if p.grad is None else p.grad.copy_(grad)
             offset += p.numel()
         offset = 0
         for b in bucket.buffers:
@@ -202,13 +202,14 @@ def float_buffers(model: nn.Module) -> list[torch.Tensor]:
     return [b for b in model.buffers() if b.is_floating_point()]
 
 
-def broadcast_coalesced(tensors: list[torch.Tensor], src: int = 0) -> None:
-    """Rank src's values to every rank, one broadcast per dtype (BatchNorm counts are int64)."""
+def broadcast_coalesced(tensors: list[torch.Tensor], device: torch.device, src: int = 0) -> None:
+    """Rank src's values to every rank, one broadcast per dtype (BatchNorm counts are int64),
+    through a flat tensor on the communication device."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     for group in by_dtype.values():
-        flat = torch.cat([t.detach().reshape(-1) for t in group])
+        flat = torch.cat([t.detach().reshape(-1).to(device) for t in group])
         dist.broadcast(flat, src=src)
         offset = 0
         for t in group:
@@ -216,9 +217,9 @@ def broadcast_coalesced(tensors: list[torch.Tensor], src: int = 0) -> None:
             offset += t.numel()
 
 
-def replicate_from_rank0(model: nn.Module) -> None:
+def replicate_from_rank0(model: nn.Module, device: torch.device) -> None:
     """Start every rank from rank 0's weights and buffers instead of trusting equal seeds."""
-    broadcast_coalesced([*model.parameters(), *model.buffers()])
+    broadcast_coalesced([*model.parameters(), *model.buffers()], device)
 
 
 class PerParameterAllReduce:
@@ -226,17 +227,18 @@ class PerParameterAllReduce:
     all_reduce per parameter, each paying a full round trip (plus one broadcast of the BatchNorm
     buffers, which the tutorials forgot)."""
 
-    def __init__(self, model: nn.Module, scale: float) -> None:
+    def __init__(self, model: nn.Module, scale: float, device: torch.device) -> None:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.buffers = float_buffers(model)
-        self.scale = scale
+        self.scale, self.device = scale, device
         self.launches = 0
 
     def finish(self) -> None:
         for p in self.params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-            dist.all_reduce(p.grad)
-            p.grad.mul_(self.scale)
+            grad = p.grad.to(self.device)
+            dist.all_reduce(grad)
+            p.grad.copy_(grad.mul_(self.scale))
             self.launches += 1
-        broadcast_coalesced(self.buffers)
+        broadcast_coalesced(self.buffers, self.device)

@@ -59,6 +59,7 @@ class Config:
     keep: int
     save_every_steps: int
     log_every: int
+    log_all_ranks: bool
     check_equivalence: int
     check_replicas: int
     sync_bn: bool
@@ -113,7 +114,8 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
     add("--keep", type=int, default=3, help="checkpoints kept, newest first; at least 2 (default: %(default)s)")
     add("--save-every-steps", type=int, default=0, metavar="S",
         help="also save every S optimizer steps inside an epoch (epoch ends always save; 0: only those)")
-    add("--log-every", type=int, default=50, help="steps between time/* TensorBoard points (default: %(default)s)")
+    add("--log-every", type=int, default=50, help="steps between step-level TensorBoard points (default: %(default)s)")
+    add("--log-all-ranks", action="store_true", help="every rank prints its console lines, tagged [rank N]")
     add("--check-equivalence", type=int, default=0, metavar="K",
         help="train K steps beside a one-process reference on the same global batches, print max |dw|, "
              "exit non-zero above 1e-5")

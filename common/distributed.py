@@ -5,6 +5,8 @@ strategies and collectives work the same at every world size.
 """
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -37,10 +39,22 @@ class DistContext:
         """The one rank per node that downloads data."""
         return self.local_rank == 0
 
+    @property
+    def comm_device(self) -> torch.device:
+        """Where our own collectives' tensors live: gloo moves CPU tensors, nccl CUDA ones. With
+        mixed devices over gloo a CUDA rank stages its tensors through the CPU."""
+        return self.device if self.backend == "nccl" else torch.device("cpu")
+
+    @property
+    def nodes(self) -> int:
+        return self.world_size // self.local_world_size
+
     def barrier(self) -> None:
         dist.barrier()
 
     def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+        """Sum over ranks (a copy on the communication device; the input is left as it was)."""
+        values = values.to(self.comm_device, copy=True)
         dist.all_reduce(values, op=dist.ReduceOp.SUM)
         return values
 
@@ -57,34 +71,74 @@ class DistContext:
 
     def all_ok(self, ok: bool) -> bool:
         """True only if every rank says ok: lets ranks fail together instead of hanging."""
-        flag = torch.tensor([int(ok)], device=self.device)
+        flag = torch.tensor([int(ok)], device=self.comm_device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
+
+
+# Flags that may differ between nodes (paths, devices); every other flag must match everywhere.
+PER_NODE_FLAGS = ("data_dir", "download", "device", "log_dir", "checkpoint_dir", "log_all_ranks")
+
+
+def check_same_flags(cfg: Config, ctx: DistContext) -> None:
+    """Nodes started with different flags (another model, another global batch) would train
+    nonsense or hang: compare a hash of the flags across ranks, and name the keys that differ."""
+    flags = {k: v for k, v in cfg.as_plain_dict().items() if k not in PER_NODE_FLAGS}
+    digest = hashlib.sha256(json.dumps(flags, sort_keys=True).encode()).hexdigest()
+    gathered: list = [None] * ctx.world_size
+    dist.all_gather_object(gathered, (digest, flags))
+    if len({d for d, _ in gathered}) == 1:
+        return
+    reference = gathered[0][1]
+    differing = sorted({k for _, other in gathered for k in other.keys() | reference.keys()
+                        if other.get(k) != reference.get(k)})
+    details = "; ".join(f"{k}: " + ", ".join(f"rank {r} {other.get(k)!r}" for r, (_, other) in enumerate(gathered))
+                        for k in differing)
+    ctx.fail_together(f"the ranks were started with different flags ({details}); start every node with the same "
+                      "command")
 
 
 def _env_int(name: str, default: int) -> int:
     return int(os.environ.get(name, default))
 
 
+def device_list(flag: str, local_world_size: int) -> list[str]:
+    """--device for each local rank: one value for all, or a comma list indexed by local rank."""
+    choices = [c.strip() for c in flag.split(",")]
+    unknown = [c for c in choices if c not in ("auto", "cpu", "cuda")]
+    if unknown:
+        raise ConfigError(f"--device {flag!r}: {unknown[0]!r} is unknown; use auto, cpu or cuda (or a comma list)")
+    if len(choices) == 1:
+        return choices * local_world_size
+    if len(choices) != local_world_size:
+        raise ConfigError(f"--device {flag} lists {len(choices)} devices for {local_world_size} process(es) per "
+                          "node; give one per local rank")
+    if "auto" in choices:
+        raise ConfigError(f"--device {flag}: a comma list names cpu or cuda for each local rank, not auto")
+    return choices
+
+
 def resolve_device(flag: str, local_rank: int, local_world_size: int) -> torch.device:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if flag == "auto":
+    choices = device_list(flag, local_world_size)
+    if choices[local_rank] == "auto":
         return torch.device("cuda", local_rank) if gpus >= local_world_size else torch.device("cpu")
-    if flag == "cpu":
+    if choices[local_rank] == "cpu":
         return torch.device("cpu")
-    if flag == "cuda":
-        if gpus < local_world_size:
-            raise ConfigError(f"--device cuda needs {local_world_size} GPU(s) on this node, found {gpus}; "
-                              "use --device cpu or fewer processes per node")
-        return torch.device("cuda", local_rank)
-    raise ConfigError(f"--device {flag!r} is unknown; use auto, cpu or cuda")
+    wanted = choices.count("cuda")  # cuda entries take GPUs 0, 1, ... in local-rank order
+    if gpus < wanted:
+        raise ConfigError(f"--device {flag} needs {wanted} GPU(s) on this node, found {gpus}; "
+                          "use --device cpu or fewer processes per node")
+    return torch.device("cuda", choices[:local_rank].count("cuda"))
 
 
-def resolve_backend(flag: str, device: torch.device) -> str:
+def resolve_backend(flag: str, device_flag: str, device: torch.device) -> str:
+    """auto: nccl only when every rank is on CUDA, else gloo (a device list with a cpu entry: gloo)."""
+    mixed = "cpu" in device_flag.split(",") and "," in device_flag
     if flag == "auto":
-        return "nccl" if device.type == "cuda" else "gloo"
-    if flag == "nccl" and device.type != "cuda":
-        raise ConfigError("--backend nccl needs every rank on a CUDA GPU, but this rank is on the CPU; "
+        return "nccl" if device.type == "cuda" and not mixed else "gloo"
+    if flag == "nccl" and (device.type != "cuda" or mixed):
+        raise ConfigError("--backend nccl needs every rank on a CUDA GPU, but some rank is on the CPU; "
                           "use --backend gloo (or auto)")
     return flag
 
@@ -100,7 +154,7 @@ def context_from_env(cfg: Config) -> DistContext:
     rank, world = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
     local_rank, local_world = _env_int("LOCAL_RANK", 0), _env_int("LOCAL_WORLD_SIZE", 1)
     device = resolve_device(cfg.device, local_rank, local_world)
-    return DistContext(rank, world, local_rank, local_world, device, resolve_backend(cfg.backend, device))
+    return DistContext(rank, world, local_rank, local_world, device, resolve_backend(cfg.backend, cfg.device, device))
 
 
 @contextmanager

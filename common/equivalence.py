@@ -48,7 +48,7 @@ def check_equivalence(cfg: Config, ctx: DistContext, strategy: Strategy, model: 
 def _verdict(label: str, ctx: DistContext, plain: nn.Module, reference: nn.Module, steps: int,
              log: NullLogger) -> None:
     local = max((a.detach() - b.detach()).abs().max() for a, b in zip(plain.parameters(), reference.parameters()))
-    worst = local.reshape(1).to(ctx.device)
+    worst = local.reshape(1).to(ctx.comm_device)
     torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
     max_dw = worst.item()
     log.info(f"equivalence: max |dw| = {max_dw:.3g} after {steps} steps ({label}, world {ctx.world_size})")

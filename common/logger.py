@@ -1,17 +1,36 @@
 """Every rank-0-only side effect that is output: the console and TensorBoard.
 
-Rank 0 gets a Logger; every other rank gets a NullLogger with the same methods doing nothing,
-so the training loop never asks which rank it is on.
+Rank 0 gets a Logger; every other rank gets a NullLogger with the same methods doing nothing (or,
+with --log-all-ranks, a RankEcho that prints its console lines), so the training loop never asks
+which rank it is on. Figures arrive already combined over ranks: losses averaged, images/s summed.
 """
 from __future__ import annotations
 
 import sys
+import time
 from dataclasses import dataclass
-from typing import Iterable, Iterator, TypeVar
+from typing import Any, Iterable, Iterator, TypeVar
 
 from common.config import Config
 
 T = TypeVar("T")
+
+# TensorBoard's custom-scalars dashboard: one chart per question people ask of a run.
+LAYOUT = {
+    "Loss and accuracy": {
+        "loss": ["Multiline", ["train/loss", "test/loss"]],
+        "accuracy": ["Multiline", ["train/acc", "test/acc"]],
+    },
+    "Where a step's time goes": {
+        "data / compute / sync (ms per step)": ["Multiline", ["time/data_ms", "time/compute_ms", "time/sync_ms"]],
+    },
+    "Throughput": {
+        "images/s (all ranks)": ["Multiline", ["train/images_per_s"]],
+        "epoch seconds": ["Multiline", ["time/epoch_s"]],
+    },
+}
+SUMMARY_METRICS = ("summary/final_test_acc", "summary/best_test_acc", "summary/wall_time_s",
+                   "summary/mean_images_per_s")
 
 
 @dataclass(frozen=True)
@@ -23,8 +42,26 @@ class StepTimes:
     sync_ms: float  # gradient synchronization not hidden behind backward
 
     @property
+    def step_ms(self) -> float:
+        return self.data_ms + self.compute_ms + self.sync_ms
+
+    @property
     def sync_share(self) -> float:
-        return self.sync_ms / max(self.data_ms + self.compute_ms + self.sync_ms, 1e-9)
+        return self.sync_ms / max(self.step_ms, 1e-9)
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One logging interval, combined over ranks."""
+
+    loss: float
+    acc: float
+    lr: float
+    images_per_s: float
+    times: StepTimes
+    grad_norm: float
+    rss_mb: float  # the largest peak resident memory of any rank
+    cuda_max_alloc_mb: float | None
 
 
 @dataclass(frozen=True)
@@ -36,7 +73,6 @@ class EpochResult:
     test_loss: float
     test_acc: float  # fraction 0..1
     test_samples: int
-    lr: float
     images_per_s: float
     epoch_s: float
     times: StepTimes
@@ -54,10 +90,10 @@ class NullLogger:
     def progress(self, items: Iterable[T], total: int, desc: str) -> Iterator[T]:
         return iter(items)
 
-    def epoch(self, result: EpochResult, epochs: int) -> None:
+    def step(self, step: int, record: StepRecord) -> None:
         pass
 
-    def step_times(self, step: int, times: StepTimes) -> None:
+    def epoch(self, result: EpochResult, epochs: int) -> None:
         pass
 
     def flush(self) -> None:
@@ -67,23 +103,45 @@ class NullLogger:
         pass
 
 
-class Logger(NullLogger):
-    """Rank 0: console lines, a tqdm bar on a terminal, and one TensorBoard run."""
+class RankEcho(NullLogger):
+    """--log-all-ranks on a rank != 0: its console lines, tagged with the rank; never TensorBoard."""
 
-    def __init__(self, cfg: Config, purge_step: int | None) -> None:
-        """purge_step: on resume, TensorBoard drops the cut run's points from this step on, so
-        curves neither repeat nor cross."""
-        from torch.utils.tensorboard import SummaryWriter
-
-        self.cfg = cfg
-        self.writer = SummaryWriter(cfg.log_dir, purge_step=purge_step)
-        self.writer.add_text("config", _markdown_table(cfg.as_plain_dict()))
+    def __init__(self, rank: int) -> None:
+        self.tag = f"[rank {rank}] "
 
     def info(self, message: str) -> None:
-        print(message, flush=True)
+        print(self.tag + message, flush=True)
 
     def warn(self, message: str) -> None:
-        print(message, file=sys.stderr, flush=True)
+        print(self.tag + message, file=sys.stderr, flush=True)
+
+    def epoch(self, r: EpochResult, epochs: int) -> None:
+        self.info(_epoch_line(r, epochs))
+
+
+def _epoch_line(r: EpochResult, epochs: int) -> str:
+    return (f"epoch {r.epoch}/{epochs}  train loss {r.train_loss:.4f}  test loss {r.test_loss:.4f}  "
+            f"test acc {100 * r.test_acc:.2f}% ({r.test_samples} images)  {r.images_per_s:,.0f} img/s  "
+            f"{r.epoch_s:.1f} s  per step: data {r.times.data_ms:.1f} / compute {r.times.compute_ms:.1f} / "
+            f"sync {r.times.sync_ms:.1f} ms ({100 * r.times.sync_share:.0f}% sync)")
+
+
+class Logger(RankEcho):
+    """Rank 0: console lines, a tqdm bar on a terminal, and one TensorBoard run."""
+
+    def __init__(self, cfg: Config, run: dict[str, Any], purge_step: int | None) -> None:
+        """run: the hparams (strategy, world, nodes, ...). purge_step: on resume, TensorBoard
+        drops the cut run's points from this step on, so curves neither repeat nor cross."""
+        from torch.utils.tensorboard import SummaryWriter
+
+        self.tag = ""
+        self.run = run
+        self.writer = SummaryWriter(cfg.log_dir, purge_step=purge_step)
+        self.writer.add_text("config", _markdown_table(cfg.as_plain_dict()))
+        self.writer.add_custom_scalars(LAYOUT)
+        self.started = time.perf_counter()
+        self.best_acc = 0.0
+        self.images_per_s: list[float] = []
 
     def progress(self, items: Iterable[T], total: int, desc: str) -> Iterator[T]:
         if not sys.stderr.isatty():  # CI logs and redirected output stay one line per epoch
@@ -92,38 +150,45 @@ class Logger(NullLogger):
 
         return iter(tqdm(items, total=total, desc=desc, leave=False, dynamic_ncols=True))
 
-    def epoch(self, r: EpochResult, epochs: int) -> None:
-        self.info(f"epoch {r.epoch}/{epochs}  train loss {r.train_loss:.4f}  test loss {r.test_loss:.4f}  "
-                  f"test acc {100 * r.test_acc:.2f}% ({r.test_samples} images)  "
-                  f"{r.images_per_s:,.0f} img/s  {r.epoch_s:.1f} s  per step: data {r.times.data_ms:.1f} / "
-                  f"compute {r.times.compute_ms:.1f} / sync {r.times.sync_ms:.1f} ms ({100 * r.times.sync_share:.0f}% sync)")
+    def step(self, step: int, r: StepRecord) -> None:
         scalars = {
-            "train/loss": r.train_loss, "train/acc": r.train_acc, "test/loss": r.test_loss,
-            "test/acc": r.test_acc, "test/samples": r.test_samples, "lr": r.lr,
-            "train/images_per_s": r.images_per_s, "time/epoch_s": r.epoch_s,
+            "train/loss": r.loss, "train/acc": r.acc, "lr": r.lr, "train/images_per_s": r.images_per_s,
+            "time/data_ms": r.times.data_ms, "time/compute_ms": r.times.compute_ms, "time/sync_ms": r.times.sync_ms,
+            "train/grad_norm": r.grad_norm, "mem/rss_mb": r.rss_mb,
         }
+        if r.cuda_max_alloc_mb is not None:
+            scalars["mem/cuda_max_alloc_mb"] = r.cuda_max_alloc_mb
+        for tag, value in scalars.items():
+            self.writer.add_scalar(tag, value, step)
+
+    def epoch(self, r: EpochResult, epochs: int) -> None:
+        super().epoch(r, epochs)
+        self.best_acc = max(self.best_acc, r.test_acc)
+        self.images_per_s.append(r.images_per_s)
+        scalars = {"test/loss": r.test_loss, "test/acc": r.test_acc, "test/samples": r.test_samples,
+                   "time/epoch_s": r.epoch_s}
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, r.global_step)
-
-    def step_times(self, step: int, times: StepTimes) -> None:
-        self.writer.add_scalar("time/data_ms", times.data_ms, step)
-        self.writer.add_scalar("time/compute_ms", times.compute_ms, step)
-        self.writer.add_scalar("time/sync_ms", times.sync_ms, step)
 
     def flush(self) -> None:
         self.writer.flush()
 
     def close(self, final: EpochResult | None) -> None:
         if final is not None:
-            self._write_hparams()
+            self._write_summary(final)
         self.writer.close()
 
-    def _write_hparams(self) -> None:
-        """hparams in this run's own event file; the metric names point at the existing test scalars,
-        whose last values are the final metrics (SummaryWriter.add_hparams would open a second run)."""
+    def _write_summary(self, final: EpochResult) -> None:
+        """hparams in this run's own event file (SummaryWriter.add_hparams would open a second run),
+        with metrics that are scalars of this run, so runs under one --log-dir parent compare in
+        TensorBoard's hparams table."""
         from torch.utils.tensorboard.summary import hparams
 
-        for summary in hparams(self.cfg.as_plain_dict(), {"test/acc": 0.0, "test/loss": 0.0}):
+        values = (final.test_acc, self.best_acc, time.perf_counter() - self.started,
+                  sum(self.images_per_s) / len(self.images_per_s))
+        for tag, value in zip(SUMMARY_METRICS, values):
+            self.writer.add_scalar(tag, value, final.global_step)
+        for summary in hparams(self.run, {tag: 0.0 for tag in SUMMARY_METRICS}):
             self.writer.file_writer.add_summary(summary)
 
 
@@ -132,5 +197,7 @@ def _markdown_table(values: dict[str, object]) -> str:
     return f"| flag | value |\n|---|---|\n{rows}"
 
 
-def make_logger(cfg: Config, is_primary: bool, purge_step: int | None = None) -> NullLogger:
-    return Logger(cfg, purge_step) if is_primary else NullLogger()
+def make_logger(cfg: Config, rank: int, run: dict[str, Any], purge_step: int | None = None) -> NullLogger:
+    if rank == 0:
+        return Logger(cfg, run, purge_step)
+    return RankEcho(rank) if cfg.log_all_ranks else NullLogger()

@@ -29,7 +29,7 @@ class StopRequest:
     def __init__(self, ctx: DistContext) -> None:
         self.ctx = ctx
         self.received = 0
-        self.flag = torch.zeros(1, dtype=torch.int32, device=ctx.device)
+        self.flag = torch.zeros(1, dtype=torch.int32, device=ctx.comm_device)
         self.handle = None
         self.previous = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
 

@@ -24,7 +24,7 @@ def check_replicas(model: nn.Module, ctx: DistContext, step: int) -> None:
     """All-reduce min and max of every tensor's checksums; every rank sees the same verdict and
     stops together, naming the first tensor that differs."""
     named = list(chain(model.named_parameters(), model.named_buffers()))
-    sums = torch.stack([_checksums(t) for _, t in named]).to(ctx.device)
+    sums = torch.stack([_checksums(t) for _, t in named]).to(ctx.comm_device)
     low, high = sums.clone(), sums.clone()
     dist.all_reduce(low, op=dist.ReduceOp.MIN)
     dist.all_reduce(high, op=dist.ReduceOp.MAX)

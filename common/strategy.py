@@ -69,7 +69,7 @@ class HandWrittenSync(Strategy):
     def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module:
         from common.comm import replicate_from_rank0
 
-        replicate_from_rank0(model)
+        replicate_from_rank0(model, ctx.comm_device)
         self.sync = self.make_sync(model, ctx)
         return model
 

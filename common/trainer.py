@@ -1,6 +1,7 @@
 """The training loop and exact evaluation, written once for every strategy."""
 from __future__ import annotations
 
+import resource
 import signal
 import time
 from dataclasses import dataclass
@@ -15,10 +16,11 @@ from common.checkpoint import CheckpointWriter, step_path
 from common.config import Config
 from common.data import Dataset, TrainLoader, eval_batches
 from common.distributed import DistContext
-from common.logger import EpochResult, NullLogger, StepTimes
+from common.logger import EpochResult, NullLogger, StepRecord, StepTimes
 from common.preemption import Preempted, StopRequest
 from common.replicas import check_replicas
 from common.strategy import Strategy
+from common.warnings_relay import WarningRelay
 
 
 @dataclass(frozen=True)
@@ -96,7 +98,7 @@ class StepClock:
 
 def _mean_ms(totals: torch.Tensor, ctx: DistContext) -> StepTimes:
     """ms per step averaged over ranks: a collective, so every rank calls it at the same step."""
-    summed = ctx.all_reduce_sum(totals.to(ctx.device)).cpu()
+    summed = ctx.all_reduce_sum(totals).cpu()
     return StepTimes(*(1000 * summed[:STEPS] / max(float(summed[STEPS]), 1.0)).tolist())
 
 
@@ -127,6 +129,9 @@ class Position:
     epoch: int
     step: int
 
+    def global_step(self, steps_per_epoch: int) -> int:
+        return self.epoch * steps_per_epoch + self.step
+
 
 def reseed(seed: int, rank: int, global_step: int) -> None:
     """Dropout and any other torch randomness become a function of (seed, rank, step): a resumed
@@ -147,48 +152,60 @@ class Trainer:
     log: NullLogger
     checkpoints: CheckpointWriter
     stop: StopRequest
+    relay: WarningRelay
 
     def fit(self, start: Position) -> EpochResult | None:
         result = None
         for epoch in range(start.epoch, self.cfg.epochs):
             result = self.run_epoch(epoch, start.step if epoch == start.epoch else 0)
             self.log.epoch(result, self.cfg.epochs)
+            self.relay.flush(self.log)
             self.save(Position(epoch + 1, 0))
         return result
 
     def run_epoch(self, epoch: int, first_step: int) -> EpochResult:
         start = time.perf_counter()
-        lr = self.optimizer.param_groups[0]["lr"]
         train, times = self.train_epoch(epoch, first_step)
         train_s = time.perf_counter() - start
         test = evaluate(self.strategy.unwrap(self.model), self.data, self.ctx, self.cfg.eval_batch_size)
         return EpochResult(epoch + 1, self.global_step(Position(epoch + 1, 0)), train.loss, train.acc, test.loss,
-                           test.acc, test.samples, lr, train.samples / train_s, time.perf_counter() - start, times)
+                           test.acc, test.samples, train.samples / train_s, time.perf_counter() - start, times)
 
     def global_step(self, at: Position) -> int:
-        return at.epoch * self.loader.steps_per_epoch + at.step
+        return at.global_step(self.loader.steps_per_epoch)
 
     def train_epoch(self, epoch: int, first_step: int) -> tuple[Metrics, StepTimes]:
         """Loss and accuracy over all ranks' training samples (as seen before each step), and the
         epoch's mean step-time split."""
         self.model.train()
-        tally, clock = Tally(self.ctx.device), StepClock(self.ctx.device)
+        epoch_tally, interval_tally, clock = Tally(self.ctx.device), Tally(self.ctx.device), StepClock(self.ctx.device)
         remaining = self.loader.steps_per_epoch - first_step
         batches = self.log.progress(self.loader.epoch(epoch, first_step), remaining, f"epoch {epoch + 1}")
         for step, (images, labels) in enumerate(_timed(batches, clock), start=first_step):
             reseed(self.cfg.seed, self.ctx.rank, self.global_step(Position(epoch, step)))
             self.stop.begin_step()
+            lr = self.optimizer.param_groups[0]["lr"]
             logits, loss = train_step(self.model, self.strategy, self.optimizer, self.scheduler, images, labels, clock)
             clock.end_step()
-            tally.add(logits, labels, loss * len(labels))
-            self.after_step(Position(epoch, step + 1), clock)
-        return tally.all_ranks(self.ctx), clock.epoch_mean(self.ctx)
+            for tally in (epoch_tally, interval_tally):
+                tally.add(logits, labels, loss * len(labels))
+            done = Position(epoch, step + 1)
+            if self.global_step(done) % self.cfg.log_every == 0:
+                self.log_interval(self.global_step(done), lr, interval_tally, clock)
+                interval_tally = Tally(self.ctx.device)
+            self.after_step(done)
+        return epoch_tally.all_ranks(self.ctx), clock.epoch_mean(self.ctx)
 
-    def after_step(self, done: Position, clock: StepClock) -> None:
+    def log_interval(self, step: int, lr: float, tally: Tally, clock: StepClock) -> None:
+        """Step-level figures over all ranks (collectives: every rank calls this at the same step)."""
+        train, times = tally.all_ranks(self.ctx), clock.take_interval(self.ctx)
+        rss_mb, cuda_mb = peak_memory_mb(self.ctx)
+        self.log.step(step, StepRecord(train.loss, train.acc, lr, self.cfg.batch_size / (times.step_ms / 1000),
+                                       times, grad_norm(self.strategy.unwrap(self.model)), rss_mb, cuda_mb))
+
+    def after_step(self, done: Position) -> None:
         """Every rank runs the same collectives here, in the same order."""
         step = self.global_step(done)
-        if step % self.cfg.log_every == 0:
-            self.log.step_times(step, clock.take_interval(self.ctx))
         if self.cfg.check_replicas and step % self.cfg.check_replicas == 0:
             check_replicas(self.strategy.unwrap(self.model), self.ctx, step)
         signum = self.stop.agreed_signal()
@@ -215,6 +232,21 @@ class Trainer:
         self.log.flush()
         self.ctx.barrier()  # nobody races ahead (or exits) while rank 0 is still writing
         return path or step_path(self.checkpoints.folder, self.global_step(at))
+
+
+def grad_norm(model: nn.Module) -> float:
+    """L2 norm of the synchronized gradients (equal on every rank)."""
+    norms = [p.grad.detach().norm() for p in model.parameters() if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms)).item() if norms else 0.0
+
+
+def peak_memory_mb(ctx: DistContext) -> tuple[float, float | None]:
+    """The largest peak resident memory of any rank, and of CUDA allocations when on a GPU."""
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
+    cuda = torch.cuda.max_memory_allocated(ctx.device) / 2**20 if ctx.device.type == "cuda" else 0.0
+    peaks = torch.tensor([rss_kb / 1024, cuda], dtype=torch.float64, device=ctx.comm_device)
+    torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)
+    return peaks[0].item(), peaks[1].item() if ctx.device.type == "cuda" else None
 
 
 def _timed(batches: Iterator, clock: StepClock) -> Iterator:

@@ -48,7 +48,7 @@ def check_buckets(rank: int, world: int) -> None:
     model = WithUnused()
     # A tiny cap: several buckets, so ordering and partial readiness are exercised.
     buckets = GradientBuckets(model, cap_mb=64 / 2**20, launch=launch_all_reduce(ring=False), rank=rank,
-                              scale=1.0 / world, root_buffers=float_buffers(model))
+                              device=torch.device("cpu"), scale=1.0 / world, root_buffers=float_buffers(model))
     for step in range(3):
         model.zero_grad(set_to_none=True)
         x = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * step + rank))

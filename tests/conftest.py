@@ -17,7 +17,8 @@ from tests.datagen import write_cifar10, write_mnist  # noqa: E402
 def child_env() -> dict[str, str]:
     """One thread per rank: several ranks share 2 cores. No torchrun variables leak in."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT))
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT),
+               PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")  # torchrun of this venv
     return env
 
 

@@ -10,12 +10,14 @@ FAULT, after the STEP-th optimizer step of this process:
   sigkill  rank 1 SIGKILLs itself, on torchrun's first attempt only
   raise    rank 1 raises RuntimeError
   drift    rank 1 nudges one weight (the replicas drift apart)
+  warn     rank 1 issues a Python warning
 """
 from __future__ import annotations
 
 import os
 import signal
 import sys
+import warnings
 from pathlib import Path
 
 import torch
@@ -54,6 +56,8 @@ def inject(fault: str, optimizer: torch.optim.Optimizer) -> None:
         raise RuntimeError("injected failure on rank 1")
     elif fault == "drift" and rank == 1:
         _nudge(optimizer)
+    elif fault == "warn" and rank == 1:
+        warnings.warn("injected warning on rank 1", stacklevel=1)
 
 
 def faulty(base: type[Strategy], fault: str, at_step: int) -> Strategy:

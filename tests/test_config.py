@@ -56,14 +56,14 @@ def test_config_is_plain_types_only():
 
 def test_device_and_backend_resolution():
     assert resolve_device("cpu", 0, 2) == torch.device("cpu")
-    assert resolve_backend("auto", torch.device("cpu")) == "gloo"
-    assert resolve_backend("auto", torch.device("cuda", 0)) == "nccl"
+    assert resolve_backend("auto", "cpu", torch.device("cpu")) == "gloo"
+    assert resolve_backend("auto", "auto", torch.device("cuda", 0)) == "nccl"
     if not torch.cuda.is_available():
         assert resolve_device("auto", 1, 2) == torch.device("cpu")
         with pytest.raises(ConfigError, match="--device cuda"):
             resolve_device("cuda", 0, 1)
     with pytest.raises(ConfigError, match="--backend nccl"):
-        resolve_backend("nccl", torch.device("cpu"))
+        resolve_backend("nccl", "cpu", torch.device("cpu"))
 
 
 def test_script_rejects_bad_flag_before_process_group():

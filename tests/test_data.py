@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 from pathlib import Path
 
 import pytest
@@ -31,11 +32,14 @@ def test_mnist_reader_plain_and_gz(root_fixture, request):
     assert torch.equal(data.test.labels, expected.test.labels)
 
 
+def _copy(root: Path, tmp_path: Path) -> Path:
+    """A private copy of a session-wide generated data set, safe to damage."""
+    shutil.copytree(root, tmp_path / "copy")
+    return tmp_path / "copy"
+
+
 def test_truncated_cifar_batch_names_the_file(cifar_root, tmp_path):
-    root = tmp_path / "c"
-    (root / CIFAR_DIR).mkdir(parents=True)
-    for f in (cifar_root / CIFAR_DIR).iterdir():
-        (root / CIFAR_DIR / f.name).write_bytes(f.read_bytes())
+    root = _copy(cifar_root, tmp_path)
     bad = root / CIFAR_DIR / "data_batch_3"
     bad.write_bytes(bad.read_bytes()[:1000])
     with pytest.raises(UserError, match="data_batch_3 is not a CIFAR-10 python batch"):
@@ -43,10 +47,7 @@ def test_truncated_cifar_batch_names_the_file(cifar_root, tmp_path):
 
 
 def test_cifar_batch_with_code_payload_is_refused(cifar_root, tmp_path):
-    root = tmp_path / "c"
-    (root / CIFAR_DIR).mkdir(parents=True)
-    for f in (cifar_root / CIFAR_DIR).iterdir():
-        (root / CIFAR_DIR / f.name).write_bytes(f.read_bytes())
+    root = _copy(cifar_root, tmp_path)
     marker = tmp_path / "pwned"
 
     class Payload:
@@ -60,10 +61,7 @@ def test_cifar_batch_with_code_payload_is_refused(cifar_root, tmp_path):
 
 
 def test_corrupt_idx_header_names_the_file(mnist_root, tmp_path):
-    root = tmp_path / "m"
-    (root / MNIST_DIR).mkdir(parents=True)
-    for f in (mnist_root / MNIST_DIR).iterdir():
-        (root / MNIST_DIR / f.name).write_bytes(f.read_bytes())
+    root = _copy(mnist_root, tmp_path)
     bad = root / MNIST_DIR / "t10k-images-idx3-ubyte"
     bad.write_bytes(bad.read_bytes()[:-10])
     with pytest.raises(UserError, match="t10k-images-idx3-ubyte is not an IDX file"):

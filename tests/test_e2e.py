@@ -34,7 +34,8 @@ def train(tmp_path: Path, *flags: str, nproc: int = 2, name: str = "run"):
 def test_two_ranks_train_log_checkpoint_and_resume(dataset, cifar_root, mnist_gz_root, tmp_path):
     root = cifar_root if dataset == "cifar10" else mnist_gz_root
     steps = 10 if dataset == "cifar10" else 12  # 1000 or 1200 training images, 100 per step
-    flags = ["--dataset", dataset, "--data-dir", str(root), "--no-download", "--model", "lenet", "--batch-size", "100"]
+    flags = ["--dataset", dataset, "--data-dir", str(root), "--no-download", "--model", "lenet", "--batch-size", "100",
+             "--log-every", "5"]
     first, log_dir, ckpt_dir = train(tmp_path, *flags, "--epochs", "1")
     assert "global batch 100 = 50 per rank x 2" in first.stdout
     assert first.stdout.count("epoch 1/1") == 1  # rank 0 alone prints

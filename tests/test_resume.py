@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from common.checkpoint import CheckpointWriter, newest_valid, read_checkpoint
 from tests.conftest import ROOT, child_env, run_script
@@ -132,13 +133,18 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(damage, why, tmp_p
 
 def test_damaged_checkpoint_warning_in_a_real_resume(reference, tmp_path):
     ckpt = tmp_path / "ckpt"
-    preempted(train(faulty("ddp", "sigterm", 10), ckpt, "--save-every-steps", "4"), 11)
+    preempted(train(faulty("ddp", "sigterm", 10), ckpt, "--save-every-steps", "4", "--log-every", "2"), 11)
     (ckpt / "last.pt").write_bytes(os.urandom(1000))  # the step-11 checkpoint is lost
-    resumed = train(SCRIPTS["ddp"], ckpt)
+    resumed = train(SCRIPTS["ddp"], ckpt, "--log-every", "2")
     ok(resumed)
     assert f"warning: checkpoint {ckpt / 'last.pt'} is truncated or not a checkpoint" in resumed.stderr
     assert f"resumed from {ckpt / 'step-00000008.pt'}" in resumed.stdout
     assert max_dw(final_weights(ckpt), reference("ddp")) <= 1e-6  # it redid steps 9-11 exactly
+    # Both runs wrote step 10 to the same TensorBoard run; the resumed one purged the cut run's.
+    events = EventAccumulator(str(ckpt.parent / f"tb-{ckpt.name}"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("time/sync_ms")] == list(range(2, 25, 2))
+    assert [e.step for e in events.Scalars("test/acc")] == [8, 16, 24]
 
 
 # 4 -------------------------------------------------------------------------------------------

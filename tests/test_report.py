@@ -1,0 +1,121 @@
+"""What people look at: TensorBoard served for real, the comparison report, the console."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from common.report import write_report
+from tests.conftest import ROOT, child_env, free_port, run_script
+
+STEP_TAGS = {"train/loss", "train/acc", "lr", "train/images_per_s", "time/data_ms", "time/compute_ms",
+             "time/sync_ms", "train/grad_norm", "mem/rss_mb"}
+EPOCH_TAGS = {"test/loss", "test/acc", "test/samples", "time/epoch_s"}
+FLAGS = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "64",
+         "--epochs", "2", "--max-steps", "10", "--log-every", "5"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """Two strategies' runs under one --log-dir parent, as the comparison run leaves them."""
+    parent = tmp_path_factory.mktemp("runs")
+    for name, script in (("ddp", "train_ddp.py"), ("allreduce", "train_allreduce.py")):
+        result = run_script([script, *FLAGS, "--log-dir", str(parent / name), "--checkpoint-dir",
+                             str(parent.parent / f"ckpt-{name}")], nproc=2)
+        assert result.returncode == 0, result.stderr[-3000:]
+    return parent
+
+
+def test_only_rank_0_writes_events(runs):
+    for name in ("ddp", "allreduce"):
+        assert len(list((runs / name).glob("events.out.tfevents.*"))) == 1
+
+
+def _get(url: str, body: dict | None = None):
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=10) as response:
+        return json.loads(response.read())
+
+
+def test_tensorboard_server_serves_scalars_and_hparams(runs):
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(runs), "--host", "127.0.0.1",
+                               "--port", str(port), "--reload_interval", "1"], cwd=ROOT, env=child_env(),
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        tags: dict = {}
+        while time.monotonic() < deadline and set(tags) != {"ddp", "allreduce"}:
+            time.sleep(1)
+            try:
+                tags = _get(f"{base}/data/plugin/scalars/tags")
+            except OSError:
+                continue
+        assert set(tags) == {"ddp", "allreduce"}, tags
+        for run in tags:
+            assert STEP_TAGS | EPOCH_TAGS <= set(tags[run]), sorted(tags[run])
+        points = _get(f"{base}/data/plugin/scalars/scalars?run=ddp&tag=test/acc")
+        assert [step for _, step, _ in points] == [10, 20]  # one point per epoch, x axis the global step
+        assert [step for _, step, _ in _get(f"{base}/data/plugin/scalars/scalars?run=ddp&tag=time/sync_ms")] == [5, 10, 15, 20]
+        experiment = _get(f"{base}/data/plugin/hparams/experiment", {"experimentName": ""})
+        names = {h["name"] for h in experiment["hparamInfos"]}
+        assert {"strategy", "world_size", "nodes", "backend", "device", "model", "dataset", "batch_size", "lr",
+                "epochs"} <= names
+        metrics = {m["name"]["tag"] for m in experiment["metricInfos"]}
+        assert {"summary/final_test_acc", "summary/best_test_acc", "summary/wall_time_s",
+                "summary/mean_images_per_s"} <= metrics
+        groups = _get(f"{base}/data/plugin/hparams/session_groups", {
+            "experimentName": "", "allowedStatuses": ["STATUS_SUCCESS", "STATUS_UNKNOWN", "STATUS_RUNNING",
+                                                      "STATUS_FAILURE"], "colParams": [], "startIndex": 0,
+            "sliceSize": 100})["sessionGroups"]
+        assert {g["hparams"]["strategy"] for g in groups} == {"ddp", "allreduce/torch"}
+        for group in groups:
+            assert {m["name"]["tag"] for m in group["metricValues"]} == metrics
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_report_writes_a_table_row_per_run_and_readable_plots(runs, tmp_path):
+    outputs = write_report([runs], tmp_path / "report")
+    table = (tmp_path / "report" / "report.md").read_text().strip().splitlines()
+    assert len(table) == 2 + 2  # header, separator, one row per run
+    assert any("| ddp | 2 |" in row for row in table) and any("| allreduce/torch | 2 |" in row for row in table)
+    for png in [p for p in outputs if p.suffix == ".png"]:
+        with Image.open(png) as image:
+            image.verify()
+        with Image.open(png) as image:
+            assert image.format == "PNG" and image.width >= 600 and image.height >= 150, image.size
+
+
+def test_report_command_line(runs, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "common.report", str(runs), "--out", str(tmp_path / "r")],
+                            cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    assert "wrote" in result.stdout and "| run | strategy | world |" in result.stdout
+
+
+def test_warning_on_one_rank_reaches_the_console_once(tmp_path):
+    result = run_script(["tests/faults.py", "ddp", "warn", "3", *FLAGS, "--epochs", "1", "--log-dir",
+                         str(tmp_path / "tb"), "--checkpoint-dir", str(tmp_path / "ckpt")], nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if "injected warning on rank 1" in line]
+    assert len(lines) == 1 and lines[0].startswith("warning (rank 1): UserWarning"), lines
+
+
+def test_console_is_rank_0_only_unless_asked(tmp_path):
+    quiet = run_script(["train_ddp.py", *FLAGS, "--epochs", "1", "--log-dir", str(tmp_path / "a"),
+                        "--checkpoint-dir", str(tmp_path / "ca")], nproc=2)
+    loud = run_script(["train_ddp.py", *FLAGS, "--epochs", "1", "--log-all-ranks", "--log-dir", str(tmp_path / "b"),
+                       "--checkpoint-dir", str(tmp_path / "cb")], nproc=2)
+    assert quiet.stdout.count("epoch 1/1") == 1 and "[rank 1]" not in quiet.stdout
+    assert loud.stdout.count("epoch 1/1") == 2 and "[rank 1] epoch 1/1" in loud.stdout
+    assert "sync)" in quiet.stdout  # the sync share is on the epoch line
