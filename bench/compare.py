@@ -22,7 +22,7 @@ from common.report import write_report  # noqa: E402
 
 STRATEGIES = {"ddp": "train_ddp.py", "allreduce": "train_allreduce.py", "master": "train_master.py",
               "dp": "train_dp.py"}
-DEFAULT_FLAGS = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "convnet", "--epochs", "3",
+DEFAULT_FLAGS = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "convnet", "--epochs", "6",
                  "--log-every", "10"]
 
 

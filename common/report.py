@@ -121,7 +121,7 @@ def plot_time_split(runs: Sequence[Run], out: Path) -> Path:
     ax.set_xlabel("mean ms per step (averaged over ranks)")
     ax.set_title("where a step's time goes")
     ax.invert_yaxis()
-    ax.legend(loc="lower right")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     path = out / "time_split.png"
     fig.savefig(path, dpi=100)
     plt.close(fig)
