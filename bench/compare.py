@@ -9,7 +9,6 @@ Flags after `--` go to every train_*.py. Runs land in OUT/runs/<strategy>, the r
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import tempfile
@@ -18,6 +17,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from bench.strategies import launcher  # noqa: E402
 from common.report import write_report  # noqa: E402
 
 STRATEGIES = {"ddp": "train_ddp.py", "allreduce": "train_allreduce.py", "master": "train_master.py",
@@ -27,12 +27,9 @@ DEFAULT_FLAGS = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--mode
 
 
 def train(script: str, flags: list[str], log_dir: Path, world: int, threads: int) -> None:
-    single = script == "train_dp.py"  # one process using the threads all ranks would have
-    launcher = [sys.executable] if single else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads * world if single else threads)}
+    command, env = launcher(script, world, threads)
     with tempfile.TemporaryDirectory() as ckpt:
-        cmd = [*launcher, script, *flags, "--log-dir", str(log_dir), "--checkpoint-dir", ckpt, "--resume", "none"]
+        cmd = [*command, script, *flags, "--log-dir", str(log_dir), "--checkpoint-dir", ckpt, "--resume", "none"]
         print("$", " ".join(cmd), flush=True)
         subprocess.run(cmd, cwd=ROOT, env=env, check=True)
 

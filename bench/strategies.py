@@ -49,17 +49,22 @@ class Timing:
         return self.data_ms + self.compute_ms + self.sync_ms
 
 
+def launcher(script: str, world: int, threads: int) -> tuple[list[str], dict[str, str]]:
+    """torchrun for the distributed scripts; train_dp.py is one process, given every rank's threads."""
+    if script == "train_dp.py":
+        return [sys.executable], {**os.environ, "OMP_NUM_THREADS": str(threads * world)}
+    return ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"],
+            {**os.environ, "OMP_NUM_THREADS": str(threads)})
+
+
 def run_row(script: list[str], model: str, batch: int, world: int, threads: int) -> Timing:
     shape, steps, every = MODELS[model]
-    single_process = script[0] == "train_dp.py"
     with tempfile.TemporaryDirectory() as tmp:
         flags = ["--dataset", "synthetic", "--synthetic-shape", shape, "--model", model, "--batch-size", str(batch),
                  "--epochs", "1", "--max-steps", str(steps), "--log-every", str(every),
                  "--log-dir", f"{tmp}/tb", "--checkpoint-dir", f"{tmp}/ckpt"]
-        launcher = [sys.executable] if single_process else \
-            [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"]
-        env = {**os.environ, "OMP_NUM_THREADS": str(threads * world if single_process else threads)}
-        done = subprocess.run([*launcher, *script, *flags], cwd=ROOT, env=env, capture_output=True, text=True)
+        command, env = launcher(script[0], world, threads)
+        done = subprocess.run([*command, *script, *flags], cwd=ROOT, env=env, capture_output=True, text=True)
         if done.returncode:
             raise SystemExit(f"{' '.join(script)} failed:\n{done.stderr[-3000:]}")
         return _read_timing(Path(tmp) / "tb")
