@@ -12,7 +12,7 @@ from torch import nn
 
 from common.checkpoint import (CheckpointWriter, Found, InvalidCheckpoint, check_compatible, find_checkpoint,
                                read_checkpoint)
-from common.config import Config, default_log_dir, parse_args
+from common.config import Config, default_log_dir, parse_args, world_size_from_env
 from common.data import Dataset, TrainLoader, load_dataset
 from common.distributed import DistContext, check_same_flags, distributed
 from common.equivalence import check_equivalence
@@ -29,7 +29,7 @@ from common.trainer import Position, Trainer
 
 def main(strategy: Strategy, argv: Sequence[str] | None = None) -> None:
     try:
-        strategy.check_world(int(os.environ.get("WORLD_SIZE", "1")))
+        strategy.check_world(world_size_from_env())
         cfg = parse_args(argv, strategy=strategy.name, default_dataset=strategy.default_dataset,
                          add_flags=strategy.add_flags)
         strategy.configure(cfg.options)
@@ -87,7 +87,7 @@ def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
 def run_hparams(cfg: Config, ctx: DistContext, strategy: Strategy) -> dict[str, object]:
     """What tells runs apart in TensorBoard's hparams table and in the report."""
     return {"strategy": strategy.describe(), "world_size": ctx.world_size,
-            "nodes": ctx.world_size // ctx.local_world_size, "backend": ctx.backend, "device": ctx.device.type,
+            "nodes": ctx.nodes, "backend": ctx.backend, "device": ctx.device.type,
             "model": cfg.model, "dataset": cfg.dataset, "batch_size": cfg.batch_size, "lr": cfg.lr,
             "epochs": cfg.epochs}
 
@@ -101,6 +101,7 @@ def agree_on_checkpoint(cfg: Config, ctx: DistContext) -> tuple[Found | None, li
     """Rank 0 picks the checkpoint (one view of the directory, its warnings printed once); every
     rank then loads that file, so the checkpoint directory must be shared by all nodes."""
     choice: list = [None, [], None]  # path, warnings, error
+    found = None
     if ctx.is_primary:
         try:
             found, warnings = find_checkpoint(cfg.resume, cfg.checkpoint_dir)
@@ -111,8 +112,8 @@ def agree_on_checkpoint(cfg: Config, ctx: DistContext) -> tuple[Found | None, li
     path, warnings, error = choice
     if error:
         ctx.fail_together(error)
-    if path is None:
-        return None, warnings
+    if path is None or found is not None:  # rank 0 has loaded it already
+        return found, warnings
     try:
         return Found(Path(path), read_checkpoint(Path(path))), warnings
     except InvalidCheckpoint as e:  # rank 0 read it a moment ago: this node sees another file

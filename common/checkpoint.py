@@ -81,12 +81,10 @@ class CheckpointWriter:
         return path
 
 
-def remove_leftovers(folder: Path) -> list[Path]:
+def remove_leftovers(folder: Path) -> None:
     """Temp files of a writer that was killed mid-save; never a complete checkpoint."""
-    leftovers = list(folder.glob(".*.tmp-*"))
-    for path in leftovers:
+    for path in folder.glob(".*.tmp-*"):
         path.unlink(missing_ok=True)
-    return leftovers
 
 
 def candidates(folder: Path) -> list[Path]:

@@ -67,9 +67,11 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int,
 
 
 def launch_all_reduce(ring: bool) -> Launch:
-    if ring:
-        return lambda flat: (ring_all_reduce(flat), _Done())[1]
-    return lambda flat: dist.all_reduce(flat, async_op=True)
+    def ring_now(flat: torch.Tensor) -> Handle:
+        ring_all_reduce(flat)
+        return _Done()
+
+    return ring_now if ring else lambda flat: dist.all_reduce(flat, async_op=True)
 
 
 def launch_reduce_to_root(flat: torch.Tensor) -> Handle:

@@ -131,7 +131,7 @@ def default_log_dir(cfg: Config, world_size: int) -> str:
     return os.path.join("runs", f"{cfg.strategy}-{cfg.dataset}-{cfg.model}-w{world_size}-{stamp}")
 
 
-def _world_size_from_env() -> int:
+def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
@@ -168,7 +168,7 @@ def parse_args(argv: Sequence[str] | None = None, *, strategy: str, default_data
     if add_flags is not None:
         add_flags(p.add_argument_group(f"{strategy} strategy"))
     a = p.parse_args(argv)
-    world_size = _world_size_from_env() if world_size is None else world_size
+    world_size = world_size_from_env() if world_size is None else world_size
     recipe = RECIPES.get(a.dataset, RECIPES["synthetic"])
     a.model = a.model or recipe.model
     a.epochs = recipe.epochs if a.epochs is None else a.epochs

@@ -38,8 +38,14 @@ class Run:
     scalars: dict[str, list[Point]]
 
     @property
+    def world(self) -> str:
+        """TensorBoard stores every hparam number as a float: 2.0 back to 2."""
+        world = self.hparams.get("world_size")
+        return "?" if world is None else str(int(world))
+
+    @property
     def label(self) -> str:
-        return f"{self.hparams.get('strategy', self.path.name)} w{self.hparams.get('world_size', '?')}"
+        return f"{self.hparams.get('strategy', self.path.name)} w{self.world}"
 
     def last(self, tag: str) -> float:
         return self.scalars[tag][-1].value if self.scalars.get(tag) else float("nan")
@@ -61,9 +67,7 @@ def _hparams(acc: EventAccumulator) -> dict[str, object]:
     except KeyError:
         return {}
     info = plugin_data_pb2.HParamsPluginData.FromString(content).session_start_info
-    values = {name: getattr(value, value.WhichOneof("kind")) for name, value in info.hparams.items()}
-    # TensorBoard stores every number as a float: give counts back their integer look.
-    return {k: int(v) if isinstance(v, float) and v.is_integer() and k != "lr" else v for k, v in values.items()}
+    return {name: getattr(value, value.WhichOneof("kind")) for name, value in info.hparams.items()}
 
 
 def load_run(path: Path) -> Run:
@@ -84,7 +88,7 @@ def sync_share(run: Run) -> float:
 def markdown_table(runs: Sequence[Run]) -> str:
     header = ("| run | strategy | world | final test acc | best test acc | wall time s | images/s | sync share |\n"
               "|---|---|---|---|---|---|---|---|")
-    rows = [f"| {r.path.name} | {r.hparams.get('strategy', '?')} | {r.hparams.get('world_size', '?')} | "
+    rows = [f"| {r.path.name} | {r.hparams.get('strategy', '?')} | {r.world} | "
             f"{100 * r.last('summary/final_test_acc'):.2f}% | {100 * r.last('summary/best_test_acc'):.2f}% | "
             f"{r.last('summary/wall_time_s'):.1f} | {r.last('summary/mean_images_per_s'):,.0f} | "
             f"{100 * sync_share(r):.1f}% |" for r in runs]
