@@ -1,175 +1,357 @@
-"""Crash-safe checkpoints: rank 0 writes atomically and keeps the last few; every rank resumes
-from the newest one that loads.
+"""Checkpoints: one owner for what is saved, where, and how a run resumes.
 
-Files in CHECKPOINT_DIR: step-00000123.pt (one per save, the newest --keep kept) and last.pt, a
-hard link to the newest. A checkpoint holds only tensors and plain types, so
+Layout of CHECKPOINT_DIR (a local folder, or an object-store URL through common/storage.py):
+
+    <run>/step-00000123.pt   one file per save; the newest --keep of the run are kept
+    <run>/latest.json        pointer to the run's newest checkpoint, with the run's identity
+
+A run folder is created by every fresh start (its name: start time and a random suffix), so a new
+run never prunes, overwrites or mixes with another run's files. `--resume auto` continues the run
+in the folder whose identity (the settings that change the trained weights) equals this command's,
+the most recently saved one if several do. A checkpoint holds only tensors and plain types, so
 torch.load(weights_only=True) reads it and a file carrying pickled code is refused unread.
+
+Commit protocol: a step file is written whole and made visible at once (local: temp file, fsync,
+rename; object store: one PUT), then the pointer is replaced the same way. No hard links, no
+directory renames. A reader trusts only checkpoints that load, newest first: the pointer's target
+and every step file it can list, so a cut save or a stale listing costs at most that one save.
 """
 from __future__ import annotations
 
-import os
+import io
+import json
 import pickle
+import re
+import secrets
+import time
 import zipfile
-from dataclasses import dataclass
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
 
 from common import __version__
+from common.distributed import DistContext
 from common.errors import UserError
+from common.run import Position, Run
+from common.storage import Storage, StorageError, split, storage_for
 
-LAST = "last.pt"
-REQUIRED = ("model", "optimizer", "scheduler", "epoch", "step_in_epoch", "global_step", "config", "world_size")
-# A checkpoint from another run shape cannot continue this one.
-MUST_MATCH = ("dataset", "synthetic_shape", "model", "batch_size")
-
-
-def step_path(folder: Path, global_step: int) -> Path:
-    return folder / f"step-{global_step:08d}.pt"
+POINTER = "latest.json"
+STEP_FILE = re.compile(r"step-(\d{8})\.pt$")
+REQUIRED = ("model", "optimizer", "scheduler", "epoch", "step_in_epoch", "global_step", "config", "world_size",
+            "identity")
 
 
-def _fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _temp_name(path: Path) -> Path:
-    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
-
-
-def atomic_save(state: dict[str, Any], path: Path) -> None:
-    """A reader sees the old file or the new one, never half of one, even if we die mid-write."""
-    tmp = _temp_name(path)
-    with open(tmp, "wb") as f:
-        torch.save(state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _atomic_link(target: Path, link: Path) -> None:
-    tmp = _temp_name(link)
-    tmp.unlink(missing_ok=True)
-    os.link(target, tmp)
-    os.replace(tmp, link)
-    _fsync_dir(link.parent)
-
-
-class CheckpointWriter:
-    """Saving is a rank-0 side effect: other ranks hold a writer that does nothing."""
-
-    def __init__(self, folder: str, keep: int, enabled: bool) -> None:
-        self.folder, self.keep, self.enabled = Path(folder), keep, enabled
-        if enabled:
-            self.folder.mkdir(parents=True, exist_ok=True)
-            remove_leftovers(self.folder)
-
-    def save(self, state: dict[str, Any]) -> Path | None:
-        if not self.enabled:
-            return None
-        path = step_path(self.folder, state["global_step"])
-        atomic_save({**state, "version": __version__}, path)
-        _atomic_link(path, self.folder / LAST)
-        for old in sorted(self.folder.glob("step-*.pt"))[:-self.keep]:
-            old.unlink()
-        return path
-
-
-def remove_leftovers(folder: Path) -> None:
-    """Temp files of a writer that was killed mid-save; never a complete checkpoint."""
-    for path in folder.glob(".*.tmp-*"):
-        path.unlink(missing_ok=True)
-
-
-def candidates(folder: Path) -> list[Path]:
-    """Newest first: last.pt, then the step files by step."""
-    last = folder / LAST
-    return ([last] if last.is_file() else []) + sorted(folder.glob("step-*.pt"), reverse=True)
+def step_name(run: str, global_step: int) -> str:
+    return f"{run}/step-{global_step:08d}.pt"
 
 
 class InvalidCheckpoint(Exception):
     pass
 
 
-def read_checkpoint(path: Path) -> dict[str, Any]:
-    """Load with weights_only=True; raise InvalidCheckpoint saying why a file is unusable."""
-    size = path.stat().st_size
-    if size == 0:
+def parse_checkpoint(data: bytes) -> dict[str, Any]:
+    """Load with weights_only=True; raise InvalidCheckpoint saying why the bytes are unusable."""
+    if not data:
         raise InvalidCheckpoint("is empty")
-    if not zipfile.is_zipfile(path):  # torch.save writes a zip; a cut write loses its directory at the end
-        raise InvalidCheckpoint(f"is truncated or not a checkpoint ({size} bytes, no complete zip archive)")
+    if not zipfile.is_zipfile(io.BytesIO(data)):  # torch.save writes a zip; a cut write loses its directory
+        raise InvalidCheckpoint(f"is truncated or not a checkpoint ({len(data)} bytes, no complete zip archive)")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise InvalidCheckpoint(f"holds objects that are not plain data and was refused unread ({_first_line(e)})") from None
-    except (RuntimeError, EOFError, OSError, zipfile.BadZipFile, ValueError) as e:
-        raise InvalidCheckpoint(f"is truncated or not a checkpoint ({size} bytes): {type(e).__name__}: "
+    except Exception as e:  # noqa: BLE001 - any parse failure of untrusted bytes means "unusable"
+        raise InvalidCheckpoint(f"is truncated or not a checkpoint ({len(data)} bytes): {type(e).__name__}: "
                                 f"{_first_line(e)}") from None
     missing = [key for key in REQUIRED if not isinstance(state, dict) or key not in state]
     if missing:
-        raise InvalidCheckpoint(f"lacks {', '.join(missing)}")
+        raise InvalidCheckpoint(f"lacks {', '.join(missing)} (written by another version?)")
     return state
 
 
-def _first_line(error: Exception) -> str:
+def _first_line(error: BaseException) -> str:
     return (str(error).splitlines() or [""])[0][:120]
 
 
+def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    return [f"{key} {saved.get(key)!r} -> {now.get(key)!r}" for key in sorted(saved.keys() | now.keys())
+            if saved.get(key) != now.get(key)]
+
+
+def as_flags(identity: dict[str, Any]) -> str:
+    """The command-line flags that recreate an identity, for the 'continue that run' way out."""
+    flags = []
+    for key, value in identity.items():
+        flag = "--" + key.replace("_", "-")
+        if isinstance(value, bool):
+            flags.append(flag if value else f"(no {flag})")
+        elif value is not None:
+            flags.append(f"{flag} {value}")
+    return " ".join(flags)
+
+
 @dataclass(frozen=True)
-class Found:
-    path: Path
+class RunInfo:
+    name: str
+    identity: dict[str, Any]
+    checkpoint: str
+    global_step: int
+    saved_at: float
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """The checkpoint a job continues from, read by rank 0 and sent to every rank."""
+
+    path: str
     state: dict[str, Any]
 
+    @property
+    def position(self) -> Position:
+        return Position(int(self.state["epoch"]), int(self.state["step_in_epoch"]))
 
-def newest_valid(folder: Path) -> tuple[Found | None, list[str]]:
-    """The newest checkpoint that loads, and a warning for each newer one that did not."""
-    warnings = []
-    for path in candidates(folder):
+
+@dataclass(frozen=True)
+class Choice:
+    """What a job continues: the run folder it saves into and the checkpoint it loads (None: a
+    fresh start), with the warnings met on the way. Rank 0 decides; the rest travels as JSON."""
+
+    run: str
+    checkpoint: str | None = None  # as shown to people
+    warnings: tuple[str, ...] = ()
+    error: str | None = None
+    data: bytes | None = field(default=None, repr=False)
+    state: dict[str, Any] | None = field(default=None, repr=False)
+
+    def plain(self) -> dict[str, Any]:
+        return {"run": self.run, "checkpoint": self.checkpoint, "warnings": list(self.warnings), "error": self.error}
+
+
+class CheckpointFolder:
+    """Rank 0's side: the folder's runs, choosing what to resume, writing, pruning. No collectives."""
+
+    def __init__(self, storage: Storage, keep: int, options: dict[str, Any] | None = None) -> None:
+        self.storage, self.keep, self.options = storage, keep, options or {}
+
+    def choose(self, request: str, identity: dict[str, Any]) -> Choice:
+        """--resume auto, none or a checkpoint file. Raises UserError for a folder that holds only
+        runs with other settings, or a file of another run."""
+        if request == "none":
+            return Choice(new_run_name())
+        if request != "auto":
+            data, state = self._explicit(request, identity)
+            return Choice(new_run_name(), request, data=data, state=state)
+        runs = self.runs()
+        same = [r for r in runs if r.identity == identity]
+        if not same:
+            if runs:
+                raise UserError(self._other_run_message(runs[0], identity))
+            return Choice(new_run_name())
+        warnings = []
+        for name in self.candidates(same[0]):
+            try:
+                data = self.storage.read(name)
+                state = parse_checkpoint(data)
+            except (InvalidCheckpoint, StorageError) as e:
+                why = e.cause if isinstance(e, StorageError) else e
+                warnings.append(f"warning: checkpoint {self.storage.url(name)} {why}; falling back to the previous one")
+                continue
+            if state["identity"] != identity:  # a file copied in by hand
+                warnings.append(f"warning: checkpoint {self.storage.url(name)} belongs to another run "
+                                f"({'; '.join(differences(state['identity'], identity))}); skipped")
+                continue
+            return Choice(same[0].name, self.storage.url(name), tuple(warnings), data=data, state=state)
+        warnings.append(f"warning: no usable checkpoint in {self.storage.url(same[0].name)}; starting a new run")
+        return Choice(new_run_name(), warnings=tuple(warnings))
+
+    def _explicit(self, path: str, identity: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
+        """--resume FILE: that checkpoint, which must belong to a run with this identity. The job
+        saves into a new run folder, so the file's own run is never pruned or mixed with."""
+        parent, name = split(path)
         try:
-            return Found(path, read_checkpoint(path)), warnings
+            data = storage_for(parent, self.options).read(name)
+        except StorageError as e:
+            raise UserError(f"--resume {path}: {e.cause}; give a checkpoint file, 'auto' or 'none'") from None
+        try:
+            state = parse_checkpoint(data)
         except InvalidCheckpoint as e:
-            warnings.append(f"warning: checkpoint {path} {e}; falling back to the previous one")
-    if warnings:
-        warnings.append(f"warning: no usable checkpoint in {folder}; starting fresh")
-    return None, warnings
+            raise UserError(f"--resume {path}: the checkpoint {e}") from None
+        if state["identity"] != identity:
+            raise UserError(f"--resume {path} belongs to a run with other settings "
+                            f"({'; '.join(differences(state['identity'], identity))}). To continue it, rerun with "
+                            f"its settings ({as_flags(state['identity'])}); to start a new run, pass --resume none")
+        return data, state
+
+    def _other_run_message(self, other: RunInfo, identity: dict[str, Any]) -> str:
+        return (f"{self.storage.url()} holds run {other.name} (saved at step {other.global_step}) with other "
+                f"settings: {'; '.join(differences(other.identity, identity))}. To continue that run, rerun with "
+                f"its settings ({as_flags(other.identity)}); to start a new run beside it (its files are kept), "
+                "pass --resume none, or another --checkpoint-dir")
+
+    def runs(self) -> list[RunInfo]:
+        """Run folders that hold a pointer, most recently saved first."""
+        runs = []
+        for name in self.storage.list(""):
+            try:
+                pointer = json.loads(self.storage.read(f"{name}/{POINTER}"))
+                runs.append(RunInfo(name, pointer["identity"], pointer["checkpoint"], int(pointer["global_step"]),
+                                    float(pointer["saved_at"])))
+            except (StorageError, ValueError, KeyError, TypeError):
+                continue  # not a run folder, or a run that never completed a save
+        return sorted(runs, key=lambda r: r.saved_at, reverse=True)
+
+    def candidates(self, run: RunInfo) -> list[str]:
+        """The run's checkpoints, newest first: the pointer's target and every step file listed."""
+        return sorted({*self._steps(run.name), run.checkpoint}, key=_step_number, reverse=True)
+
+    def _steps(self, run: str) -> list[str]:
+        return sorted((f"{run}/{n}" for n in self.storage.list(run) if STEP_FILE.match(n)), key=_step_number)
+
+    def check_writable(self, run: str, expected_bytes: int) -> None:
+        """Find out now, not after an epoch, that the folder is read-only, unreachable or full."""
+        probe = f"{run}/.write-test"
+        try:
+            self.storage.write(probe, b"ok")
+            self.storage.delete(probe)
+        except StorageError as e:
+            raise UserError(f"--checkpoint-dir {self.storage.url()} is not writable ({e.cause}); pass a writable "
+                            "--checkpoint-dir") from None
+        free = self.storage.free_bytes()
+        if free is not None and free < expected_bytes:
+            raise UserError(f"--checkpoint-dir {self.storage.url()} has {free / 2**20:.1f} MB free, and one "
+                            f"checkpoint of this run takes about {expected_bytes / 2**20:.1f} MB; free space there "
+                            "or pass another --checkpoint-dir")
+
+    def write(self, run: str, state: dict[str, Any], previous: str | None = None) -> str:
+        """Commit one checkpoint: the step file, then the pointer, then prune the run's oldest.
+        Raises UserError naming the file, the cause and `previous` (where the run's last good
+        checkpoint is, if any), which a failed write leaves as it was; the partial file is gone."""
+        name = step_name(run, state["global_step"])
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        pointer = {"checkpoint": name, "global_step": state["global_step"], "saved_at": time.time(),
+                   "identity": state["identity"]}
+        try:
+            self.storage.write(name, buffer.getvalue())
+            self.storage.write(f"{run}/{POINTER}", json.dumps(pointer, indent=1).encode())
+        except StorageError as e:
+            kept = (f"the previous checkpoint {previous} is intact and the same command resumes from it" if previous
+                    else "no earlier checkpoint of this run exists")
+            raise UserError(f"saving checkpoint {self.storage.url(name)} failed ({e.cause}); {kept}; free space or "
+                            "fix access there, or pass another --checkpoint-dir") from None
+        self._prune(run)
+        return self.storage.url(name)
+
+    def _prune(self, run: str) -> None:
+        """Best effort: the new checkpoint is committed; an old file that stays is pruned next time."""
+        try:
+            for old in self._steps(run)[:-self.keep]:
+                self.storage.delete(old)
+        except StorageError:
+            pass
 
 
-def find_checkpoint(resume: str, folder: str) -> tuple[Found | None, list[str]]:
-    """'none' -> fresh start; 'auto' -> the newest valid checkpoint in folder, if any; else that file."""
-    if resume == "none":
-        return None, []
-    if resume == "auto":
-        return newest_valid(Path(folder))
-    path = Path(resume)
-    if not path.is_file():
-        raise UserError(f"--resume {resume}: no such file; give a checkpoint path, 'auto' or 'none'")
-    try:
-        return Found(path, read_checkpoint(path)), []
-    except InvalidCheckpoint as e:
-        raise UserError(f"--resume {path}: the checkpoint {e}") from None
+class Checkpoints:
+    """The checkpoint schema and the resume protocol, for every rank.
+
+    Rank 0 alone reads the folder and writes; the other ranks get its decisions and the
+    checkpoint's bytes through the process group (as JSON and raw bytes, never pickles), so every
+    outcome, a failed save included, is the same on all ranks and they end together."""
+
+    def __init__(self, folder: str, keep: int, ctx: DistContext, options: dict[str, Any] | None = None) -> None:
+        self.location, self.ctx = folder, ctx
+        # Only rank 0 touches the storage (and imports what a URL needs).
+        self.folder = CheckpointFolder(storage_for(folder, options), keep, options) if ctx.is_primary else None
+        self.run = ""  # the run folder this job saves into, decided by resume()
+        self.last: str | None = None  # where the run's newest complete checkpoint is (named if a save fails)
+
+    def url(self) -> str:
+        return f"{self.location.rstrip('/')}/{self.run}"
+
+    def resume(self, run: Run) -> tuple[Resumed | None, tuple[str, ...]]:
+        """A collective. Finds what this job continues (--resume auto, none or a file), checks the
+        folder takes writes and has room for a checkpoint, and loads the checkpoint into `run`.
+        Returns it (None for a fresh start) and the warnings to print once."""
+        choice = self._choose_on_primary(run) if self.ctx.is_primary else None
+        agreed = Choice(**self.ctx.broadcast_json(choice.plain() if choice else None))
+        if agreed.error:
+            self.ctx.fail_together(agreed.error)
+        self.run = agreed.run
+        if agreed.checkpoint is None:
+            return None, agreed.warnings
+        self.last = agreed.checkpoint
+        data = self.ctx.broadcast_bytes(choice.data if choice else None)
+        resumed = Resumed(agreed.checkpoint, choice.state if choice else parse_checkpoint(data))
+        self._restore(run, resumed)
+        return resumed, agreed.warnings
+
+    def _choose_on_primary(self, run: Run) -> Choice:
+        try:
+            self.folder.storage.remove_leftovers()  # temp files of a writer killed mid-save
+            choice = self.folder.choose(run.cfg.resume, run.cfg.identity())
+            self.folder.check_writable(choice.run, expected_bytes(run))
+            return choice
+        except UserError as e:
+            return Choice("", error=str(e))
+        except StorageError as e:
+            return Choice("", error=f"--checkpoint-dir {e}; check the URL and the credentials")
+
+    def _restore(self, run: Run, resumed: Resumed) -> None:
+        """Load into the wrapped model (through the strategy), optimizer and schedule, on every rank."""
+        problems = model_mismatches(resumed.state["model"], run.plain.state_dict())
+        if problems:  # every rank read the same bytes and reaches the same verdict
+            self.ctx.fail_together(f"checkpoint {resumed.path} does not fit this model: {'; '.join(problems)}; "
+                                   "use another --checkpoint-dir or --resume none")
+        state = resumed.state
+        run.strategy.load_model_state(run.model, state["model"])
+        run.strategy.load_optimizer_state(run.optimizer, state["optimizer"])
+        run.scheduler.load_state_dict(state["scheduler"])
+
+    def save(self, run: Run, at: Position) -> str:
+        """A collective. Rank 0 writes the checkpoint; every rank returns its path, or ends with
+        rank 0's one-line error if the save failed (the previous checkpoint stays loadable)."""
+        state = {  # the schema; the strategy gathers sharded state (a collective on every rank)
+            "model": run.strategy.model_state(run.model),
+            "optimizer": run.strategy.optimizer_state(run.optimizer),
+            "scheduler": run.scheduler.state_dict(),
+            "epoch": at.epoch, "step_in_epoch": at.step, "global_step": run.global_step(at),
+            "world_size": run.ctx.world_size, "config": run.cfg.as_plain_dict(), "identity": run.cfg.identity(),
+            "version": __version__,
+        }
+        outcome = {"path": step_name(self.run, state["global_step"]), "error": None}
+        if self.ctx.is_primary:
+            try:
+                outcome["path"] = self.last = self.folder.write(self.run, state, self.last)
+            except UserError as e:
+                outcome["error"] = str(e)
+        outcome = self.ctx.broadcast_json(outcome)
+        if outcome["error"]:
+            self.ctx.fail_together(outcome["error"])
+        return outcome["path"]
 
 
-def check_compatible(state: dict[str, Any], config: dict[str, Any], model: nn.Module, path: Path) -> None:
-    """One error listing every difference: run shape, missing/unexpected keys, shapes."""
-    saved = state["config"]
-    problems = [f"{key} is {saved.get(key)!r} in the checkpoint, {config[key]!r} now"
-                for key in MUST_MATCH if saved.get(key) != config[key]]
-    expected = model.state_dict()
-    got = state["model"]
-    if missing := [k for k in expected if k not in got]:
+def expected_bytes(run: Run) -> int:
+    """About what one checkpoint takes: the model and, with momentum, as much again."""
+    model = sum(t.numel() * t.element_size() for t in run.plain.state_dict().values())
+    return model * (2 if run.cfg.momentum else 1)
+
+
+def model_mismatches(saved: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> list[str]:
+    problems = []
+    if missing := [k for k in expected if k not in saved]:
         problems.append(f"missing keys {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    if unexpected := [k for k in got if k not in expected]:
+    if unexpected := [k for k in saved if k not in expected]:
         problems.append(f"unexpected keys {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
-    shapes = [f"{k} {tuple(got[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
-              if k in got and tuple(got[k].shape) != tuple(v.shape)]
+    shapes = [f"{k} {tuple(saved[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
+              if k in saved and tuple(saved[k].shape) != tuple(v.shape)]
     if shapes:
         problems.append(f"shape mismatch {shapes[:3]}")
-    if problems:
-        raise UserError(f"checkpoint {path} does not fit this run: {'; '.join(problems)}; "
-                        "use another --checkpoint-dir or --resume none")
+    return problems
+
+
+def _step_number(name: str) -> int:
+    return int(STEP_FILE.search(name).group(1))
+
+
+def new_run_name() -> str:
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"

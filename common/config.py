@@ -2,13 +2,15 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import os
-import sys
 import time
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Sequence
 
 from common.models import MODELS
+from common.storage import log_url_problem, url_problem
 
 DATASETS = ("cifar10", "mnist", "synthetic")
 
@@ -39,6 +41,8 @@ class Config:
     dataset: str
     data_dir: str
     download: bool
+    download_from: str
+    cache_dir: str
     synthetic_shape: str
     model: str
     epochs: int
@@ -63,23 +67,52 @@ class Config:
     check_equivalence: int
     check_replicas: int
     sync_bn: bool
+    storage_options: dict[str, Any] = field(default_factory=dict)  # may hold credentials: never logged or saved
     options: dict[str, Any] = field(default_factory=dict)  # the strategy's own flags
+    identity_options: tuple[str, ...] = ()  # those of the strategy's flags that change the trained weights
 
     def as_plain_dict(self) -> dict[str, Any]:
         """Only str/int/float/bool values, the strategy's flags inline: safe for
         torch.load(weights_only=True) and TensorBoard hparams."""
         plain = asdict(self)
         options = plain.pop("options")
+        plain.pop("identity_options")
+        plain.pop("storage_options")  # credentials stay out of logs, TensorBoard and checkpoints
         return {**plain, **options}
+
+    def identity(self) -> dict[str, Any]:
+        """What defines the run: everything that changes the trained weights. Not the world size,
+        device, backend, logging or checkpoint cadence: those may change between restarts."""
+        return run_identity(self.as_plain_dict(), self.identity_options)
+
+    @property
+    def run_id(self) -> str:
+        return identity_digest(self.identity())
+
+
+# Settings that change the trained weights. --synthetic-shape matters only for --dataset synthetic.
+IDENTITY = ("dataset", "model", "batch_size", "lr", "momentum", "weight_decay", "schedule", "epochs", "seed",
+            "max_steps", "sync_bn")
+
+
+def run_identity(flags: dict[str, Any], strategy_options: Sequence[str] = ()) -> dict[str, Any]:
+    """The identity of a run from its flags (a Config's, or those saved in a checkpoint)."""
+    keys = [*IDENTITY, *(["synthetic_shape"] if flags.get("dataset") == "synthetic" else []), *strategy_options]
+    return {key: flags.get(key) for key in keys}
+
+
+def identity_digest(identity: dict[str, Any]) -> str:
+    """Eight hex digits that name a run's identity in folder names and the banner."""
+    return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
 
 
 class _RankZeroParser(argparse.ArgumentParser):
     """Every rank parses the same argv; only one of them needs to print the usage error."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
+        """One line, not the usage block: the message names the flag and what to do."""
         if os.environ.get("RANK", "0") == "0":
-            self.print_usage(sys.stderr)
-            self.exit(2, f"{self.prog}: error: {message}\n")
+            self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
         self.exit(2)
 
 
@@ -90,8 +123,18 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
     )
     add = p.add_argument
     add("--dataset", default=default_dataset, help=f"one of {', '.join(DATASETS)} (default: %(default)s)")
-    add("--data-dir", default="./data", help="where data sets live or are downloaded (default: %(default)s)")
+    add("--data-dir", default="./data", help="where data sets live or are downloaded: a folder, or an object-store URL "
+                                            "(s3://bucket/prefix, any fsspec URL) copied into --cache-dir "
+                                            "(default: %(default)s)")
     add("--no-download", dest="download", action="store_false", help="never download; fail if files are missing")
+    add("--download-from", default="", metavar="BASE_URL",
+        help="download the data set's archives from BASE_URL/<file name> (a mirror) instead of their home sites")
+    add("--cache-dir", default="", help="local copy of a --data-dir URL, one per node "
+                                        "(default: $XDG_CACHE_HOME/dp-suite or ~/.cache/dp-suite)")
+    add("--storage-options", default="{}", metavar="JSON",
+        help='fsspec options for URLs in --data-dir, --checkpoint-dir and --resume, e.g. '
+             '\'{"endpoint_url": "http://minio:9000"}\'; credentials here are never printed or saved '
+             "(default: the standard AWS variables, profile or instance role)")
     add("--synthetic-shape", default="cifar", choices=("cifar", "mnist"), help="image shape of --dataset synthetic")
     add("--model", default=None, help=f"one of {', '.join(MODELS)} (default: per data set)")
     add("--epochs", type=int, default=None, help="training epochs (default: per data set)")
@@ -106,11 +149,13 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
     add("--device", default="auto", help="auto | cpu | cuda (auto: cuda:LOCAL_RANK when there are enough GPUs)")
     add("--backend", default="auto", choices=("auto", "gloo", "nccl"), help="auto: nccl when every rank is on CUDA, else gloo")
     add("--timeout-s", type=float, default=300.0, help="process-group timeout: a dead peer ends the job after this (default: %(default)s)")
-    add("--log-dir", default="", help="TensorBoard directory (default: the resumed run's, or "
-                                      "runs/<script>-<dataset>-<model>-w<world>-<time>)")
-    add("--checkpoint-dir", default="", help="where checkpoints are written (default: checkpoints/<script>-<dataset>-<model>)")
+    add("--log-dir", default="", help="TensorBoard directory, or an s3:// (or other fsspec) URL (default: the "
+                                      "resumed run's, or runs/<script>-<dataset>-<model>-w<world>-<time>)")
+    add("--checkpoint-dir", default="", help="where checkpoints are written: a folder or an object-store URL "
+                                             "(default: checkpoints/<script>-<dataset>-<model>-<run id>)")
     add("--resume", nargs="?", const="auto", default="auto",
-        help="auto: the newest valid checkpoint in --checkpoint-dir, if any; none: start fresh; or a file (default: auto)")
+        help="auto: continue this run (same settings) from its newest valid checkpoint in --checkpoint-dir, if any; "
+             "none: start a new run (other runs' files are kept); or a checkpoint file of this run (default: auto)")
     add("--keep", type=int, default=3, help="checkpoints kept, newest first; at least 2 (default: %(default)s)")
     add("--save-every-steps", type=int, default=0, metavar="S",
         help="also save every S optimizer steps inside an epoch (epoch ends always save; 0: only those)")
@@ -157,13 +202,32 @@ def _validate(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int
         p.error(f"--save-every-steps must be >= 0 (got {a.save_every_steps})")
     if a.check_equivalence < 0 or a.check_replicas < 0:
         p.error("--check-equivalence and --check-replicas take a step count >= 0")
+    _validate_storage(p, a)
+
+
+def _validate_storage(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """URLs this installation cannot open are found here, before any process group starts."""
+    try:
+        a.storage_options = json.loads(a.storage_options)
+    except json.JSONDecodeError as e:
+        p.error(f"--storage-options is not valid JSON ({e.msg} at character {e.pos}); give an object such as "
+                '\'{"endpoint_url": "http://127.0.0.1:9000"}\'')
+    if not isinstance(a.storage_options, dict):
+        p.error("--storage-options must be a JSON object, e.g. '{\"endpoint_url\": \"http://127.0.0.1:9000\"}'")
+    for flag, value in (("--data-dir", a.data_dir), ("--checkpoint-dir", a.checkpoint_dir), ("--resume", a.resume)):
+        if problem := url_problem(value):
+            p.error(f"{flag} {value}: {problem}")
+    if problem := log_url_problem(a.log_dir):
+        p.error(f"--log-dir {a.log_dir}: {problem}")
 
 
 def parse_args(argv: Sequence[str] | None = None, *, strategy: str, default_dataset: str,
                world_size: int | None = None,
-               add_flags: Callable[[argparse.ArgumentParser], None] | None = None) -> Config:
+               add_flags: Callable[[argparse.ArgumentParser], None] | None = None,
+               identity_options: Sequence[str] = ()) -> Config:
     """Parse and validate; exits 2 with a message naming the flag on bad input.
-    `add_flags` lets a strategy add its own flags; they land in Config.options."""
+    `add_flags` lets a strategy add its own flags; they land in Config.options. `identity_options`
+    names those of them that change the trained weights (part of the run's identity)."""
     p = build_parser(strategy, default_dataset)
     if add_flags is not None:
         add_flags(p.add_argument_group(f"{strategy} strategy"))
@@ -176,9 +240,12 @@ def parse_args(argv: Sequence[str] | None = None, *, strategy: str, default_data
     if a.lr is None:  # linear scaling; a bad --batch-size is reported by _validate, not as a bad lr
         a.lr = recipe.lr * max(a.batch_size, 1) / recipe.batch_size
     _validate(p, a, world_size)
-    a.checkpoint_dir = a.checkpoint_dir or os.path.join("checkpoints", f"{strategy}-{a.dataset}-{a.model}")
     common = {f.name for f in fields(Config)}
     values = vars(a)
     options = {k: v for k, v in values.items() if k not in common}
-    return Config(strategy=strategy, options=options, **{k: v for k, v in values.items() if k in common})
+    cfg = Config(strategy=strategy, options=options, identity_options=tuple(identity_options),
+                 **{k: v for k, v in values.items() if k in common})
+    if not cfg.checkpoint_dir:  # one folder per run identity: a changed command never continues another run
+        cfg = replace(cfg, checkpoint_dir=os.path.join("checkpoints", f"{strategy}-{a.dataset}-{a.model}-{cfg.run_id}"))
+    return cfg
 

@@ -8,16 +8,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from common.config import Config
 from common.errors import ConfigError, PeerFailed, UserError
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -28,6 +31,7 @@ class DistContext:
     local_world_size: int
     device: torch.device
     backend: str
+    store: Any = field(default=None, repr=False, compare=False)  # the job's key-value store, once joined
 
     @property
     def is_primary(self) -> bool:
@@ -49,6 +53,11 @@ class DistContext:
     def nodes(self) -> int:
         return self.world_size // self.local_world_size
 
+    @property
+    def node_rank(self) -> int:
+        """This node's index (torchrun numbers ranks node by node)."""
+        return self.rank // self.local_world_size
+
     def barrier(self) -> None:
         dist.barrier()
 
@@ -69,11 +78,63 @@ class DistContext:
             raise quiet
         raise error
 
+    def together(self, action: Callable[[], T]) -> T:
+        """Run `action` on every rank. If it raises a UserError anywhere, every rank ends and the
+        error is printed once, by rank 0 (naming the ranks when not all of them hit it)."""
+        try:
+            result, error = action(), None
+        except PeerFailed:
+            result, error = None, ""  # failed because another rank did, which says why
+        except UserError as e:
+            result, error = None, str(e)
+        errors = self.all_gather_json(error)
+        failed = [rank for rank, e in enumerate(errors) if e is not None]
+        if failed:
+            message = "; ".join(dict.fromkeys(errors[rank] for rank in failed if errors[rank]))  # distinct, in rank order
+            where = "" if len(failed) == self.world_size else f" (on rank{'s' if len(failed) > 1 else ''} " \
+                f"{','.join(map(str, failed))})"
+            self.fail_together(message + where)
+        return result
+
     def all_ok(self, ok: bool) -> bool:
         """True only if every rank says ok: lets ranks fail together instead of hanging."""
         flag = torch.tensor([int(ok)], device=self.comm_device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)
         return bool(flag.item())
+
+    # Flags, paths and warnings cross between ranks as JSON bytes in uint8 tensors, never as
+    # pickles (all_gather_object and broadcast_object_list unpickle whatever a peer sends: anyone
+    # who reaches the ports could make a rank run code).
+
+    def broadcast_bytes(self, data: bytes | None, src: int = 0) -> bytes:
+        """Rank src's bytes on every rank (the others pass None)."""
+        size = torch.tensor([len(data) if self.rank == src else 0], dtype=torch.int64, device=self.comm_device)
+        dist.broadcast(size, src=src)
+        payload = _bytes_tensor(data, self.comm_device) if self.rank == src else \
+            torch.empty(int(size.item()), dtype=torch.uint8, device=self.comm_device)
+        dist.broadcast(payload, src=src)
+        return payload.cpu().numpy().tobytes()
+
+    def broadcast_json(self, value: Any, src: int = 0) -> Any:
+        return json.loads(self.broadcast_bytes(json.dumps(value).encode() if self.rank == src else None, src))
+
+    def all_gather_json(self, value: Any) -> list[Any]:
+        """Every rank's value, in rank order."""
+        payload = _bytes_tensor(json.dumps(value).encode(), self.comm_device)
+        sizes = [torch.zeros(1, dtype=torch.int64, device=self.comm_device) for _ in range(self.world_size)]
+        dist.all_gather(sizes, torch.tensor([payload.numel()], dtype=torch.int64, device=self.comm_device))
+        longest = max(int(s.item()) for s in sizes)
+        padded = torch.zeros(longest, dtype=torch.uint8, device=self.comm_device)
+        padded[:payload.numel()] = payload
+        gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
+        dist.all_gather(gathered, padded)
+        return [json.loads(g[:int(s.item())].cpu().numpy().tobytes()) for g, s in zip(gathered, sizes)]
+
+
+def _bytes_tensor(data: bytes, device: torch.device) -> torch.Tensor:
+    if not data:
+        return torch.empty(0, dtype=torch.uint8, device=device)
+    return torch.frombuffer(bytearray(data), dtype=torch.uint8).to(device)
 
 
 # Flags that may differ between nodes (paths, devices); every other flag must match everywhere.
@@ -85,8 +146,7 @@ def check_same_flags(cfg: Config, ctx: DistContext) -> None:
     nonsense or hang: compare a hash of the flags across ranks, and name the keys that differ."""
     flags = {k: v for k, v in cfg.as_plain_dict().items() if k not in PER_NODE_FLAGS}
     digest = hashlib.sha256(json.dumps(flags, sort_keys=True).encode()).hexdigest()
-    gathered: list = [None] * ctx.world_size
-    dist.all_gather_object(gathered, (digest, flags))
+    gathered = ctx.all_gather_json((digest, flags))
     if len({d for d, _ in gathered}) == 1:
         return
     reference = gathered[0][1]
@@ -122,7 +182,11 @@ def resolve_device(flag: str, local_rank: int, local_world_size: int) -> torch.d
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     choices = device_list(flag, local_world_size)
     if choices[local_rank] == "auto":
-        return torch.device("cuda", local_rank) if gpus >= local_world_size else torch.device("cpu")
+        if gpus and gpus < local_world_size:  # silently training on the CPU would be the wrong thing
+            raise ConfigError(f"--device auto: this node has {gpus} GPU(s) for {local_world_size} processes; start "
+                              f"at most {gpus} per node (--nproc_per_node={gpus}), or pass --device cpu to train "
+                              "on the CPU")
+        return torch.device("cuda", local_rank) if gpus else torch.device("cpu")
     if choices[local_rank] == "cpu":
         return torch.device("cpu")
     wanted = choices.count("cuda")  # cuda entries take GPUs 0, 1, ... in local-rank order
@@ -157,11 +221,21 @@ def context_from_env(cfg: Config) -> DistContext:
     return DistContext(rank, world, local_rank, local_world, device, resolve_backend(cfg.backend, cfg.device, device))
 
 
+def _bind_to_loopback(ctx: DistContext) -> None:
+    """On one node no peer is remote: keep gloo's and nccl's listening sockets on the loopback
+    interface instead of every interface (unless the user chose one). torchrun's own rendezvous
+    store still listens on all interfaces: torch offers no way to bind it (see README, Security)."""
+    if ctx.nodes == 1 and sys.platform.startswith("linux"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+
+
 @contextmanager
 def distributed(cfg: Config) -> Iterator[DistContext]:
     """Join the process group (a private one-rank group without torchrun) and always leave it."""
     ctx = context_from_env(cfg)
     _set_cpu_threads(ctx.local_world_size)
+    _bind_to_loopback(ctx)
     if ctx.device.type == "cuda":
         torch.cuda.set_device(ctx.device)
     timeout = timedelta(seconds=cfg.timeout_s)
@@ -170,10 +244,12 @@ def distributed(cfg: Config) -> Iterator[DistContext]:
         # can read the dead attempt's gloo addresses and fail to connect.
         store, _, _ = next(dist.rendezvous("env://", timeout=timeout))
         attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-        dist.init_process_group(ctx.backend, store=dist.PrefixStore(f"attempt-{attempt}", store),
-                                rank=ctx.rank, world_size=ctx.world_size, timeout=timeout)
+        store = dist.PrefixStore(f"attempt-{attempt}", store)
+        dist.init_process_group(ctx.backend, store=store, rank=ctx.rank, world_size=ctx.world_size, timeout=timeout)
     else:
-        dist.init_process_group(ctx.backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        store = dist.HashStore()
+        dist.init_process_group(ctx.backend, store=store, rank=0, world_size=1, timeout=timeout)
+    ctx = replace(ctx, store=dist.PrefixStore("suite", store))  # our keys apart from the process group's
     try:
         yield ctx
         dist.barrier()  # leave together: a rank tearing down gloo while a peer still talks can abort it

@@ -12,37 +12,35 @@ from itertools import count
 import torch
 from torch import nn
 
-from common.config import Config
-from common.data import Dataset, TrainLoader
+from common.data import TrainLoader
 from common.distributed import DistContext
 from common.logger import NullLogger
 from common.models import build_model
 from common.optim import make_optimizer, make_scheduler
+from common.run import Run
 from common.strategy import Strategy
 from common.trainer import train_step
 
 TOLERANCE = 1e-5  # float32 on CPU; the two sides sum the same numbers in a different order
 
 
-def check_equivalence(cfg: Config, ctx: DistContext, strategy: Strategy, model: nn.Module,
-                      optimizer: torch.optim.Optimizer, scheduler: torch.optim.lr_scheduler.LRScheduler,
-                      data: Dataset, loader: TrainLoader, total_steps: int, log: NullLogger) -> None:
-    plain = strategy.unwrap(model)
+def check_equivalence(run: Run, log: NullLogger) -> None:
+    cfg, ctx, data, plain = run.cfg, run.ctx, run.data, run.plain
     reference = build_model(cfg.model, data.spec.channels, data.spec.size, data.spec.classes, cfg.seed).to(ctx.device)
     reference.load_state_dict(plain.state_dict())  # the strategy's starting point, after any broadcast
     ref_optimizer = make_optimizer(cfg, reference)
-    ref_scheduler = make_scheduler(cfg, ref_optimizer, total_steps)
+    ref_scheduler = make_scheduler(cfg, ref_optimizer, run.total_steps)
     whole_batch = TrainLoader(data.train, data.spec, cfg.batch_size, 0, 1, cfg.seed, ctx.device, cfg.max_steps)
-    model.train()
+    run.model.train()
     reference.train()
     steps = 0
     for epoch in count():
-        for (images, labels), (all_images, all_labels) in zip(loader.epoch(epoch), whole_batch.epoch(epoch)):
-            train_step(model, strategy, optimizer, scheduler, images, labels)
+        for (images, labels), (all_images, all_labels) in zip(run.loader.epoch(epoch), whole_batch.epoch(epoch)):
+            train_step(run.model, run.strategy, run.optimizer, run.scheduler, images, labels)
             train_step(reference, Strategy(), ref_optimizer, ref_scheduler, all_images, all_labels)
             steps += 1
             if steps == cfg.check_equivalence:
-                return _verdict(strategy.describe(), ctx, plain, reference, steps, log)
+                return _verdict(run.strategy.describe(), ctx, plain, reference, steps, log)
 
 
 def _verdict(label: str, ctx: DistContext, plain: nn.Module, reference: nn.Module, steps: int,

@@ -9,9 +9,10 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Iterable, Iterator, TypeVar
+from typing import Any, Callable, Iterable, Iterator, TypeVar
 
 from common.config import Config
+from common.storage import export_s3_endpoint
 
 T = TypeVar("T")
 
@@ -96,6 +97,9 @@ class NullLogger:
     def epoch(self, result: EpochResult, epochs: int) -> None:
         pass
 
+    def saved(self, path: str, step: int, seconds: float) -> None:
+        pass
+
     def flush(self) -> None:
         pass
 
@@ -132,6 +136,7 @@ class Logger(RankEcho):
     def __init__(self, cfg: Config, run: dict[str, Any], purge_step: int | None) -> None:
         """run: the hparams (strategy, world, nodes, ...). purge_step: on resume, TensorBoard
         drops the cut run's points from this step on, so curves neither repeat nor cross."""
+        export_s3_endpoint(cfg.storage_options)  # before TensorBoard's s3 support reads it, at import
         from torch.utils.tensorboard import SummaryWriter
 
         self.tag = ""
@@ -170,6 +175,10 @@ class Logger(RankEcho):
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, r.global_step)
 
+    def saved(self, path: str, step: int, seconds: float) -> None:
+        self.info(f"saved {path} in {seconds:.2f} s")
+        self.writer.add_scalar("time/checkpoint_s", seconds, step)
+
     def flush(self) -> None:
         self.writer.flush()
 
@@ -195,6 +204,14 @@ class Logger(RankEcho):
 def _markdown_table(values: dict[str, object]) -> str:
     rows = "\n".join(f"| {key} | {value} |" for key, value in values.items())
     return f"| flag | value |\n|---|---|\n{rows}"
+
+
+def node_console(ctx) -> Callable[[str], None]:
+    """Before the logger exists (data preparation), each node's local rank 0 reports on its own
+    console: every node prepares its own copy of the data."""
+    if ctx.is_node_primary:
+        return lambda message: print(message, file=sys.stderr, flush=True)
+    return lambda message: None
 
 
 def make_logger(cfg: Config, rank: int, run: dict[str, Any], purge_step: int | None = None) -> NullLogger:

@@ -20,6 +20,7 @@ class Strategy:
 
     name: str = "base"
     default_dataset: str = "cifar10"
+    identity_options: tuple[str, ...] = ()  # the strategy's flags that change the trained weights
 
     @classmethod
     def add_flags(cls, group: argparse._ArgumentGroup) -> None:
@@ -36,7 +37,7 @@ class Strategy:
         """Raise ConfigError if the strategy cannot run at this world size (before anything starts)."""
 
     def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module:
-        """Called once, after the checkpoint is loaded into the plain model."""
+        """Called once, before the optimizer is built and a checkpoint (if any) is loaded."""
         return model
 
     def after_backward(self, model: nn.Module) -> None:
@@ -49,6 +50,22 @@ class Strategy:
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The plain model: what is saved (no 'module.' prefix) and what evaluation runs."""
         return model
+
+    # Checkpoints hold the plain model's full state dict and a full optimizer state, whatever the
+    # strategy, so any script resumes any other's checkpoint at any world size. A strategy that
+    # shards state gathers it here (called on every rank: may be a collective) and re-shards on load.
+
+    def model_state(self, model: nn.Module) -> dict[str, Any]:
+        return self.unwrap(model).state_dict()
+
+    def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
+        self.unwrap(model).load_state_dict(state)
+
+    def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+        optimizer.load_state_dict(state)
 
 
 class HandWrittenSync(Strategy):

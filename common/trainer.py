@@ -5,20 +5,19 @@ import resource
 import signal
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Iterator
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.checkpoint import CheckpointWriter, step_path
-from common.config import Config
-from common.data import Dataset, TrainLoader, eval_batches
+from common.checkpoint import Checkpoints
+from common.data import Dataset, eval_batches
 from common.distributed import DistContext
 from common.logger import EpochResult, NullLogger, StepRecord, StepTimes
 from common.preemption import Preempted, StopRequest
 from common.replicas import check_replicas
+from common.run import Position, Run
 from common.strategy import Strategy
 from common.warnings_relay import WarningRelay
 
@@ -122,17 +121,6 @@ def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Opti
     return logits, loss
 
 
-@dataclass(frozen=True)
-class Position:
-    """Where training stands: `step` optimizer steps of epoch `epoch` (0-based) are done."""
-
-    epoch: int
-    step: int
-
-    def global_step(self, steps_per_epoch: int) -> int:
-        return self.epoch * steps_per_epoch + self.step
-
-
 def reseed(seed: int, rank: int, global_step: int) -> None:
     """Dropout and any other torch randomness become a function of (seed, rank, step): a resumed
     run draws exactly what the uninterrupted one drew, with no RNG state to save."""
@@ -141,97 +129,84 @@ def reseed(seed: int, rank: int, global_step: int) -> None:
 
 @dataclass
 class Trainer:
-    cfg: Config
-    ctx: DistContext
-    strategy: Strategy
-    model: nn.Module  # as wrapped by the strategy
-    optimizer: torch.optim.Optimizer
-    scheduler: torch.optim.lr_scheduler.LRScheduler
-    data: Dataset
-    loader: TrainLoader
+    run: Run
     log: NullLogger
-    checkpoints: CheckpointWriter
+    checkpoints: Checkpoints
     stop: StopRequest
     relay: WarningRelay
 
     def fit(self, start: Position) -> EpochResult | None:
         result = None
-        for epoch in range(start.epoch, self.cfg.epochs):
+        for epoch in range(start.epoch, self.run.cfg.epochs):
             result = self.run_epoch(epoch, start.step if epoch == start.epoch else 0)
-            self.log.epoch(result, self.cfg.epochs)
-            self.relay.flush(self.log)
+            self.log.epoch(result, self.run.cfg.epochs)
+            self.relay.flush(self.run.ctx, self.log)
             self.save(Position(epoch + 1, 0))
         return result
 
     def run_epoch(self, epoch: int, first_step: int) -> EpochResult:
+        run = self.run
         start = time.perf_counter()
         train, times = self.train_epoch(epoch, first_step)
         train_s = time.perf_counter() - start
-        test = evaluate(self.strategy.unwrap(self.model), self.data, self.ctx, self.cfg.eval_batch_size)
-        return EpochResult(epoch + 1, self.global_step(Position(epoch + 1, 0)), train.loss, train.acc, test.loss,
+        test = evaluate(run.plain, run.data, run.ctx, run.cfg.eval_batch_size)
+        return EpochResult(epoch + 1, run.global_step(Position(epoch + 1, 0)), train.loss, train.acc, test.loss,
                            test.acc, test.samples, train.samples / train_s, time.perf_counter() - start, times)
-
-    def global_step(self, at: Position) -> int:
-        return at.global_step(self.loader.steps_per_epoch)
 
     def train_epoch(self, epoch: int, first_step: int) -> tuple[Metrics, StepTimes]:
         """Loss and accuracy over all ranks' training samples (as seen before each step), and the
         epoch's mean step-time split."""
-        self.model.train()
-        epoch_tally, interval_tally, clock = Tally(self.ctx.device), Tally(self.ctx.device), StepClock(self.ctx.device)
-        remaining = self.loader.steps_per_epoch - first_step
-        batches = self.log.progress(self.loader.epoch(epoch, first_step), remaining, f"epoch {epoch + 1}")
+        run = self.run
+        run.model.train()
+        epoch_tally, interval_tally, clock = Tally(run.ctx.device), Tally(run.ctx.device), StepClock(run.ctx.device)
+        remaining = run.steps_per_epoch - first_step
+        batches = self.log.progress(run.loader.epoch(epoch, first_step), remaining, f"epoch {epoch + 1}")
         for step, (images, labels) in enumerate(_timed(batches, clock), start=first_step):
-            reseed(self.cfg.seed, self.ctx.rank, self.global_step(Position(epoch, step)))
+            reseed(run.cfg.seed, run.ctx.rank, run.global_step(Position(epoch, step)))
             self.stop.begin_step()
-            lr = self.optimizer.param_groups[0]["lr"]
-            logits, loss = train_step(self.model, self.strategy, self.optimizer, self.scheduler, images, labels, clock)
+            lr = run.optimizer.param_groups[0]["lr"]
+            logits, loss = train_step(run.model, run.strategy, run.optimizer, run.scheduler, images, labels, clock)
             clock.end_step()
             for tally in (epoch_tally, interval_tally):
                 tally.add(logits, labels, loss * len(labels))
             done = Position(epoch, step + 1)
-            if self.global_step(done) % self.cfg.log_every == 0:
-                self.log_interval(self.global_step(done), lr, interval_tally, clock)
-                interval_tally = Tally(self.ctx.device)
+            if run.global_step(done) % run.cfg.log_every == 0:
+                self.log_interval(run.global_step(done), lr, interval_tally, clock)
+                interval_tally = Tally(run.ctx.device)
             self.after_step(done)
-        return epoch_tally.all_ranks(self.ctx), clock.epoch_mean(self.ctx)
+        return epoch_tally.all_ranks(run.ctx), clock.epoch_mean(run.ctx)
 
     def log_interval(self, step: int, lr: float, tally: Tally, clock: StepClock) -> None:
         """Step-level figures over all ranks (collectives: every rank calls this at the same step)."""
-        train, times = tally.all_ranks(self.ctx), clock.take_interval(self.ctx)
-        rss_mb, cuda_mb = peak_memory_mb(self.ctx)
-        self.log.step(step, StepRecord(train.loss, train.acc, lr, self.cfg.batch_size / (times.step_ms / 1000),
-                                       times, grad_norm(self.strategy.unwrap(self.model)), rss_mb, cuda_mb))
+        run = self.run
+        train, times = tally.all_ranks(run.ctx), clock.take_interval(run.ctx)
+        rss_mb, cuda_mb = peak_memory_mb(run.ctx)
+        self.log.step(step, StepRecord(train.loss, train.acc, lr, run.cfg.batch_size / (times.step_ms / 1000),
+                                       times, grad_norm(run.plain), rss_mb, cuda_mb))
 
     def after_step(self, done: Position) -> None:
         """Every rank runs the same collectives here, in the same order."""
-        step = self.global_step(done)
-        if self.cfg.check_replicas and step % self.cfg.check_replicas == 0:
-            check_replicas(self.strategy.unwrap(self.model), self.ctx, step)
+        run = self.run
+        step = run.global_step(done)
+        if run.cfg.check_replicas and step % run.cfg.check_replicas == 0:
+            check_replicas(run.plain, run.ctx, step)
         signum = self.stop.agreed_signal()
         if signum:
             path = self.save(done)
-            self.ctx.fail_together_with(Preempted(
+            run.ctx.fail_together_with(Preempted(
                 f"stopped by {signal.Signals(signum).name} after step {step} (epoch {done.epoch + 1}, step "
                 f"{done.step}); checkpoint {path}; run the same command again to resume", signum))
-        mid_epoch = done.step < self.loader.steps_per_epoch
-        if self.cfg.save_every_steps and step % self.cfg.save_every_steps == 0 and mid_epoch:
+        mid_epoch = done.step < run.steps_per_epoch
+        if run.cfg.save_every_steps and step % run.cfg.save_every_steps == 0 and mid_epoch:
             self.save(done)
 
-    def save(self, at: Position) -> Path:
-        path = self.checkpoints.save({
-            "model": self.strategy.unwrap(self.model).state_dict(),
-            "optimizer": self.optimizer.state_dict(),
-            "scheduler": self.scheduler.state_dict(),
-            "epoch": at.epoch,
-            "step_in_epoch": at.step,
-            "global_step": self.global_step(at),
-            "world_size": self.ctx.world_size,
-            "config": self.cfg.as_plain_dict(),
-        })
+    def save(self, at: Position) -> str:
+        """Every rank waits for rank 0's write: the time it takes is the stall a save costs."""
+        started = time.perf_counter()
+        path = self.checkpoints.save(self.run, at)
+        self.log.saved(path, self.run.global_step(at), time.perf_counter() - started)
         self.log.flush()
-        self.ctx.barrier()  # nobody races ahead (or exits) while rank 0 is still writing
-        return path or step_path(self.checkpoints.folder, self.global_step(at))
+        return path
 
 
 def grad_norm(model: nn.Module) -> float:

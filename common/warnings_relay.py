@@ -9,8 +9,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-import torch.distributed as dist
-
+from common.distributed import DistContext
 from common.logger import NullLogger
 
 
@@ -25,10 +24,9 @@ class WarningRelay:
         if text not in self.pending:
             self.pending.append(text)
 
-    def flush(self, log: NullLogger) -> None:
+    def flush(self, ctx: DistContext, log: NullLogger) -> None:
         """A collective: every rank calls it at the same point."""
-        gathered: list[list[str]] = [[] for _ in range(dist.get_world_size())]
-        dist.all_gather_object(gathered, self.pending)
+        gathered: list[list[str]] = ctx.all_gather_json(self.pending)
         self.pending = []
         ranks: dict[str, list[int]] = {}
         for rank, texts in enumerate(gathered):

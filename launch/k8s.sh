@@ -6,67 +6,86 @@
 #   IMAGE=registry.example/dp-suite:1 DATA_PVC=cifar-data launch/k8s.sh train_ddp.py --dataset cifar10
 #
 # Parameters (environment):
-#   IMAGE       container image with this repo at /workspace and requirements installed  (REQUIRED)
-#   DATA_PVC    PersistentVolumeClaim holding the data sets, mounted at /data          (REQUIRED)
-#   CKPT_PVC    PersistentVolumeClaim for checkpoints, shared by all pods (default: DATA_PVC)
-#   WORKERS     worker pods besides the master (default: 1)
-#   NPROC       processes per pod = GPUs per pod (default: 1)
-#   JOB_NAME    (default: dp-suite)
-#   DRY_RUN=1   print the manifest without applying it
+#   IMAGE          container image with this repo at /workspace and requirements installed  (REQUIRED)
+#   DATA_PVC       PersistentVolumeClaim holding the data sets, mounted at /data          (REQUIRED)
+#   CKPT_PVC       PersistentVolumeClaim for checkpoints, shared by all pods (default: DATA_PVC)
+#   WORKERS        worker pods besides the master (default: 1)
+#   NPROC          processes per pod = GPUs per pod (default: 1)
+#   JOB_NAME       (default: dp-suite)
+#   MAX_RESTARTS   torchrun's restarts of the workers inside a pod (default: 3)
+#   BACKOFF_LIMIT  pod restarts (restartPolicy OnFailure) before the job is marked failed (default: 3)
+#   DRY_RUN=1      print the manifest without applying it
+#
+# Prints "# each pod runs: <the torchrun command, shell-quoted>", then the manifest, which python3's
+# json module writes (JSON is YAML): the arguments reach the pods exactly as given here.
 set -euo pipefail
 
 if [[ $# -lt 1 || -z "${IMAGE:-}" || -z "${DATA_PVC:-}" ]]; then
-    echo "usage: IMAGE=... DATA_PVC=... [WORKERS=N] [NPROC=N] [DRY_RUN=1] $0 SCRIPT.py [FLAGS...]" >&2
+    echo "usage: IMAGE=... DATA_PVC=... [WORKERS=N] [NPROC=N] [BACKOFF_LIMIT=N] [DRY_RUN=1] $0 SCRIPT.py [FLAGS...]" >&2
     exit 2
 fi
 
-job=${JOB_NAME:-dp-suite}
-nproc=${NPROC:-1}
-args=("$@" --data-dir /data --checkpoint-dir /checkpoints/"$job")
-command="torchrun --nproc_per_node=${nproc} --max-restarts=${MAX_RESTARTS:-3} ${args[*]}"
-echo "# each pod runs: ${command}"
+manifest=$(python3 - "$@" <<'PY'
+import json, os, re, shlex, sys
 
-replica() {  # $1: Master or Worker, $2: replicas
-    cat <<YAML
-    $1:
-      replicas: $2
-      restartPolicy: OnFailure
-      template:
-        spec:
-          containers:
-            - name: pytorch
-              image: ${IMAGE}
-              workingDir: /workspace
-              command: [$(printf '"%s", ' ${command} | sed 's/, $//')]
-              resources:
-                limits:
-                  nvidia.com/gpu: ${nproc}
-              volumeMounts:
-                - {name: data, mountPath: /data}
-                - {name: checkpoints, mountPath: /checkpoints}
-                - {name: shm, mountPath: /dev/shm}
-          volumes:
-            - name: data
-              persistentVolumeClaim: {claimName: ${DATA_PVC}}
-            - name: checkpoints
-              persistentVolumeClaim: {claimName: ${CKPT_PVC:-${DATA_PVC}}}
-            - name: shm
-              emptyDir: {medium: Memory}
-YAML
+def number(name, default, least):
+    value = os.environ.get(name) or default
+    if not re.fullmatch(r"[0-9]+", value) or int(value) < least:
+        print(f"error: {name}={value!r} is not a whole number >= {least}", file=sys.stderr)
+        sys.exit(2)
+    return int(value)
+
+def quote(arg):
+    """shlex.quote, but on one line: an argument with control characters becomes bash's $'...'."""
+    if arg.isprintable():
+        return shlex.quote(arg)
+    def escape(c):
+        if c in "\\'":
+            return "\\" + c
+        return c if c.isprintable() else f"\\x{ord(c):02x}" if ord(c) < 0x80 else f"\\U{ord(c):08x}"
+    return "$'" + "".join(map(escape, arg)) + "'"
+
+env = os.environ
+data = env["DATA_PVC"]
+job, nproc, workers = env.get("JOB_NAME") or "dp-suite", number("NPROC", "1", 1), number("WORKERS", "1", 0)
+command = ["torchrun", f"--nproc_per_node={nproc}", f"--max-restarts={number('MAX_RESTARTS', '3', 0)}",
+           *sys.argv[1:], "--data-dir", "/data", "--checkpoint-dir", f"/checkpoints/{job}"]
+
+def replica(count):
+    return {
+        "replicas": count,
+        "restartPolicy": "OnFailure",
+        "template": {"spec": {
+            "containers": [{
+                "name": "pytorch",
+                "image": env["IMAGE"],
+                "workingDir": "/workspace",
+                "command": command,
+                "resources": {"limits": {"nvidia.com/gpu": nproc}},
+                "volumeMounts": [{"name": "data", "mountPath": "/data"},
+                                 {"name": "checkpoints", "mountPath": "/checkpoints"},
+                                 {"name": "shm", "mountPath": "/dev/shm"}],
+            }],
+            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": data}},
+                        {"name": "checkpoints", "persistentVolumeClaim": {"claimName": env.get("CKPT_PVC") or data}},
+                        {"name": "shm", "emptyDir": {"medium": "Memory"}}],
+        }},
+    }
+
+manifest = {
+    "apiVersion": "kubeflow.org/v1",
+    "kind": "PyTorchJob",
+    "metadata": {"name": job},
+    "spec": {
+        "nprocPerNode": str(nproc),
+        "runPolicy": {"backoffLimit": number("BACKOFF_LIMIT", "3", 0)},
+        "pytorchReplicaSpecs": {"Master": replica(1), "Worker": replica(workers)},
+    },
 }
-
-manifest=$(cat <<YAML
-apiVersion: kubeflow.org/v1
-kind: PyTorchJob
-metadata:
-  name: ${job}
-spec:
-  nprocPerNode: "${nproc}"
-  pytorchReplicaSpecs:
-$(replica Master 1)
-$(replica Worker "${WORKERS:-1}")
-YAML
+print("# each pod runs:", " ".join(map(quote, command)))
+print(json.dumps(manifest, indent=2))
+PY
 )
 
-echo "${manifest}"
-[[ "${DRY_RUN:-0}" == 1 ]] || kubectl apply -f - <<< "${manifest}"
+printf '%s\n' "${manifest}"
+[[ "${DRY_RUN:-0}" == 1 ]] || kubectl apply -f - <<< "${manifest#*$'\n'}"  # the JSON, after the comment line

@@ -15,6 +15,10 @@
 # MAX_RESTARTS    worker-group restarts after a failure (default: 0)
 # JOIN_TIMEOUT    seconds to wait for all nodes to join (default: 600)
 # DRY_RUN=1       print the command without running it
+#
+# TERM and INT sent to this script are passed on to torchrun, which passes them on to the workers:
+# they stop after the same step, rank 0 saves a checkpoint, and the script exits with torchrun's
+# status once every process has ended.
 set -euo pipefail
 
 if [[ $# -lt 1 || -z "${NNODES:-}" || -z "${RDZV_ENDPOINT:-}" ]]; then
@@ -58,11 +62,19 @@ then
     exit 2
 fi
 
+# torchrun runs in the background, so that this script stays alive to read its stderr; signals
+# reach it through forward() (launch/children.sh), and torchrun passes them on to the workers.
+# shellcheck source=launch/children.sh
+source "$(dirname "$0")/children.sh"
 errors=$(mktemp)
 trap 'rm -f "$errors"' EXIT
+exec 3> >(trap '' INT TERM; exec tee "$errors" >&2)  # a copy of stderr that outlives a Ctrl-C
+tee_pid=$!
+start_child "${cmd[@]}" 2>&3 3>&-
+exec 3>&-
 status=0
-"${cmd[@]}" 2> >(tee "$errors" >&2) || status=$?
-wait  # for tee
+wait_child "${children[0]}" || status=$?
+wait "$tee_pid" 2>/dev/null || true
 if (( status != 0 )) && grep -q "RendezvousTimeoutError" "$errors"; then
     echo "error: the rendezvous at ${RDZV_ENDPOINT} did not complete within ${join_timeout} s: start this command" \
          "on all ${NNODES} nodes, and check that each reaches ${RDZV_ENDPOINT}" >&2

@@ -1,12 +1,15 @@
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
+from typing import Sequence
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -22,19 +25,41 @@ def child_env() -> dict[str, str]:
     return env
 
 
-def run_script(args: list[str], nproc: int | None = None, timeout: float = 240) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node=N script ...`, or plain python when nproc is None."""
+def script_command(args: list[str], nproc: int | None = None, torchrun: Sequence[str] = ()) -> list[str]:
+    """`torchrun --standalone --nproc_per_node=N script ...`, or plain python when nproc is None.
+    The script's path is relative to the repository, whatever the working directory."""
+    args = [str(ROOT / args[0]), *args[1:]]
     if nproc is None:
-        cmd = [sys.executable, *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout)
+        return [sys.executable, *args]
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", *torchrun,
+            *args]
+
+
+def run_script(args: list[str], nproc: int | None = None, timeout: float = 240, cwd: Path = ROOT,
+               env: dict[str, str] | None = None, torchrun: Sequence[str] = ()) -> subprocess.CompletedProcess:
+    return subprocess.run(script_command(args, nproc, torchrun), cwd=cwd, env=env or child_env(),
+                          capture_output=True, text=True, timeout=timeout)
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def latest_checkpoint(folder: Path) -> Path:
+    """The checkpoint named by the pointer of the most recently saved run under a --checkpoint-dir."""
+    pointers = [json.loads(p.read_text()) for p in folder.glob("*/latest.json")]
+    assert pointers, f"no run with a checkpoint under {folder}"
+    return folder / max(pointers, key=lambda p: p["saved_at"])["checkpoint"]
+
+
+def latest_state(folder: Path) -> dict:
+    return torch.load(latest_checkpoint(folder), weights_only=True)
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("error:")]
 
 
 @pytest.fixture(scope="session")

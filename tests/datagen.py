@@ -2,7 +2,8 @@
 
 CIFAR-10: cifar-10-batches-py/ with data_batch_1..5, test_batch and batches.meta, each a pickled
 dict {'batch_label', 'labels', 'data' (N x 3072 uint8, channel-major rows), 'filenames'}.
-MNIST: MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte as big-endian IDX, plain or .gz.
+MNIST: MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte as big-endian IDX, plain or .gz;
+or torchvision's older MNIST/processed/{training,test}.pt, each a torch.save'd (uint8 N x 28 x 28, int64 N).
 The pixels come from the synthetic generator, so the files are learnable.
 """
 from __future__ import annotations
@@ -13,8 +14,10 @@ import struct
 from pathlib import Path
 
 import numpy as np
+import torch
 
-from common.data import CIFAR_DIR, CIFAR_TEST, CIFAR_TRAIN, MNIST_DIR, make_synthetic
+from common.data import make_synthetic
+from common.formats import CIFAR_DIR, CIFAR_TEST, CIFAR_TRAIN, MNIST_DIR, MNIST_PROCESSED, MNIST_PROCESSED_DIR
 
 CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
@@ -63,6 +66,16 @@ def write_mnist(root: Path, train_size: int = 1200, test_size: int = 301, gz: bo
                 f.write(payload)
         else:
             (folder / stem).write_bytes(payload)
+    return root
+
+
+def write_mnist_processed(root: Path, train_size: int = 1200, test_size: int = 301) -> Path:
+    """The same images as write_mnist, in the layout older torchvision versions left behind."""
+    data = make_synthetic("mnist", train_size=train_size, test_size=test_size)
+    folder = root / MNIST_PROCESSED_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, split in zip(MNIST_PROCESSED, (data.train, data.test)):
+        torch.save((split.images.squeeze(1).contiguous(), split.labels), folder / name)
     return root
 
 

@@ -9,14 +9,21 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.checkpoint import CheckpointWriter  # noqa: E402
+from common.checkpoint import CheckpointFolder  # noqa: E402
+from common.storage import LocalStorage  # noqa: E402
+
+IDENTITY = {"model": "save-loop"}
+
+
+def state(step: int, weights: torch.Tensor) -> dict:
+    return {"model": {"w": weights + step}, "optimizer": {}, "scheduler": {}, "epoch": 0, "step_in_epoch": step,
+            "global_step": step, "config": {}, "world_size": 1, "identity": IDENTITY}
+
 
 if __name__ == "__main__":
-    writer = CheckpointWriter(sys.argv[1], keep=3, enabled=True)
+    folder, run, step = CheckpointFolder(LocalStorage(sys.argv[1]), keep=3), sys.argv[2], int(sys.argv[3])
     weights = torch.randn(2_000_000)  # 8 MB: a save takes long enough to be cut in the middle
-    step = int(sys.argv[2])
     while True:
         step += 1
-        writer.save({"model": {"w": weights + step}, "optimizer": {}, "scheduler": {}, "epoch": 0,
-                     "step_in_epoch": step, "global_step": step, "config": {}, "world_size": 1})
+        folder.write(run, state(step, weights))
         print(step, flush=True)

@@ -1,18 +1,30 @@
 """The real readers on generated files in the real formats; sharding; batched augmentation."""
 from __future__ import annotations
 
+import gzip
 import os
 import pickle
 import shutil
+import struct
+import tracemalloc
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
+import numpy as np
 import pytest
 import torch
 
-from common.data import (CIFAR_DIR, MNIST_DIR, DataSpec, Split, TrainLoader, crop_and_flip, ensure_files,
-                         eval_shard, make_synthetic, read_cifar10, read_mnist)
+from common.data import DataSpec, Split, TrainLoader, crop_and_flip, eval_shard, make_synthetic
 from common.errors import UserError
+from common.fetch import ensure_local
+from common.formats import CIFAR_DIR, MNIST_DIR, MNIST_PROCESSED_DIR, read_cifar10, read_mnist
 from tests.conftest import free_port
+from tests.datagen import write_mnist, write_mnist_processed
+
+
+def quiet(message: str) -> None:
+    pass
 
 
 def test_cifar10_reader_returns_what_was_written(cifar_root):
@@ -72,8 +84,7 @@ def test_corrupt_idx_header_names_the_file(mnist_root, tmp_path):
 def test_offline_download_message(name, expected, tmp_path):
     closed = f"http://127.0.0.1:{free_port()}/"  # nothing listens: the download fails at once, as offline
     with pytest.raises(UserError) as exc:
-        ensure_files(name, tmp_path, allow_download=True, cifar_url=closed + "cifar-10-python.tar.gz",
-                     mnist_mirrors=[closed])
+        ensure_local(name, tmp_path, allow_download=True, download_from=closed, say=quiet)
     message = str(exc.value)
     assert "\n" not in message
     assert "the download failed" in message and expected in message and str(tmp_path) in message
@@ -81,14 +92,14 @@ def test_offline_download_message(name, expected, tmp_path):
 
 def test_no_download_message_lists_expected_files(tmp_path):
     with pytest.raises(UserError) as exc:
-        ensure_files("cifar10", tmp_path, allow_download=False)
+        ensure_local("cifar10", tmp_path, allow_download=False, download_from="", say=quiet)
     message = str(exc.value)
     assert "data_batch_1" in message and "test_batch" in message and "--no-download" in message
     assert "https://www.cs.toronto.edu/~kriz/cifar-10-python.tar.gz" in message
 
 
 def test_present_files_need_no_download(cifar_root):
-    ensure_files("cifar10", cifar_root, allow_download=False)  # must not raise
+    ensure_local("cifar10", cifar_root, allow_download=False, download_from="", say=quiet)  # must not raise
 
 
 # ---------------------------------------------------------------- sharding
@@ -174,3 +185,153 @@ def test_augmentation_follows_the_sample_not_the_rank():
     augmented = TrainLoader(data.train, data.spec, 32, 0, 1, seed=5, device=torch.device("cpu"))
     plain = next(iter(augmented.epoch(1)))[0]
     assert plain.shape == (32, 3, 32, 32) and plain.dtype == torch.float32
+
+
+# ---------------------------------------------------------------- damaged files, in one line
+
+def _one_line_naming(exc: pytest.ExceptionInfo, path: Path) -> str:
+    message = str(exc.value)
+    assert "\n" not in message and str(path) in message, message
+    return message
+
+
+def test_corrupt_gz_names_the_file(mnist_gz_root, tmp_path):
+    """zlib.error used to escape as a traceback."""
+    root = _copy(mnist_gz_root, tmp_path)
+    bad = root / MNIST_DIR / "t10k-images-idx3-ubyte.gz"
+    data = bytearray(bad.read_bytes())
+    data[40:48] = b"\xff" * 8  # inside the deflate stream, past gzip's header and file name
+    bad.write_bytes(bytes(data))
+    with pytest.raises(UserError) as exc:
+        read_mnist(root)
+    assert "zlib.error" in _one_line_naming(exc, bad)
+
+
+@contextmanager
+def peak_memory_below(limit: int) -> Iterator[None]:
+    """Python allocations inside the block (tensors' storage included) peak under `limit` bytes."""
+    tracemalloc.start()
+    try:
+        yield
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < limit, f"peak {peak / 2**20:.0f} MB"
+
+
+@pytest.mark.parametrize("gz", [False, True])
+def test_idx_header_promising_more_than_the_file_allocates_nothing_big(gz, tmp_path):
+    root = write_mnist(tmp_path / "data", train_size=40, test_size=20, gz=gz)
+    bad = root / MNIST_DIR / ("train-images-idx3-ubyte" + (".gz" if gz else ""))
+    header = struct.pack(">HBB3I", 0, 0x08, 3, 2_000_000, 28, 28)  # promises 1.5 GB
+    payload = header + bytes(1000)
+    bad.write_bytes(gzip.compress(payload) if gz else payload)
+    with peak_memory_below(16 * 2**20), pytest.raises(UserError, match="needs 1568000000 bytes of data, "
+                                                                   "the file has 1000") as exc:
+        read_mnist(root)
+    _one_line_naming(exc, bad)
+
+
+def test_pickle_length_fields_are_not_trusted(cifar_root, tmp_path):
+    """A bytes opcode claiming 2 GB in a small file: refused before the unpickler allocates the 2 GB."""
+    root = _copy(cifar_root, tmp_path)
+    bad = root / CIFAR_DIR / "test_batch"
+    bad.write_bytes(b"\x80\x03B" + struct.pack("<I", 2**31) + bytes(100))
+    with peak_memory_below(64 * 2**20), pytest.raises(UserError, match="is not a CIFAR-10 python batch") as exc:
+        read_cifar10(root)
+    _one_line_naming(exc, bad)
+
+
+def test_malformed_numpy_dtype_state_does_not_crash_the_reader(cifar_root, tmp_path):
+    """numpy's dtype.__setstate__ segfaults on this state (found by the fuzz); the reader never hands a
+    file's dtype to numpy, and the name 'u1' is all it needs, so the batch still reads."""
+    root = _copy(cifar_root, tmp_path)
+    bad = root / CIFAR_DIR / "data_batch_2"
+    raw = bad.read_bytes()
+    state = b"K\x03X\x01\x00\x00\x00|q\x15NNNJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00t"  # (3, '|', None x3, -1, -1, 0)
+    assert raw.count(state) == 1
+    bad.write_bytes(raw.replace(state, b"K\x03X\x01\x00\x00\x00|q\x15NJ\xff\xff\xff\xffJ\xff\xff\xff\xffK\x00t"))
+    assert torch.equal(read_cifar10(root).train.images, read_cifar10(cifar_root).train.images)
+
+
+def test_cifar_batch_saved_column_major_with_label_array_reads_the_same(cifar_root, tmp_path):
+    """Re-saved batches: a Fortran-order data array and int64 label arrays are still the same images."""
+    root = _copy(cifar_root, tmp_path)
+    path = root / CIFAR_DIR / "test_batch"
+    expected = read_cifar10(root).test
+    images = expected.images.reshape(len(expected), -1).numpy()
+    path.write_bytes(pickle.dumps({"data": np.asfortranarray(images), "labels": expected.labels.numpy()}, protocol=2))
+    again = read_cifar10(root).test
+    assert torch.equal(again.images, expected.images) and torch.equal(again.labels, expected.labels)
+
+
+# ---------------------------------------------------------------- torchvision's processed MNIST layout
+
+def test_processed_mnist_reads_the_same_images_as_raw(mnist_root, tmp_path):
+    processed = read_mnist(write_mnist_processed(tmp_path / "processed"))
+    raw = read_mnist(mnist_root)
+    for a, b in ((processed.train, raw.train), (processed.test, raw.test)):
+        assert a.images.dtype == torch.uint8 and a.labels.dtype == torch.int64
+        assert torch.equal(a.images, b.images) and torch.equal(a.labels, b.labels)
+
+
+def test_raw_mnist_is_preferred_when_both_layouts_are_present(mnist_root, tmp_path):
+    root = _copy(mnist_root, tmp_path)
+    write_mnist_processed(root, train_size=40, test_size=20)  # other sizes: tells which layout was read
+    assert len(read_mnist(root).train) == 1200
+    (root / MNIST_DIR / "t10k-labels-idx1-ubyte").unlink()  # raw incomplete: the processed pair is read
+    assert len(read_mnist(root).train) == 40
+    ensure_local("mnist", root, allow_download=False, download_from="", say=quiet)  # nothing missing
+
+
+def test_half_a_processed_layout_is_missing_files(tmp_path):
+    root = write_mnist_processed(tmp_path / "data", train_size=40, test_size=20)
+    (root / MNIST_PROCESSED_DIR / "test.pt").unlink()
+    with pytest.raises(UserError) as exc:
+        ensure_local("mnist", root, allow_download=False, download_from="", say=quiet)
+    message = str(exc.value)
+    assert "\n" not in message and "train-images-idx3-ubyte" in message
+    assert "training.pt and test.pt" in message and MNIST_PROCESSED_DIR in message
+
+
+@pytest.mark.parametrize("save", [torch.save, lambda obj, path: path.write_bytes(pickle.dumps(obj, protocol=2))],
+                         ids=["torch.save", "plain-pickle"])
+def test_processed_mnist_with_a_code_payload_is_refused_unrun(save, tmp_path):
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self):
+            return (os.system, (f"touch {marker}",))
+
+    root = write_mnist_processed(tmp_path / "data", train_size=40, test_size=20)
+    bad = root / MNIST_PROCESSED_DIR / "training.pt"
+    save(Payload(), bad)
+    with pytest.raises(UserError, match="training.pt is not torchvision's processed MNIST") as exc:
+        read_mnist(root)
+    _one_line_naming(exc, bad)
+    assert not marker.exists()
+
+
+_IMAGES = torch.zeros(5, 28, 28, dtype=torch.uint8)
+_LABELS = torch.arange(5)
+
+
+@pytest.mark.parametrize("contents, expected", [
+    ((torch.zeros(5, 32, 32, dtype=torch.uint8), _LABELS), r"images are uint8 \(5, 32, 32\), expected"),
+    ((_IMAGES.float(), _LABELS), r"images are float32 \(5, 28, 28\), expected contiguous uint8 \(N, 28, 28\)"),
+    ((torch.zeros(1, 28, 28, dtype=torch.uint8).expand(5, 28, 28), _LABELS), "non-contiguous"),
+    ((_IMAGES, torch.arange(4)), r"labels are int64 \(4,\) for 5 images"),
+    ((_IMAGES, torch.arange(5) + 6), "expected as many integers in 0..9"),
+    ((_IMAGES, _LABELS.float()), r"labels are float32 \(5,\)"),
+    ((_LABELS, _IMAGES), r"images are int64 \(5,\)"),
+    (_IMAGES, r"it holds uint8 \(5, 28, 28\)"),
+    ((_IMAGES, _LABELS, _LABELS), "it holds tuple of 3"),
+], ids=["28x32", "float-images", "stride-0-view", "too-few-labels", "label-out-of-range", "float-labels",
+        "swapped", "no-tuple", "triple"])
+def test_processed_mnist_of_the_wrong_contents_is_a_clear_error(contents, expected, tmp_path):
+    root = write_mnist_processed(tmp_path / "data", train_size=40, test_size=20)
+    bad = root / MNIST_PROCESSED_DIR / "test.pt"
+    torch.save(contents, bad)
+    with pytest.raises(UserError, match=expected) as exc:
+        read_mnist(root)
+    assert "test.pt is not torchvision's processed MNIST" in _one_line_naming(exc, bad)

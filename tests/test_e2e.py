@@ -8,7 +8,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import run_script
+from tests.conftest import error_lines, latest_checkpoint, latest_state, run_script
 
 TAGS = {"train/loss", "train/acc", "test/loss", "test/acc", "test/samples", "lr", "train/images_per_s", "time/epoch_s"}
 
@@ -35,10 +35,14 @@ def test_two_ranks_train_log_checkpoint_and_resume(dataset, cifar_root, mnist_gz
     root = cifar_root if dataset == "cifar10" else mnist_gz_root
     steps = 10 if dataset == "cifar10" else 12  # 1000 or 1200 training images, 100 per step
     flags = ["--dataset", dataset, "--data-dir", str(root), "--no-download", "--model", "lenet", "--batch-size", "100",
-             "--log-every", "5"]
-    first, log_dir, ckpt_dir = train(tmp_path, *flags, "--epochs", "1")
+             "--epochs", "2", "--log-every", "5"]
+    # Preempted two steps into epoch 2 (a SIGTERM after step k stops the run after step k+1).
+    log_dir, ckpt_dir = tmp_path / "tb-run", tmp_path / "ckpt"
+    first = run_script(["tests/faults.py", "ddp", "sigterm", str(steps + 1), "--log-dir", str(log_dir),
+                        "--checkpoint-dir", str(ckpt_dir), *flags], nproc=2)
+    assert f"stopped by SIGTERM after step {steps + 2} " in first.stderr, first.stderr[-3000:]
     assert "global batch 100 = 50 per rank x 2" in first.stdout
-    assert first.stdout.count("epoch 1/1") == 1  # rank 0 alone prints
+    assert first.stdout.count("epoch 1/2") == 1  # rank 0 alone prints
     assert "(301 images)" in first.stdout  # 301 test images on 2 ranks: counted once each
 
     acc, scalars = read_scalars(log_dir)
@@ -46,19 +50,21 @@ def test_two_ranks_train_log_checkpoint_and_resume(dataset, cifar_root, mnist_gz
     assert scalars["test/samples"] == [(steps, 301.0)]  # x axis: the global step
     assert 0.0 <= scalars["test/acc"][0][1] <= 1.0
     assert "config/text_summary" in acc.Tags()["tensors"]
-    assert {"_hparams_/experiment", "_hparams_/session_start_info"} <= set(acc.PluginTagToContent("hparams"))
     assert len(list(log_dir.glob("events.out.tfevents.*"))) == 1  # one writer: rank 0's
 
-    state = torch.load(ckpt_dir / "last.pt", weights_only=True)
-    assert state["epoch"] == 1 and state["config"]["dataset"] == dataset
+    state = latest_state(ckpt_dir)
+    assert (state["epoch"], state["step_in_epoch"]) == (1, 2) and state["config"]["dataset"] == dataset
     assert not any(key.startswith("module.") for key in state["model"])
     assert {"optimizer", "scheduler"} <= set(state)
 
-    second, resumed_log, _ = train(tmp_path, *flags, "--epochs", "2", "--resume", name="resumed")
-    assert f"resumed from {ckpt_dir / 'last.pt'}: epoch 2, step 0" in second.stdout
+    cut_at = latest_checkpoint(ckpt_dir)
+    second, resumed_log, _ = train(tmp_path, *flags, name="resumed")  # the same command, without the fault
+    assert f"resumed from {cut_at}: epoch 2, step 2" in second.stdout
     assert "epoch 1/2" not in second.stdout and "epoch 2/2" in second.stdout
     assert [step for step, _ in read_scalars(resumed_log)[1]["test/acc"]] == [2 * steps]
-    after = torch.load(ckpt_dir / "last.pt", weights_only=True)
+    acc = read_scalars(resumed_log)[0]
+    assert {"_hparams_/experiment", "_hparams_/session_start_info"} <= set(acc.PluginTagToContent("hparams"))
+    after = latest_state(ckpt_dir)
     assert after["epoch"] == 2
     assert not all(torch.equal(after["model"][k], state["model"][k]) for k in state["model"])
 
@@ -72,13 +78,13 @@ def test_synthetic_learns_well_above_chance(tmp_path):
 
 def test_single_process_without_torchrun(tmp_path):
     result, log_dir, ckpt_dir = train(tmp_path, "--dataset", "synthetic", "--epochs", "1", "--max-steps", "5", nproc=None)
-    assert "world 1" in result.stdout and (ckpt_dir / "last.pt").is_file()
+    assert "world 1" in result.stdout and latest_checkpoint(ckpt_dir).is_file()
 
 
 def test_missing_data_ends_every_rank_with_one_message(tmp_path):
     result = run_script(["train_ddp.py", "--data-dir", str(tmp_path / "empty"), "--no-download",
                          "--log-dir", str(tmp_path / "tb")], nproc=2, timeout=60)
     assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    errors = error_lines(result.stderr)
     assert len(errors) == 1 and "cifar10 is missing" in errors[0] and "cifar-10-python.tar.gz" in errors[0]
     assert "/common/" not in result.stderr and 'train_ddp.py", line' not in result.stderr  # no rank's traceback

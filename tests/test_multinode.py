@@ -12,10 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from common.distributed import device_list, resolve_backend, resolve_device
 from common.errors import ConfigError
-from tests.conftest import ROOT, child_env, free_port, run_script
+from tests.conftest import ROOT, child_env, free_port, latest_state, run_script
 
 FLAGS = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
          "--epochs", "1", "--max-steps", "6"]
@@ -23,7 +24,7 @@ SCRIPTS = ["train_ddp.py", "train_allreduce.py", "train_master.py"]
 
 
 def weights(ckpt: Path) -> dict[str, torch.Tensor]:
-    return torch.load(ckpt / "last.pt", weights_only=True)["model"]
+    return latest_state(ckpt)["model"]
 
 
 def max_dw(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -186,9 +187,23 @@ def test_launchers_print_the_torchrun_command():
                              "--rdzv-endpoint=gpu07:29400 --rdzv-id=4242 --max-restarts=0 train_ddp.py --dataset cifar10")
     k8s = dry("k8s.sh", {"IMAGE": "registry.example/dp:1", "DATA_PVC": "cifar", "WORKERS": "3", "NPROC": "4"},
               "train_ddp.py", "--epochs", "5")
-    assert "# each pod runs: torchrun --nproc_per_node=4 --max-restarts=3 train_ddp.py --epochs 5 --data-dir /data" in k8s
-    assert "kind: PyTorchJob" in k8s and 'nprocPerNode: "4"' in k8s and "replicas: 3" in k8s
-    assert "image: registry.example/dp:1" in k8s and "claimName: cifar" in k8s and "nvidia.com/gpu: 4" in k8s
+    command, _, manifest = k8s.partition("\n")
+    assert command == ("# each pod runs: torchrun --nproc_per_node=4 --max-restarts=3 train_ddp.py --epochs 5 "
+                       "--data-dir /data --checkpoint-dir /checkpoints/dp-suite")
+    pod = {"containers": [{"name": "pytorch", "image": "registry.example/dp:1", "workingDir": "/workspace",
+                           "command": command.removeprefix("# each pod runs: ").split(),
+                           "resources": {"limits": {"nvidia.com/gpu": 4}},
+                           "volumeMounts": [{"name": "data", "mountPath": "/data"},
+                                            {"name": "checkpoints", "mountPath": "/checkpoints"},
+                                            {"name": "shm", "mountPath": "/dev/shm"}]}],
+           "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "cifar"}},
+                       {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "cifar"}},
+                       {"name": "shm", "emptyDir": {"medium": "Memory"}}]}
+    assert yaml.safe_load(manifest) == {
+        "apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": "dp-suite"},
+        "spec": {"nprocPerNode": "4", "runPolicy": {"backoffLimit": 3}, "pytorchReplicaSpecs": {
+            role: {"replicas": n, "restartPolicy": "OnFailure", "template": {"spec": pod}}
+            for role, n in (("Master", 1), ("Worker", 3))}}}
 
 
 def test_launchers_are_valid_shell():
@@ -196,7 +211,7 @@ def test_launchers_are_valid_shell():
     for script in scripts:
         subprocess.run(["bash", "-n", str(script)], check=True)
     if shutil.which("shellcheck"):
-        result = subprocess.run(["shellcheck", *map(str, scripts)], capture_output=True, text=True)
+        result = subprocess.run(["shellcheck", "-x", *map(str, scripts)], cwd=ROOT, capture_output=True, text=True)
         assert result.returncode == 0, result.stdout
 
 

@@ -13,8 +13,10 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from common.checkpoint import CheckpointWriter, newest_valid, read_checkpoint
-from tests.conftest import ROOT, child_env, run_script
+from common.checkpoint import CheckpointFolder, InvalidCheckpoint, model_mismatches, parse_checkpoint
+from common.storage import LocalStorage
+from tests.conftest import ROOT, child_env, error_lines, latest_checkpoint, latest_state, run_script
+from tests.save_loop import IDENTITY, state as loop_state
 
 # 8 steps per epoch, 3 epochs: small enough for CI, long enough to cut mid-epoch.
 RUN = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
@@ -38,7 +40,7 @@ def faulty(name: str, fault: str, step: int) -> list[str]:
 
 
 def final_weights(ckpt: Path) -> dict[str, torch.Tensor]:
-    state = torch.load(ckpt / "last.pt", weights_only=True)
+    state = latest_state(ckpt)
     assert state["epoch"] == 3 and state["step_in_epoch"] == 0, (state["epoch"], state["step_in_epoch"])
     return state["model"]
 
@@ -85,10 +87,11 @@ def test_killed_worker_is_restarted_and_ends_with_the_uninterrupted_weights(refe
 # 2 -------------------------------------------------------------------------------------------
 def test_sigkill_during_saves_never_costs_the_newest_complete_checkpoint(tmp_path):
     rng = random.Random(0)
+    folder = CheckpointFolder(LocalStorage(str(tmp_path)), keep=3)
     last_done = 0
     leftovers_seen = 0
     for attempt in range(20):
-        proc = subprocess.Popen([sys.executable, "tests/save_loop.py", str(tmp_path), str(last_done)], cwd=ROOT,
+        proc = subprocess.Popen([sys.executable, "tests/save_loop.py", str(tmp_path), "run", str(last_done)], cwd=ROOT,
                                 env=child_env(), stdout=subprocess.PIPE, text=True)
         first = proc.stdout.readline()  # the writer is up and saving
         assert first.strip(), "the save loop did not start"
@@ -96,24 +99,23 @@ def test_sigkill_during_saves_never_costs_the_newest_complete_checkpoint(tmp_pat
         proc.send_signal(signal.SIGKILL)
         completed = [int(line) for line in [first, *proc.stdout.read().split()] if line.strip()]
         proc.wait()
-        found, warnings = newest_valid(tmp_path)
-        assert found is not None, warnings
-        assert found.state["global_step"] >= max(completed), "a save reported complete was lost"
-        assert torch.equal(found.state["model"]["w"][:3], read_checkpoint(found.path)["model"]["w"][:3])
-        leftovers_seen += len(list(tmp_path.glob(".*.tmp-*")))
-        CheckpointWriter(str(tmp_path), keep=3, enabled=True)  # what the next start does
-        assert not list(tmp_path.glob(".*.tmp-*")), "temp files survived the next start"
-        last_done = found.state["global_step"]
+        choice = folder.choose("auto", IDENTITY)
+        assert choice.state is not None, choice.warnings
+        assert choice.state["global_step"] >= max(completed), "a save reported complete was lost"
+        assert torch.equal(choice.state["model"]["w"][:3], parse_checkpoint(choice.data)["model"]["w"][:3])
+        leftovers_seen += len(list(tmp_path.glob("*/.*.tmp-*")))
+        folder.storage.remove_leftovers()  # what the next start does
+        assert not list(tmp_path.glob("*/.*.tmp-*")), "temp files survived the next start"
+        last_done = choice.state["global_step"]
+    assert len(list(tmp_path.glob("run/step-*.pt"))) <= 3 + 1  # --keep 3, plus one if a kill beat the pruning
     print(f"\n20 SIGKILLs during saves: newest complete checkpoint loaded every time; "
           f"{leftovers_seen} temp files left by the kills, all removed at the next start")
 
 
 # 3 -------------------------------------------------------------------------------------------
-def _three_checkpoints(folder: Path) -> None:
-    writer = CheckpointWriter(str(folder), keep=3, enabled=True)
+def _three_checkpoints(folder: CheckpointFolder) -> None:
     for step in (3, 6, 9):
-        writer.save({"model": {"w": torch.full((4,), float(step))}, "optimizer": {}, "scheduler": {}, "epoch": 0,
-                     "step_in_epoch": step, "global_step": step, "config": {}, "world_size": 1})
+        folder.write("run", loop_state(step, torch.zeros(4)))
 
 
 @pytest.mark.parametrize("damage, why", [
@@ -122,23 +124,36 @@ def _three_checkpoints(folder: Path) -> None:
     (lambda raw: os.urandom(len(raw)), "is truncated or not a checkpoint"),
 ])
 def test_damaged_newest_checkpoint_falls_back_to_the_previous(damage, why, tmp_path):
-    _three_checkpoints(tmp_path)
-    last = tmp_path / "last.pt"
-    last.write_bytes(damage(last.read_bytes()))  # last.pt is a hard link: the newest step file is damaged too
-    found, warnings = newest_valid(tmp_path)
-    assert found.path.name == "step-00000006.pt" and found.state["global_step"] == 6
-    assert any(str(last) in w and why in w for w in warnings), warnings
-    assert all("\n" not in w for w in warnings)
+    folder = CheckpointFolder(LocalStorage(str(tmp_path)), keep=3)
+    _three_checkpoints(folder)
+    newest = tmp_path / "run" / "step-00000009.pt"
+    newest.write_bytes(damage(newest.read_bytes()))
+    choice = folder.choose("auto", IDENTITY)
+    assert choice.checkpoint == str(tmp_path / "run" / "step-00000006.pt") and choice.state["global_step"] == 6
+    assert any(str(newest) in w and why in w for w in choice.warnings), choice.warnings
+    assert all("\n" not in w for w in choice.warnings)
+
+
+def test_a_step_file_newer_than_the_pointer_is_found(tmp_path):
+    """Killed between writing the step file and moving the pointer: the complete file still counts."""
+    folder = CheckpointFolder(LocalStorage(str(tmp_path)), keep=3)
+    _three_checkpoints(folder)
+    pointer = (tmp_path / "run" / "latest.json").read_text()
+    folder.write("run", loop_state(12, torch.zeros(4)))
+    (tmp_path / "run" / "latest.json").write_text(pointer)  # still names step 9
+    assert folder.choose("auto", IDENTITY).state["global_step"] == 12
 
 
 def test_damaged_checkpoint_warning_in_a_real_resume(reference, tmp_path):
     ckpt = tmp_path / "ckpt"
     preempted(train(faulty("ddp", "sigterm", 10), ckpt, "--save-every-steps", "4", "--log-every", "2"), 11)
-    (ckpt / "last.pt").write_bytes(os.urandom(1000))  # the step-11 checkpoint is lost
+    damaged = latest_checkpoint(ckpt)
+    assert damaged.name == "step-00000011.pt"
+    damaged.write_bytes(os.urandom(1000))  # the step-11 checkpoint is lost
     resumed = train(SCRIPTS["ddp"], ckpt, "--log-every", "2")
     ok(resumed)
-    assert f"warning: checkpoint {ckpt / 'last.pt'} is truncated or not a checkpoint" in resumed.stderr
-    assert f"resumed from {ckpt / 'step-00000008.pt'}" in resumed.stdout
+    assert f"warning: checkpoint {damaged} is truncated or not a checkpoint" in resumed.stderr
+    assert f"resumed from {damaged.parent / 'step-00000008.pt'}" in resumed.stdout
     assert max_dw(final_weights(ckpt), reference("ddp")) <= 1e-6  # it redid steps 9-11 exactly
     # Both runs wrote step 10 to the same TensorBoard run; the resumed one purged the cut run's.
     events = EventAccumulator(str(ckpt.parent / f"tb-{ckpt.name}"))
@@ -152,16 +167,25 @@ def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
     ckpt = tmp_path / "ckpt"
     ok(train(SCRIPTS["ddp"], ckpt, "--epochs", "1", "--max-steps", "2"))
     start = time.monotonic()
-    result = train(SCRIPTS["ddp"], ckpt, "--model", "cifar_net", "--batch-size", "64")
+    result = train(SCRIPTS["ddp"], ckpt, "--model", "cifar_net", "--batch-size", "64", "--epochs", "1",
+                   "--max-steps", "2")
     seconds = time.monotonic() - start
     assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    errors = error_lines(result.stderr)
     assert len(errors) == 1, result.stderr[-3000:]
-    for part in ("model is 'lenet' in the checkpoint, 'cifar_net' now", "batch_size is 32 in the checkpoint, 64 now",
-                 "missing keys", "unexpected keys"):
+    for part in ("with other settings", "batch_size 32 -> 64", "model 'lenet' -> 'cifar_net'",
+                 "To continue that run, rerun with its settings (", "--model lenet", "pass --resume none"):
         assert part in errors[0]
     print(f"\nmismatched checkpoint: exit {result.returncode} after {seconds:.1f} s (process start included)")
     assert seconds < 10
+
+
+def test_model_mismatches_name_keys_and_shapes():
+    saved = {"a.weight": torch.zeros(2, 3), "b.bias": torch.zeros(2)}
+    expected = {"a.weight": torch.zeros(4, 3), "c.bias": torch.zeros(2)}
+    problems = "; ".join(model_mismatches(saved, expected))
+    assert "missing keys ['c.bias']" in problems and "unexpected keys ['b.bias']" in problems
+    assert "a.weight (2, 3) vs (4, 3)" in problems
 
 
 # 5 -------------------------------------------------------------------------------------------
@@ -175,13 +199,11 @@ class Payload:
 
 def test_pickle_payload_is_refused_and_never_runs(tmp_path):
     marker = tmp_path / "payload-ran"
-    ckpt = tmp_path / "ckpt"
-    ckpt.mkdir()
-    torch.save({"model": Payload(marker), "optimizer": {}, "scheduler": {}, "epoch": 0, "step_in_epoch": 0,
-                "global_step": 1, "config": {}, "world_size": 1}, ckpt / "last.pt")
-    found, warnings = newest_valid(ckpt)
-    assert found is None and "was refused unread" in warnings[0]
-    result = train(SCRIPTS["ddp"], ckpt, "--resume", str(ckpt / "last.pt"), nproc=None)
+    bad = tmp_path / "bad.pt"
+    torch.save({**loop_state(1, torch.zeros(1)), "model": Payload(marker)}, bad)
+    with pytest.raises(InvalidCheckpoint, match="was refused unread"):
+        parse_checkpoint(bad.read_bytes())
+    result = train(SCRIPTS["ddp"], tmp_path / "ckpt", "--resume", str(bad), nproc=None)
     assert result.returncode == 1 and "was refused unread" in result.stderr
     assert not marker.exists()
 
@@ -203,7 +225,7 @@ def test_sigterm_to_torchrun_saves_exits_and_resumes_losing_nothing(reference, t
     stopped = [line for line in stderr.splitlines() if line.startswith("stopped by SIGTERM after step")]
     assert len(stopped) == 1, stderr[-3000:]
     step = int(stopped[0].split("after step ")[1].split()[0])
-    state = torch.load(ckpt / "last.pt", weights_only=True)
+    state = latest_state(ckpt)
     print(f"\nSIGTERM to torchrun: all processes gone after {seconds:.1f} s; stopped after step {step}, "
           f"checkpoint at step {state['global_step']}: {step - state['global_step']} steps lost")
     assert seconds < 30 and state["global_step"] == step

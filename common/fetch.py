@@ -1,0 +1,269 @@
+"""Getting a data set onto every node: local files, a download from the internet, or a copy from
+an object store into a local cache, once per node; then every rank reads the same files.
+
+One process per node (its local rank 0) does the work; the others wait on the job's key-value
+store, not inside a collective, so a download may take as long as it takes: the job ends early
+only when a node reports that it failed. Files appear under their final names only when complete
+and verified (temp name, checksum, rename), under a file lock, so nodes sharing one volume fetch
+once and a cut download never passes for a complete file.
+"""
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import http.client
+import json
+import os
+import shutil
+import tarfile
+import time
+import urllib.error
+import urllib.request
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from common import formats
+from common.data import Dataset, make_synthetic
+from common.distributed import DistContext
+from common.errors import UserError
+from common.storage import StorageError, is_url, storage_for
+
+Say = Callable[[str], None]
+
+DOWNLOAD_TIMEOUT_S = 60.0  # a stalled connection (no byte for this long) fails the download
+PROGRESS_EVERY_S = 10.0
+POLL_S = 0.2
+
+
+def load_dataset(name: str, data_dir: str, *, ctx: DistContext, say: Say, allow_download: bool = True,
+                 download_from: str = "", cache_dir: str = "", storage_options: dict[str, Any] | None = None,
+                 synthetic_shape: str = "cifar") -> Dataset:
+    """The data set, read by every rank from files its node's local rank 0 prepared."""
+    if name == "synthetic":
+        return make_synthetic(synthetic_shape)
+    root = cache_folder(cache_dir, data_dir) if is_url(data_dir) else Path(data_dir)
+    if ctx.is_node_primary:
+        try:
+            if is_url(data_dir):
+                fetch_remote(name, data_dir, root, storage_options or {}, say)
+            else:
+                ensure_local(name, root, allow_download, download_from, say)
+            report = {"error": None}
+        except UserError as e:
+            report = {"error": str(e)}
+        ctx.store.set(f"data/node-{ctx.node_rank}", json.dumps(report))
+    wait_for_nodes(ctx, say)
+    return ctx.together(lambda: formats.read_dataset(name, root))
+
+
+def wait_for_nodes(ctx: DistContext, say: Say) -> None:
+    """Every rank waits until each node's local rank 0 reported, polling the store (no deadline:
+    a download may be slow); a node's failure ends every rank with its message."""
+    keys = [f"data/node-{node}" for node in range(ctx.nodes)]
+    started = last_said = time.monotonic()
+    while not ctx.store.check(keys):
+        time.sleep(POLL_S)
+        if time.monotonic() - last_said >= PROGRESS_EVERY_S:
+            waiting = [k.rsplit("-", 1)[1] for k in keys if not ctx.store.check([k])]
+            say(f"waiting for the data on node(s) {', '.join(waiting)} ({time.monotonic() - started:.0f} s)")
+            last_said = time.monotonic()
+    errors = [(key, json.loads(ctx.store.get(key))["error"]) for key in keys]
+    failed = [(key, error) for key, error in errors if error]
+    if failed:
+        ctx.fail_together("; ".join(f"{error}" + (f" (node {key.rsplit('-', 1)[1]})" if ctx.nodes > 1 else "")
+                                    for key, error in failed))
+
+
+# ---------------------------------------------------------------- local folders and downloads
+
+def ensure_local(name: str, root: Path, allow_download: bool, download_from: str, say: Say) -> None:
+    """Download what is missing (verified, then renamed into place) or raise one clear UserError."""
+    missing = formats.missing_files(name, root)
+    if not missing:
+        return
+    if not allow_download:
+        raise UserError(formats.offline_message(name, root, missing, "--no-download is set"))
+    try:
+        root.mkdir(parents=True, exist_ok=True)
+        with file_lock(root / ".download.lock", say):
+            if formats.missing_files(name, root):  # another node sharing this folder may have done it
+                download(name, root, download_from, say)
+    except (OSError, ValueError, tarfile.TarError, http.client.HTTPException) as e:  # URLError, timeouts: OSErrors
+        raise UserError(formats.offline_message(name, root, missing, f"the download failed ({_brief(e)})")) from None
+    still = formats.missing_files(name, root)
+    if still:
+        raise UserError(formats.offline_message(name, root, still, "the download did not produce them"))
+
+
+def download(name: str, root: Path, download_from: str, say: Say) -> None:
+    remove_partials(root)
+    if name == "cifar10":
+        url = download_from + formats.CIFAR_ARCHIVE if download_from else formats.CIFAR_URL
+        archive = root / f".{formats.CIFAR_ARCHIVE}.part-{os.getpid()}"
+        try:
+            fetch_url(url, archive, formats.CIFAR_MD5, say)
+            extract_cifar(archive, root)
+        finally:
+            archive.unlink(missing_ok=True)
+        return
+    folder = root / formats.MNIST_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    for stem, md5 in formats.MNIST_FILES.items():
+        if formats.mnist_file(root, stem) is None:
+            fetch_from_mirrors(f"{stem}.gz", md5, folder, [download_from] if download_from else formats.MNIST_MIRRORS,
+                               say)
+
+
+def fetch_from_mirrors(filename: str, md5: str, folder: Path, mirrors: list[str] | tuple[str, ...], say: Say) -> None:
+    errors = []
+    for mirror in mirrors:
+        part = folder / f".{filename}.part-{os.getpid()}"
+        try:
+            fetch_url(mirror + filename, part, md5, say)
+            os.replace(part, folder / filename)
+            return
+        except (OSError, ValueError, http.client.HTTPException) as e:
+            errors.append(f"{mirror}: {_brief(e)}")
+        finally:
+            part.unlink(missing_ok=True)
+    raise OSError("; ".join(errors))
+
+
+def fetch_url(url: str, target: Path, md5: str, say: Say) -> None:
+    """Stream `url` into `target`, reporting progress; raise ValueError if its md5 is not `md5`."""
+    digest = hashlib.md5()
+    with urllib.request.urlopen(url, timeout=DOWNLOAD_TIMEOUT_S) as response, open(target, "wb") as out:
+        total = int(response.headers.get("Content-Length") or 0)
+        done, started, last = 0, time.monotonic(), time.monotonic()
+        while chunk := response.read(1 << 20):
+            out.write(chunk)
+            digest.update(chunk)
+            done += len(chunk)
+            if time.monotonic() - last >= PROGRESS_EVERY_S:
+                rate = done / (time.monotonic() - started) / 2**20
+                say(f"downloading {url}: {done / 2**20:.1f}{f' / {total / 2**20:.1f}' if total else ''} MB "
+                    f"({rate:.2f} MB/s)")
+                last = time.monotonic()
+    if digest.hexdigest() != md5:
+        raise ValueError(f"{url} has md5 {digest.hexdigest()}, expected {md5} (a corrupt or different file)")
+
+
+def extract_cifar(archive: Path, root: Path) -> None:
+    """Unpack into a temp folder, then move each batch file into place (a rename: never half a file)."""
+    staging = root / f".extract-{os.getpid()}"
+    try:
+        with tarfile.open(archive, "r:gz") as tar:
+            tar.extractall(staging, filter="data")  # no absolute paths, links out or devices
+        target = root / formats.CIFAR_DIR
+        target.mkdir(exist_ok=True)
+        for file in (staging / formats.CIFAR_DIR).iterdir():
+            os.replace(file, target / file.name)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def remove_partials(root: Path) -> None:
+    """What a killed download left; safe only while holding the folder's lock."""
+    for leftover in [*root.glob(".*.part-*"), *root.glob(f"{formats.MNIST_DIR}/.*.part-*")]:
+        leftover.unlink(missing_ok=True)
+    for staging in root.glob(".extract-*"):
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextmanager
+def file_lock(path: Path, say: Say) -> Iterator[None]:
+    """An exclusive lock across processes and, on shared volumes that support it (NFS), nodes."""
+    with open(path, "a") as handle:
+        started = last = time.monotonic()
+        while True:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() - last >= PROGRESS_EVERY_S:
+                    say(f"waiting for another process fetching into {path.parent} "
+                        f"({time.monotonic() - started:.0f} s)")
+                    last = time.monotonic()
+                time.sleep(POLL_S)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+# ---------------------------------------------------------------- object stores, through a cache
+
+def cache_folder(cache_dir: str, url: str) -> Path:
+    """One local folder per data URL: s3://bucket/prefix -> CACHE/s3/bucket/prefix."""
+    protocol, _, rest = url.partition("://")
+    return Path(cache_dir or default_cache_dir()) / protocol / rest.strip("/")
+
+
+def default_cache_dir() -> str:
+    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dp-suite")
+
+
+def fetch_remote(name: str, url: str, root: Path, options: dict[str, Any], say: Say) -> None:
+    """Copy the data set's files from the store into `root` unless the cached copy is of the same
+    object (same size and ETag or checksum). Layouts and messages as for a local folder."""
+    started = time.monotonic()
+    try:
+        store = storage_for(url, options)
+        files = remote_files(name, store, url)
+        root.mkdir(parents=True, exist_ok=True)
+        with file_lock(root / ".fetch.lock", say):
+            remove_partials(root)
+            fetched = [f for f in files if copy_if_changed(store, f, root)]
+    except StorageError as e:
+        raise UserError(f"--data-dir {e}; check the URL and the credentials") from None
+    except OSError as e:
+        raise UserError(f"--cache-dir {root}: {_brief(e)}; pass a writable --cache-dir") from None
+    size = sum((root / f).stat().st_size for f in fetched)
+    say(f"{url}: fetched {len(fetched)} of {len(files)} file(s), {size / 2**20:.1f} MB, into {root} in "
+        f"{time.monotonic() - started:.1f} s" + ("" if fetched else " (the cached copy is current)"))
+
+
+def remote_files(name: str, store: Any, url: str) -> list[str]:
+    """The files to fetch, in whichever supported layout the store holds; a UserError lists what
+    is missing, as for a local folder."""
+    listed = {folder: set(store.list(folder)) for folder in formats.layout_folders(name)}
+
+    def exists(rel: str) -> bool:
+        folder, _, file = rel.rpartition("/")
+        return file in listed[folder]
+    files = formats.choose_files(name, exists)
+    if files is None:
+        missing = [f"{url.rstrip('/')}/{rel}" for rel in formats.missing_in(name, exists)]
+        raise UserError(formats.offline_message(name, url, missing, "the store does not hold them"))
+    return files
+
+
+def copy_if_changed(store: Any, rel: str, root: Path) -> bool:
+    """Fetch one object unless the cache holds the same version; True if it was fetched."""
+    info = store.info(rel)
+    version = {"size": int(info.get("size") or 0),
+               "etag": str(info.get("ETag") or info.get("etag") or info.get("checksum") or info.get("mtime") or "")}
+    local, meta = root / rel, root / ".versions" / f"{rel}.json"
+    if local.is_file() and local.stat().st_size == version["size"] and meta.is_file() and \
+            json.loads(meta.read_text()) == version:
+        return False
+    local.parent.mkdir(parents=True, exist_ok=True)
+    part = local.with_name(f".{local.name}.part-{os.getpid()}")
+    try:
+        store.get(rel, part)
+        if part.stat().st_size != version["size"]:
+            raise UserError(f"{store.url(rel)} changed while it was fetched; run again")
+        if problem := formats.checksum_problem(rel, part):
+            raise UserError(f"{store.url(rel)} {problem}; replace it with the file from {formats.CIFAR_URL}")
+        os.replace(part, local)
+    finally:
+        part.unlink(missing_ok=True)
+    meta.parent.mkdir(parents=True, exist_ok=True)
+    meta.with_suffix(".tmp").write_text(json.dumps(version))
+    os.replace(meta.with_suffix(".tmp"), meta)
+    return True
+
+
+def _brief(error: BaseException) -> str:
+    return (str(error).splitlines() or [type(error).__name__])[0][:200]

@@ -1,0 +1,305 @@
+"""Where checkpoints live, behind one small interface: a local folder today, an object store next.
+
+Names are '/'-separated paths relative to the storage's root. `write` is all-or-nothing for
+readers: they see the old object or the new one, never part of one.
+"""
+from __future__ import annotations
+
+import errno
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+from typing import Any, Callable, Protocol, TypeVar
+
+T = TypeVar("T")
+
+
+class StorageError(Exception):
+    """An operation on `url` failed; `cause` says why in a few words (for one-line errors)."""
+
+    def __init__(self, url: str, cause: str) -> None:
+        super().__init__(f"{url}: {cause}")
+        self.url, self.cause = url, cause
+
+
+class Storage(Protocol):
+    def url(self, name: str = "") -> str:
+        """What a person should see for `name` (the root itself for '')."""
+
+    def write(self, name: str, data: bytes) -> None: ...
+
+    def read(self, name: str) -> bytes: ...
+
+    def list(self, prefix: str) -> list[str]:
+        """Names directly under `prefix` ('' for the root), files and folders alike; [] if none."""
+
+    def delete(self, name: str) -> None: ...
+
+    def free_bytes(self) -> int | None:
+        """Room left for writes, or None where the store has no such limit."""
+
+    def remove_leftovers(self) -> None:
+        """Remove what a writer killed mid-write left behind (never a complete object)."""
+
+
+def os_cause(error: OSError) -> str:
+    """'No space left on device (ENOSPC)': the words and the code people search for."""
+    code = errno.errorcode.get(error.errno or 0)
+    return f"{error.strerror or error}{f' ({code})' if code else ''}"
+
+
+# rename(2) refused by the file system (S3 Mountpoint, some FUSE mounts), not by permissions on the file.
+NO_RENAME = {errno.ENOSYS, errno.ENOTSUP, errno.EOPNOTSUPP, errno.EXDEV, errno.EPERM}
+
+
+class LocalStorage:
+    """A folder on a local or mounted file system. A write goes to a temp file in the same folder,
+    is fsynced and renamed over the target, and the folder is fsynced: no hard links, so FUSE
+    mounts of object stores (gcsfuse, blobfuse) work. Where rename is refused too, the file is
+    written in place: a cut write then leaves a file that does not load, which readers skip."""
+
+    def __init__(self, root: str) -> None:
+        self.root = Path(root)
+
+    def url(self, name: str = "") -> str:
+        return str(self.root / name) if name else str(self.root)
+
+    def _path(self, name: str) -> Path:
+        return self.root / name if name else self.root
+
+    def write(self, name: str, data: bytes) -> None:
+        path = self._path(name)
+        tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            _write_synced(tmp, data)
+            try:
+                os.replace(tmp, path)
+            except OSError as e:
+                if e.errno not in NO_RENAME:
+                    raise
+                tmp.unlink(missing_ok=True)
+                _write_synced(path, data)
+            _fsync_dir(path.parent)
+        except OSError as e:
+            tmp.unlink(missing_ok=True)  # never leave a partial file behind
+            raise StorageError(self.url(name), os_cause(e)) from None
+
+    def read(self, name: str) -> bytes:
+        try:
+            return self._path(name).read_bytes()
+        except FileNotFoundError:
+            raise StorageError(self.url(name), "no such file") from None
+        except OSError as e:
+            raise StorageError(self.url(name), os_cause(e)) from None
+
+    def list(self, prefix: str) -> list[str]:
+        try:
+            return sorted(p.name for p in self._path(prefix).iterdir())
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as e:
+            raise StorageError(self.url(prefix), os_cause(e)) from None
+
+    def delete(self, name: str) -> None:
+        try:
+            self._path(name).unlink(missing_ok=True)
+        except OSError as e:
+            raise StorageError(self.url(name), os_cause(e)) from None
+
+    def free_bytes(self) -> int | None:
+        existing = next(p for p in (self.root, *self.root.absolute().parents) if p.exists())
+        return shutil.disk_usage(existing).free
+
+    def remove_leftovers(self) -> None:
+        for tmp in [*self.root.glob(".*.tmp-*"), *self.root.glob("*/.*.tmp-*")]:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError as e:
+                raise StorageError(str(tmp), os_cause(e)) from None
+
+
+def _write_synced(path: Path, data: bytes) -> None:
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def _fsync_dir(folder: Path) -> None:
+    """Makes the rename durable; some file systems (FUSE mounts) cannot fsync a folder: no harm."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def split(url: str) -> tuple[str, str]:
+    """(parent, name) of a file's path or URL."""
+    parent, _, name = url.rstrip("/").rpartition("/")
+    return parent or ".", name
+
+
+def is_url(path: str) -> bool:
+    """s3://bucket/prefix, gs://..., memory://...: anything fsspec opens that is not a local path."""
+    return "://" in path and not path.startswith("file://")
+
+
+# Timeouts and retries for object stores: an unreachable endpoint must end the job in seconds, not
+# hang it (botocore's defaults: 60 s per connect and per read, several retries). Bounds in README.
+S3_DEFAULTS = {"config_kwargs": {"connect_timeout": 5, "read_timeout": 20,
+                                 "retries": {"max_attempts": 3, "mode": "standard"}}}
+S3FS_RETRIES = 2  # s3fs's own retry loop around botocore's (its default: 5, with growing sleeps)
+SECRET_KEYS = ("key", "secret", "token", "password", "access_key_id", "secret_access_key", "session_token")
+SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
+
+
+def secrets_in(options: dict[str, Any]) -> list[str]:
+    """Credential values that must never be printed: from the options and the standard variables."""
+    found = [os.environ[name] for name in SECRET_ENV if os.environ.get(name)]
+    for key, value in options.items():
+        if isinstance(value, dict):
+            found += secrets_in(value)
+        elif isinstance(value, str) and any(word in key.lower() for word in SECRET_KEYS):
+            found.append(value)
+    return [s for s in found if len(s) >= 4]
+
+
+class FsspecStorage:
+    """An object store (or any fsspec file system) at `url`. A write is one PUT of the whole
+    object, atomic for readers on S3-compatible stores; listings are refreshed on every call, since
+    a cached (or eventually consistent) listing may miss the newest checkpoint."""
+
+    def __init__(self, url: str, options: dict[str, Any]) -> None:
+        import fsspec
+
+        self.root_url = url.rstrip("/")
+        protocol = fsspec.core.split_protocol(url)[0]
+        defaults = S3_DEFAULTS if protocol in ("s3", "s3a") else {}
+        self.secrets = secrets_in(options)
+        try:
+            self.fs, self.root = fsspec.core.url_to_fs(url, **{**defaults, **options})
+        except (ImportError, ValueError, TypeError) as e:
+            raise StorageError(url, self.scrub(f"{type(e).__name__}: {e}")) from None
+        if defaults:
+            self.fs.retries = S3FS_RETRIES
+        self.root = self.root.rstrip("/")
+
+    def scrub(self, text: str) -> str:
+        for secret in self.secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def url(self, name: str = "") -> str:
+        return f"{self.root_url}/{name}" if name else self.root_url
+
+    def _path(self, name: str) -> str:
+        return f"{self.root}/{name}" if name else self.root
+
+    def _do(self, name: str, action: Callable[[str], T]) -> T:
+        try:
+            return action(self._path(name))
+        except Exception as e:  # noqa: BLE001 - every store error becomes one line naming the URL
+            raise StorageError(self.url(name), self.scrub(describe_store_error(e))) from None
+
+    def write(self, name: str, data: bytes) -> None:
+        self._do(name, lambda path: self.fs.pipe_file(path, data))
+
+    def read(self, name: str) -> bytes:
+        return self._do(name, self.fs.cat_file)
+
+    def info(self, name: str) -> dict[str, Any]:
+        return self._do(name, self.fs.info)
+
+    def get(self, name: str, local: Path) -> None:
+        self._do(name, lambda path: self.fs.get_file(path, str(local)))
+
+    def list(self, prefix: str) -> list[str]:
+        def names(path: str) -> list[str]:
+            try:
+                self.fs.invalidate_cache(path)
+                return sorted(entry.rstrip("/").rsplit("/", 1)[-1] for entry in self.fs.ls(path, detail=False))
+            except FileNotFoundError as e:
+                if "bucket" in str(e).lower():
+                    raise
+                return []
+        return self._do(prefix, names)
+
+    def delete(self, name: str) -> None:
+        self._do(name, self.fs.rm_file)
+
+    def free_bytes(self) -> int | None:
+        return None
+
+    def remove_leftovers(self) -> None:
+        pass  # a cut PUT leaves nothing behind
+
+
+def describe_store_error(error: Exception) -> str:
+    """What went wrong, in the words a user acts on."""
+    name = type(error).__name__
+    text = _first_line(error) if str(error) else ""
+    if name == "NoCredentialsError":
+        return ("no credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a profile (AWS_PROFILE), "
+                "an instance role, or key/secret in --storage-options")
+    if isinstance(error, PermissionError) or "AccessDenied" in text or "InvalidAccessKeyId" in text:
+        return f"access denied, wrong or missing credentials ({text})"
+    if name in ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ReadTimeoutError") \
+            or isinstance(error, (ConnectionError, TimeoutError)):
+        return f"the store is unreachable ({text}); check AWS_ENDPOINT_URL or endpoint_url in --storage-options"
+    if isinstance(error, FileNotFoundError):
+        return f"not found ({text})" if text else "not found"
+    return f"{name}: {text}"
+
+
+def url_problem(url: str) -> str | None:
+    """Why this installation cannot open `url`, or None (local paths always open)."""
+    if not is_url(url):
+        return None
+    import fsspec
+
+    protocol = url.split("://", 1)[0]
+    try:
+        fsspec.get_filesystem_class(protocol)
+    except ValueError:
+        return f"no file system is known for {protocol}:// URLs"
+    except ImportError as e:
+        return f"{protocol}:// URLs need a package that is not installed ({_first_line(e)}); pip install it " \
+               "(s3fs for s3:// is in requirements.txt)"
+    return None
+
+
+def log_url_problem(url: str) -> str | None:
+    """TensorBoard writes URLs through its own file layer: s3:// with boto3, others with fsspec."""
+    if not is_url(url):
+        return None
+    if url.startswith(("s3://", "s3a://")):
+        if importlib.util.find_spec("boto3") is None:
+            return "TensorBoard writes s3:// through boto3, which is not installed; pip install boto3"
+        return None
+    return url_problem(url)
+
+
+def export_s3_endpoint(options: dict[str, Any]) -> None:
+    """TensorBoard writes s3:// with boto3, which reads AWS_ENDPOINT_URL itself but not our
+    --storage-options: pass their endpoint on (S3_ENDPOINT is what TensorBoard reads)."""
+    endpoint = options.get("endpoint_url") or options.get("client_kwargs", {}).get("endpoint_url")
+    if endpoint:
+        os.environ.setdefault("S3_ENDPOINT", endpoint)
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [type(error).__name__])[0][:200]
+
+
+def storage_for(url: str, options: dict[str, Any] | None = None) -> Storage:
+    if is_url(url):
+        return FsspecStorage(url, options or {})
+    return LocalStorage(url.removeprefix("file://"))

@@ -1,0 +1,74 @@
+"""A real S3-compatible server for the tests: moto's server mode on 127.0.0.1, in this process,
+with a log of every request it answers (to count GETs of data objects)."""
+from __future__ import annotations
+
+import os
+import secrets
+import threading
+from dataclasses import dataclass, field
+
+from moto.moto_server.threaded_moto_server import ThreadedMotoServer
+from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
+from werkzeug.serving import make_server
+
+
+@dataclass
+class RequestLog:
+    requests: list[tuple[str, str]] = field(default_factory=list)  # (method, path)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def middleware(self, app):
+        def logged(environ, start_response):
+            with self.lock:
+                self.requests.append((environ["REQUEST_METHOD"], environ.get("PATH_INFO", "")))
+            return app(environ, start_response)
+        return logged
+
+    def gets(self, prefix: str) -> int:
+        """GETs of objects under /bucket/prefix (object reads, not listings)."""
+        with self.lock:
+            return sum(1 for method, path in self.requests if method == "GET" and path.startswith(prefix))
+
+    def clear(self) -> None:
+        with self.lock:
+            self.requests.clear()
+
+
+class S3Server(ThreadedMotoServer):
+    """Stop and start again on the same port: moto keeps its buckets in this process meanwhile,
+    as a real store keeps its objects through an outage."""
+
+    def __init__(self, port: int) -> None:
+        super().__init__(ip_address="127.0.0.1", port=port, verbose=False)
+        self.log = RequestLog()
+        self.endpoint = f"http://127.0.0.1:{port}"
+        # Credentials unique to this run, so a test can search every output for them.
+        self.key_id = f"AKIATEST{secrets.token_hex(6).upper()}"
+        self.secret = f"secret-{secrets.token_hex(16)}"
+
+    def _server_entry(self) -> None:
+        app = self.log.middleware(DomainDispatcherApplication(create_backend_app))
+        self._server = make_server(self._ip_address, self._port, app, True, request_handler=MotoRequestHandler)
+        self._server_ready_event.set()
+        self._server.serve_forever()
+
+    def env(self) -> dict[str, str]:
+        """What a client needs: the standard variables every AWS SDK reads."""
+        return {"AWS_ACCESS_KEY_ID": self.key_id, "AWS_SECRET_ACCESS_KEY": self.secret,
+                "AWS_ENDPOINT_URL": self.endpoint, "AWS_DEFAULT_REGION": "us-east-1",
+                "AWS_EC2_METADATA_DISABLED": "true"}
+
+    def client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.endpoint, aws_access_key_id=self.key_id,
+                            aws_secret_access_key=self.secret, region_name="us-east-1")
+
+    def upload_tree(self, bucket: str, prefix: str, root: os.PathLike) -> None:
+        """Every file under `root`, keyed by its relative path under `prefix`."""
+        client = self.client()
+        for dirpath, _, files in os.walk(root):
+            for name in files:
+                path = os.path.join(dirpath, name)
+                key = f"{prefix}/{os.path.relpath(path, root)}".lstrip("/")
+                client.upload_file(path, bucket, key)

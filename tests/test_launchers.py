@@ -1,0 +1,237 @@
+"""The launchers with real processes: signals reach torchrun and the workers save before they stop,
+SLURM's GPU counts in all their forms, and a Kubernetes manifest that keeps every argument intact."""
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tests.conftest import ROOT, child_env, free_port
+
+LAUNCH = ROOT / "launch"
+PARAMETERS = {"NPROC", "NNODES", "RDZV_ENDPOINT", "RDZV_ID", "NODE_RANK", "LOCAL_ADDR", "MAX_RESTARTS", "JOIN_TIMEOUT",
+              "PORT", "RDZV_PORT", "DRY_RUN", "IMAGE", "DATA_PVC", "CKPT_PVC", "WORKERS", "JOB_NAME", "BACKOFF_LIMIT"}
+
+
+def launcher_env(**env: str) -> dict[str, str]:
+    """child_env() without the launchers' parameters or a Slurm job of this host, plus env."""
+    base = {k: v for k, v in child_env().items() if k not in PARAMETERS and not k.startswith("SLURM_")}
+    return {**base, **env}
+
+
+# 1 -------------------------------------------------------------------------------------------
+def ours(tag: str) -> list[int]:
+    """Pids of the processes whose command line holds tag (a path unique to one test)."""
+    found = subprocess.run(["pgrep", "-f", tag], capture_output=True, text=True)
+    return [int(pid) for pid in found.stdout.split()]
+
+
+def gone_within(tag: str, seconds: float) -> float | None:
+    """Seconds until no process holds tag, or None if some still do after `seconds`."""
+    start = time.monotonic()
+    while ours(tag):
+        if time.monotonic() - start > seconds:
+            return None
+        time.sleep(0.1)
+    return time.monotonic() - start
+
+
+class Lines(threading.Thread):
+    """Reads a pipe to its end; `seen` is set once a line starts with `watch`."""
+
+    def __init__(self, stream, watch: str | None = None) -> None:
+        super().__init__(daemon=True)
+        self.stream, self.watch, self.lines, self.seen = stream, watch, [], threading.Event()
+        self.start()
+
+    def run(self) -> None:
+        for line in self.stream:
+            self.lines.append(line)
+            if self.watch and line.startswith(self.watch):
+                self.seen.set()
+
+    def text(self) -> str:
+        return "".join(self.lines)
+
+
+LAUNCHED = {  # launcher: its environment ({port}: a free one)
+    "multi_node.sh": {"NNODES": "1", "RDZV_ENDPOINT": "127.0.0.1:{port}", "NPROC": "2"},
+    "local_two_nodes.sh": {"NPROC": "1"},
+}
+
+
+@pytest.mark.parametrize("script, name, group", [
+    ("multi_node.sh", "SIGTERM", False), ("local_two_nodes.sh", "SIGTERM", False),
+    ("multi_node.sh", "SIGINT", False), ("local_two_nodes.sh", "SIGINT", False),
+    ("local_two_nodes.sh", "SIGINT", True),  # Ctrl-C in a terminal: INT to the launcher's whole process group
+], ids=["multi_node-TERM", "local_two_nodes-TERM", "multi_node-INT", "local_two_nodes-INT", "local_two_nodes-ctrl_c"])
+def test_a_signal_to_the_launcher_stops_training_with_a_checkpoint(script, name, group, tmp_path):
+    ckpt = tmp_path / "ckpt"  # unique to this test: names its processes for pgrep
+    # 312 steps an epoch; 3 epochs so that even a fast host is still training when the signal comes
+    flags = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
+             "--epochs", "3", "--log-dir", str(tmp_path / "tb"), "--checkpoint-dir", str(ckpt)]
+    env = launcher_env(**{k: v.format(port=free_port()) for k, v in LAUNCHED[script].items()})
+    proc = subprocess.Popen([str(LAUNCH / script), "train_ddp.py", *flags], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    out, err = Lines(proc.stdout, watch="synthetic"), Lines(proc.stderr)  # rank 0: "synthetic..." once data is loaded
+    try:
+        assert out.seen.wait(timeout=120), out.text()[-2000:] + err.text()[-3000:]
+        time.sleep(2.0)  # mid-epoch
+        sent = time.monotonic()
+        if group:
+            os.killpg(proc.pid, getattr(signal, name))
+        else:
+            proc.send_signal(getattr(signal, name))  # to the launcher's pid only, as `kill -TERM PID` does
+        proc.wait(timeout=60)
+        exited = time.monotonic() - sent
+        left_at_exit = ours(str(ckpt))
+        gone = gone_within(str(ckpt), 60)
+    finally:
+        for pid in ours(str(ckpt)):  # a launcher that lost its children: end them, they are this test's
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+    out.join(timeout=30)
+    err.join(timeout=30)
+    stopped = [line for line in err.lines if line.startswith(f"stopped by {name} after step")]
+    saved = sorted(ckpt.rglob("*.pt")) if ckpt.exists() else []
+    to = f"{script}'s process group" if group else script
+    print(f"\n{name} to {to}: launcher exited {exited:.1f} s later (status {proc.returncode}), every process gone "
+          f"{exited + (gone or 0):.1f} s later; {stopped[0].split(';')[0] if stopped else 'no stop line'}")
+    assert not left_at_exit, f"the launcher exited before its children {left_at_exit}"
+    assert gone is not None
+    assert proc.returncode != 0  # training did not complete
+    assert len(stopped) == 1, err.text()[-3000:]
+    assert saved, f"no checkpoint under {ckpt}"
+
+
+# 2 -------------------------------------------------------------------------------------------
+def slurm(env: dict[str, str]) -> subprocess.CompletedProcess:
+    job = {"DRY_RUN": "1", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_JOB_ID": "7"}
+    return subprocess.run(["bash", str(LAUNCH / "slurm.sbatch"), "train_ddp.py"], cwd=ROOT,
+                          env=launcher_env(**job, **env), capture_output=True, text=True, timeout=30)
+
+
+SLURM_FORMS = [
+    ({"SLURM_GPUS_PER_NODE": "4"}, 4),
+    ({"SLURM_GPUS_PER_NODE": "a100:4"}, 4),
+    ({"SLURM_GPUS_PER_NODE": "gpu:a100:8"}, 8),
+    ({"SLURM_GPUS_PER_NODE": "a100:2,v100:1"}, 3),
+    ({"SLURM_GPUS_ON_NODE": "2"}, 2),
+    ({"SLURM_JOB_GRES": "gpu:4"}, 4),
+    ({"SLURM_JOB_GRES": "gpu:a100:4"}, 4),
+    ({"SLURM_JOB_GRES": "gpu:a100:4(IDX:0-3)"}, 4),
+    ({"SLURM_JOB_GRES": "gpu:a100:3(IDX:0,2-3)"}, 3),
+    ({"SLURM_JOB_GRES": "gpu:2,mps:100"}, 2),
+    ({"SLURM_JOB_GRES": "mps:100,gpu:v100:2(S:0-1)"}, 2),
+    ({"SLURM_GRES": "gpu:6"}, 6),
+    ({"SLURM_GRES": "gpu"}, 1),
+    # precedence: NPROC, SLURM_GPUS_PER_NODE, SLURM_GPUS_ON_NODE, SLURM_JOB_GRES, SLURM_GRES
+    ({"NPROC": "3", "SLURM_GPUS_PER_NODE": "a100:4", "SLURM_JOB_GRES": "gpu:4"}, 3),
+    ({"SLURM_GPUS_PER_NODE": "a100:4", "SLURM_GPUS_ON_NODE": "2", "SLURM_JOB_GRES": "gpu:8"}, 4),
+    ({"SLURM_GPUS_ON_NODE": "2", "SLURM_JOB_GRES": "gpu:8"}, 2),
+    ({"SLURM_JOB_GRES": "gpu:a100:4(IDX:0-3)", "SLURM_GRES": "gpu:1"}, 4),
+    ({"SLURM_JOB_GRES": "mps:100", "SLURM_GRES": "gpu:2"}, 2),
+    ({"NPROC": "2"}, 2),  # a CPU-only job
+]
+
+
+@pytest.mark.parametrize("env, nproc", SLURM_FORMS, ids=[" ".join(map("=".join, e.items())) for e, _ in SLURM_FORMS])
+def test_slurm_reads_the_gpu_count_in_each_of_its_forms(env, nproc):
+    result = slurm(env)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == (
+        f"srun --kill-on-bad-exit=1 torchrun --nnodes=2 --nproc_per_node={nproc} --rdzv-backend=c10d "
+        "--rdzv-endpoint=gpu01:29400 --rdzv-id=7 --max-restarts=0 train_ddp.py")
+
+
+@pytest.mark.parametrize("env", [{}, {"SLURM_JOB_GRES": "mps:100"}, {"SLURM_GPUS_ON_NODE": "0"}],
+                         ids=["nothing", "gres without gpus", "0 gpus"])
+def test_slurm_without_gpus_or_nproc_is_a_clear_error(env):
+    result = slurm(env)
+    assert result.returncode == 2 and result.stdout == ""
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
+    for name in ("SLURM_GPUS_PER_NODE", "SLURM_GPUS_ON_NODE", "SLURM_JOB_GRES", "SLURM_GRES", "NPROC=N",
+                 "--gpus-per-node"):
+        assert name in lines[0]
+
+
+# 3 -------------------------------------------------------------------------------------------
+HOSTILE = ["--log-dir", "/logs/my run", '--note=say "hi"', "*.txt", "$(touch PWNED)", "two\nlines", "it's",
+           "back\\slash", "key: value", "- item", "{a: b}", "#hash", "&anchor", "!tag", "", "null", "yes", "0x10",
+           "tab\there", "ünïcode"]
+
+
+def k8s(tmp: Path, env: dict[str, str], args: list[str]) -> subprocess.CompletedProcess:
+    """From tmp as the working directory, where a.txt would match a glob of *.txt."""
+    (tmp / "a.txt").write_text("")
+    fake = tmp / "bin"  # a kubectl that records what it was given
+    fake.mkdir(exist_ok=True)
+    (fake / "kubectl").write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {shlex.quote(str(tmp / "kubectl.args"))}\n'
+                                  f'cat > {shlex.quote(str(tmp / "kubectl.stdin"))}\n')
+    (fake / "kubectl").chmod(0o755)
+    path = f"{fake}{os.pathsep}{child_env()['PATH']}"
+    return subprocess.run(["bash", str(LAUNCH / "k8s.sh"), "train_ddp.py", *args], cwd=tmp,
+                          env=launcher_env(PATH=path, **env), capture_output=True, text=True, timeout=30)
+
+
+def split(stdout: str) -> tuple[str, dict]:
+    """The `# each pod runs: ...` line and the manifest after it."""
+    first, _, rest = stdout.partition("\n")
+    assert first.startswith("# each pod runs: "), stdout
+    return first.removeprefix("# each pod runs: "), yaml.safe_load(rest)
+
+
+def test_k8s_manifest_keeps_every_argument_intact(tmp_path):
+    pwned = tmp_path / "pwned"
+    args = [arg.replace("PWNED", str(pwned)) for arg in HOSTILE]
+    result = k8s(tmp_path, {"IMAGE": "registry.example/dp:1", "DATA_PVC": "data", "NPROC": "2", "DRY_RUN": "1"}, args)
+    assert result.returncode == 0, result.stderr
+    command, manifest = split(result.stdout)
+    expected = ["torchrun", "--nproc_per_node=2", "--max-restarts=3", "train_ddp.py", *args,
+                "--data-dir", "/data", "--checkpoint-dir", "/checkpoints/dp-suite"]
+    specs = manifest["spec"]["pytorchReplicaSpecs"]
+    for role in ("Master", "Worker"):
+        assert specs[role]["template"]["spec"]["containers"][0]["command"] == expected
+        assert specs[role]["restartPolicy"] == "OnFailure"
+    assert manifest["spec"]["runPolicy"] == {"backoffLimit": 3}
+    # the printed command is one line of shell that gives back the same arguments
+    echoed = subprocess.run(["bash", "-c", f"printf '%s\\0' {command}"], cwd=tmp_path, capture_output=True, text=True)
+    assert echoed.stdout.split("\0")[:-1] == expected
+    assert not pwned.exists() and not (tmp_path / "kubectl.stdin").exists()  # nothing ran, nothing applied
+    print(f"\nk8s: {len(args)} hostile arguments intact; the printed command: {command[:120]}...")
+
+
+def test_k8s_applies_the_manifest_it_prints(tmp_path):
+    env = {"IMAGE": "img:2", "DATA_PVC": "data", "CKPT_PVC": "ckpt", "WORKERS": "3", "NPROC": "4",
+           "JOB_NAME": "run7", "MAX_RESTARTS": "1", "BACKOFF_LIMIT": "5"}
+    result = k8s(tmp_path, env, ["--log-dir", "/logs/my run"])
+    assert result.returncode == 0, result.stderr
+    command, printed = split(result.stdout)
+    assert command == ("torchrun --nproc_per_node=4 --max-restarts=1 train_ddp.py --log-dir '/logs/my run' "
+                       "--data-dir /data --checkpoint-dir /checkpoints/run7")
+    assert (tmp_path / "kubectl.args").read_text().split() == ["apply", "-f", "-"]
+    applied = yaml.safe_load((tmp_path / "kubectl.stdin").read_text())
+    assert applied == printed
+    assert applied["metadata"] == {"name": "run7"} and applied["spec"]["runPolicy"] == {"backoffLimit": 5}
+    specs = applied["spec"]["pytorchReplicaSpecs"]
+    assert specs["Master"]["replicas"] == 1 and specs["Worker"]["replicas"] == 3
+    pod = specs["Worker"]["template"]["spec"]
+    assert pod["containers"][0]["resources"] == {"limits": {"nvidia.com/gpu": 4}}
+    assert [v["persistentVolumeClaim"]["claimName"] for v in pod["volumes"][:2]] == ["data", "ckpt"]
+
+
+@pytest.mark.parametrize("env", [{"NPROC": "two"}, {"WORKERS": "-1"}, {"BACKOFF_LIMIT": "x"}], ids=lambda e: [*e][0])
+def test_k8s_refuses_bad_numbers(env, tmp_path):
+    result = k8s(tmp_path, {"IMAGE": "img", "DATA_PVC": "data", "DRY_RUN": "1", **env}, [])
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("error: ") and len(result.stderr.splitlines()) == 1, result.stderr
+    assert next(iter(env)) in result.stderr

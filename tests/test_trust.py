@@ -1,0 +1,266 @@
+"""Runs you can trust: run identity, new runs beside old ones, storage faults, nothing pickled
+between ranks, errors printed once. Real torchrun processes (gloo, CPU) where ranks matter."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from common.checkpoint import CheckpointFolder, parse_checkpoint
+from common.config import parse_args
+from common.errors import UserError
+from common.storage import LocalStorage
+from tests.conftest import ROOT, error_lines, latest_checkpoint, latest_state, run_script
+from train_allreduce import AllReduceStrategy
+from train_master import MasterWorkerStrategy
+
+FLAGS = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32"]
+
+
+def ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+
+
+def one_error(result: subprocess.CompletedProcess) -> str:
+    assert result.returncode != 0, result.stdout[-2000:]
+    errors = error_lines(result.stderr)
+    assert len(errors) == 1, result.stderr[-4000:]
+    return errors[0]
+
+
+# ---------------------------------------------------------------- run identity, in process
+
+def config(*flags: str, world_size: int = 1, strategy=None):
+    extra = {"add_flags": strategy.add_flags, "identity_options": strategy.identity_options} if strategy else {}
+    return parse_args([*FLAGS, "--epochs", "2", *flags], strategy=strategy.name if strategy else "ddp",
+                      default_dataset="synthetic", world_size=world_size, **extra)
+
+
+IDENTITY_ROWS = {  # every setting that changes the trained weights, and another value for it
+    "dataset": ["--dataset", "mnist"], "synthetic_shape": ["--synthetic-shape", "cifar"],
+    "model": ["--model", "cifar_net"], "batch_size": ["--batch-size", "64"], "lr": ["--lr", "0.01"],
+    "momentum": ["--momentum", "0.8"], "weight_decay": ["--weight-decay", "0"], "schedule": ["--schedule", "cosine"],
+    "epochs": ["--epochs", "3"], "seed": ["--seed", "7"], "max_steps": ["--max-steps", "5"], "sync_bn": ["--sync-bn"],
+}
+NOT_IDENTITY = [  # settings that may change between restarts of one run
+    ["--device", "cpu"], ["--backend", "gloo"], ["--log-every", "7"], ["--keep", "5"], ["--save-every-steps", "9"],
+    ["--log-dir", "elsewhere"], ["--checkpoint-dir", "elsewhere"], ["--timeout-s", "30"], ["--eval-batch-size", "10"],
+    ["--log-all-ranks"], ["--check-replicas", "3"], ["--data-dir", "/data"], ["--no-download"],
+]
+
+
+def saved(cfg, step: int = 4) -> dict:
+    return {"model": {}, "optimizer": {}, "scheduler": {}, "epoch": 0, "step_in_epoch": step, "global_step": step,
+            "config": cfg.as_plain_dict(), "world_size": 1, "identity": cfg.identity()}
+
+
+@pytest.mark.parametrize("row", list(IDENTITY_ROWS))
+def test_every_identity_row_resumes_unchanged_and_refuses_changed(row, tmp_path):
+    base, changed = config(), config(*IDENTITY_ROWS[row])
+    assert changed.identity()[row] != base.identity().get(row)
+    assert changed.run_id != base.run_id and changed.checkpoint_dir != base.checkpoint_dir  # own default folder
+    folder = CheckpointFolder(LocalStorage(str(tmp_path)), keep=3)
+    folder.write("first", saved(base))
+    same = folder.choose("auto", config().identity())  # the same command again
+    assert same.run == "first" and same.state["global_step"] == 4
+    with pytest.raises(UserError) as refused:  # the changed command, pointed at the same folder
+        folder.choose("auto", changed.identity())
+    message = str(refused.value)
+    assert f"{row} {base.identity().get(row)!r} -> {changed.identity()[row]!r}" in message
+    assert "To continue that run, rerun with its settings" in message and "pass --resume none" in message
+    assert "\n" not in message
+
+
+@pytest.mark.parametrize("flags", NOT_IDENTITY, ids=lambda f: f[0])
+def test_restart_settings_are_not_part_of_the_identity(flags):
+    assert config(*flags).identity() == config().identity()
+
+
+def test_world_size_and_the_way_gradients_travel_are_not_part_of_the_identity():
+    assert config(world_size=2).identity() == config().identity()
+    allreduce = AllReduceStrategy()
+    for flags in (["--allreduce", "ring"], ["--bucket-mb", "1"]):
+        assert config(*flags, strategy=allreduce).run_id == config(strategy=allreduce).run_id
+    master = MasterWorkerStrategy()
+    assert config("--master-update", strategy=master).run_id == config(strategy=master).run_id
+
+
+def test_runs_in_one_folder_never_prune_each_other(tmp_path):
+    folder = CheckpointFolder(LocalStorage(str(tmp_path)), keep=2)
+    cfg = config()
+    for step in range(1, 6):  # two runs saving in turn, as parallel jobs sharing a folder would
+        folder.write("a", saved(cfg, step))
+        folder.write("b", saved(cfg, 100 + step))
+    assert sorted(p.name for p in (tmp_path / "a").glob("step-*")) == ["step-00000004.pt", "step-00000005.pt"]
+    assert sorted(p.name for p in (tmp_path / "b").glob("step-*")) == ["step-00000104.pt", "step-00000105.pt"]
+
+
+# ---------------------------------------------------------------- run identity, end to end
+
+def test_smoke_run_then_real_run_trains_the_real_run(tmp_path):
+    """Before: the real run printed 'training already complete' and trained nothing."""
+    smoke = run_script(["train_ddp.py", *FLAGS, "--epochs", "2", "--max-steps", "2"], nproc=2, cwd=tmp_path)
+    ok(smoke)
+    real_flags = [*FLAGS, "--epochs", "1", "--max-steps", "3", "--lr", "0.01", "--seed", "7"]
+    real = run_script(["train_ddp.py", *real_flags], nproc=2, cwd=tmp_path)
+    ok(real)
+    assert "already complete" not in real.stdout and "resumed" not in real.stdout and "epoch 1/1" in real.stdout
+    folders = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
+    assert len(folders) == 2 and all(f.startswith("ddp-synthetic-lenet-") for f in folders), folders
+    again = run_script(["train_ddp.py", *real_flags], nproc=2, cwd=tmp_path)  # the same command: that run
+    ok(again)
+    assert "training already complete" in again.stdout
+
+
+def test_changed_lr_never_continues_an_unfinished_run(tmp_path):
+    """Before: the second command continued the first run with the first run's lr in its optimizer."""
+    cut = run_script(["tests/faults.py", "ddp", "sigterm", "3", *FLAGS, "--epochs", "1", "--max-steps", "8"],
+                     nproc=2, cwd=tmp_path)
+    assert "stopped by SIGTERM after step 4" in cut.stderr, cut.stderr[-3000:]
+    changed = run_script(["train_ddp.py", *FLAGS, "--epochs", "1", "--max-steps", "8", "--lr", "0.01"],
+                         nproc=2, cwd=tmp_path)
+    ok(changed)
+    assert "resumed" not in changed.stdout and "peak lr 0.01;" in changed.stdout
+    folders = list((tmp_path / "checkpoints").iterdir())
+    assert len(folders) == 2
+    for folder in folders:  # each run with its own optimizer state
+        state = latest_state(folder)
+        assert state["optimizer"]["param_groups"][0]["initial_lr"] == state["config"]["lr"]
+    same = run_script(["train_ddp.py", *FLAGS, "--epochs", "1", "--max-steps", "8"], nproc=2, cwd=tmp_path)
+    ok(same)
+    assert "resumed from" in same.stdout and "epoch 1, step 4" in same.stdout  # the first run, where it stopped
+    # Pointed at one explicit folder, the changed command stops with the differences instead.
+    explicit = tmp_path / "explicit"
+    ok(run_script(["train_ddp.py", *FLAGS, "--epochs", "1", "--max-steps", "2", "--checkpoint-dir", str(explicit)],
+                  nproc=2, cwd=tmp_path))
+    start = time.monotonic()
+    refused = run_script(["train_ddp.py", *FLAGS, "--epochs", "1", "--max-steps", "2", "--lr", "0.01",
+                          "--checkpoint-dir", str(explicit)], nproc=2, cwd=tmp_path)
+    seconds = time.monotonic() - start
+    error = one_error(refused)
+    assert "lr 0.0125 -> 0.01" in error and "--lr 0.0125" in error and "pass --resume none" in error
+    print(f"\nchanged --lr on an explicit folder: one error, exit {refused.returncode}, after {seconds:.1f} s")
+
+
+def test_resume_none_in_a_used_folder_keeps_both_runs_apart(tmp_path):
+    """Before: the new run's own checkpoint was pruned and a later auto resumed the old run."""
+    ckpt = tmp_path / "ckpt"
+    common = [*FLAGS, "--epochs", "1", "--max-steps", "12", "--save-every-steps", "2", "--checkpoint-dir", str(ckpt)]
+    ok(run_script(["train_ddp.py", *common], nproc=2))
+    old_run = latest_checkpoint(ckpt).parent
+    old_files = sorted(p.name for p in old_run.iterdir())
+    new = run_script(["tests/faults.py", "ddp", "sigterm", "3", *common, "--resume", "none"], nproc=2)
+    stopped = [line for line in new.stderr.splitlines() if line.startswith("stopped by SIGTERM after step 4")]
+    assert stopped, new.stderr[-3000:]
+    named = Path(stopped[0].split("checkpoint ")[1].split(";")[0])
+    assert named.is_file() and named.parent != old_run  # its own checkpoint survived, in its own folder
+    assert sorted(p.name for p in old_run.iterdir()) == old_files  # the old run is untouched
+    later = run_script(["train_ddp.py", *common], nproc=2)
+    ok(later)
+    assert f"resumed from {named}: epoch 1, step 4" in later.stdout  # the new run, not the old one
+
+
+# ---------------------------------------------------------------- storage faults
+
+@contextmanager
+def tmpfs(path: Path, size: str, *options: str) -> Iterator[Path]:
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", ",".join([f"size={size}", *options]), "tmpfs", str(path)],
+                             capture_output=True, text=True)
+    if mounted.returncode:
+        pytest.skip(f"cannot mount a tmpfs here (needs root): {mounted.stderr.strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], capture_output=True)
+
+
+def test_full_disk_ends_every_rank_with_one_line_and_the_previous_checkpoint_resumes(tmp_path):
+    """Before: RuntimeError: [enforce fail at inline_container.cc] unexpected pos, after a whole epoch."""
+    run = ["train_ddp.py", *FLAGS, "--epochs", "1", "--max-steps", "6", "--save-every-steps", "2"]
+    with tmpfs(tmp_path / "small", "5m") as disk:  # one lenet checkpoint is ~3.5 MB: the second does not fit
+        start = time.monotonic()
+        full = run_script([*run, "--checkpoint-dir", str(disk)], nproc=2)
+        seconds = time.monotonic() - start
+        error = one_error(full)
+        assert "saving checkpoint" in error and "step-00000004.pt failed (No space left on device (ENOSPC))" in error
+        previous = latest_checkpoint(disk)
+        assert previous.name == "step-00000002.pt" and f"the previous checkpoint {previous} is intact" in error
+        assert not list(disk.rglob(".*.tmp-*")) and not list(disk.rglob("step-00000004.pt"))  # no partial file
+        assert parse_checkpoint(previous.read_bytes())["global_step"] == 2
+        print(f"\nfull disk at the second save: every process ended {seconds:.1f} s after start, one error line")
+        subprocess.run(["mount", "-o", "remount,size=20m", str(disk)], check=True)
+        resumed = run_script([*run, "--checkpoint-dir", str(disk)], nproc=2)
+        ok(resumed)
+        assert f"resumed from {previous}: epoch 1, step 2" in resumed.stdout
+
+
+def test_a_disk_too_small_for_one_checkpoint_is_refused_before_training(tmp_path):
+    with tmpfs(tmp_path / "tiny", "1m") as disk:
+        error = one_error(run_script(["train_ddp.py", *FLAGS, "--epochs", "1", "--checkpoint-dir", str(disk)], nproc=2))
+        assert f"--checkpoint-dir {disk} has 1.0 MB free, and one checkpoint of this run takes about" in error
+
+
+def test_read_only_checkpoint_dir_is_refused_before_training(tmp_path):
+    with tmpfs(tmp_path / "ro", "5m", "ro") as disk:
+        start = time.monotonic()
+        result = run_script(["train_ddp.py", *FLAGS, "--epochs", "1", "--checkpoint-dir", str(disk)], nproc=2)
+        seconds = time.monotonic() - start
+        error = one_error(result)
+        assert f"--checkpoint-dir {disk} is not writable (Read-only file system (EROFS))" in error
+        assert "epoch 1/1" not in result.stdout
+        print(f"\nread-only --checkpoint-dir: one error before training, {seconds:.1f} s after start")
+
+
+def test_an_io_error_during_a_save_ends_the_job_and_keeps_the_previous_checkpoint(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    # fsyncs of files: 1 the write probe, 2 and 3 the first checkpoint and its pointer, 4 the second checkpoint
+    result = run_script(["tests/patched.py", "eio-after-4", str(ROOT / "train_ddp.py"), *FLAGS, "--epochs", "1",
+                         "--max-steps", "6", "--save-every-steps", "2", "--checkpoint-dir", str(ckpt)], nproc=2)
+    error = one_error(result)
+    assert "step-00000004.pt failed (Input/output error (EIO))" in error
+    assert latest_checkpoint(ckpt).name == "step-00000002.pt" and not list(ckpt.rglob(".*.tmp-*"))
+
+
+def test_no_hard_links_and_no_rename_still_save_and_resume(tmp_path):
+    """Before: the first save failed on gcsfuse, blobfuse, S3 Mountpoint (last.pt was a hard link)."""
+    ckpt = tmp_path / "ckpt"
+    run = ["tests/patched.py", "no-hard-links,no-rename"]
+    common = [*FLAGS, "--epochs", "1", "--max-steps", "6", "--checkpoint-dir", str(ckpt)]
+    cut = run_script([*run, str(ROOT / "tests/faults.py"), "ddp", "sigterm", "2", *common], nproc=2)
+    assert "stopped by SIGTERM after step 3" in cut.stderr, cut.stderr[-3000:]
+    resumed = run_script([*run, str(ROOT / "train_ddp.py"), *common], nproc=2)
+    ok(resumed)
+    assert "resumed from" in resumed.stdout and "epoch 1, step 3" in resumed.stdout
+    assert latest_state(ckpt)["global_step"] == 6
+
+
+# ---------------------------------------------------------------- between ranks
+
+def test_nothing_is_pickled_between_ranks(tmp_path):
+    """Every object collective raises in these processes; flags, the checkpoint choice, the resumed
+    checkpoint and warnings still reach every rank."""
+    common = [*FLAGS, "--epochs", "1", "--max-steps", "6", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    cut = run_script(["tests/patched.py", "no-object-collectives", str(ROOT / "tests/faults.py"), "ddp", "sigterm",
+                      "2", *common], nproc=2)
+    assert "stopped by SIGTERM after step 3" in cut.stderr, cut.stderr[-3000:]
+    resumed = run_script(["tests/patched.py", "no-object-collectives", str(ROOT / "tests/faults.py"), "allreduce",
+                          "warn", "1", *common], nproc=2)
+    ok(resumed)
+    assert "resumed from" in resumed.stdout
+    assert resumed.stderr.count("injected warning on rank 1") == 1  # relayed to rank 0, printed once
+
+
+def test_an_error_every_rank_hits_is_printed_once(cifar_root, tmp_path):
+    shutil.copytree(cifar_root, tmp_path / "data")
+    batch = tmp_path / "data" / "cifar-10-batches-py" / "data_batch_2"
+    batch.write_bytes(batch.read_bytes()[:5000])  # every rank reads it
+    result = run_script(["train_ddp.py", "--dataset", "cifar10", "--data-dir", str(tmp_path / "data"),
+                         "--no-download", "--checkpoint-dir", str(tmp_path / "ckpt")], nproc=2)
+    assert "data_batch_2" in one_error(result)
+    assert "/common/" not in result.stderr  # no rank's traceback
