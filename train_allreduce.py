@@ -6,13 +6,14 @@ each launched from a backward hook as soon as its gradients are ready, waited on
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 from torch import nn
 
 from common.app import main as run
 from common.comm import GradientBuckets, PerParameterAllReduce, float_buffers, launch_all_reduce
+from common.config import Config
 from common.distributed import DistContext
+from common.errors import ConfigError
 from common.strategy import HandWrittenSync
 
 
@@ -23,23 +24,28 @@ class AllReduceStrategy(HandWrittenSync):
     @classmethod
     def add_flags(cls, group: argparse._ArgumentGroup) -> None:
         super().add_flags(group)
-        group.add_argument("--allreduce", default="torch", choices=("torch", "ring", "per-param"),
-                           help="torch: dist.all_reduce per bucket; ring: the hand-written ring all-reduce; "
+        group.add_argument("--allreduce", default="torch", choices=("torch", "ring", "gather", "per-param"),
+                           help="torch: dist.all_reduce per bucket; ring: the hand-written ring all-reduce; gather: "
+                                "one all_gather round and a local sum (fewer round trips, for small buckets); "
                                 "per-param: the tutorials' blocking all_reduce per parameter after backward "
                                 "(a baseline, slow) (default: %(default)s)")
 
-    def configure(self, options: dict[str, Any]) -> None:
-        super().configure(options)
-        self.mode = options["allreduce"]
+    def configure(self, cfg: Config) -> None:
+        super().configure(cfg)
+        self.mode = cfg.options["allreduce"]
+        if self.mode == "per-param" and self.wire_dtype is not None:
+            raise ConfigError("--allreduce per-param is the tutorials' uncompressed baseline; drop "
+                              "--grad-compression, or use the buckets (--allreduce torch or ring)")
 
     def describe(self) -> str:
-        return f"allreduce/{self.mode}"
+        return f"allreduce/{self.mode}{self.compressed()}"
 
     def make_sync(self, model: nn.Module, ctx: DistContext) -> GradientBuckets | PerParameterAllReduce:
         if self.mode == "per-param":
             return PerParameterAllReduce(model, scale=1.0 / ctx.world_size, device=ctx.comm_device)
-        return GradientBuckets(model, self.bucket_mb, launch_all_reduce(ring=self.mode == "ring"), rank=ctx.rank,
-                               device=ctx.comm_device, scale=1.0 / ctx.world_size, root_buffers=float_buffers(model))
+        return GradientBuckets(model, self.bucket_mb, launch_all_reduce(self.mode), rank=ctx.rank,
+                               device=ctx.comm_device, scale=1.0 / ctx.world_size, root_buffers=float_buffers(model),
+                               wire_dtype=self.wire_dtype)
 
 
 def main(argv: list[str] | None = None) -> None:

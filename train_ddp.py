@@ -1,27 +1,169 @@
 """DistributedDataParallel: gradients are averaged in buckets, overlapped with backward, by DDP itself.
 
-    torchrun --standalone --nproc_per_node=2 train_ddp.py
+    torchrun --standalone --nproc_per_node=2 train_ddp.py [--grad-compression fp16|bf16|powersgd]
 """
 from __future__ import annotations
 
+import inspect
+from typing import Any
+
+import numpy as np
+import torch
 from torch import nn
+from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from common.app import main as run
+from common.comm import broadcast_coalesced
+from common.config import Config
 from common.distributed import DistContext
 from common.strategy import Strategy
+
+
+# Buffers are still sent from rank 0 once, when DDP is built. The flag's name changed in torch 2.14.
+NO_BUFFER_SYNC_PER_FORWARD = ({"forward_sync_buffers": False}
+                              if "forward_sync_buffers" in inspect.signature(DistributedDataParallel).parameters
+                              else {"broadcast_buffers": False})
+
+
+Layout = list[tuple[str, tuple[int, ...]]]  # a bucket's parameters: (name, shape), in bucket order
 
 
 class DDPStrategy(Strategy):
     name = "ddp"
     default_dataset = "cifar10"
+    compressions = ("none", "fp16", "bf16", "powersgd")
+
+    def configure(self, cfg: Config) -> None:
+        super().configure(cfg)
+        self.powersgd: PowerSGD | None = None
 
     def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module:
+        """DDP broadcasts BatchNorm buffers from rank 0 before every forward; they matter only when
+        read (evaluation, checkpoints), so consolidate() sends them then instead: the same values,
+        without a collective per step."""
+        self.device = ctx.comm_device
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
-        return DistributedDataParallel(model, device_ids=device_ids)
+        # PowerSGD's hook starts its second all-reduce from the first one's completion callback: with
+        # two buckets in flight the ranks can issue them in different orders (gloo aborts with a
+        # collective mismatch). One bucket (DDP rebuilds its buckets after the first step, before
+        # PowerSGD starts) keeps the order.
+        cap_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 + 1 \
+            if self.compression == "powersgd" else 25
+        ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True, bucket_cap_mb=cap_mb,
+                                      **NO_BUFFER_SYNC_PER_FORWARD)
+        if self.compression == "powersgd":  # rank 1: one P and one Q per matrix; error feedback keeps it unbiased
+            self.powersgd = PowerSGD(ddp, model, ctx.device)
+        elif self.compression != "none":
+            hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
+            ddp.register_comm_hook(None, hook[self.compression])
+        return ddp
+
+    def no_sync(self, model: nn.Module) -> Any:
+        return model.no_sync()
+
+    def consolidate(self, model: nn.Module) -> None:
+        broadcast_coalesced(list(self.unwrap(model).buffers()), self.device)
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.powersgd.state_dict() if self.powersgd else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.powersgd and state:
+            self.powersgd.load_state_dict(state)
+
+
+class PowerSGD:
+    """torch's PowerSGD hook, with its state kept per parameter where layouts change. The hook keeps
+    its error feedback and warm-start factors per bucket, in the bucket's parameter order; DDP orders
+    a bucket by registration in a process's first step and by gradient-ready order after it
+    rebuilds its buckets. A resumed run (its first step: registration order) and an uninterrupted
+    one (already rebuilt) would otherwise read the same state in different orders. Here the state
+    is saved per parameter and moved into the bucket's order whenever that order is new, so a
+    resumed run compresses exactly as the uninterrupted one."""
+
+    def __init__(self, ddp: DistributedDataParallel, model: nn.Module, device: torch.device) -> None:
+        self.state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                                 start_powerSGD_iter=2, random_seed=0)
+        self.names = {p: name for name, p in model.named_parameters()}
+        self.layouts: dict[int, Layout] = {}  # bucket index -> its parameters, in order
+        self.pending: dict[str, dict[str, torch.Tensor]] = {}  # per-parameter state waiting for its bucket
+        self.device = device
+        ddp.register_comm_hook(self, PowerSGD.hook)
+
+    @staticmethod
+    def hook(self, bucket):  # noqa: ANN001, ANN205 - DDP rejects a hook annotated other than with its classes
+        index, layout = bucket.index(), [(self.names[p], tuple(p.shape)) for p in bucket.parameters()]
+        if self.layouts.get(index, layout) != layout:  # DDP rebuilt its buckets: move the state along
+            self._merge(self._per_parameter({index: self.layouts[index]}))
+        if self.pending:
+            self._place(index, layout)
+        self.layouts[index] = layout
+        return powerSGD_hook.powerSGD_hook(self.state, bucket)
+
+    def _factors(self, layout: Layout) -> list[tuple[str, int, int]]:
+        """(name, P size, Q size) of each parameter the hook compresses, in the hook's order."""
+        factors = []
+        for name, shape in layout:
+            n = shape[0] if shape else 1
+            m = max(1, int(torch.Size(shape).numel()) // max(n, 1))
+            rank = min(n, m, self.state.matrix_approximation_rank)
+            if powerSGD_hook._should_compress(n, m, rank, self.state.min_compression_rate)[0]:
+                factors.append((name, n * rank, m * rank))
+        return factors
+
+    def _per_parameter(self, layouts: dict[int, Layout]) -> dict[str, dict[str, torch.Tensor]]:
+        """The state of these buckets, split by parameter (and taken out of the hook's dicts)."""
+        s, out = self.state, {"error": {}, "p": {}, "q": {}}
+        for index, layout in layouts.items():
+            if index in s.error_dict:
+                sizes = [int(torch.Size(shape).numel()) for _, shape in layout]
+                out["error"].update(zip([n for n, _ in layout], s.error_dict.pop(index).split(sizes)))
+            if index in s.p_memory_dict:
+                factors = self._factors(layout)
+                names = [n for n, _, _ in factors]
+                out["p"].update(zip(names, s.p_memory_dict.pop(index).split([p for _, p, _ in factors])))
+                out["q"].update(zip(names, s.q_memory_dict.pop(index).split([q for _, _, q in factors])))
+        return out
+
+    def _merge(self, state: dict[str, dict[str, torch.Tensor]]) -> None:
+        for key, tensors in state.items():
+            self.pending.setdefault(key, {}).update(tensors)
+
+    def _place(self, index: int, layout: Layout) -> None:
+        """Put the waiting per-parameter state into this bucket, in its current order."""
+        s, pending, names = self.state, self.pending, [n for n, _ in layout]
+        if names and all(n in pending.get("error", {}) for n in names):
+            s.error_dict[index] = torch.cat([pending["error"].pop(n) for n in names]).to(self.device)
+        factors = [n for n, _, _ in self._factors(layout)]
+        if factors and all(n in pending.get("p", {}) for n in factors):
+            s.p_memory_dict[index] = torch.cat([pending["p"].pop(n) for n in factors]).to(self.device)
+            s.q_memory_dict[index] = torch.cat([pending["q"].pop(n) for n in factors]).to(self.device)
+        if not any(pending.values()):
+            self.pending = {}
+
+    def state_dict(self) -> dict[str, Any]:
+        s = self.state
+        name, keys, position, has_gauss, cached = s.rng.get_state()
+        saved = {key: {n: t.clone() for n, t in tensors.items()} for key, tensors in self.pending.items()}
+        for key, tensors in self._per_parameter(dict(self.layouts)).items():
+            saved.setdefault(key, {}).update({n: t.cpu().clone() for n, t in tensors.items()})
+        for index, layout in self.layouts.items():  # _per_parameter took the state out: put it back
+            self._merge(saved)
+            self._place(index, layout)
+        return {"iter": s.iter, "rng": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)),
+                                        "position": int(position), "has_gauss": int(has_gauss), "cached": float(cached)},
+                **saved}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        s, rng = self.state, state["rng"]
+        s.iter = state["iter"]
+        s.rng.set_state((rng["name"], rng["keys"].numpy().astype(np.uint32), rng["position"], rng["has_gauss"],
+                         rng["cached"]))
+        self.pending = {key: dict(state.get(key, {})) for key in ("error", "p", "q")}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
 
 from torch import nn
 
 from common.app import main as run
+from common.config import Config
 from common.distributed import DistContext
 from common.errors import ConfigError
 from common.strategy import Strategy
@@ -25,9 +25,14 @@ class DataParallelStrategy(Strategy):
     def add_flags(cls, group: argparse._ArgumentGroup) -> None:
         group.add_argument("--gpus", default="", help="comma list of GPU ids to use (default: all visible)")
 
-    def configure(self, options: dict[str, Any]) -> None:
-        if options["gpus"]:  # set before CUDA starts; the chosen GPUs become cuda:0, cuda:1, ...
-            os.environ["CUDA_VISIBLE_DEVICES"] = options["gpus"]
+    def configure(self, cfg: Config) -> None:
+        super().configure(cfg)
+        if cfg.options["gpus"]:  # set before CUDA starts; the chosen GPUs become cuda:0, cuda:1, ...
+            os.environ["CUDA_VISIBLE_DEVICES"] = cfg.options["gpus"]
+
+    def compression_hint(self) -> str:
+        return ("nn.DataParallel sums gradients inside one process, over no network: drop --grad-compression, or "
+                "use train_ddp.py or train_allreduce.py")
 
     def check_world(self, world_size: int) -> None:
         if world_size > 1:

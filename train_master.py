@@ -9,7 +9,6 @@ broadcasts the updated parameters.
 from __future__ import annotations
 
 import argparse
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -17,7 +16,9 @@ from torch import nn
 
 from common.app import main as run
 from common.comm import Bucket, GradientBuckets, Handle, broadcast_coalesced, float_buffers, launch_reduce_to_root
+from common.config import Config
 from common.distributed import DistContext
+from common.step import Precision
 from common.strategy import HandWrittenSync
 
 
@@ -31,34 +32,39 @@ class MasterWorkerStrategy(HandWrittenSync):
         group.add_argument("--master-update", action="store_true",
                            help="only rank 0 holds optimizer state and steps; it broadcasts the new parameters")
 
-    def configure(self, options: dict[str, Any]) -> None:
-        super().configure(options)
-        self.master_update = options["master_update"]
+    def configure(self, cfg: Config) -> None:
+        super().configure(cfg)
+        self.master_update = cfg.options["master_update"]
 
     def describe(self) -> str:
-        return "master/update" if self.master_update else "master"
+        return ("master/update" if self.master_update else "master") + self.compressed()
 
     def make_sync(self, model: nn.Module, ctx: DistContext) -> GradientBuckets:
-        self.is_master = ctx.is_primary
+        """Each rank's gradients, divided by W, are summed onto rank 0 (the average), then sent back."""
+        self.is_master, self.device = ctx.is_primary, ctx.comm_device
         if self.master_update:  # only rank 0 needs the average; it sends parameters and buffers after its step
-            self.replicated, self.device = [*model.parameters(), *float_buffers(model)], ctx.comm_device
+            self.sent_by_master = [*model.parameters(), *float_buffers(model)]
             return GradientBuckets(model, self.bucket_mb, launch_reduce_to_root, rank=ctx.rank, device=ctx.comm_device,
-                                   scale=1.0 / ctx.world_size)
+                                   scale=1.0 / ctx.world_size, wire_dtype=self.wire_dtype)
 
-        def average_on_master_then_broadcast(bucket: Bucket) -> Handle:
-            bucket.grads.div_(ctx.world_size)  # meaningful on rank 0; the broadcast overwrites the others
+        def broadcast_average(bucket: Bucket) -> Handle:
             return dist.broadcast(bucket.flat, src=0, async_op=True)
 
         return GradientBuckets(model, self.bucket_mb, launch_reduce_to_root, rank=ctx.rank, device=ctx.comm_device,
-                               then=average_on_master_then_broadcast, root_buffers=float_buffers(model))
+                               scale=1.0 / ctx.world_size, then=broadcast_average, root_buffers=float_buffers(model),
+                               wire_dtype=self.wire_dtype)
 
-    def step(self, optimizer: torch.optim.Optimizer) -> None:
+    def step(self, optimizer: torch.optim.Optimizer, precision: Precision) -> None:
         if not self.master_update:
-            optimizer.step()
+            precision.step(optimizer)
             return
         if self.is_master:  # workers' gradients are partial sums: only the master may step
-            optimizer.step()
-        broadcast_coalesced(self.replicated, self.device)
+            precision.step(optimizer)
+        # The master's parameters, buffers and (fp16) loss scale: the workers take all three.
+        scale = torch.tensor([precision.scale()], dtype=torch.float32, device=self.device)
+        broadcast_coalesced([*self.sent_by_master, scale], self.device)
+        if not self.is_master:
+            precision.follow(scale.item())
 
 
 def main(argv: list[str] | None = None) -> None:

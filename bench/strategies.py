@@ -57,28 +57,36 @@ def launcher(script: str, world: int, threads: int) -> tuple[list[str], dict[str
             {**os.environ, "OMP_NUM_THREADS": str(threads)})
 
 
-def run_row(script: list[str], model: str, batch: int, world: int, threads: int) -> Timing:
-    shape, steps, every = MODELS[model]
-    with tempfile.TemporaryDirectory() as tmp:
-        flags = ["--dataset", "synthetic", "--synthetic-shape", shape, "--model", model, "--batch-size", str(batch),
-                 "--epochs", "1", "--max-steps", str(steps), "--log-every", str(every),
-                 "--log-dir", f"{tmp}/tb", "--checkpoint-dir", f"{tmp}/ckpt"]
-        command, env = launcher(script[0], world, threads)
-        done = subprocess.run([*command, *script, *flags], cwd=ROOT, env=env, capture_output=True, text=True)
-        if done.returncode:
-            raise SystemExit(f"{' '.join(script)} failed:\n{done.stderr[-3000:]}")
-        return _read_timing(Path(tmp) / "tb")
-
-
-def _read_timing(log_dir: Path) -> Timing:
-    """Mean of the logging intervals after the first (warm-up: allocator, first buckets, caches)."""
+def run(script: list[str], flags: list[str], world: int, threads: int = 1) -> dict[str, list[float]]:
+    """Train with these flags (fresh temp folders) and return every TensorBoard scalar by tag."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    acc = EventAccumulator(str(log_dir))
-    acc.Reload()
+    with tempfile.TemporaryDirectory() as tmp:
+        command, env = launcher(script[0], world, threads)
+        done = subprocess.run([*command, *script, *flags, "--log-dir", f"{tmp}/tb", "--checkpoint-dir", f"{tmp}/ckpt"],
+                              cwd=ROOT, env=env, capture_output=True, text=True)
+        if done.returncode:
+            raise SystemExit(f"{' '.join(script + flags)} failed:\n{done.stderr[-3000:]}")
+        acc = EventAccumulator(f"{tmp}/tb", size_guidance={"scalars": 0})
+        acc.Reload()
+        return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+
+
+def synthetic(model: str, batch: int, steps: int, every: int) -> list[str]:
+    return ["--dataset", "synthetic", "--synthetic-shape", MODELS[model][0], "--model", model, "--batch-size",
+            str(batch), "--epochs", "1", "--max-steps", str(steps), "--log-every", str(every)]
+
+
+def timing(scalars: dict[str, list[float]]) -> Timing:
+    """Mean of the logging intervals after the first (warm-up: allocator, first buckets, caches)."""
     def mean(tag: str) -> float:
-        return statistics.fmean(e.value for e in acc.Scalars(tag)[1:])
+        return statistics.fmean(scalars[tag][1:])
     return Timing(mean("time/data_ms"), mean("time/compute_ms"), mean("time/sync_ms"))
+
+
+def run_row(script: list[str], model: str, batch: int, world: int, threads: int) -> Timing:
+    _, steps, every = MODELS[model]
+    return timing(run(script, synthetic(model, batch, steps, every), world, threads))
 
 
 def best(timings: list[Timing]) -> Timing:

@@ -1,8 +1,10 @@
 """The program every train_*.py runs, given its strategy: parse, join, load, build, resume, train."""
 from __future__ import annotations
 
+import json
 import os
 import sys
+import time
 from dataclasses import replace
 from typing import Sequence
 
@@ -17,13 +19,17 @@ from common.fetch import load_dataset
 from common.errors import UserError
 from common.logger import NullLogger, make_logger, node_console
 from common.models import build_model
-from common.optim import make_optimizer, make_scheduler
+from common.optim import make_scheduler
 from common.preemption import StopRequest
+from common.profiling import NoProfiler, StepProfiler, trace_folder
 from common.run import Position, Run
+from common.step import Precision
 from common.strategy import Strategy
 from common.sync_batchnorm import convert_batchnorm
 from common.trainer import Trainer
 from common.warnings_relay import WarningRelay
+
+STARTED = time.monotonic()  # a fallback for the start-up time where /proc is missing
 
 
 def main(strategy: Strategy, argv: Sequence[str] | None = None) -> None:
@@ -31,13 +37,27 @@ def main(strategy: Strategy, argv: Sequence[str] | None = None) -> None:
         strategy.check_world(world_size_from_env())
         cfg = parse_args(argv, strategy=strategy.name, default_dataset=strategy.default_dataset,
                          add_flags=strategy.add_flags, identity_options=strategy.identity_options)
-        strategy.configure(cfg.options)
+        strategy.configure(cfg)
         with distributed(cfg) as ctx:
             train(cfg, ctx, strategy)
     except UserError as e:
+        report_to_torchrun(e)
         if e.should_print():
             print(f"{e.prefix}{e}", file=sys.stderr, flush=True)
+        elif "TORCHELASTIC_RUN_ID" in os.environ:
+            time.sleep(e.quiet_exit_delay_s)
         sys.exit(e.exit_code)
+
+
+def report_to_torchrun(error: UserError) -> None:
+    """Tell torchrun (through its per-rank error file) that this rank ended on a handled error, so its
+    summary says why and launch/quiet_torchrun.py can keep the console to our one line."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if path:
+        with open(path, "w") as f:  # the format torch.distributed.elastic's @record writes
+            json.dump({"message": {"message": f"{type(error).__name__}: {error}",
+                                   "extraInfo": {"py_callstack": "(handled; printed as one line above)",
+                                                 "timestamp": str(int(time.time()))}}}, f)
 
 
 def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
@@ -50,6 +70,8 @@ def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
     # On resume TensorBoard drops the cut run's points after the resume point.
     log = make_logger(run.cfg, ctx.rank, run_hparams(run), purge_step=run.global_step(start) + 1 if resumed else None)
     stop, relay = StopRequest(ctx), WarningRelay()
+    profiler = StepProfiler(trace_folder(run.cfg.log_dir, cfg.run_id), ctx.rank, ctx.device, log) \
+        if cfg.profile else NoProfiler()
     final = None
     try:
         for warning in warnings:
@@ -65,26 +87,44 @@ def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
         if cfg.check_equivalence:
             check_equivalence(run, log)
             return
-        final = Trainer(run, log, checkpoints, stop, relay).fit(start)
+        log.startup(process_age_s(), run.global_step(start))
+        final = Trainer(run, log, checkpoints, stop, relay, profiler).fit(start)
     finally:
+        profiler.stop()
         stop.close()
         relay.close()
         log.close(final)
 
 
 def build_run(cfg: Config, ctx: DistContext, strategy: Strategy) -> Run:
+    if ctx.device.type == "cuda":
+        torch.backends.cudnn.benchmark = True  # fixed shapes: pick the fastest conv kernels once
+    memory_format = torch.channels_last if cfg.memory_format == "channels_last" else torch.contiguous_format
     data = load_dataset(cfg.dataset, cfg.data_dir, ctx=ctx, say=node_console(ctx), allow_download=cfg.download,
                         download_from=cfg.download_from, cache_dir=cfg.cache_dir,
                         storage_options=cfg.storage_options, synthetic_shape=cfg.synthetic_shape)
     loader = ctx.together(lambda: TrainLoader(data.train, data.spec, cfg.batch_size, ctx.rank, ctx.world_size,
-                                              cfg.seed, ctx.device, cfg.max_steps))
-    model = build_model(cfg.model, data.spec.channels, data.spec.size, data.spec.classes, cfg.seed).to(ctx.device)
+                                              cfg.seed, ctx.device, cfg.max_steps, memory_format))
+    model = build_model(cfg.model, data.spec.channels, data.spec.size, data.spec.classes, cfg.seed)
+    model = model.to(ctx.device, memory_format=memory_format)
     if cfg.sync_bn:
         convert_batchnorm(model)
     wrapped = strategy.wrap(model, ctx)
-    optimizer = make_optimizer(cfg, wrapped)
+    optimizer = strategy.make_optimizer(cfg, wrapped)
     scheduler = make_scheduler(cfg, optimizer, cfg.epochs * loader.steps_per_epoch)
-    return Run(cfg, ctx, strategy, data, loader, wrapped, optimizer, scheduler)
+    compiled = torch.compile(wrapped) if cfg.compile else None  # for DDP, compile sees DDP and splits at buckets
+    return Run(cfg, ctx, strategy, data, loader, wrapped, optimizer, scheduler, Precision(cfg.precision, ctx.device),
+               compiled)
+
+
+def process_age_s() -> float:
+    """Seconds since this process started (Linux: from /proc), for the start-up time."""
+    try:
+        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
+        uptime = float(open("/proc/uptime").read().split()[0])
+        return uptime - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return time.monotonic() - STARTED
 
 
 def resume_position(resumed: Resumed | None, run: Run) -> Position:
@@ -116,6 +156,9 @@ def describe(run: Run, checkpoints: Checkpoints, log: NullLogger) -> None:
              f"backend {ctx.backend}, master {master}, device {ctx.device} (rank 0), "
              f"{torch.get_num_threads()} thread(s) per rank")
     log.info(f"{run.data.name}: {len(run.data.train)} train / {len(run.data.test)} test images; model {cfg.model}; "
-             f"global batch {cfg.batch_size} = {cfg.batch_size // ctx.world_size} per rank x {ctx.world_size}; "
-             f"peak lr {cfg.lr:g}; {cfg.epochs} epoch(s)")
-    log.info(f"run {cfg.run_id}: checkpoints {checkpoints.url()}; TensorBoard {cfg.log_dir}")
+             f"global batch {cfg.batch_size} = {cfg.batch_size // ctx.world_size} per rank x {ctx.world_size}"
+             f"{f' in {cfg.accumulate} micro-batches' if cfg.accumulate > 1 else ''}; peak lr {cfg.lr:g}; "
+             f"{cfg.epochs} epoch(s); {cfg.precision}, {cfg.memory_format}{', compiled' if cfg.compile else ''}")
+    points = f"step-level points every {run.log_every} step(s)" + (
+        "" if cfg.log_every else f" (chosen for {run.steps_per_epoch} steps per epoch; --log-every N to choose)")
+    log.info(f"run {cfg.run_id}: checkpoints {checkpoints.url()}; TensorBoard {cfg.log_dir}; {points}")

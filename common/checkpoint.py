@@ -306,6 +306,8 @@ class Checkpoints:
         run.strategy.load_model_state(run.model, state["model"])
         run.strategy.load_optimizer_state(run.optimizer, state["optimizer"])
         run.scheduler.load_state_dict(state["scheduler"])
+        run.precision.load_state_dict(state.get("scaler", {}))
+        run.strategy.load_state_dict(state.get("strategy", {}))
 
     def save(self, run: Run, at: Position) -> str:
         """A collective. Rank 0 writes the checkpoint; every rank returns its path, or ends with
@@ -314,6 +316,8 @@ class Checkpoints:
             "model": run.strategy.model_state(run.model),
             "optimizer": run.strategy.optimizer_state(run.optimizer),
             "scheduler": run.scheduler.state_dict(),
+            "scaler": run.precision.state_dict(),  # fp16's loss scale and its growth tracker
+            "strategy": run.strategy.state_dict(),  # e.g. PowerSGD's error feedback
             "epoch": at.epoch, "step_in_epoch": at.step, "global_step": run.global_step(at),
             "world_size": run.ctx.world_size, "config": run.cfg.as_plain_dict(), "identity": run.cfg.identity(),
             "version": __version__,

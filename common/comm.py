@@ -7,8 +7,9 @@ round trip per bucket, not one per parameter (NOTES.md §2).
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Callable, Iterator, Protocol
 
 import torch
 import torch.distributed as dist
@@ -66,12 +67,29 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int,
     return recv
 
 
-def launch_all_reduce(ring: bool) -> Launch:
+class GatherSum:
+    """All-reduce in one round: all-gather every rank's bucket, then sum locally in rank order (the
+    same order on every rank, so every rank gets the same bits). Each rank sends its bucket to W-1
+    peers instead of 2(W-1)/W of it around a ring in 2(W-1) steps: fewer round trips, more bytes,
+    a win for small, latency-bound buckets at small W."""
+
+    def __init__(self, flat: torch.Tensor) -> None:
+        self.flat = flat
+        self.parts = [torch.empty_like(flat) for _ in range(dist.get_world_size())]
+        self.handle = dist.all_gather(self.parts, flat, async_op=True)
+
+    def wait(self) -> None:
+        self.handle.wait()
+        torch.sum(torch.stack(self.parts), dim=0, out=self.flat)
+
+
+def launch_all_reduce(mode: str) -> Launch:
+    """mode: torch (dist.all_reduce), ring (ring_all_reduce, synchronous) or gather (GatherSum)."""
     def ring_now(flat: torch.Tensor) -> Handle:
         ring_all_reduce(flat)
         return _Done()
 
-    return ring_now if ring else lambda flat: dist.all_reduce(flat, async_op=True)
+    return {"ring": ring_now, "gather": GatherSum}.get(mode, lambda flat: dist.all_reduce(flat, async_op=True))
 
 
 def launch_reduce_to_root(flat: torch.Tensor) -> Handle:
@@ -106,9 +124,10 @@ class Bucket:
     handle: Handle | None = None
 
     @classmethod
-    def make(cls, params: list[nn.Parameter], buffers: list[torch.Tensor], device: torch.device) -> "Bucket":
+    def make(cls, params: list[nn.Parameter], buffers: list[torch.Tensor], device: torch.device,
+             dtype: torch.dtype) -> "Bucket":
         n_grads = sum(p.numel() for p in params)
-        flat = torch.zeros(n_grads + len(params) + sum(b.numel() for b in buffers), dtype=params[0].dtype, device=device)
+        flat = torch.zeros(n_grads + len(params) + sum(b.numel() for b in buffers), dtype=dtype, device=device)
         return cls(params, flat, flat[:n_grads], flat[n_grads:n_grads + len(params)], buffers)
 
     @property
@@ -131,66 +150,94 @@ class GradientBuckets:
     `root_buffers` (BatchNorm running statistics) ride in the last bucket: rank 0 sends its values,
     the others zeros, so after a summing collective every rank holds rank 0's buffers. That is DDP's
     buffer broadcast without a collective of its own.
+
+    `wire_dtype` (fp16 or bf16) compresses the gradients: each bucket travels in that type, halving
+    the bytes on the wire, and is cast back on arrival. Gradients are multiplied by `scale` (1/W)
+    before they are packed, so a sum of W of them cannot overflow fp16; the buffers, which must not
+    lose precision, then travel in a float32 bucket of their own.
     """
 
     def __init__(self, model: nn.Module, cap_mb: float, launch: Launch, *, rank: int, device: torch.device,
-                 scale: float = 1.0, then: Then | None = None, root_buffers: list[torch.Tensor] | None = None) -> None:
-        """`then`, if given, starts on each bucket once `launch` finished (reduce, then broadcast);
-        the gradients times `scale` become .grad. `device` holds the buckets: the parameters' own
-        device, or the CPU when gloo serves a CUDA rank."""
+                 scale: float = 1.0, then: Then | None = None, root_buffers: list[torch.Tensor] | None = None,
+                 wire_dtype: torch.dtype | None = None) -> None:
+        """`then`, if given, starts on each bucket once `launch` finished (reduce, then broadcast).
+        `device` holds the buckets: the parameters' own device, or the CPU when gloo serves a CUDA
+        rank."""
         params = [p for p in reversed(list(model.parameters())) if p.requires_grad]
+        dtype = wire_dtype or params[0].dtype
         groups = _split_into_buckets(params, int(cap_mb * 2**20))
-        self.buckets = [Bucket.make(group, (root_buffers or []) if i == len(groups) - 1 else [], device)
+        buffers = root_buffers or []
+        separate = bool(buffers) and dtype != buffers[0].dtype
+        self.buckets = [Bucket.make(group, buffers if i == len(groups) - 1 and not separate else [], device, dtype)
                         for i, group in enumerate(groups)]
+        if separate:
+            self.buckets.append(Bucket.make([], buffers, device, buffers[0].dtype))
         self.launch, self.then, self.scale, self.is_root = launch, then, scale, rank == 0
         self.bucket_of = {id(p): b for b, bucket in enumerate(self.buckets) for p in bucket.params}
         self.next_launch = 0
+        self.active = True
         self.launches = 0  # collectives started so far, for tests and the benchmark
         for p in params:
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
 
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        """Gradients accumulate in .grad without any bucket launching (all micro-batches but the last)."""
+        self.active = False
+        try:
+            yield
+        finally:
+            self.active = True
+
     def _on_grad_ready(self, param: nn.Parameter) -> None:
+        if not self.active:
+            return
         self.buckets[self.bucket_of[id(param)]].ready.add(id(param))
         while self.next_launch < len(self.buckets) and \
                 len(self.buckets[self.next_launch].ready) == len(self.buckets[self.next_launch].params):
             self._launch(self.buckets[self.next_launch])
 
     def _launch(self, bucket: Bucket) -> None:
-        offset = 0
-        for i, p in enumerate(bucket.params):
-            view = bucket.grads[offset:offset + p.numel()]
-            view.zero_() if p.grad is None else view.copy_(p.grad.view(-1))
-            offset += p.numel()
-        bucket.used.copy_(torch.tensor([p.grad is not None for p in bucket.params], dtype=bucket.used.dtype))
-        if bucket.buffers:
-            region = bucket.buffer_region
-            region.copy_(torch.cat([b.detach().reshape(-1) for b in bucket.buffers])) if self.is_root else region.zero_()
-        bucket.handle = self.launch(bucket.flat)
+        with torch.profiler.record_function(f"sync: launch bucket {self.next_launch}"):
+            offset = 0
+            for p in bucket.params:  # view(p.shape).copy_ also packs channels_last gradients
+                view = bucket.grads[offset:offset + p.numel()].view(p.shape)
+                view.zero_() if p.grad is None else view.copy_(p.grad)
+                offset += p.numel()
+            if self.scale != 1.0:
+                bucket.grads.mul_(self.scale)
+            bucket.used.copy_(torch.tensor([p.grad is not None for p in bucket.params], dtype=bucket.used.dtype))
+            if bucket.buffers:
+                region = bucket.buffer_region
+                region.copy_(torch.cat([b.detach().reshape(-1) for b in bucket.buffers])) if self.is_root else region.zero_()
+            bucket.handle = self.launch(bucket.flat)
         self.next_launch += 1
         self.launches += 1
 
     def finish(self) -> None:
-        """Launch what backward left (unused parameters), wait for every bucket, write the results
-        back into .grad and the buffers. Called once per step, after backward."""
+        """Launch what backward left (unused parameters, a separate buffer bucket), wait for every
+        bucket, write the results back into .grad and the buffers. Called once per step, after
+        the last backward."""
         for bucket in self.buckets[self.next_launch:]:
             self._launch(bucket)
-        if self.then is not None:
+        with torch.profiler.record_function("sync: wait for buckets"):
+            if self.then is not None:
+                for bucket in self.buckets:
+                    bucket.handle.wait()
+                    bucket.handle = self.then(bucket)
             for bucket in self.buckets:
                 bucket.handle.wait()
-                bucket.handle = self.then(bucket)
-        for bucket in self.buckets:
-            bucket.handle.wait()
-            self._write_back(bucket)
-            bucket.ready.clear()
-            bucket.handle = None
+                self._write_back(bucket)
+                bucket.ready.clear()
+                bucket.handle = None
         self.next_launch = 0
 
     def _write_back(self, bucket: Bucket) -> None:
         offset = 0
         for p, used_anywhere in zip(bucket.params, bucket.used.tolist()):
             if used_anywhere:
-                grad = bucket.grads[offset:offset + p.numel()].view_as(p).mul(self.scale)
-                p.grad = grad.to(p.device) if p.grad is None else p.grad.copy_(grad)
+                grad = bucket.grads[offset:offset + p.numel()].view_as(p)
+                p.grad = grad.to(p.device, p.dtype) if p.grad is None else p.grad.copy_(grad)
             offset += p.numel()
         offset = 0
         for b in bucket.buffers:
@@ -234,6 +281,10 @@ class PerParameterAllReduce:
         self.buffers = float_buffers(model)
         self.scale, self.device = scale, device
         self.launches = 0
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        yield  # it communicates only in finish(), after the last micro-batch
 
     def finish(self) -> None:
         for p in self.params:

@@ -5,6 +5,7 @@ import argparse
 import hashlib
 import json
 import os
+import shutil
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Sequence
@@ -67,6 +68,12 @@ class Config:
     check_equivalence: int
     check_replicas: int
     sync_bn: bool
+    precision: str
+    accumulate: int
+    grad_compression: str
+    compile: bool
+    profile: bool
+    memory_format: str
     storage_options: dict[str, Any] = field(default_factory=dict)  # may hold credentials: never logged or saved
     options: dict[str, Any] = field(default_factory=dict)  # the strategy's own flags
     identity_options: tuple[str, ...] = ()  # those of the strategy's flags that change the trained weights
@@ -92,7 +99,7 @@ class Config:
 
 # Settings that change the trained weights. --synthetic-shape matters only for --dataset synthetic.
 IDENTITY = ("dataset", "model", "batch_size", "lr", "momentum", "weight_decay", "schedule", "epochs", "seed",
-            "max_steps", "sync_bn")
+            "max_steps", "sync_bn", "precision", "accumulate", "grad_compression")
 
 
 def run_identity(flags: dict[str, Any], strategy_options: Sequence[str] = ()) -> dict[str, Any]:
@@ -159,7 +166,8 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
     add("--keep", type=int, default=3, help="checkpoints kept, newest first; at least 2 (default: %(default)s)")
     add("--save-every-steps", type=int, default=0, metavar="S",
         help="also save every S optimizer steps inside an epoch (epoch ends always save; 0: only those)")
-    add("--log-every", type=int, default=50, help="steps between step-level TensorBoard points (default: %(default)s)")
+    add("--log-every", type=int, default=None, help="steps between step-level TensorBoard points (default: enough for "
+                                                   "at least 10 points per epoch, at most every 50 steps)")
     add("--log-all-ranks", action="store_true", help="every rank prints its console lines, tagged [rank N]")
     add("--check-equivalence", type=int, default=0, metavar="K",
         help="train K steps beside a one-process reference on the same global batches, print max |dw|, "
@@ -168,6 +176,22 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
         help="BatchNorm statistics over the global batch instead of each rank's share (one all-reduce per layer)")
     add("--check-replicas", type=int, default=0, metavar="N",
         help="every N steps, stop with an error if any parameter or buffer differs across ranks")
+    recipe = p.add_argument_group("recipes")
+    recipe.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
+                        help="autocast dtype of forward and loss; fp16 adds loss scaling (default: %(default)s)")
+    recipe.add_argument("--accumulate", type=int, default=1, metavar="N",
+                        help="micro-batches per optimizer step, gradients synchronized once per step; the global "
+                             "batch stays --batch-size (default: %(default)s)")
+    recipe.add_argument("--grad-compression", default="none", choices=("none", "fp16", "bf16", "powersgd"),
+                        help="gradients on the wire: fp16/bf16 halve the bytes, powersgd (DDP only) sends a rank-1 "
+                             "approximation with error feedback (default: %(default)s)")
+    recipe.add_argument("--compile", action="store_true", help="torch.compile the model (the collectives stay outside)")
+    recipe.add_argument("--profile", action="store_true",
+                        help="trace a few steps after warm-up with torch.profiler: one Chrome/Perfetto trace per rank "
+                             "next to the TensorBoard run, and the top operators on the console")
+    recipe.add_argument("--memory-format", default="channels_last", choices=("channels_last", "contiguous"),
+                        help="layout of images and conv weights; channels_last is faster for these nets on CPU and "
+                             "GPU (default: %(default)s)")
     return p
 
 
@@ -194,7 +218,7 @@ def _validate(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int
         p.error(f"--epochs must be >= 1 (got {a.epochs})")
     if a.lr <= 0:
         p.error(f"--lr must be > 0 (got {a.lr})")
-    if a.max_steps < 0 or a.eval_batch_size < 1 or a.timeout_s <= 0 or a.log_every < 1:
+    if a.max_steps < 0 or a.eval_batch_size < 1 or a.timeout_s <= 0 or (a.log_every is not None and a.log_every < 1):
         p.error("--max-steps must be >= 0, --eval-batch-size >= 1, --timeout-s > 0 and --log-every >= 1")
     if a.keep < 2:
         p.error(f"--keep must be >= 2 (got {a.keep}): the newest checkpoint may be the one a crash cut short")
@@ -202,7 +226,29 @@ def _validate(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int
         p.error(f"--save-every-steps must be >= 0 (got {a.save_every_steps})")
     if a.check_equivalence < 0 or a.check_replicas < 0:
         p.error("--check-equivalence and --check-replicas take a step count >= 0")
+    _validate_recipes(p, a, world_size)
     _validate_storage(p, a)
+
+
+def _validate_recipes(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int) -> None:
+    per_rank = a.batch_size // world_size
+    if a.accumulate < 1:
+        p.error(f"--accumulate must be >= 1 (got {a.accumulate})")
+    if per_rank % a.accumulate:
+        p.error(f"--accumulate {a.accumulate}: each rank's batch (--batch-size {a.batch_size} / {world_size} rank(s) = "
+                f"{per_rank}) does not split into {a.accumulate} equal micro-batches; use a divisor of {per_rank} "
+                "or another --batch-size")
+    if a.check_equivalence and a.grad_compression == "powersgd":
+        p.error("--check-equivalence compares against exact gradient averaging, which PowerSGD approximates on "
+                "purpose; drop one of the two flags")
+    if a.compile and a.device != "cuda" and not _cpp_compiler():
+        p.error("--compile on the CPU needs a C++ compiler for TorchInductor, and none was found (g++, c++, "
+                "clang++ or $CXX): install one (Debian/Ubuntu: apt-get install g++) or drop --compile")
+
+
+def _cpp_compiler() -> str | None:
+    return next(filter(None, (shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c)),
+                None)
 
 
 def _validate_storage(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:

@@ -70,12 +70,6 @@ def make_synthetic(shape: str, train_size: int = 10000, test_size: int = 2000, s
 
 # ---------------------------------------------------------------- batches on the device
 
-def _normalize(images: torch.Tensor, spec: DataSpec) -> torch.Tensor:
-    mean = torch.tensor(spec.mean, device=images.device).view(1, -1, 1, 1)
-    std = torch.tensor(spec.std, device=images.device).view(1, -1, 1, 1)
-    return (images.float() / 255.0 - mean) / std
-
-
 def _batch_generator(seed: int, epoch: int, step: int) -> torch.Generator:
     digest = hashlib.blake2b(f"{seed}:{epoch}:{step}".encode(), digest_size=8).digest()
     return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
@@ -93,6 +87,28 @@ def crop_and_flip(images: torch.Tensor, shifts: torch.Tensor, flips: torch.Tenso
     return padded[batch, chans, rows, cols]
 
 
+def on_device(split: Split, device: torch.device) -> Split:
+    """The split where its batches are used. On a GPU the whole set (uint8: 47 MB for MNIST, 150 MB
+    for CIFAR-10) is copied over once, from pinned memory without blocking, so no batch crosses the
+    bus; on the CPU it stays where it is."""
+    if device.type != "cuda":
+        return split
+    return Split(split.images.pin_memory().to(device, non_blocking=True),
+                 split.labels.pin_memory().to(device, non_blocking=True))
+
+
+class Normalizer:
+    """uint8 images -> normalized float, in the layout the model wants (channels_last for conv nets)."""
+
+    def __init__(self, spec: DataSpec, device: torch.device, memory_format: torch.memory_format) -> None:
+        self.mean = torch.tensor(spec.mean, device=device).view(1, -1, 1, 1)
+        self.std = torch.tensor(spec.std, device=device).view(1, -1, 1, 1)
+        self.memory_format = memory_format
+
+    def __call__(self, images: torch.Tensor) -> torch.Tensor:
+        return ((images.float() / 255.0 - self.mean) / self.std).contiguous(memory_format=self.memory_format)
+
+
 class TrainLoader:
     """This rank's share of each global batch, in DistributedSampler order.
 
@@ -103,25 +119,25 @@ class TrainLoader:
     """
 
     def __init__(self, split: Split, spec: DataSpec, global_batch: int, rank: int, world_size: int,
-                 seed: int, device: torch.device, max_steps: int = 0) -> None:
-        self.split, self.spec, self.device = split, spec, device
+                 seed: int, device: torch.device, max_steps: int = 0,
+                 memory_format: torch.memory_format = torch.contiguous_format) -> None:
+        full_steps = len(split) // global_batch
+        if full_steps == 0:
+            raise UserError(f"--batch-size {global_batch} is larger than the training set ({len(split)} images)")
+        self.split, self.spec, self.device = on_device(split, device), spec, device
         self.global_batch, self.rank, self.world_size, self.seed = global_batch, rank, world_size, seed
         self.per_rank = global_batch // world_size
         self.sampler = DistributedSampler(range(len(split)), num_replicas=world_size, rank=rank,
                                           shuffle=True, seed=seed, drop_last=True)
-        full_steps = len(split) // global_batch
-        if full_steps == 0:
-            raise UserError(f"--batch-size {global_batch} is larger than the training set ({len(split)} images)")
         self.steps_per_epoch = min(full_steps, max_steps) if max_steps else full_steps
+        self.normalize = Normalizer(spec, device, memory_format)
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         self.sampler.set_epoch(epoch)  # without it every epoch repeats the same shuffle
-        order = torch.tensor(list(self.sampler), dtype=torch.int64)
+        order = torch.tensor(list(self.sampler), dtype=torch.int64).to(self.device)
         for step in range(start_step, self.steps_per_epoch):
             index = order[step * self.per_rank:(step + 1) * self.per_rank]
-            images = self.split.images[index].to(self.device, non_blocking=True)
-            labels = self.split.labels[index].to(self.device, non_blocking=True)
-            yield self._transform(images, epoch, step), labels
+            yield self._transform(self.split.images[index], epoch, step), self.split.labels[index]
 
     def _transform(self, images: torch.Tensor, epoch: int, step: int) -> torch.Tensor:
         if self.spec.augment:
@@ -129,7 +145,7 @@ class TrainLoader:
             shifts = torch.randint(0, 9, (self.global_batch, 2), generator=g)[self.rank::self.world_size]
             flips = (torch.rand(self.global_batch, generator=g) < 0.5)[self.rank::self.world_size]
             images = crop_and_flip(images, shifts.to(images.device), flips.to(images.device))
-        return _normalize(images, self.spec)
+        return self.normalize(images)
 
 
 def eval_shard(size: int, rank: int, world_size: int) -> torch.Tensor:
@@ -138,8 +154,16 @@ def eval_shard(size: int, rank: int, world_size: int) -> torch.Tensor:
     return torch.tensor_split(torch.arange(size), world_size)[rank]
 
 
-def eval_batches(split: Split, spec: DataSpec, rank: int, world_size: int, batch: int,
-                 device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    for index in eval_shard(len(split), rank, world_size).split(batch):
-        images = split.images[index].to(device, non_blocking=True)
-        yield _normalize(images, spec), split.labels[index].to(device, non_blocking=True)
+def eval_batches(split: Split, spec: DataSpec, rank: int, world_size: int, batch: int, device: torch.device,
+                 memory_format: torch.memory_format = torch.contiguous_format, equal_counts: bool = False,
+                 ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """This rank's shard in batches; with equal_counts, padded with empty batches to as many
+    batches as the largest shard has (shards differ by at most one sample)."""
+    normalize = Normalizer(spec, device, memory_format)
+    indices = list(eval_shard(len(split), rank, world_size).split(batch))
+    if equal_counts:
+        most = -(-len(eval_shard(len(split), 0, world_size)) // batch)  # shard 0 is never the smaller one
+        indices += [torch.zeros(0, dtype=torch.int64)] * (most - len(indices))
+    for index in indices:
+        images = split.images[index].pin_memory() if device.type == "cuda" else split.images[index]
+        yield normalize(images.to(device, non_blocking=True)), split.labels[index].to(device, non_blocking=True)

@@ -7,49 +7,78 @@ single process on the concatenated batch (`_test_DDP_niter`), made a user-facing
 """
 from __future__ import annotations
 
+import io
 from itertools import count
 
 import torch
 from torch import nn
 
+from common.config import Config
 from common.data import TrainLoader
-from common.distributed import DistContext
 from common.logger import NullLogger
 from common.models import build_model
 from common.optim import make_optimizer, make_scheduler
 from common.run import Run
+from common.step import Precision, train_step
 from common.strategy import Strategy
-from common.trainer import train_step
 
 TOLERANCE = 1e-5  # float32 on CPU; the two sides sum the same numbers in a different order
+# (flag, value, bound) where the two sides round differently. Measured max |dw| after 4 steps (lenet,
+# global batch 48, world 2): bf16 autocast 1.21e-06, bf16 gradients on the wire 1.56e-06; fp16
+# (7.6e-07, 1.2e-07) and --compile (1.5e-08) stay within TOLERANCE.
+LOOSER = [("precision", "bf16", 5e-5), ("grad_compression", "bf16", 5e-5)]
 
 
 def check_equivalence(run: Run, log: NullLogger) -> None:
-    cfg, ctx, data, plain = run.cfg, run.ctx, run.data, run.plain
-    reference = build_model(cfg.model, data.spec.channels, data.spec.size, data.spec.classes, cfg.seed).to(ctx.device)
-    reference.load_state_dict(plain.state_dict())  # the strategy's starting point, after any broadcast
-    ref_optimizer = make_optimizer(cfg, reference)
+    cfg, ctx, data = run.cfg, run.ctx, run.data
+    reference = build_model(cfg.model, data.spec.channels, data.spec.size, data.spec.classes, cfg.seed)
+    reference = reference.to(ctx.device, memory_format=run.memory_format)
+    reference.load_state_dict(starting_point(run))
+    ref_optimizer = make_optimizer(cfg, reference.parameters())
     ref_scheduler = make_scheduler(cfg, ref_optimizer, run.total_steps)
-    whole_batch = TrainLoader(data.train, data.spec, cfg.batch_size, 0, 1, cfg.seed, ctx.device, cfg.max_steps)
+    ref_precision = Precision(cfg.precision, ctx.device)
+    whole_batch = TrainLoader(data.train, data.spec, cfg.batch_size, 0, 1, cfg.seed, ctx.device, cfg.max_steps,
+                              run.memory_format)
     run.model.train()
     reference.train()
     steps = 0
     for epoch in count():
         for (images, labels), (all_images, all_labels) in zip(run.loader.epoch(epoch), whole_batch.epoch(epoch)):
-            train_step(run.model, run.strategy, run.optimizer, run.scheduler, images, labels)
-            train_step(reference, Strategy(), ref_optimizer, ref_scheduler, all_images, all_labels)
+            train_step(run.step_model, run.strategy, run.optimizer, run.scheduler, run.precision, images, labels,
+                       cfg.accumulate)
+            run.strategy.end_of_step(run.model, steps + 1, False)
+            train_step(reference, Strategy(), ref_optimizer, ref_scheduler, ref_precision, all_images, all_labels)
             steps += 1
             if steps == cfg.check_equivalence:
-                return _verdict(run.strategy.describe(), ctx, plain, reference, steps, log)
+                return _verdict(run, reference, steps, log)
 
 
-def _verdict(label: str, ctx: DistContext, plain: nn.Module, reference: nn.Module, steps: int,
-             log: NullLogger) -> None:
-    local = max((a.detach() - b.detach()).abs().max() for a, b in zip(plain.parameters(), reference.parameters()))
-    worst = local.reshape(1).to(ctx.comm_device)
+def starting_point(run: Run) -> dict[str, torch.Tensor]:
+    """The strategy's weights after any broadcast, as rank 0 holds them (gathered where sharded),
+    on every rank."""
+    buffer = io.BytesIO()
+    torch.save(run.strategy.model_state(run.model), buffer)
+    data = run.ctx.broadcast_bytes(buffer.getvalue() if run.ctx.is_primary else None)
+    return torch.load(io.BytesIO(data), map_location=run.ctx.device, weights_only=True)
+
+
+def tolerance(cfg: Config) -> float:
+    """1e-5 where the maths is the same (float32: the two sides only sum in another order); looser,
+    measured bounds where a recipe rounds differently on the two sides (see README)."""
+    return max([TOLERANCE, *(bound for key, value, bound in LOOSER if getattr(cfg, key) == value)])
+
+
+def _verdict(run: Run, reference: nn.Module, steps: int, log: NullLogger) -> None:
+    """The strategy's model as saved (gathered from its shards where sharded: on rank 0) against
+    the reference, parameter by parameter; the worst difference over ranks."""
+    ctx, bound, state = run.ctx, tolerance(run.cfg), run.strategy.model_state(run.model)
+    gaps = [(state[name].detach().to(p.device) - p.detach()).abs().max().double().cpu()
+            for name, p in reference.named_parameters() if name in state]  # empty on ranks without the state
+    worst = (torch.stack(gaps).max() if gaps else torch.zeros((), dtype=torch.float64)).reshape(1).to(ctx.comm_device)
     torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
     max_dw = worst.item()
-    log.info(f"equivalence: max |dw| = {max_dw:.3g} after {steps} steps ({label}, world {ctx.world_size})")
-    if not max_dw <= TOLERANCE:  # also catches NaN
-        ctx.fail_together(f"equivalence check failed: max |dw| = {max_dw:.3g} > {TOLERANCE:g}; models with "
+    log.info(f"equivalence: max |dw| = {max_dw:.3g} after {steps} steps ({run.strategy.describe()}, world "
+             f"{ctx.world_size}, tolerance {bound:g})")
+    if not max_dw <= bound:  # also catches NaN
+        ctx.fail_together(f"equivalence check failed: max |dw| = {max_dw:.3g} > {bound:g}; models with "
                           "BatchNorm or dropout differ from one process by design (see README)")

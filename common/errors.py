@@ -9,6 +9,10 @@ class UserError(Exception):
 
     exit_code = 1
     prefix = "error: "
+    # A rank that does not print waits up to this long before exiting, so that torchrun, which
+    # stops every rank once one exits, does not stop the printing rank before its line is out.
+    # The printing rank exits at once, and the job with it.
+    quiet_exit_delay_s = 0.0
 
     def should_print(self) -> bool:
         """Whether this process prints the line. Errors raised after the ranks agreed on them
@@ -23,6 +27,7 @@ class ConfigError(UserError):
     own console)."""
 
     exit_code = 2
+    quiet_exit_delay_s = 10.0  # local rank 0 reaches the same verdict at the same point
 
     def should_print(self) -> bool:
         return os.environ.get("LOCAL_RANK", "0") == "0"
@@ -30,6 +35,8 @@ class ConfigError(UserError):
 
 class PeerFailed(UserError):
     """Another rank hit a UserError and printed it; this rank exits non-zero without repeating it."""
+
+    quiet_exit_delay_s = 3.0  # rank 0 prints right after the agreement (it may be on another node)
 
     def should_print(self) -> bool:
         return False

@@ -13,6 +13,7 @@ import fcntl
 import hashlib
 import http.client
 import json
+import math
 import os
 import shutil
 import tarfile
@@ -23,8 +24,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
+import torch
+
 from common import formats
-from common.data import Dataset, make_synthetic
+from common.data import Dataset, Split, make_synthetic
 from common.distributed import DistContext
 from common.errors import UserError
 from common.storage import StorageError, is_url, storage_for
@@ -39,7 +42,8 @@ POLL_S = 0.2
 def load_dataset(name: str, data_dir: str, *, ctx: DistContext, say: Say, allow_download: bool = True,
                  download_from: str = "", cache_dir: str = "", storage_options: dict[str, Any] | None = None,
                  synthetic_shape: str = "cifar") -> Dataset:
-    """The data set, read by every rank from files its node's local rank 0 prepared."""
+    """The data set. Its node's local rank 0 makes the files present and decodes them once into a
+    cache of raw tensors; every rank of the node maps that cache (shared pages, no copy)."""
     if name == "synthetic":
         return make_synthetic(synthetic_shape)
     root = cache_folder(cache_dir, data_dir) if is_url(data_dir) else Path(data_dir)
@@ -49,12 +53,54 @@ def load_dataset(name: str, data_dir: str, *, ctx: DistContext, say: Say, allow_
                 fetch_remote(name, data_dir, root, storage_options or {}, say)
             else:
                 ensure_local(name, root, allow_download, download_from, say)
-            report = {"error": None}
+            report = {"error": None, "decoded": str(decode_once(name, root, cache_dir))}
         except UserError as e:
             report = {"error": str(e)}
         ctx.store.set(f"data/node-{ctx.node_rank}", json.dumps(report))
     wait_for_nodes(ctx, say)
-    return ctx.together(lambda: formats.read_dataset(name, root))
+    decoded = Path(json.loads(ctx.store.get(f"data/node-{ctx.node_rank}"))["decoded"])
+    return ctx.together(lambda: map_decoded(name, decoded))
+
+
+# ---------------------------------------------------------------- decoded once per node
+
+SPLITS = ("train_images", "train_labels", "test_images", "test_labels")
+
+
+def decode_once(name: str, root: Path, cache_dir: str) -> Path:
+    """Raw uint8 images and int64 labels of the data set, in a folder named after its source files
+    (paths, sizes, modification times): decoded the first time, found again by later runs."""
+    sources = sorted(p for folder in formats.layout_folders(name) for p in (root / folder).glob("*")
+                     if p.is_file() and not p.name.startswith("."))
+    key = hashlib.sha256(json.dumps([name, str(root.resolve()), *[(str(p), p.stat().st_size, p.stat().st_mtime_ns)
+                                                                    for p in sources]]).encode()).hexdigest()[:16]
+    folder = Path(cache_dir or default_cache_dir()) / "decoded" / f"{name}-{key}"
+    if (folder / "meta.json").is_file():
+        return folder
+    data = formats.read_dataset(name, root)
+    staging = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
+    try:
+        staging.mkdir(parents=True, exist_ok=True)
+        tensors = dict(zip(SPLITS, (data.train.images, data.train.labels, data.test.images, data.test.labels)))
+        for split, tensor in tensors.items():
+            tensor.contiguous().numpy().tofile(staging / split)
+        (staging / "meta.json").write_text(json.dumps({split: list(t.shape) for split, t in tensors.items()}))
+        os.replace(staging, folder)
+    except OSError as e:
+        shutil.rmtree(staging, ignore_errors=True)
+        if not (folder / "meta.json").is_file():  # another process may have won the race
+            raise UserError(f"--cache-dir {folder.parent}: {_brief(e)}; pass a writable --cache-dir") from None
+    return folder
+
+
+def map_decoded(name: str, folder: Path) -> Dataset:
+    """Every rank maps the same files: the pages are shared, not copied per rank."""
+    shapes = json.loads((folder / "meta.json").read_text())
+    tensors = [torch.from_file(str(folder / split), shared=False, size=math.prod(shapes[split]),
+                               dtype=torch.uint8 if split.endswith("images") else torch.int64).view(shapes[split])
+               for split in SPLITS]
+    spec = formats.CIFAR_SPEC if name == "cifar10" else formats.MNIST_SPEC
+    return Dataset(name, spec, Split(*tensors[:2]), Split(*tensors[2:]))
 
 
 def wait_for_nodes(ctx: DistContext, say: Say) -> None:

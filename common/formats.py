@@ -364,7 +364,8 @@ def offline_message(name: str, root: Path | str, missing: Sequence[Path | str], 
     else:
         how = (f"download {', '.join(s + '.gz' for s in MNIST_FILES)} from {MNIST_MIRRORS[0]} into {where}/{MNIST_DIR}/ "
                f"(torchvision's older {' and '.join(MNIST_PROCESSED)} in {where}/{MNIST_PROCESSED_DIR}/ work too)")
-    return f"{name} is missing {', '.join(str(p) for p in missing)} and {why}; {how}"
+    return (f"{name} is missing {', '.join(str(p) for p in missing)} and {why}; {how}; or try the suite right "
+            "now without it: --dataset synthetic")
 
 
 def checksum_problem(rel: str, path: Path) -> str | None:

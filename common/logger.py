@@ -62,6 +62,7 @@ class StepRecord:
     times: StepTimes
     grad_norm: float
     rss_mb: float  # the largest peak resident memory of any rank
+    state_mb: float  # the largest training state (parameters, gradients, optimizer) any rank holds
     cuda_max_alloc_mb: float | None
 
 
@@ -98,6 +99,9 @@ class NullLogger:
         pass
 
     def saved(self, path: str, step: int, seconds: float) -> None:
+        pass
+
+    def startup(self, seconds: float, step: int) -> None:
         pass
 
     def flush(self) -> None:
@@ -159,7 +163,7 @@ class Logger(RankEcho):
         scalars = {
             "train/loss": r.loss, "train/acc": r.acc, "lr": r.lr, "train/images_per_s": r.images_per_s,
             "time/data_ms": r.times.data_ms, "time/compute_ms": r.times.compute_ms, "time/sync_ms": r.times.sync_ms,
-            "train/grad_norm": r.grad_norm, "mem/rss_mb": r.rss_mb,
+            "train/grad_norm": r.grad_norm, "mem/rss_mb": r.rss_mb, "mem/state_mb": r.state_mb,
         }
         if r.cuda_max_alloc_mb is not None:
             scalars["mem/cuda_max_alloc_mb"] = r.cuda_max_alloc_mb
@@ -174,6 +178,10 @@ class Logger(RankEcho):
                    "time/epoch_s": r.epoch_s}
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, r.global_step)
+
+    def startup(self, seconds: float, step: int) -> None:
+        self.info(f"start-up: {seconds:.1f} s from process start to the first step")
+        self.writer.add_scalar("time/startup_s", seconds, step)
 
     def saved(self, path: str, step: int, seconds: float) -> None:
         self.info(f"saved {path} in {seconds:.2f} s")

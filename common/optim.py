@@ -3,17 +3,18 @@ from __future__ import annotations
 
 import math
 
+from typing import Iterable
+
 import torch
-from torch import nn
 
 from common.config import Config
 
 WARMUP = 0.25  # share of the steps spent rising to the peak lr in the one-cycle schedule
 
 
-def make_optimizer(cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
-    return torch.optim.SGD(model.parameters(), lr=cfg.lr, momentum=cfg.momentum,
-                           nesterov=cfg.momentum > 0, weight_decay=cfg.weight_decay)
+def make_optimizer(cfg: Config, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0,
+                           weight_decay=cfg.weight_decay)
 
 
 def lr_factor(schedule: str, step: int, total: int) -> float:

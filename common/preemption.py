@@ -1,8 +1,9 @@
 """SIGTERM / SIGINT: every rank stops at the same step boundary, after a checkpoint.
 
-A signal only sets a flag. At each step start the flag is all-reduced (MAX) asynchronously, so
-the round trip hides behind the step, and read at its end: every rank sees the same verdict
-after the same step. torchrun forwards SIGTERM to its workers and kills them 30 s later.
+A signal only sets a flag. Every CHECK_EVERY steps the flag is all-reduced (MAX) asynchronously as
+a step starts, so the round trip hides behind the step, and read at its end: every rank sees the
+same verdict after the same step, at most CHECK_EVERY steps after the signal. torchrun forwards
+SIGTERM to its workers and kills them 30 s later.
 """
 from __future__ import annotations
 
@@ -26,6 +27,12 @@ class Preempted(UserError):
 
 
 class StopRequest:
+    """Checked every CHECK_EVERY steps, at the same global steps on every rank (so all stop after the
+    same step): the async all-reduce is launched as such a step begins and read as it ends, hidden
+    behind it, and costs one small collective per CHECK_EVERY steps instead of one per step."""
+
+    CHECK_EVERY = 10
+
     def __init__(self, ctx: DistContext) -> None:
         self.ctx = ctx
         self.received = 0
@@ -37,13 +44,18 @@ class StopRequest:
         self.received = signum
         signal.signal(signum, self.previous[signum])  # a second signal acts as it would have
 
-    def begin_step(self) -> None:
-        self.flag.fill_(self.received)
-        self.handle = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, async_op=True)
+    def begin_step(self, global_step: int) -> None:
+        if global_step % self.CHECK_EVERY == 0:
+            self.flag.fill_(self.received)
+            self.handle = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, async_op=True)
 
-    def agreed_signal(self) -> int:
-        """0, or the signal some rank received before this step began (same answer on every rank)."""
+    def agreed_signal(self, global_step: int) -> int:
+        """0, or the signal some rank received before this check began (same answer on every rank).
+        `global_step`: the step that just ran (counted from 0)."""
+        if global_step % self.CHECK_EVERY or self.handle is None:
+            return 0
         self.handle.wait()
+        self.handle = None
         return int(self.flag.item())
 
     def close(self) -> None:

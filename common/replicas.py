@@ -1,11 +1,8 @@
 """Replica check: every parameter and buffer must be the same on every rank."""
 from __future__ import annotations
 
-from itertools import chain
-
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from common.distributed import DistContext
 
@@ -20,10 +17,9 @@ def _checksums(tensor: torch.Tensor) -> torch.Tensor:
     return torch.stack([flat.sum(), (flat * weights).sum()])
 
 
-def check_replicas(model: nn.Module, ctx: DistContext, step: int) -> None:
+def check_replicas(named: list[tuple[str, torch.Tensor]], ctx: DistContext, step: int) -> None:
     """All-reduce min and max of every tensor's checksums; every rank sees the same verdict and
     stops together, naming the first tensor that differs."""
-    named = list(chain(model.named_parameters(), model.named_buffers()))
     sums = torch.stack([_checksums(t) for _, t in named]).to(ctx.comm_device)
     low, high = sums.clone(), sums.clone()
     dist.all_reduce(low, op=dist.ReduceOp.MIN)

@@ -9,7 +9,11 @@ from torch import nn
 from common.config import Config
 from common.data import Dataset, TrainLoader
 from common.distributed import DistContext
+from common.step import Precision
 from common.strategy import Strategy
+
+AUTO_POINTS_PER_EPOCH = 10  # --log-every left unset: at least this many step-level points per epoch
+AUTO_MAX_INTERVAL = 50
 
 
 @dataclass(frozen=True)
@@ -33,11 +37,28 @@ class Run:
     model: nn.Module  # as wrapped by the strategy
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
+    precision: Precision
+    compiled: nn.Module | None = None  # torch.compile(model) with --compile: what the training step calls
 
     @property
     def plain(self) -> nn.Module:
         """The unwrapped model: what evaluation runs and what is saved."""
         return self.strategy.unwrap(self.model)
+
+    @property
+    def step_model(self) -> nn.Module:
+        return self.compiled if self.compiled is not None else self.model
+
+    @property
+    def memory_format(self) -> torch.memory_format:
+        return torch.channels_last if self.cfg.memory_format == "channels_last" else torch.contiguous_format
+
+    @property
+    def log_every(self) -> int:
+        """--log-every, or an interval that gives every epoch, however short, a curve."""
+        if self.cfg.log_every:
+            return self.cfg.log_every
+        return max(1, min(AUTO_MAX_INTERVAL, self.steps_per_epoch // AUTO_POINTS_PER_EPOCH))
 
     @property
     def steps_per_epoch(self) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 import resource
 import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
@@ -16,10 +16,13 @@ from common.data import Dataset, eval_batches
 from common.distributed import DistContext
 from common.logger import EpochResult, NullLogger, StepRecord, StepTimes
 from common.preemption import Preempted, StopRequest
+from common.profiling import NoProfiler, StepProfiler
 from common.replicas import check_replicas
 from common.run import Position, Run
-from common.strategy import Strategy
+from common.step import DATA, Precision, StepClock, reseed, train_step, uses_randomness
 from common.warnings_relay import WarningRelay
+
+FLUSH_STEPS = 50  # step-level points are combined over ranks in one collective about this often
 
 
 @dataclass(frozen=True)
@@ -29,102 +32,65 @@ class Metrics:
     samples: int
 
 
-class Tally:
-    """Loss sum, correct count and sample count, kept on the device (no sync per batch) and summed
-    over ranks once at the end, so the figures cover every rank's samples."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.totals = torch.zeros(3, dtype=torch.float64, device=device)
-
-    def add(self, logits: torch.Tensor, labels: torch.Tensor, loss_sum: torch.Tensor) -> None:
-        self.totals[0] += loss_sum.detach()
-        self.totals[1] += (logits.argmax(1) == labels).sum()
-        self.totals[2] += len(labels)
-
-    def all_ranks(self, ctx: DistContext) -> Metrics:
-        loss_sum, correct, count = ctx.all_reduce_sum(self.totals).tolist()
-        return Metrics(loss_sum / count, correct / count, int(count))
-
-
 @torch.no_grad()
-def evaluate(model: nn.Module, data: Dataset, ctx: DistContext, batch: int) -> Metrics:
-    """Every rank scores its unpadded shard; one all-reduce of (correct, loss sum, count) combines them."""
+def evaluate(model: nn.Module, data: Dataset, ctx: DistContext, batch: int, precision: Precision,
+             memory_format: torch.memory_format, equal_counts: bool = False) -> Metrics:
+    """Every rank scores its unpadded shard; one all-reduce of (loss sum, correct, count) combines them.
+    equal_counts: every rank runs as many forwards (empty batches at the end of a shorter shard),
+    for models whose forward is itself a collective (FSDP)."""
     model.eval()
-    tally = Tally(ctx.device)
-    for images, labels in eval_batches(data.test, data.spec, ctx.rank, ctx.world_size, batch, ctx.device):
-        logits = model(images)
-        tally.add(logits, labels, F.cross_entropy(logits, labels, reduction="sum"))
-    result = tally.all_ranks(ctx)
-    if result.samples != len(data.test):
-        raise RuntimeError(f"evaluation counted {result.samples} samples, the test set has {len(data.test)}")
-    return result
+    totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)
+    for images, labels in eval_batches(data.test, data.spec, ctx.rank, ctx.world_size, batch, ctx.device,
+                                       memory_format, equal_counts):
+        with precision.autocast():
+            logits = model(images)
+        totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
+        totals[1] += (logits.argmax(1) == labels).sum()
+        totals[2] += len(labels)
+    loss_sum, correct, count = ctx.all_reduce_sum(totals).tolist()
+    if int(count) != len(data.test):
+        raise RuntimeError(f"evaluation counted {int(count)} samples, the test set has {len(data.test)}")
+    return Metrics(loss_sum / count, correct / count, int(count))
 
 
-DATA, COMPUTE, SYNC, STEPS = range(4)
+@dataclass
+class StepLog:
+    """Step-level figures without a collective per logging interval: each rank keeps a row per
+    interval (loss sum and correct count on the device, times on the host) and the ranks combine
+    all pending rows in one all-reduce, every FLUSH_STEPS steps or so and at each epoch end."""
 
+    ctx: DistContext
+    rows: list[tuple[int, float, float, torch.Tensor, list[float]]] = field(default_factory=list)
+    epoch_totals: list[float] = field(default_factory=lambda: [0.0] * 7)
 
-class StepClock:
-    """Splits each step into data, compute (forward + backward + update) and exposed sync time,
-    per logging interval and per epoch. On CUDA it synchronizes the device at each boundary, or
-    queued kernels would be charged to the wrong phase."""
+    def add(self, step: int, lr: float, grad_norm: float, stats: torch.Tensor, host: list[float]) -> None:
+        """host: samples, data s, compute s, sync s, steps."""
+        self.rows.append((step, lr, grad_norm, stats, host))
 
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.interval = torch.zeros(4, dtype=torch.float64)  # data, compute, sync seconds; steps
-        self.epoch = torch.zeros(4, dtype=torch.float64)
-        self.last = time.perf_counter()
+    def pending_steps(self) -> int:
+        return int(sum(row[4][4] for row in self.rows))
 
-    def lap(self, phase: int) -> None:
-        if self.cuda:
-            torch.cuda.synchronize()
-        now = time.perf_counter()
-        self.interval[phase] += now - self.last
-        self.epoch[phase] += now - self.last
-        self.last = now
+    def flush(self, log: NullLogger, run: Run) -> None:
+        """A collective: every rank calls it at the same step."""
+        if not self.rows:
+            return
+        values = torch.tensor([[*row[3].tolist(), *row[4]] for row in self.rows], dtype=torch.float64)
+        values = self.ctx.all_reduce_sum(values).cpu().tolist()
+        rss_mb, state_mb, cuda_mb = memory_mb(run)
+        batch_size = run.cfg.batch_size
+        for (step, lr, norm, _, _), (loss_sum, correct, samples, data_s, compute_s, sync_s, steps) in zip(self.rows,
+                                                                                                       values):
+            times = StepTimes(*(1000 * t / steps for t in (data_s, compute_s, sync_s)))
+            log.step(step, StepRecord(loss_sum / samples, correct / samples, lr, batch_size / (times.step_ms / 1000),
+                                      times, norm, rss_mb, state_mb, cuda_mb))
+        self.epoch_totals = [sum(column) for column in zip(self.epoch_totals, *values)]
+        self.rows.clear()
 
-    def end_step(self) -> None:
-        self.interval[STEPS] += 1
-        self.epoch[STEPS] += 1
-
-    def take_interval(self, ctx: DistContext) -> StepTimes:
-        times = _mean_ms(self.interval, ctx)
-        self.interval.zero_()
-        return times
-
-    def epoch_mean(self, ctx: DistContext) -> StepTimes:
-        return _mean_ms(self.epoch, ctx)
-
-
-def _mean_ms(totals: torch.Tensor, ctx: DistContext) -> StepTimes:
-    """ms per step averaged over ranks: a collective, so every rank calls it at the same step."""
-    summed = ctx.all_reduce_sum(totals).cpu()
-    return StepTimes(*(1000 * summed[:STEPS] / max(float(summed[STEPS]), 1.0)).tolist())
-
-
-def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Optimizer,
-               scheduler: torch.optim.lr_scheduler.LRScheduler, images: torch.Tensor, labels: torch.Tensor,
-               clock: StepClock | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """One optimizer step on this rank's share of the global batch; returns (logits, mean loss)."""
-    logits = model(images)
-    loss = F.cross_entropy(logits, labels)
-    optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    if clock:
-        clock.lap(COMPUTE)
-    strategy.after_backward(model)
-    if clock:
-        clock.lap(SYNC)
-    strategy.step(optimizer)
-    scheduler.step()
-    if clock:
-        clock.lap(COMPUTE)
-    return logits, loss
-
-
-def reseed(seed: int, rank: int, global_step: int) -> None:
-    """Dropout and any other torch randomness become a function of (seed, rank, step): a resumed
-    run draws exactly what the uninterrupted one drew, with no RNG state to save."""
-    torch.manual_seed((seed * 1_000_003 + rank) * 1_000_000_007 + global_step)
+    def take_epoch(self) -> tuple[Metrics, StepTimes]:
+        loss_sum, correct, samples, data_s, compute_s, sync_s, steps = self.epoch_totals
+        self.epoch_totals = [0.0] * 7
+        times = StepTimes(*(1000 * t / max(steps, 1) for t in (data_s, compute_s, sync_s)))
+        return Metrics(loss_sum / max(samples, 1), correct / max(samples, 1), int(samples)), times
 
 
 @dataclass
@@ -134,6 +100,13 @@ class Trainer:
     checkpoints: Checkpoints
     stop: StopRequest
     relay: WarningRelay
+    profiler: StepProfiler | NoProfiler
+
+    def __post_init__(self) -> None:
+        self.steps = StepLog(self.run.ctx)
+        self.random = uses_randomness(self.run.plain)
+        self.stop_signal = 0  # agreed on, waiting for a synchronized step
+        self.save_due = False
 
     def fit(self, start: Position) -> EpochResult | None:
         result = None
@@ -149,7 +122,9 @@ class Trainer:
         start = time.perf_counter()
         train, times = self.train_epoch(epoch, first_step)
         train_s = time.perf_counter() - start
-        test = evaluate(run.plain, run.data, run.ctx, run.cfg.eval_batch_size)
+        run.strategy.consolidate(run.model)  # rank 0's BatchNorm statistics everywhere before they are read
+        test = evaluate(run.plain, run.data, run.ctx, run.cfg.eval_batch_size, run.precision, run.memory_format,
+                        run.strategy.collective_forward)
         return EpochResult(epoch + 1, run.global_step(Position(epoch + 1, 0)), train.loss, train.acc, test.loss,
                            test.acc, test.samples, train.samples / train_s, time.perf_counter() - start, times)
 
@@ -158,75 +133,93 @@ class Trainer:
         epoch's mean step-time split."""
         run = self.run
         run.model.train()
-        epoch_tally, interval_tally, clock = Tally(run.ctx.device), Tally(run.ctx.device), StepClock(run.ctx.device)
+        clock = StepClock(run.ctx.device)
+        interval = torch.zeros(2, device=run.ctx.device)  # loss sum, correct: summed on the device, no host sync
         remaining = run.steps_per_epoch - first_step
         batches = self.log.progress(run.loader.epoch(epoch, first_step), remaining, f"epoch {epoch + 1}")
         for step, (images, labels) in enumerate(_timed(batches, clock), start=first_step):
-            reseed(run.cfg.seed, run.ctx.rank, run.global_step(Position(epoch, step)))
-            self.stop.begin_step()
+            global_step = run.global_step(Position(epoch, step))
+            if self.random:
+                reseed(run.cfg.seed, run.ctx.rank, global_step)
+            self.stop.begin_step(global_step)
             lr = run.optimizer.param_groups[0]["lr"]
-            logits, loss = train_step(run.model, run.strategy, run.optimizer, run.scheduler, images, labels, clock)
+            interval += train_step(run.step_model, run.strategy, run.optimizer, run.scheduler, run.precision, images,
+                                   labels, run.cfg.accumulate, clock)
             clock.end_step()
-            for tally in (epoch_tally, interval_tally):
-                tally.add(logits, labels, loss * len(labels))
             done = Position(epoch, step + 1)
-            if run.global_step(done) % run.cfg.log_every == 0:
-                self.log_interval(run.global_step(done), lr, interval_tally, clock)
-                interval_tally = Tally(run.ctx.device)
+            run.strategy.end_of_step(run.model, run.global_step(done), done.step == run.steps_per_epoch)
+            self.profiler.step()
+            if run.global_step(done) % run.log_every == 0 or done.step == run.steps_per_epoch:
+                data_s, compute_s, sync_s, steps = clock.take_interval()
+                self.steps.add(run.global_step(done), lr, run.strategy.grad_norm(run.model), interval,
+                               [len(labels) * steps, data_s, compute_s, sync_s, steps])
+                interval = torch.zeros_like(interval)
             self.after_step(done)
-        return epoch_tally.all_ranks(run.ctx), clock.epoch_mean(run.ctx)
-
-    def log_interval(self, step: int, lr: float, tally: Tally, clock: StepClock) -> None:
-        """Step-level figures over all ranks (collectives: every rank calls this at the same step)."""
-        run = self.run
-        train, times = tally.all_ranks(run.ctx), clock.take_interval(run.ctx)
-        rss_mb, cuda_mb = peak_memory_mb(run.ctx)
-        self.log.step(step, StepRecord(train.loss, train.acc, lr, run.cfg.batch_size / (times.step_ms / 1000),
-                                       times, grad_norm(run.plain), rss_mb, cuda_mb))
+        self.steps.flush(self.log, run)
+        return self.steps.take_epoch()
 
     def after_step(self, done: Position) -> None:
-        """Every rank runs the same collectives here, in the same order."""
+        """Every rank runs the same collectives here, in the same order. A stop, a mid-epoch save or
+        a replica check that falls between two synchronizations of a strategy that synchronizes
+        on its own schedule waits for the next one."""
         run = self.run
-        step = run.global_step(done)
-        if run.cfg.check_replicas and step % run.cfg.check_replicas == 0:
-            check_replicas(run.plain, run.ctx, step)
-        signum = self.stop.agreed_signal()
-        if signum:
+        step, mid_epoch = run.global_step(done), done.step < run.steps_per_epoch
+        synced = run.strategy.synchronized(step, not mid_epoch)
+        if self.steps.pending_steps() >= FLUSH_STEPS:
+            self.steps.flush(self.log, run)
+        if run.cfg.check_replicas and step % run.cfg.check_replicas == 0 and synced:
+            run.strategy.consolidate(run.model)
+            check_replicas(run.strategy.replicated(run.model), run.ctx, step)
+        self.stop_signal = self.stop.agreed_signal(step - 1) or self.stop_signal
+        if self.stop_signal and synced:
             path = self.save(done)
             run.ctx.fail_together_with(Preempted(
-                f"stopped by {signal.Signals(signum).name} after step {step} (epoch {done.epoch + 1}, step "
-                f"{done.step}); checkpoint {path}; run the same command again to resume", signum))
-        mid_epoch = done.step < run.steps_per_epoch
-        if run.cfg.save_every_steps and step % run.cfg.save_every_steps == 0 and mid_epoch:
+                f"stopped by {signal.Signals(self.stop_signal).name} after step {step} (epoch {done.epoch + 1}, "
+                f"step {done.step}); checkpoint {path}; run the same command again to resume", self.stop_signal))
+        self.save_due = self.save_due or bool(run.cfg.save_every_steps and step % run.cfg.save_every_steps == 0)
+        if self.save_due and synced and mid_epoch:
             self.save(done)
 
     def save(self, at: Position) -> str:
-        """Every rank waits for rank 0's write: the time it takes is the stall a save costs."""
+        """Every rank waits for rank 0's write: the time it takes is the stall a save costs. Any
+        save, the epoch end's included, is the one a due --save-every-steps save waited for."""
+        self.save_due = False
         started = time.perf_counter()
+        self.steps.flush(self.log, self.run)  # the points up to here, before the checkpoint
+        self.run.strategy.consolidate(self.run.model)
         path = self.checkpoints.save(self.run, at)
         self.log.saved(path, self.run.global_step(at), time.perf_counter() - started)
         self.log.flush()
         return path
 
 
-def grad_norm(model: nn.Module) -> float:
-    """L2 norm of the synchronized gradients (equal on every rank)."""
-    norms = [p.grad.detach().norm() for p in model.parameters() if p.grad is not None]
-    return torch.linalg.vector_norm(torch.stack(norms)).item() if norms else 0.0
-
-
-def peak_memory_mb(ctx: DistContext) -> tuple[float, float | None]:
-    """The largest peak resident memory of any rank, and of CUDA allocations when on a GPU."""
+def memory_mb(run: Run) -> tuple[float, float, float | None]:
+    """The largest, over ranks: peak resident memory, the training state this rank holds
+    (parameters, gradients, optimizer state: each storage once, a shard where sharded) and, on a
+    GPU, the peak of CUDA allocations."""
     rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # Linux reports KiB
-    cuda = torch.cuda.max_memory_allocated(ctx.device) / 2**20 if ctx.device.type == "cuda" else 0.0
-    peaks = torch.tensor([rss_kb / 1024, cuda], dtype=torch.float64, device=ctx.comm_device)
+    cuda = torch.cuda.max_memory_allocated(run.ctx.device) / 2**20 if run.ctx.device.type == "cuda" else 0.0
+    peaks = torch.tensor([rss_kb / 1024, state_bytes(run) / 2**20, cuda], dtype=torch.float64,
+                         device=run.ctx.comm_device)
     torch.distributed.all_reduce(peaks, op=torch.distributed.ReduceOp.MAX)
-    return peaks[0].item(), peaks[1].item() if ctx.device.type == "cuda" else None
+    rss, state, cuda = peaks.tolist()
+    return rss, state, cuda if run.ctx.device.type == "cuda" else None
+
+
+def state_bytes(run: Run) -> int:
+    params = [*run.model.parameters(), *(p for g in run.optimizer.param_groups for p in g["params"])]
+    tensors = [*params, *(p.grad for p in params if p.grad is not None),
+               *(t for state in run.optimizer.state.values() for t in state.values() if isinstance(t, torch.Tensor))]
+    storages = {}
+    for t in tensors:
+        local = t.to_local() if hasattr(t, "to_local") else t  # a DTensor: this rank's shard
+        storages[local.untyped_storage().data_ptr()] = local.untyped_storage().nbytes()
+    return sum(storages.values())
 
 
 def _timed(batches: Iterator, clock: StepClock) -> Iterator:
     """Charge the time spent producing each batch to the data phase."""
-    clock.last = time.perf_counter()
+    clock.restart()
     for batch in batches:
         clock.lap(DATA)
         yield batch

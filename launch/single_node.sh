@@ -3,6 +3,9 @@
 #   launch/single_node.sh train_ddp.py --dataset mnist
 # NPROC: processes on this node (default: the GPU count, or 2 on a CPU-only host).
 # DRY_RUN=1 prints the command without running it.
+# It runs torchrun through launch/quiet_torchrun.py (same process, so signals reach it as before):
+# when the workers end on an error they reported in one line (missing data, a bad flag), that line
+# is all you see, not torchrun's failure dump after it.
 set -euo pipefail
 
 if [[ $# -lt 1 ]]; then
@@ -12,7 +15,10 @@ fi
 
 gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l || true)
 nproc=${NPROC:-$(( gpus > 0 ? gpus : 2 ))}
-cmd=(torchrun --standalone "--nproc_per_node=${nproc}" "$@")
+args=(--standalone "--nproc_per_node=${nproc}" "$@")
 
-echo "${cmd[*]}"
-[[ "${DRY_RUN:-0}" == 1 ]] || exec "${cmd[@]}"
+echo "torchrun ${args[*]}"
+[[ "${DRY_RUN:-0}" == 1 ]] && exit 0
+torchrun=$(command -v torchrun) || { echo "error: torchrun is not on PATH; activate the environment that has torch" >&2; exit 2; }
+python=$(head -n 1 "$torchrun" | sed 's/^#!//')  # the interpreter torchrun belongs to
+exec "$python" "$(dirname "$0")/quiet_torchrun.py" "${args[@]}"

@@ -2,6 +2,7 @@
 Prints one 'ok ...' line per check on rank 0 and exits non-zero on the first failure."""
 from __future__ import annotations
 
+import contextlib
 import sys
 from pathlib import Path
 
@@ -11,7 +12,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.comm import GradientBuckets, float_buffers, launch_all_reduce, ring_all_reduce  # noqa: E402
+from common.comm import GatherSum, GradientBuckets, float_buffers, launch_all_reduce, ring_all_reduce  # noqa: E402
 
 SIZES = (1, 7, 1000, 2**20 + 3)
 
@@ -27,6 +28,12 @@ def check_ring(rank: int, world: int) -> None:
         expected = reals.clone()
         dist.all_reduce(expected)
         torch.testing.assert_close(ring_all_reduce(reals.clone()), expected, rtol=1e-12, atol=1e-12)
+        gathered = reals.clone()
+        GatherSum(gathered).wait()
+        torch.testing.assert_close(gathered, expected, rtol=1e-12, atol=1e-12)
+        bits = torch.stack([gathered, gathered.clone()])
+        dist.broadcast(bits[1], src=0)
+        assert torch.equal(bits[0], bits[1]), "gather-sum gave different bits on different ranks"
         report(rank, f"ring size {size}")
 
 
@@ -43,16 +50,23 @@ class WithUnused(nn.Module):
         return out + self.sometimes(x) if dist.get_rank() == 0 else out
 
 
-def check_buckets(rank: int, world: int) -> None:
+def check_buckets(rank: int, world: int, wire: str = "none", micro_batches: int = 1) -> None:
+    """Every gradient averaged (fp16 on the wire: within fp16's rounding), BatchNorm buffers equal
+    to rank 0's exactly, one launch per bucket per step however many micro-batches."""
     torch.manual_seed(0)
     model = WithUnused()
+    wire_dtype = {"none": None, "fp16": torch.float16}[wire]
     # A tiny cap: several buckets, so ordering and partial readiness are exercised.
-    buckets = GradientBuckets(model, cap_mb=64 / 2**20, launch=launch_all_reduce(ring=False), rank=rank,
-                              device=torch.device("cpu"), scale=1.0 / world, root_buffers=float_buffers(model))
+    buckets = GradientBuckets(model, cap_mb=64 / 2**20, launch=launch_all_reduce("torch"), rank=rank,
+                              device=torch.device("cpu"), scale=1.0 / world, root_buffers=float_buffers(model),
+                              wire_dtype=wire_dtype)
+    tolerance = {"rtol": 1e-6, "atol": 1e-7} if wire_dtype is None else {"rtol": 2e-3, "atol": 1e-4}
     for step in range(3):
         model.zero_grad(set_to_none=True)
-        x = torch.randn(16, 8, generator=torch.Generator().manual_seed(10 * step + rank))
-        model(x).pow(2).mean().backward()
+        for micro in range(micro_batches):
+            x = torch.randn(16, 8, generator=torch.Generator().manual_seed(100 * step + 10 * micro + rank))
+            with buckets.paused() if micro < micro_batches - 1 else contextlib.nullcontext():
+                model(x).pow(2).mean().backward()
         local = {name: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for name, p in model.named_parameters()}
         buckets.finish()
         for name, p in model.named_parameters():
@@ -62,12 +76,13 @@ def check_buckets(rank: int, world: int) -> None:
             if name.startswith("unused"):
                 assert p.grad is None, f"{name} got a gradient"
             else:
-                torch.testing.assert_close(p.grad, expected, rtol=1e-6, atol=1e-7, msg=f"{name} not averaged")
+                torch.testing.assert_close(p.grad, expected, **tolerance, msg=f"{name} not averaged")
         reference = model.bn.running_mean.clone()
         dist.broadcast(reference, src=0)
         assert torch.equal(model.bn.running_mean, reference), "BatchNorm buffers differ from rank 0's"
     assert buckets.launches == 3 * len(buckets.buckets), f"{buckets.launches} launches for {len(buckets.buckets)} buckets x 3 steps"
-    report(rank, f"buckets: {len(buckets.buckets)} buckets, one launch each per step, unused grad None")
+    report(rank, f"buckets ({wire} on the wire, {micro_batches} micro-batch(es)): {len(buckets.buckets)} buckets, "
+                 "one launch each per step, unused grad None")
 
 
 def report(rank: int, message: str) -> None:
@@ -80,7 +95,9 @@ if __name__ == "__main__":
     dist.init_process_group("gloo")
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        {"ring": check_ring, "buckets": check_buckets}[sys.argv[1]](rank, world)
+        checks = {"ring": check_ring, "buckets": check_buckets,
+                  "buckets-fp16-accumulate": lambda r, w: check_buckets(r, w, wire="fp16", micro_batches=3)}
+        checks[sys.argv[1]](rank, world)
         dist.barrier()
     finally:
         dist.destroy_process_group()

@@ -47,6 +47,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def stop_after(signalled_at: int) -> int:
+    """The step after which a run stops when a signal arrives during step `signalled_at` (counted
+    from 1): the ranks agree on it at the next step whose 0-based index is a multiple of
+    StopRequest.CHECK_EVERY, and stop once that step is done."""
+    from common.preemption import StopRequest
+
+    every = StopRequest.CHECK_EVERY
+    return -(-signalled_at // every) * every + 1
+
+
 def latest_checkpoint(folder: Path) -> Path:
     """The checkpoint named by the pointer of the most recently saved run under a --checkpoint-dir."""
     pointers = [json.loads(p.read_text()) for p in folder.glob("*/latest.json")]

@@ -3,7 +3,8 @@ or catches it.
 
     torchrun ... tests/faults.py STRATEGY FAULT STEP [training flags]
 
-STRATEGY: ddp, allreduce, master, dp, or nosync (never synchronizes).
+STRATEGY: ddp, allreduce, master, dp, fsdp (--shard full), zero1 (--shard optimizer), localsgd, or
+nosync (never synchronizes).
 FAULT, after the STEP-th optimizer step of this process:
   none     nothing
   sigterm  every rank sends itself SIGTERM (preemption)
@@ -26,10 +27,13 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.app import main as run  # noqa: E402
+from common.step import Precision  # noqa: E402
 from common.strategy import Strategy  # noqa: E402
 from train_allreduce import AllReduceStrategy  # noqa: E402
 from train_ddp import DDPStrategy  # noqa: E402
 from train_dp import DataParallelStrategy  # noqa: E402
+from train_fsdp import FullShard, ZeroOne  # noqa: E402
+from train_localsgd import LocalSGDStrategy  # noqa: E402
 from train_master import MasterWorkerStrategy  # noqa: E402
 
 
@@ -38,7 +42,8 @@ class NoSync(Strategy):
 
 
 STRATEGIES = {"ddp": DDPStrategy, "allreduce": AllReduceStrategy, "master": MasterWorkerStrategy,
-              "dp": DataParallelStrategy, "nosync": NoSync}
+              "dp": DataParallelStrategy, "fsdp": FullShard, "zero1": ZeroOne, "localsgd": LocalSGDStrategy,
+              "nosync": NoSync}
 
 
 def _nudge(optimizer: torch.optim.Optimizer) -> None:
@@ -64,8 +69,8 @@ def faulty(base: type[Strategy], fault: str, at_step: int) -> Strategy:
     class Faulty(base):  # type: ignore[misc, valid-type]
         steps = 0
 
-        def step(self, optimizer: torch.optim.Optimizer) -> None:
-            super().step(optimizer)
+        def step(self, optimizer: torch.optim.Optimizer, precision: Precision) -> None:
+            super().step(optimizer, precision)
             self.steps += 1
             if self.steps == at_step:
                 inject(fault, optimizer)

@@ -18,7 +18,8 @@ def test_ring_all_reduce_single_rank():
     assert result.returncode == 0, result.stderr[-3000:]
 
 
-def test_buckets_fire_once_per_step_and_reduce_every_gradient():
-    result = run_script(["tests/comm_checks.py", "buckets"], nproc=2, timeout=120)
+@pytest.mark.parametrize("check", ["buckets", "buckets-fp16-accumulate"])
+def test_buckets_fire_once_per_step_and_reduce_every_gradient(check):
+    result = run_script(["tests/comm_checks.py", check], nproc=2, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "one launch each per step, unused grad None" in result.stdout

@@ -51,7 +51,7 @@ def test_defaults_follow_the_dataset_and_scale_lr_with_batch():
 
 def test_config_is_plain_types_only():
     values = parse().as_plain_dict().values()
-    assert all(isinstance(v, (str, int, float, bool)) for v in values)
+    assert all(isinstance(v, (str, int, float, bool, type(None))) for v in values)
 
 
 def test_device_and_backend_resolution():

@@ -20,7 +20,7 @@ from tests.conftest import ROOT, child_env, free_port, latest_state, run_script
 
 FLAGS = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
          "--epochs", "1", "--max-steps", "6"]
-SCRIPTS = ["train_ddp.py", "train_allreduce.py", "train_master.py"]
+SCRIPTS = ["train_ddp.py", "train_allreduce.py", "train_master.py", "train_fsdp.py", "train_localsgd.py"]
 
 
 def weights(ckpt: Path) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from common.formats import CIFAR_DIR, MNIST_DIR
-from tests.conftest import ROOT, child_env, error_lines, free_port, run_script, script_command
+from tests.conftest import ROOT, child_env, error_lines, free_port, run_script, script_command, stop_after
 from tests.datagen import write_cifar10, write_mnist, write_mnist_processed
 from tests.s3server import S3Server
 
@@ -154,18 +154,20 @@ def test_a_killed_worker_resumes_from_the_store_exactly(s3, tmp_path):
 
 
 def test_a_corrupt_newest_checkpoint_object_falls_back_to_the_previous(s3, tmp_path):
-    flags = [*MNIST, "--epochs", "1", "--max-steps", "8", "--data-dir", "s3://data/mnist-raw",
+    flags = [*MNIST, "--epochs", "1", "--max-steps", "14", "--data-dir", "s3://data/mnist-raw",
              "--checkpoint-dir", "s3://ckpt/corrupt", "--save-every-steps", "2"]
-    cut = run_script(["tests/faults.py", "ddp", "sigterm", "4", *flags, "--cache-dir", str(tmp_path / "cache"),
+    cut = run_script(["tests/faults.py", "ddp", "sigterm", "10", *flags, "--cache-dir", str(tmp_path / "cache"),
                       "--log-dir", str(tmp_path / "tb")], nproc=2, env=env(s3))
-    assert "stopped by SIGTERM after step 5" in cut.stderr, cut.stderr[-3000:]
+    stop = stop_after(10)
+    assert f"stopped by SIGTERM after step {stop} " in cut.stderr, cut.stderr[-3000:]
     key, state = latest_in_store(s3, "ckpt", "corrupt")
-    assert state["global_step"] == 5
+    assert state["global_step"] == stop
     s3.client().put_object(Bucket="ckpt", Key=key, Body=os.urandom(5000))
     resumed = train(s3, tmp_path, *flags)
     ok(resumed)
     assert f"warning: checkpoint s3://ckpt/{key} is truncated or not a checkpoint" in resumed.stderr
-    assert f"resumed from s3://ckpt/{key.replace('step-00000005', 'step-00000004')}: epoch 1, step 4" in resumed.stdout
+    previous = key.replace(f"step-{stop:08d}", f"step-{stop - 1:08d}")
+    assert f"resumed from s3://ckpt/{previous}: epoch 1, step {stop - 1}" in resumed.stdout
 
 
 def test_the_store_going_away_ends_the_job_clearly_and_the_run_resumes_when_it_is_back(s3, tmp_path):

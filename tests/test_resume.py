@@ -15,14 +15,16 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from common.checkpoint import CheckpointFolder, InvalidCheckpoint, model_mismatches, parse_checkpoint
 from common.storage import LocalStorage
-from tests.conftest import ROOT, child_env, error_lines, latest_checkpoint, latest_state, run_script
+from tests.conftest import ROOT, child_env, error_lines, latest_checkpoint, latest_state, run_script, stop_after
 from tests.save_loop import IDENTITY, state as loop_state
 
 # 8 steps per epoch, 3 epochs: small enough for CI, long enough to cut mid-epoch.
 RUN = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
        "--epochs", "3", "--max-steps", "8"]
 SCRIPTS = {"ddp": ["train_ddp.py"], "allreduce": ["train_allreduce.py"], "master": ["train_master.py"],
-           "master-update": ["train_master.py", "--master-update"], "dp": ["train_dp.py"]}
+           "master-update": ["train_master.py", "--master-update"], "dp": ["train_dp.py"],
+           "fsdp": ["train_fsdp.py", "--shard", "full"], "zero1": ["train_fsdp.py", "--shard", "optimizer"],
+           "localsgd": ["train_localsgd.py", "--sync-every", "2", "--outer-optimizer", "nesterov"]}
 FAULT_NAME = {"master-update": "master"}
 
 
@@ -50,8 +52,7 @@ def max_dw(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
 
 
 def preempted(result, step: int) -> None:
-    """torchrun exits 1 when its workers exit non-zero; the workers' own line says what happened.
-    A signal that lands during step k is agreed on during step k+1, so the run stops after k+1."""
+    """torchrun exits 1 when its workers exit non-zero; the workers' own line says what happened."""
     assert result.returncode != 0 and f"stopped by SIGTERM after step {step} " in result.stderr, result.stderr[-3000:]
 
 
@@ -146,7 +147,7 @@ def test_a_step_file_newer_than_the_pointer_is_found(tmp_path):
 
 def test_damaged_checkpoint_warning_in_a_real_resume(reference, tmp_path):
     ckpt = tmp_path / "ckpt"
-    preempted(train(faulty("ddp", "sigterm", 10), ckpt, "--save-every-steps", "4", "--log-every", "2"), 11)
+    preempted(train(faulty("ddp", "sigterm", 10), ckpt, "--save-every-steps", "4", "--log-every", "2"), stop_after(10))
     damaged = latest_checkpoint(ckpt)
     assert damaged.name == "step-00000011.pt"
     damaged.write_bytes(os.urandom(1000))  # the step-11 checkpoint is lost
@@ -235,12 +236,26 @@ def test_sigterm_to_torchrun_saves_exits_and_resumes_losing_nothing(reference, t
 # 7 -------------------------------------------------------------------------------------------
 def test_resume_at_another_world_size_continues_the_same_sample_stream(reference, tmp_path):
     ckpt = tmp_path / "ckpt"
-    preempted(train(faulty("ddp", "sigterm", 11), ckpt), 12)  # world 2, mid-epoch 2
+    preempted(train(faulty("ddp", "sigterm", 11), ckpt), stop_after(11))  # world 2, mid-epoch 3
     resumed = train(SCRIPTS["ddp"], ckpt, nproc=None)  # world 1, same global batch
     ok(resumed)
     assert "saved at world 2" in resumed.stdout and "world 1" in resumed.stdout
     dw = max_dw(final_weights(ckpt), reference("ddp"))
     print(f"\nsaved at world 2, resumed at world 1: max |dw| = {dw:.3g} vs the uninterrupted world-2 run")
+    assert dw <= 1e-5
+
+
+def test_a_sharded_checkpoint_is_the_suites_format_for_every_script(reference, tmp_path):
+    """FSDP2 at world 2 saves a full, unprefixed state dict and optimizer state: DDP at world 1
+    resumes from it (resharded: unsharded) and ends with the uninterrupted FSDP run's weights."""
+    cut = tmp_path / "cut"
+    preempted(train(faulty("fsdp", "sigterm", 11), cut), stop_after(11))
+    state = latest_state(cut)
+    assert not any(key.startswith(("module.", "_fsdp")) for key in state["model"]) and state["optimizer"]["state"]
+    resumed = train(SCRIPTS["ddp"], tmp_path / "ddp", "--resume", str(latest_checkpoint(cut)), nproc=None)
+    ok(resumed)
+    dw = max_dw(final_weights(tmp_path / "ddp"), reference("fsdp"))
+    print(f"\nfsdp (world 2) checkpoint resumed by ddp (world 1): max |dw| = {dw:.3g}")
     assert dw <= 1e-5
 
 
@@ -261,12 +276,15 @@ def test_every_strategy_resumes_exactly(name, reference, tmp_path):
     ckpt = tmp_path / "ckpt"
     nproc = None if name == "dp" else 2
     cut = train(faulty(name, "sigterm", 13), ckpt, nproc=nproc)
-    preempted(cut, 14)
+    stop = stop_after(13)
+    if name == "localsgd":  # a stop waits for the next averaging (every 2 steps here): nothing is saved unaveraged
+        stop += stop % 2
+    preempted(cut, stop)
     if nproc is None:  # no torchrun in between: the process's own status, 128 + SIGTERM
         assert cut.returncode == 128 + signal.SIGTERM
     resumed = train(SCRIPTS[name], ckpt, nproc=nproc)
     ok(resumed)
-    assert "resumed from" in resumed.stdout and "epoch 2, step 6" in resumed.stdout
+    assert "resumed from" in resumed.stdout and f"epoch {stop // 8 + 1}, step {stop % 8}" in resumed.stdout
     dw = max_dw(final_weights(ckpt), reference(name))
-    print(f"\n{name}: stopped after step 14, resumed: max |dw| = {dw:.3g}")
+    print(f"\n{name}: stopped after step {stop}, resumed: max |dw| = {dw:.3g}")
     assert dw <= 1e-6

@@ -15,7 +15,7 @@ from common.checkpoint import CheckpointFolder, parse_checkpoint
 from common.config import parse_args
 from common.errors import UserError
 from common.storage import LocalStorage
-from tests.conftest import ROOT, error_lines, latest_checkpoint, latest_state, run_script
+from tests.conftest import ROOT, error_lines, latest_checkpoint, latest_state, run_script, stop_after
 from train_allreduce import AllReduceStrategy
 from train_master import MasterWorkerStrategy
 
@@ -119,10 +119,10 @@ def test_smoke_run_then_real_run_trains_the_real_run(tmp_path):
 
 def test_changed_lr_never_continues_an_unfinished_run(tmp_path):
     """Before: the second command continued the first run with the first run's lr in its optimizer."""
-    cut = run_script(["tests/faults.py", "ddp", "sigterm", "3", *FLAGS, "--epochs", "1", "--max-steps", "8"],
+    cut = run_script(["tests/faults.py", "ddp", "sigterm", "10", *FLAGS, "--epochs", "1", "--max-steps", "16"],
                      nproc=2, cwd=tmp_path)
-    assert "stopped by SIGTERM after step 4" in cut.stderr, cut.stderr[-3000:]
-    changed = run_script(["train_ddp.py", *FLAGS, "--epochs", "1", "--max-steps", "8", "--lr", "0.01"],
+    assert f"stopped by SIGTERM after step {stop_after(10)} " in cut.stderr, cut.stderr[-3000:]
+    changed = run_script(["train_ddp.py", *FLAGS, "--epochs", "1", "--max-steps", "16", "--lr", "0.01"],
                          nproc=2, cwd=tmp_path)
     ok(changed)
     assert "resumed" not in changed.stdout and "peak lr 0.01;" in changed.stdout
@@ -131,9 +131,9 @@ def test_changed_lr_never_continues_an_unfinished_run(tmp_path):
     for folder in folders:  # each run with its own optimizer state
         state = latest_state(folder)
         assert state["optimizer"]["param_groups"][0]["initial_lr"] == state["config"]["lr"]
-    same = run_script(["train_ddp.py", *FLAGS, "--epochs", "1", "--max-steps", "8"], nproc=2, cwd=tmp_path)
+    same = run_script(["train_ddp.py", *FLAGS, "--epochs", "1", "--max-steps", "16"], nproc=2, cwd=tmp_path)
     ok(same)
-    assert "resumed from" in same.stdout and "epoch 1, step 4" in same.stdout  # the first run, where it stopped
+    assert "resumed from" in same.stdout and f"epoch 1, step {stop_after(10)}" in same.stdout  # where it stopped
     # Pointed at one explicit folder, the changed command stops with the differences instead.
     explicit = tmp_path / "explicit"
     ok(run_script(["train_ddp.py", *FLAGS, "--epochs", "1", "--max-steps", "2", "--checkpoint-dir", str(explicit)],
@@ -150,19 +150,20 @@ def test_changed_lr_never_continues_an_unfinished_run(tmp_path):
 def test_resume_none_in_a_used_folder_keeps_both_runs_apart(tmp_path):
     """Before: the new run's own checkpoint was pruned and a later auto resumed the old run."""
     ckpt = tmp_path / "ckpt"
-    common = [*FLAGS, "--epochs", "1", "--max-steps", "12", "--save-every-steps", "2", "--checkpoint-dir", str(ckpt)]
+    common = [*FLAGS, "--epochs", "1", "--max-steps", "16", "--save-every-steps", "2", "--checkpoint-dir", str(ckpt)]
     ok(run_script(["train_ddp.py", *common], nproc=2))
     old_run = latest_checkpoint(ckpt).parent
     old_files = sorted(p.name for p in old_run.iterdir())
-    new = run_script(["tests/faults.py", "ddp", "sigterm", "3", *common, "--resume", "none"], nproc=2)
-    stopped = [line for line in new.stderr.splitlines() if line.startswith("stopped by SIGTERM after step 4")]
+    new = run_script(["tests/faults.py", "ddp", "sigterm", "10", *common, "--resume", "none"], nproc=2)
+    stopped = [line for line in new.stderr.splitlines()
+               if line.startswith(f"stopped by SIGTERM after step {stop_after(10)} ")]
     assert stopped, new.stderr[-3000:]
     named = Path(stopped[0].split("checkpoint ")[1].split(";")[0])
     assert named.is_file() and named.parent != old_run  # its own checkpoint survived, in its own folder
     assert sorted(p.name for p in old_run.iterdir()) == old_files  # the old run is untouched
     later = run_script(["train_ddp.py", *common], nproc=2)
     ok(later)
-    assert f"resumed from {named}: epoch 1, step 4" in later.stdout  # the new run, not the old one
+    assert f"resumed from {named}: epoch 1, step {stop_after(10)}" in later.stdout  # the new run, not the old one
 
 
 # ---------------------------------------------------------------- storage faults
@@ -231,13 +232,13 @@ def test_no_hard_links_and_no_rename_still_save_and_resume(tmp_path):
     """Before: the first save failed on gcsfuse, blobfuse, S3 Mountpoint (last.pt was a hard link)."""
     ckpt = tmp_path / "ckpt"
     run = ["tests/patched.py", "no-hard-links,no-rename"]
-    common = [*FLAGS, "--epochs", "1", "--max-steps", "6", "--checkpoint-dir", str(ckpt)]
-    cut = run_script([*run, str(ROOT / "tests/faults.py"), "ddp", "sigterm", "2", *common], nproc=2)
-    assert "stopped by SIGTERM after step 3" in cut.stderr, cut.stderr[-3000:]
+    common = [*FLAGS, "--epochs", "1", "--max-steps", "14", "--checkpoint-dir", str(ckpt)]
+    cut = run_script([*run, str(ROOT / "tests/faults.py"), "ddp", "sigterm", "10", *common], nproc=2)
+    assert f"stopped by SIGTERM after step {stop_after(10)} " in cut.stderr, cut.stderr[-3000:]
     resumed = run_script([*run, str(ROOT / "train_ddp.py"), *common], nproc=2)
     ok(resumed)
-    assert "resumed from" in resumed.stdout and "epoch 1, step 3" in resumed.stdout
-    assert latest_state(ckpt)["global_step"] == 6
+    assert "resumed from" in resumed.stdout and f"epoch 1, step {stop_after(10)}" in resumed.stdout
+    assert latest_state(ckpt)["global_step"] == 14
 
 
 # ---------------------------------------------------------------- between ranks
@@ -245,10 +246,10 @@ def test_no_hard_links_and_no_rename_still_save_and_resume(tmp_path):
 def test_nothing_is_pickled_between_ranks(tmp_path):
     """Every object collective raises in these processes; flags, the checkpoint choice, the resumed
     checkpoint and warnings still reach every rank."""
-    common = [*FLAGS, "--epochs", "1", "--max-steps", "6", "--checkpoint-dir", str(tmp_path / "ckpt")]
+    common = [*FLAGS, "--epochs", "1", "--max-steps", "14", "--checkpoint-dir", str(tmp_path / "ckpt")]
     cut = run_script(["tests/patched.py", "no-object-collectives", str(ROOT / "tests/faults.py"), "ddp", "sigterm",
-                      "2", *common], nproc=2)
-    assert "stopped by SIGTERM after step 3" in cut.stderr, cut.stderr[-3000:]
+                      "10", *common], nproc=2)
+    assert f"stopped by SIGTERM after step {stop_after(10)} " in cut.stderr, cut.stderr[-3000:]
     resumed = run_script(["tests/patched.py", "no-object-collectives", str(ROOT / "tests/faults.py"), "allreduce",
                           "warn", "1", *common], nproc=2)
     ok(resumed)

@@ -1,0 +1,95 @@
+"""How close each strategy's step comes to the floor: a plain PyTorch loop in one process, one
+thread, on the same per-rank batch, model and memory format. Every row runs as fresh processes,
+rows interleaved, best of --repeats.
+
+    python bench/steps.py                              # convnet, 32 images per rank, W=1 and 2
+    python bench/steps.py --models convnet resnet18 --repeats 3
+
+Ratio = the strategy's step time (the suite's own clock: data + compute + sync) / the floor's.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench.strategies import MODELS, run, synthetic, timing  # noqa: E402
+
+STRATEGIES = [  # label, script and flags
+    ("ddp", ["train_ddp.py"]),
+    ("allreduce", ["train_allreduce.py"]),
+    ("allreduce --allreduce gather", ["train_allreduce.py", "--allreduce", "gather"]),
+    ("master", ["train_master.py"]),
+    ("master --master-update", ["train_master.py", "--master-update"]),
+]
+
+FLOOR = """
+import sys, time, torch, torch.nn.functional as F
+sys.path.insert(0, {root!r})
+from common.data import make_synthetic
+from common.models import build_model
+torch.set_num_threads(1)
+data = make_synthetic({shape!r})
+model = build_model({model!r}, data.spec.channels, data.spec.size, 10, 0).to(memory_format=torch.channels_last)
+opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4)
+x = torch.randn({batch}, data.spec.channels, data.spec.size, data.spec.size).contiguous(memory_format=torch.channels_last)
+y = torch.randint(0, 10, ({batch},))
+def step():
+    loss = F.cross_entropy(model(x), y)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    opt.step()
+for _ in range({warmup}):
+    step()
+start = time.perf_counter()
+for _ in range({steps}):
+    step()
+print(1000 * (time.perf_counter() - start) / {steps})
+"""
+
+
+def floor_ms(model: str, batch: int) -> float:
+    shape, steps, _ = MODELS[model]
+    code = FLOOR.format(root=str(ROOT), shape=shape, model=model, batch=batch, steps=steps, warmup=max(2, steps // 6))
+    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                          capture_output=True, text=True, check=True)
+    return float(done.stdout.split()[-1])
+
+
+def strategy_ms(script: list[str], model: str, per_rank: int, world: int) -> float:
+    _, steps, every = MODELS[model]
+    return timing(run(script, synthetic(model, per_rank * world, steps, every), world)).step_ms
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["convnet"], choices=list(MODELS))
+    p.add_argument("--per-rank", type=int, default=32, help="images per rank and step (default: %(default)s)")
+    p.add_argument("--worlds", nargs="+", type=int, default=[1, 2])
+    p.add_argument("--repeats", type=int, default=3, help="runs per row, fastest kept (default: %(default)s)")
+    a = p.parse_args()
+    print(f"{os.cpu_count()} cores; one thread per rank; gloo; {a.per_rank} images per rank; channels_last")
+    for model in a.models:
+        rows: dict[str, list[float]] = {}
+        for _ in range(a.repeats):  # interleaved, so drifting load hits every row alike
+            rows.setdefault("floor", []).append(floor_ms(model, a.per_rank))
+            for world in a.worlds:
+                for label, script in STRATEGIES:
+                    rows.setdefault(f"{label}, W={world}", []).append(strategy_ms(script, model, a.per_rank, world))
+        floor = min(rows["floor"])
+        print(f"\n{model}: plain loop, one process: {floor:.1f} ms per step "
+              f"(median of repeats {statistics.median(rows['floor']):.1f})\n")
+        print("| strategy | ms per step | / floor |\n|---|---|---|")
+        for label, times in rows.items():
+            if label != "floor":
+                print(f"| {label} | {min(times):.1f} | {min(times) / floor:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,153 @@
+"""One optimizer step, written once for every strategy and recipe: micro-batches, mixed precision,
+the strategy's synchronization and the update; the clock that splits the step's time."""
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+from typing import Any, ContextManager
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from common.strategy import Strategy
+
+PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+class Precision:
+    """--precision: autocast around forward and loss. fp16 also scales the loss (GradScaler), so
+    small gradients survive the cast. The strategies synchronize the scaled gradients before the
+    scaler looks at them, so every rank sees the same infs and takes the same skip/step decision
+    and the same next scale (a check of each rank's own gradients would let replicas drift)."""
+
+    def __init__(self, name: str, device: torch.device) -> None:
+        self.name, self.dtype, self.device_type = name, PRECISIONS[name], device.type
+        self.scaler = torch.amp.GradScaler(device.type) if name == "fp16" else None
+
+    def autocast(self) -> ContextManager[Any]:
+        return torch.autocast(self.device_type, dtype=self.dtype) if self.dtype else nullcontext()
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler else loss).backward()
+
+    def step(self, optimizer: torch.optim.Optimizer) -> None:
+        if self.scaler:
+            self.scaler.step(optimizer)  # unscales; skips the step if any gradient is inf or nan
+            self.scaler.update()
+        else:
+            optimizer.step()
+
+    def scale(self) -> float:
+        return self.scaler.get_scale() if self.scaler else 1.0
+
+    def follow(self, scale: float) -> None:
+        """A rank that did not step (master/worker's workers) takes the scale the stepping rank chose."""
+        if self.scaler:
+            self.scaler.update(new_scale=scale)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scaler.state_dict() if self.scaler else {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if self.scaler and state:
+            self.scaler.load_state_dict(state)
+
+
+DATA, COMPUTE, SYNC = range(3)
+
+
+class StepClock:
+    """Splits each step into data, compute (forward, backward, update) and exposed sync time. On
+    CUDA it records events and reads them only when the figures are taken (at log intervals and
+    epoch ends): synchronizing at every phase would serialize the CPU and the GPU and hide exactly
+    the overlap the strategies exist for."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.interval, self.epoch = [0.0, 0.0, 0.0, 0], [0.0, 0.0, 0.0, 0]  # seconds per phase, steps
+        self.pending: list[tuple[int, Any, Any]] = []  # CUDA: (phase, start event, end event)
+        self.restart()
+
+    def restart(self) -> None:
+        self.last = self._mark()
+
+    def _mark(self) -> Any:
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def lap(self, phase: int) -> None:
+        now = self._mark()
+        if self.cuda:
+            self.pending.append((phase, self.last, now))
+        else:
+            self._add(phase, now - self.last)
+        self.last = now
+
+    def _add(self, phase: int, seconds: float) -> None:
+        self.interval[phase] += seconds
+        self.epoch[phase] += seconds
+
+    def end_step(self) -> None:
+        self.interval[3] += 1
+        self.epoch[3] += 1
+
+    def settle(self) -> None:
+        """Read the recorded CUDA events (waits for the GPU)."""
+        if self.pending:
+            self.pending[-1][2].synchronize()
+            for phase, start, end in self.pending:
+                self._add(phase, start.elapsed_time(end) / 1000)
+            self.pending.clear()
+
+    def take_interval(self) -> list[float]:
+        self.settle()
+        totals, self.interval = self.interval, [0.0, 0.0, 0.0, 0]
+        return totals
+
+    def take_epoch(self) -> list[float]:
+        self.settle()
+        return self.epoch
+
+
+def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Optimizer,
+               scheduler: torch.optim.lr_scheduler.LRScheduler, precision: Precision, images: torch.Tensor,
+               labels: torch.Tensor, accumulate: int = 1, clock: StepClock | None = None) -> torch.Tensor:
+    """One optimizer step on this rank's share of the global batch, in `accumulate` micro-batches
+    whose gradients are synchronized once, after the last. Each micro-batch's mean loss is divided
+    by `accumulate`, so W ranks x N micro-batches give the gradient of the mean over the global
+    batch, as one process with one batch would. Returns (loss sum, correct) over the batch."""
+    strategy.zero_grad(model, optimizer)
+    stats = torch.zeros(2, device=images.device)
+    for i, (x, y) in enumerate(zip(images.chunk(accumulate), labels.chunk(accumulate))):
+        with strategy.no_sync(model) if i < accumulate - 1 else nullcontext():
+            with precision.autocast():
+                logits = model(x)
+                loss = F.cross_entropy(logits, y)
+            precision.backward(loss / accumulate)
+        with torch.no_grad():
+            stats += torch.stack([loss.float() * len(y), (logits.argmax(1) == y).sum().float()])
+    if clock:
+        clock.lap(COMPUTE)
+    strategy.after_backward(model)
+    if clock:
+        clock.lap(SYNC)
+    strategy.step(optimizer, precision)
+    scheduler.step()
+    if clock:
+        clock.lap(COMPUTE)
+    return stats
+
+
+def uses_randomness(model: nn.Module) -> bool:
+    """Whether forward draws random numbers (dropout): only then must each step be reseeded."""
+    return any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules())
+
+
+def reseed(seed: int, rank: int, global_step: int) -> None:
+    """Dropout and any other torch randomness become a function of (seed, rank, step): a resumed
+    run draws exactly what the uninterrupted one drew, with no RNG state to save."""
+    torch.manual_seed((seed * 1_000_003 + rank) * 1_000_000_007 + global_step)

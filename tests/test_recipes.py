@@ -1,0 +1,185 @@
+"""Recipes for every strategy: mixed precision, gradient accumulation, gradient compression,
+torch.compile, the profiler. Real torchrun processes (gloo, CPU), checked against one process."""
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+from common.equivalence import TOLERANCE, tolerance
+from tests.conftest import child_env, error_lines, latest_state, run_script, stop_after
+
+STRATEGIES = {
+    "ddp": ["train_ddp.py"],
+    "allreduce": ["train_allreduce.py"],
+    "allreduce-ring": ["train_allreduce.py", "--allreduce", "ring"],
+    "master": ["train_master.py"],
+    "master-update": ["train_master.py", "--master-update"],
+    "dp": ["train_dp.py"],
+}
+EQUIVALENCE = re.compile(r"equivalence: max \|dw\| = (\S+) after 4 steps \(([\w/+-]+), world (\d), tolerance (\S+)\)")
+RECIPES = {  # the recipe's flags for the multi-process strategies, and for DataParallel (no wire)
+    "accumulate": (["--accumulate", "2"], ["--accumulate", "2"]),
+    "bf16": (["--precision", "bf16", "--grad-compression", "bf16", "--accumulate", "2"], ["--precision", "bf16"]),
+    "fp16": (["--precision", "fp16", "--grad-compression", "fp16"], ["--precision", "fp16"]),
+}
+
+
+def equivalence(name: str, tmp_path: Path, *flags: str) -> tuple[float, float]:
+    world = None if name == "dp" else 2
+    result = run_script([*STRATEGIES[name], "--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet",
+                         "--batch-size", "48", "--check-equivalence", "4", "--log-dir", str(tmp_path / "tb"), *flags],
+                        nproc=world, timeout=400)
+    found = EQUIVALENCE.search(result.stdout)
+    assert found and result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}"
+    return float(found.group(1)), float(found.group(4))
+
+
+@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_recipe_trains_what_one_process_trains(name, recipe, tmp_path):
+    """accumulate in float32: W=2 x 2 micro-batches equals one process with one batch (<= 1e-5).
+    bf16 and fp16 (autocast, scaled loss, compressed gradients): within the stated tolerance."""
+    flags = RECIPES[recipe][name == "dp"]
+    max_dw, bound = equivalence(name, tmp_path, *flags)
+    if recipe == "accumulate":
+        assert bound == TOLERANCE
+    print(f"\n{name} {' '.join(flags)}: max |dw| = {max_dw:.3g} (tolerance {bound:g})")
+
+
+@pytest.mark.parametrize("name", ["ddp", "allreduce", "master-update", "dp"])
+def test_compiled_model_trains_what_the_eager_one_trains(name, tmp_path):
+    max_dw, bound = equivalence(name, tmp_path, "--compile")
+    print(f"\n{name} --compile against eager: max |dw| = {max_dw:.3g} (tolerance {bound:g})")
+
+
+def test_tolerances_loosen_only_where_rounding_differs():
+    from common.config import parse_args
+
+    def bound(*flags: str) -> float:
+        return tolerance(parse_args(list(flags), strategy="ddp", default_dataset="synthetic", world_size=2))
+    assert bound() == bound("--accumulate", "2") == bound("--precision", "fp16") == TOLERANCE
+    assert bound("--precision", "bf16") > TOLERANCE and bound("--grad-compression", "bf16") > TOLERANCE
+
+
+# ---------------------------------------------------------------- fp16: every rank, the same decisions
+
+@pytest.mark.parametrize("name", ["allreduce", "master-update"])
+def test_fp16_keeps_replicas_equal_through_skipped_steps(name, tmp_path):
+    """A high learning rate overflows fp16 now and then: the scaler skips steps and lowers its scale,
+    and every rank must do the same (checked after every step)."""
+    result = run_script([*STRATEGIES[name], "--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "convnet",
+                         "--batch-size", "32", "--epochs", "1", "--max-steps", "12", "--precision", "fp16",
+                         "--check-replicas", "1", "--log-dir", str(tmp_path / "tb"),
+                         "--checkpoint-dir", str(tmp_path / "ckpt")], nproc=2, timeout=400)
+    assert result.returncode == 0, result.stderr[-3000:]
+    scaler = latest_state(tmp_path / "ckpt")["scaler"]
+    assert scaler["scale"] < 65536.0, scaler  # the first steps overflowed and were skipped
+    print(f"\n{name} fp16: replicas equal after every step; loss scale {scaler['scale']:g} after 12 steps")
+
+
+# ---------------------------------------------------------------- exact resume with recipe state
+
+def stopped_and_resumed(name: str, tmp_path: Path, *flags: str) -> float:
+    """max |dw| between an uninterrupted run and one stopped by SIGTERM and resumed."""
+    common = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
+              "--epochs", "2", "--max-steps", "12", *flags]
+    script, extra = STRATEGIES[name][0], STRATEGIES[name][1:]
+    ref = run_script([script, *extra, *common, "--checkpoint-dir", str(tmp_path / "ref"), "--log-dir",
+                      str(tmp_path / "tb")], nproc=2)
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    cut = run_script(["tests/faults.py", name.split("-")[0], "sigterm", "10", *extra, *common, "--checkpoint-dir",
+                      str(tmp_path / "cut"), "--log-dir", str(tmp_path / "tb")], nproc=2)
+    assert f"stopped by SIGTERM after step {stop_after(10)} " in cut.stderr, cut.stderr[-3000:]
+    resumed = run_script([script, *extra, *common, "--checkpoint-dir", str(tmp_path / "cut"), "--log-dir",
+                          str(tmp_path / "tb")], nproc=2)
+    assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
+    a, b = latest_state(tmp_path / "ref"), latest_state(tmp_path / "cut")
+    assert a["global_step"] == b["global_step"] == 24
+    return max((a["model"][k].float() - b["model"][k].float()).abs().max().item() for k in a["model"])
+
+
+@pytest.mark.xfail(strict=True, reason="known gap: the restored PowerSGD state is bit-identical at the resume point, "
+                   "yet the first compressed step in the new process differs (max |dw| ~1e-2 after 13 more steps); "
+                   "cause not found, see the README")
+def test_powersgd_state_round_trips_for_an_exact_resume(tmp_path):
+    dw = stopped_and_resumed("ddp", tmp_path, "--grad-compression", "powersgd")
+    state = latest_state(tmp_path / "cut")["strategy"]
+    assert state["iter"] > 2 and state["error"] and state["p"], state.keys()  # compressed, with error feedback
+    print(f"\nddp powersgd, stopped after step {stop_after(10)} and resumed: max |dw| = {dw:.3g}")
+    assert dw == 0
+
+
+def test_fp16_scaler_state_round_trips_for_an_exact_resume(tmp_path):
+    dw = stopped_and_resumed("master-update", tmp_path, "--precision", "fp16", "--accumulate", "2")
+    print(f"\nmaster --master-update fp16, accumulate 2, stopped and resumed: max |dw| = {dw:.3g}")
+    assert dw == 0
+
+
+# ---------------------------------------------------------------- bad combinations: exit 2, before any process group
+
+BAD = {
+    "accumulate not dividing": (["train_ddp.py", "--batch-size", "32", "--accumulate", "3"],
+                                "--accumulate 3: each rank's batch (--batch-size 32 / 2 rank(s) = 16) does not split"),
+    "powersgd, hand-written": (["train_allreduce.py", "--grad-compression", "powersgd"],
+                               "--grad-compression powersgd is not available with allreduce"),
+    "powersgd, master": (["train_master.py", "--grad-compression", "powersgd"],
+                         "--grad-compression powersgd is not available with master"),
+    "compression, per-param": (["train_allreduce.py", "--allreduce", "per-param", "--grad-compression", "fp16"],
+                               "--allreduce per-param is the tutorials' uncompressed baseline"),
+    "powersgd, equivalence": (["train_ddp.py", "--grad-compression", "powersgd", "--check-equivalence", "2"],
+                              "--check-equivalence compares against exact gradient averaging"),
+    "local sgd H>1, equivalence": (["train_localsgd.py", "--sync-every", "4", "--check-equivalence", "2"],
+                                   "local SGD equals only with --sync-every 1 and plain averaging"),
+    "local sgd, replicas between averagings": (["train_localsgd.py", "--sync-every", "4", "--check-replicas", "6"],
+                                               "--check-replicas 6: replicas are equal only right after an averaging"),
+    "fp16, local sgd": (["train_localsgd.py", "--precision", "fp16"], "use --precision bf16 (no scaler)"),
+    "fp16, sharded": (["train_fsdp.py", "--precision", "fp16"], "use --precision bf16 (no scaler)"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_combinations_exit_2_before_any_process_group(case, tmp_path):
+    args, expected = BAD[case]
+    result = run_script([*args, "--dataset", "synthetic", "--log-dir", str(tmp_path / "tb"),
+                         "--checkpoint-dir", str(tmp_path / "ckpt")], nproc=2, timeout=60)
+    lines = [line for line in result.stderr.splitlines() if expected in line]
+    assert result.returncode != 0 and len(lines) == 1, result.stderr[-3000:]
+    assert "/common/" not in result.stderr and not (tmp_path / "ckpt").exists()  # no traceback, nothing started
+
+
+def test_compression_with_dataparallel_and_compile_without_a_compiler_are_refused(tmp_path):
+    dp = run_script(["train_dp.py", "--dataset", "synthetic", "--grad-compression", "fp16"], timeout=60)
+    assert dp.returncode == 2 and "nn.DataParallel sums gradients inside one process" in error_lines(dp.stderr)[0]
+    env = {**child_env(), "PATH": str(Path(sys.executable).parent), "CXX": ""}  # no g++, c++ or clang++ there
+    compiled = run_script(["train_ddp.py", "--dataset", "synthetic", "--compile"], env=env, timeout=60)
+    assert compiled.returncode == 2 and "--compile on the CPU needs a C++ compiler" in compiled.stderr
+
+
+# ---------------------------------------------------------------- the profiler
+
+def test_profile_writes_a_trace_per_rank_and_prints_the_top_operators(tmp_path):
+    log_dir = tmp_path / "tb"
+    result = run_script(["train_allreduce.py", "--dataset", "synthetic", "--synthetic-shape", "mnist", "--model",
+                         "convnet", "--batch-size", "32", "--epochs", "1", "--max-steps", "14", "--profile",
+                         "--log-dir", str(log_dir), "--checkpoint-dir", str(tmp_path / "ckpt")], nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "top operators:" in result.stdout and "Self CPU" in result.stdout
+    for rank in (0, 1):
+        events = json.loads((log_dir / "traces" / f"rank{rank}_trace.json").read_text())["traceEvents"]
+        names = {e.get("name", "") for e in events}
+        assert "sync: wait for buckets" in names and any(n.startswith("sync: launch bucket") for n in names)
+        assert sum(n.startswith("ProfilerStep#") for n in names) == 4  # the active steps
+
+
+def test_signals_still_stop_cleanly_with_a_recipe(tmp_path):
+    """SIGTERM under bf16 with accumulation: one stop line, the checkpoint carries the step."""
+    result = run_script(["tests/faults.py", "allreduce", "sigterm", "3", "--dataset", "synthetic", "--synthetic-shape",
+                         "mnist", "--model", "lenet", "--batch-size", "32", "--epochs", "1", "--max-steps", "16",
+                         "--precision", "bf16", "--accumulate", "2", "--log-dir", str(tmp_path / "tb"),
+                         "--checkpoint-dir", str(tmp_path / "ckpt")], nproc=2)
+    assert result.returncode != 0 and result.stderr.count(f"stopped by SIGTERM after step {stop_after(3)} ") == 1
+    assert latest_state(tmp_path / "ckpt")["global_step"] == stop_after(3)
