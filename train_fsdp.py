@@ -28,7 +28,6 @@ from common.config import Config
 from common.distributed import DistContext
 from common.errors import ConfigError
 from common.optim import make_optimizer
-from common.step import Precision
 from common.strategy import Strategy
 
 SHARDS = ("full", "optimizer")
@@ -48,6 +47,10 @@ class Sharded(Strategy):
 
     def configure(self, cfg: Config) -> None:
         super().configure(cfg)
+        if "," in cfg.device or (cfg.backend == "gloo" and cfg.device != "cpu" and torch.cuda.is_available()):
+            raise ConfigError(f"--device {cfg.device} --backend {cfg.backend}: sharded training runs its collectives "
+                              "on the parameters' device, so every rank must be on the CPU with gloo or on CUDA with "
+                              "nccl; use --device cpu, or --backend nccl (or auto) on GPUs")
         if cfg.precision == "fp16":
             raise ConfigError("sharded training steps a different slice on every rank, so fp16's loss scaler would "
                               "decide per slice; use --precision bf16 (no scaler), or train_ddp.py --precision fp16")
@@ -86,9 +89,14 @@ class ZeroOne(Sharded):
     def after_backward(self, model: nn.Module) -> None:
         self.flat.reduce_scatter_gradients()
 
-    def step(self, optimizer: torch.optim.Optimizer, precision: Precision) -> None:
-        precision.step(optimizer)
-        self.flat.all_gather_parameters()
+    def end_of_step(self, model: nn.Module, global_step: int, last_in_epoch: bool) -> None:
+        self.flat.all_gather_parameters()  # every rank's updated slice, into everyone's parameters
+
+    def grad_norm(self, model: nn.Module) -> float:
+        """Each rank holds the average of its own slice only: sum the slices' squares over ranks."""
+        squares = self.flat.slice.grad.detach().double().square().sum().reshape(1)
+        dist.all_reduce(squares)
+        return squares.sqrt().item()
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         """SGD's state as one process over model.parameters() would have it (a collective)."""
@@ -105,7 +113,7 @@ class ZeroOne(Sharded):
         group = {**state["param_groups"][0], "params": [0]}
         buffers = [state["state"].get(i, {}).get("momentum_buffer") for i in range(len(self.flat.params))]
         own = {} if any(b is None for b in buffers) else \
-            {0: {"momentum_buffer": self.flat.slice_of(self.flat.flatten(buffers))}}
+            {0: {"momentum_buffer": self.flat.slice_of(self.flat.flatten(buffers)).clone()}}  # not a view of W slices
         optimizer.load_state_dict({"state": own, "param_groups": [group]})
 
 
@@ -260,11 +268,13 @@ class FullShard(Sharded):
 def blocks(model: nn.Module) -> list[nn.Module]:
     """The units FSDP gathers one at a time: each parameterized child of the root, or, for an
     nn.Sequential child (a ResNet stage, a conv stack), each of its parameterized children."""
+    from torch.distributed.fsdp import FSDPModule
+
     units = []
     for child in model.children():
         parts = list(child.children()) if isinstance(child, nn.Sequential) else [child]
         units += [m for m in parts if any(True for _ in m.parameters())]
-    return units
+    return [m for m in units if not isinstance(m, FSDPModule)]  # BatchNorm already wrapped on its own (bf16)
 
 
 def chosen_shard(argv: list[str] | None) -> str:

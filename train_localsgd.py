@@ -48,7 +48,7 @@ class LocalSGDStrategy(Strategy):
     def configure(self, cfg: Config) -> None:
         super().configure(cfg)
         options = cfg.options
-        self.every, self.outer = options["sync_every"], options["outer_optimizer"]
+        self.every, self.outer, self.momentum = options["sync_every"], options["outer_optimizer"], cfg.momentum
         self.outer_lr = OUTER_DEFAULT_LR[self.outer] if options["outer_lr"] is None else options["outer_lr"]
         if self.every < 1 or self.outer_lr <= 0:
             raise ConfigError(f"--sync-every must be >= 1 and --outer-lr > 0 (got {self.every}, {self.outer_lr})")
@@ -115,10 +115,11 @@ class LocalSGDStrategy(Strategy):
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         state = optimizer.state_dict()
-        momenta = [optimizer.state.get(p, {}).get("momentum_buffer") for p in self.params]
-        if any(m is None for m in momenta):
+        if not self.momentum:  # decided by the flags, the same on every rank: so is the collective below
             return state
-        flat = torch.cat([m.reshape(-1) for m in momenta]).to(self.device)
+        momenta = [optimizer.state.get(p, {}).get("momentum_buffer") for p in self.params]
+        flat = torch.cat([(torch.zeros_like(p) if m is None else m).reshape(-1)  # a parameter this rank never stepped
+                          for p, m in zip(self.params, momenta)]).to(self.device)
         gathered = [torch.empty_like(flat) for _ in range(self.world)]
         dist.all_gather(gathered, flat)
         return {**state, "momentum_per_rank": [g.cpu() for g in gathered]}
@@ -131,7 +132,8 @@ class LocalSGDStrategy(Strategy):
         if per_rank and len(per_rank) == self.world:
             own, offset = per_rank[dist.get_rank()], 0
             for p in self.params:
-                optimizer.state[p]["momentum_buffer"].copy_(own[offset:offset + p.numel()].view_as(p))
+                if p in optimizer.state:
+                    optimizer.state[p]["momentum_buffer"].copy_(own[offset:offset + p.numel()].view_as(p))
                 offset += p.numel()
 
     def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:

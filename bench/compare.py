@@ -1,4 +1,4 @@
-"""Train all four strategies on the same data and settings, one after another, then write the
+"""Train all six strategies on the same data and settings, one after another, then write the
 report (table and plots) comparing them.
 
     python bench/compare.py                                # synthetic data, 3 epochs, world 2
@@ -21,7 +21,7 @@ from bench.strategies import launcher  # noqa: E402
 from common.report import write_report  # noqa: E402
 
 STRATEGIES = {"ddp": "train_ddp.py", "allreduce": "train_allreduce.py", "master": "train_master.py",
-              "dp": "train_dp.py"}
+              "dp": "train_dp.py", "fsdp": "train_fsdp.py", "localsgd": "train_localsgd.py"}
 DEFAULT_FLAGS = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "convnet", "--epochs", "6",
                  "--log-every", "10"]
 

@@ -106,10 +106,6 @@ class Resumed:
     path: str
     state: dict[str, Any]
 
-    @property
-    def position(self) -> Position:
-        return Position(int(self.state["epoch"]), int(self.state["step_in_epoch"]))
-
 
 @dataclass(frozen=True)
 class Choice:
@@ -259,9 +255,8 @@ class Checkpoints:
     outcome, a failed save included, is the same on all ranks and they end together."""
 
     def __init__(self, folder: str, keep: int, ctx: DistContext, options: dict[str, Any] | None = None) -> None:
-        self.location, self.ctx = folder, ctx
-        # Only rank 0 touches the storage (and imports what a URL needs).
-        self.folder = CheckpointFolder(storage_for(folder, options), keep, options) if ctx.is_primary else None
+        self.location, self.ctx, self.keep, self.options = folder, ctx, keep, options
+        self.folder: CheckpointFolder | None = None  # rank 0's, opened in resume(): only rank 0 touches the storage
         self.run = ""  # the run folder this job saves into, decided by resume()
         self.last: str | None = None  # where the run's newest complete checkpoint is (named if a save fails)
 
@@ -286,7 +281,8 @@ class Checkpoints:
         return resumed, agreed.warnings
 
     def _choose_on_primary(self, run: Run) -> Choice:
-        try:
+        try:  # opening the storage can fail too (an object store): every rank must hear of it
+            self.folder = CheckpointFolder(storage_for(self.location, self.options), self.keep, self.options)
             self.folder.storage.remove_leftovers()  # temp files of a writer killed mid-save
             choice = self.folder.choose(run.cfg.resume, run.cfg.identity())
             self.folder.check_writable(choice.run, expected_bytes(run))

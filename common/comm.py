@@ -152,9 +152,9 @@ class GradientBuckets:
     buffer broadcast without a collective of its own.
 
     `wire_dtype` (fp16 or bf16) compresses the gradients: each bucket travels in that type, halving
-    the bytes on the wire, and is cast back on arrival. Gradients are multiplied by `scale` (1/W)
-    before they are packed, so a sum of W of them cannot overflow fp16; the buffers, which must not
-    lose precision, then travel in a float32 bucket of their own.
+    the bytes on the wire, and is cast back on arrival. Packed gradients are multiplied by `scale`
+    (1/W) before the collective, so a sum of W of them cannot overflow fp16 (DDP's fp16 hook does the
+    same); the buffers, which must not lose precision, then travel in a float32 bucket of their own.
     """
 
     def __init__(self, model: nn.Module, cap_mb: float, launch: Launch, *, rank: int, device: torch.device,

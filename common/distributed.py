@@ -96,12 +96,6 @@ class DistContext:
             self.fail_together(message + where)
         return result
 
-    def all_ok(self, ok: bool) -> bool:
-        """True only if every rank says ok: lets ranks fail together instead of hanging."""
-        flag = torch.tensor([int(ok)], device=self.comm_device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-        return bool(flag.item())
-
     # Flags, paths and warnings cross between ranks as JSON bytes in uint8 tensors, never as
     # pickles (all_gather_object and broadcast_object_list unpickle whatever a peer sends: anyone
     # who reaches the ports could make a rank run code).

@@ -20,6 +20,8 @@ def _checksums(tensor: torch.Tensor) -> torch.Tensor:
 def check_replicas(named: list[tuple[str, torch.Tensor]], ctx: DistContext, step: int) -> None:
     """All-reduce min and max of every tensor's checksums; every rank sees the same verdict and
     stops together, naming the first tensor that differs."""
+    if not named:  # e.g. FSDP on a model without buffers: its parameters exist once, in shards
+        return
     sums = torch.stack([_checksums(t) for _, t in named]).to(ctx.comm_device)
     low, high = sums.clone(), sums.clone()
     dist.all_reduce(low, op=dist.ReduceOp.MIN)

@@ -65,7 +65,7 @@ class StepClock:
 
     def __init__(self, device: torch.device) -> None:
         self.cuda = device.type == "cuda"
-        self.interval, self.epoch = [0.0, 0.0, 0.0, 0], [0.0, 0.0, 0.0, 0]  # seconds per phase, steps
+        self.interval = [0.0, 0.0, 0.0, 0]  # seconds per phase, steps
         self.pending: list[tuple[int, Any, Any]] = []  # CUDA: (phase, start event, end event)
         self.restart()
 
@@ -89,11 +89,9 @@ class StepClock:
 
     def _add(self, phase: int, seconds: float) -> None:
         self.interval[phase] += seconds
-        self.epoch[phase] += seconds
 
     def end_step(self) -> None:
         self.interval[3] += 1
-        self.epoch[3] += 1
 
     def settle(self) -> None:
         """Read the recorded CUDA events (waits for the GPU)."""
@@ -107,10 +105,6 @@ class StepClock:
         self.settle()
         totals, self.interval = self.interval, [0.0, 0.0, 0.0, 0]
         return totals
-
-    def take_epoch(self) -> list[float]:
-        self.settle()
-        return self.epoch
 
 
 def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Optimizer,

@@ -168,15 +168,6 @@ class HandWrittenSync(Strategy):
         paused() lets a micro-batch's gradients accumulate without communication."""
         raise NotImplementedError
 
-    def make_optimizer(self, cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
-        """Built after wrap(), over the parameters the strategy trains (a shard, for ZeRO)."""
-        from common.optim import make_optimizer
-
-        return make_optimizer(cfg, model.parameters())
-
-    def zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-        optimizer.zero_grad(set_to_none=True)
-
     def no_sync(self, model: nn.Module) -> ContextManager[Any]:
         return self.sync.paused()
 

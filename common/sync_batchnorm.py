@@ -22,6 +22,12 @@ class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self.training or dist.get_world_size() == 1:
             return super().forward(x)
+        # Statistics in float32 whatever the input (bf16 under autocast or FSDP's bf16 policy), as
+        # autocast runs batch_norm; the output keeps the input's dtype, as nn.BatchNorm's does.
+        with torch.autocast(x.device.type, enabled=False):
+            return self._normalize(x.float()).to(x.dtype)
+
+    def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         dims = [0, *range(2, x.dim())]
         shape = [1, -1] + [1] * (x.dim() - 2)
         count = dist_fn.all_reduce(x.new_tensor([x.numel() / x.size(1)]))

@@ -19,7 +19,7 @@ from common.preemption import Preempted, StopRequest
 from common.profiling import NoProfiler, StepProfiler
 from common.replicas import check_replicas
 from common.run import Position, Run
-from common.step import DATA, Precision, StepClock, reseed, train_step, uses_randomness
+from common.step import DATA, SYNC, Precision, StepClock, reseed, train_step, uses_randomness
 from common.warnings_relay import WarningRelay
 
 FLUSH_STEPS = 50  # step-level points are combined over ranks in one collective about this often
@@ -145,9 +145,10 @@ class Trainer:
             lr = run.optimizer.param_groups[0]["lr"]
             interval += train_step(run.step_model, run.strategy, run.optimizer, run.scheduler, run.precision, images,
                                    labels, run.cfg.accumulate, clock)
-            clock.end_step()
             done = Position(epoch, step + 1)
             run.strategy.end_of_step(run.model, run.global_step(done), done.step == run.steps_per_epoch)
+            clock.lap(SYNC)  # what a strategy does after its update (ZeRO-1's all-gather, local SGD's averaging)
+            clock.end_step()
             self.profiler.step()
             if run.global_step(done) % run.log_every == 0 or done.step == run.steps_per_epoch:
                 data_s, compute_s, sync_s, steps = clock.take_interval()
@@ -155,6 +156,7 @@ class Trainer:
                                [len(labels) * steps, data_s, compute_s, sync_s, steps])
                 interval = torch.zeros_like(interval)
             self.after_step(done)
+            clock.restart()  # logging, checks and saves are no step's data, compute or sync
         self.steps.flush(self.log, run)
         return self.steps.take_epoch()
 

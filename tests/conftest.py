@@ -17,6 +17,16 @@ sys.path.insert(0, str(ROOT))
 from tests.datagen import write_cifar10, write_mnist  # noqa: E402
 
 
+# The gradient-averaging strategies, as every test that loops over strategies names them.
+AVERAGING = {
+    "ddp": ["train_ddp.py"],
+    "allreduce": ["train_allreduce.py"],
+    "allreduce-ring": ["train_allreduce.py", "--allreduce", "ring"],
+    "master": ["train_master.py"],
+    "master-update": ["train_master.py", "--master-update"],
+}
+
+
 def child_env() -> dict[str, str]:
     """One thread per rank: several ranks share 2 cores. No torchrun variables leak in."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}

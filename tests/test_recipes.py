@@ -10,16 +10,9 @@ from pathlib import Path
 import pytest
 
 from common.equivalence import TOLERANCE, tolerance
-from tests.conftest import child_env, error_lines, latest_state, run_script, stop_after
+from tests.conftest import AVERAGING, child_env, error_lines, latest_state, run_script, stop_after
 
-STRATEGIES = {
-    "ddp": ["train_ddp.py"],
-    "allreduce": ["train_allreduce.py"],
-    "allreduce-ring": ["train_allreduce.py", "--allreduce", "ring"],
-    "master": ["train_master.py"],
-    "master-update": ["train_master.py", "--master-update"],
-    "dp": ["train_dp.py"],
-}
+STRATEGIES = {**AVERAGING, "dp": ["train_dp.py"]}
 EQUIVALENCE = re.compile(r"equivalence: max \|dw\| = (\S+) after 4 steps \(([\w/+-]+), world (\d), tolerance (\S+)\)")
 RECIPES = {  # the recipe's flags for the multi-process strategies, and for DataParallel (no wire)
     "accumulate": (["--accumulate", "2"], ["--accumulate", "2"]),
@@ -48,6 +41,18 @@ def test_recipe_trains_what_one_process_trains(name, recipe, tmp_path):
     if recipe == "accumulate":
         assert bound == TOLERANCE
     print(f"\n{name} {' '.join(flags)}: max |dw| = {max_dw:.3g} (tolerance {bound:g})")
+
+
+@pytest.mark.parametrize("script", [["train_ddp.py"], ["train_fsdp.py", "--shard", "full"]])
+def test_bf16_batchnorm_nets_train_what_one_process_trains(script, tmp_path):
+    """bf16 with --sync-bn: the global statistics are computed in float32 from bf16 activations. FSDP2
+    also wraps each BatchNorm on its own with a float32 policy, then the blocks around it."""
+    result = run_script([*script, "--dataset", "synthetic", "--synthetic-shape", "mnist",
+                         "--model", "convnet", "--sync-bn", "--batch-size", "48", "--precision", "bf16",
+                         "--check-equivalence", "4", "--log-dir", str(tmp_path / "tb")], nproc=2, timeout=300)
+    found = EQUIVALENCE.search(result.stdout)
+    assert found and result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}"
+    print(f"\n{script[0]}, bf16, convnet with --sync-bn: max |dw| = {found.group(1)} (tolerance {found.group(4)})")
 
 
 @pytest.mark.parametrize("name", ["ddp", "allreduce", "master-update", "dp"])

@@ -7,14 +7,10 @@ import time
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import error_lines, latest_state, run_script
+from tests.conftest import AVERAGING, error_lines, latest_state, run_script
 
 STRATEGIES = {
-    "ddp": ["train_ddp.py"],
-    "allreduce": ["train_allreduce.py"],
-    "allreduce-ring": ["train_allreduce.py", "--allreduce", "ring"],
-    "master": ["train_master.py"],
-    "master-update": ["train_master.py", "--master-update"],
+    **AVERAGING,
     "fsdp-full": ["train_fsdp.py", "--shard", "full"],
     "fsdp-optimizer": ["train_fsdp.py", "--shard", "optimizer"],
     "localsgd-every-step": ["train_localsgd.py", "--sync-every", "1"],
