@@ -64,6 +64,7 @@ class StepRecord:
     rss_mb: float  # the largest peak resident memory of any rank
     state_mb: float  # the largest training state (parameters, gradients, optimizer) any rank holds
     cuda_max_alloc_mb: float | None
+    walltime: float  # when the interval ended (time.time()): points are written in batches, later
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,7 @@ class Logger(RankEcho):
         if r.cuda_max_alloc_mb is not None:
             scalars["mem/cuda_max_alloc_mb"] = r.cuda_max_alloc_mb
         for tag, value in scalars.items():
-            self.writer.add_scalar(tag, value, step)
+            self.writer.add_scalar(tag, value, step, walltime=r.walltime)
 
     def epoch(self, r: EpochResult, epochs: int) -> None:
         super().epoch(r, epochs)

@@ -60,12 +60,12 @@ class StepLog:
     all pending rows in one all-reduce, every FLUSH_STEPS steps or so and at each epoch end."""
 
     ctx: DistContext
-    rows: list[tuple[int, float, float, torch.Tensor, list[float]]] = field(default_factory=list)
+    rows: list[tuple[int, float, float, torch.Tensor, list[float], float]] = field(default_factory=list)
     epoch_totals: list[float] = field(default_factory=lambda: [0.0] * 7)
 
     def add(self, step: int, lr: float, grad_norm: float, stats: torch.Tensor, host: list[float]) -> None:
         """host: samples, data s, compute s, sync s, steps."""
-        self.rows.append((step, lr, grad_norm, stats, host))
+        self.rows.append((step, lr, grad_norm, stats, host, time.time()))
 
     def pending_steps(self) -> int:
         return int(sum(row[4][4] for row in self.rows))
@@ -78,11 +78,11 @@ class StepLog:
         values = self.ctx.all_reduce_sum(values).cpu().tolist()
         rss_mb, state_mb, cuda_mb = memory_mb(run)
         batch_size = run.cfg.batch_size
-        for (step, lr, norm, _, _), (loss_sum, correct, samples, data_s, compute_s, sync_s, steps) in zip(self.rows,
-                                                                                                       values):
+        for (step, lr, norm, _, _, at), (loss_sum, correct, samples, data_s, compute_s, sync_s, steps) in \
+                zip(self.rows, values):
             times = StepTimes(*(1000 * t / steps for t in (data_s, compute_s, sync_s)))
             log.step(step, StepRecord(loss_sum / samples, correct / samples, lr, batch_size / (times.step_ms / 1000),
-                                      times, norm, rss_mb, state_mb, cuda_mb))
+                                      times, norm, rss_mb, state_mb, cuda_mb, at))
         self.epoch_totals = [sum(column) for column in zip(self.epoch_totals, *values)]
         self.rows.clear()
 

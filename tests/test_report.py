@@ -37,6 +37,22 @@ def test_only_rank_0_writes_events(runs):
         assert len(list((runs / name).glob("events.out.tfevents.*"))) == 1
 
 
+def test_step_points_carry_the_time_of_their_step_not_of_the_batched_write(runs):
+    """Step-level points are reduced and written in batches; each keeps the wall time its interval
+    ended at, so curves against wall time are not staircases."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(runs / "ddp"))
+    acc.Reload()
+    points = acc.Scalars("train/loss")
+    assert [p.step for p in points] == [5, 10, 15, 20]
+    step_ms = [sum(acc.Scalars(f"time/{phase}_ms")[i].value for phase in ("data", "compute", "sync"))
+               for i in range(len(points))]
+    for i in (1, 3):  # steps 6-10 and 16-20 ran between the two points of an epoch, flushed together
+        gap = points[i].wall_time - points[i - 1].wall_time
+        assert gap >= 0.8 * 5 * step_ms[i] / 1000, (gap, step_ms[i])
+
+
 def _get(url: str, body: dict | None = None):
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
