@@ -53,6 +53,24 @@ def test_step_points_carry_the_time_of_their_step_not_of_the_batched_write(runs)
         assert gap >= 0.8 * 5 * step_ms[i] / 1000, (gap, step_ms[i])
 
 
+def test_a_short_run_with_the_default_interval_logs_a_curve_and_its_start_up(tmp_path):
+    """31 steps, --log-every left at its default: at least 10 step-level points, said in the banner,
+    and the start-up time in TensorBoard."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log_dir = tmp_path / "tb"
+    result = run_script(["train_ddp.py", "--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet",
+                         "--batch-size", "64", "--epochs", "1", "--max-steps", "31", "--log-dir", str(log_dir),
+                         "--checkpoint-dir", str(tmp_path / "ckpt")], nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "step-level points every 3 step(s)" in result.stdout, result.stdout
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    assert STEP_TAGS | {"time/startup_s"} <= set(acc.Tags()["scalars"])
+    assert len(acc.Scalars("train/loss")) >= 10
+    assert 0 < acc.Scalars("time/startup_s")[0].value < 120
+
+
 def _get(url: str, body: dict | None = None):
     data = json.dumps(body).encode() if body is not None else None
     request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
