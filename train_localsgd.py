@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from common.app import main as run
-from common.comm import float_buffers, replicate_from_rank0
+from common.comm import flatten, float_buffers, replicate_from_rank0, unflatten
 from common.config import Config
 from common.distributed import DistContext
 from common.errors import ConfigError
@@ -91,13 +91,10 @@ class LocalSGDStrategy(Strategy):
         """One all-reduce of every parameter and buffer; then the outer step from the anchor."""
         tensors = [*self.params, *self.buffers]
         with torch.profiler.record_function("sync: average replicas"):
-            flat = torch.cat([t.detach().reshape(-1).to(self.device) for t in tensors])
+            flat = flatten(tensors, self.device)
             dist.all_reduce(flat)
             flat /= self.world
-        averaged, offset = [], 0
-        for t in tensors:
-            averaged.append(flat[offset:offset + t.numel()].view(t.shape).to(t.device))
-            offset += t.numel()
+        averaged = [value.to(t.device) for t, value in zip(tensors, unflatten(flat, tensors))]
         for buffer, value in zip(self.buffers, averaged[len(self.params):]):
             buffer.copy_(value)
         if self.plain_averaging:  # the average itself, not anchor - (anchor - average), which rounds

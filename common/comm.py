@@ -251,6 +251,20 @@ def float_buffers(model: nn.Module) -> list[torch.Tensor]:
     return [b for b in model.buffers() if b.is_floating_point()]
 
 
+def flatten(tensors: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    """The tensors' values (each in its logical order) in one flat tensor on `device`: one collective for all."""
+    return torch.cat([t.detach().reshape(-1).to(device) for t in tensors])
+
+
+def unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Views of `flat` shaped like each tensor of `like`: the inverse of flatten()."""
+    views, offset = [], 0
+    for t in like:
+        views.append(flat[offset:offset + t.numel()].view(t.shape))
+        offset += t.numel()
+    return views
+
+
 def broadcast_coalesced(tensors: list[torch.Tensor], device: torch.device, src: int = 0) -> None:
     """Rank src's values to every rank, one broadcast per dtype (BatchNorm counts are int64),
     through a flat tensor on the communication device."""
@@ -258,12 +272,10 @@ def broadcast_coalesced(tensors: list[torch.Tensor], device: torch.device, src: 
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     for group in by_dtype.values():
-        flat = torch.cat([t.detach().reshape(-1).to(device) for t in group])
+        flat = flatten(group, device)
         dist.broadcast(flat, src=src)
-        offset = 0
-        for t in group:
-            t.data.copy_(flat[offset:offset + t.numel()].view_as(t))
-            offset += t.numel()
+        for t, value in zip(group, unflatten(flat, group)):
+            t.data.copy_(value)
 
 
 def replicate_from_rank0(model: nn.Module, device: torch.device) -> None:
