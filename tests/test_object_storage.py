@@ -53,10 +53,14 @@ def ok(result: subprocess.CompletedProcess) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
 
 
+def keys(server: S3Server, bucket: str, prefix: str) -> list[str]:
+    return [o["Key"] for o in server.client().list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])]
+
+
 def objects(server: S3Server, bucket: str, prefix: str) -> dict[str, bytes]:
+    """Every object's bytes: only once the run is over (a running job deletes pruned checkpoints)."""
     client = server.client()
-    listed = client.list_objects_v2(Bucket=bucket, Prefix=prefix).get("Contents", [])
-    return {o["Key"]: client.get_object(Bucket=bucket, Key=o["Key"])["Body"].read() for o in listed}
+    return {key: client.get_object(Bucket=bucket, Key=key)["Body"].read() for key in keys(server, bucket, prefix)}
 
 
 def latest_in_store(server: S3Server, bucket: str, prefix: str) -> tuple[str, dict]:
@@ -177,7 +181,7 @@ def test_the_store_going_away_ends_the_job_clearly_and_the_run_resumes_when_it_i
     proc = subprocess.Popen(script_command(["train_ddp.py", *flags], nproc=2), cwd=ROOT, env=env(s3),
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.monotonic() + 120
-    while not any(k.endswith("latest.json") for k in objects(s3, "ckpt", "outage")):
+    while not any(k.endswith("latest.json") for k in keys(s3, "ckpt", "outage")):  # names only: pruning goes on
         assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint reached the store"
         time.sleep(0.2)
     s3.stop()
