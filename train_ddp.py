@@ -9,12 +9,13 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
 from common.app import main as run
-from common.comm import broadcast_coalesced
+from common.comm import broadcast_coalesced, flatten, unflatten
 from common.config import Config
 from common.distributed import DistContext
 from common.strategy import Strategy
@@ -46,14 +47,14 @@ class DDPStrategy(Strategy):
         device_ids = [ctx.device.index] if ctx.device.type == "cuda" else None
         # PowerSGD's hook starts its second all-reduce from the first one's completion callback: with
         # two buckets in flight the ranks can issue them in different orders (gloo aborts with a
-        # collective mismatch). One bucket (DDP rebuilds its buckets after the first step, before
-        # PowerSGD starts) keeps the order.
+        # collective mismatch). One bucket keeps the order.
         cap_mb = sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20 + 1 \
             if self.compression == "powersgd" else 25
         ddp = DistributedDataParallel(model, device_ids=device_ids, gradient_as_bucket_view=True, bucket_cap_mb=cap_mb,
                                       **NO_BUFFER_SYNC_PER_FORWARD)
         if self.compression == "powersgd":  # rank 1: one P and one Q per matrix; error feedback keeps it unbiased
-            self.powersgd = PowerSGD(ddp, model, ctx.device)
+            keep_registration_order(ddp)
+            self.powersgd = PowerSGD(ddp, model, ctx)
         elif self.compression != "none":
             hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
             ddp.register_comm_hook(None, hook[self.compression])
@@ -76,44 +77,53 @@ class DDPStrategy(Strategy):
             self.powersgd.load_state_dict(state)
 
 
-class PowerSGD:
-    """torch's PowerSGD hook, with its state kept per parameter where layouts change. The hook keeps
-    its error feedback and warm-start factors per bucket, in the bucket's parameter order; DDP orders
-    a bucket by registration in a process's first step and by gradient-ready order after it
-    rebuilds its buckets. A resumed run (its first step: registration order) and an uninterrupted
-    one (already rebuilt) would otherwise read the same state in different orders. Here the state
-    is saved per parameter and moved into the bucket's order whenever that order is new, so a
-    resumed run compresses exactly as the uninterrupted one."""
+def keep_registration_order(ddp: DistributedDataParallel) -> None:
+    """Fix DDP's bucket layout for the life of the process (a collective: every rank builds DDP here).
+    DDP lays a bucket out in registration order for a process's first step, then rebuilds it in
+    gradient-ready order. A resumed process would run its first step in the other layout than the
+    uninterrupted run: the same sums at other memory offsets round differently (max |dw| 1.5e-8
+    after 13 steps). One bucket is sent only when all its gradients are ready, so the rebuild gains
+    nothing. These are the calls DDP's own Join hook makes to rebuild early."""
+    ddp.reducer._push_all_rebuilt_params()
+    ddp.reducer._rebuild_buckets()
 
-    def __init__(self, ddp: DistributedDataParallel, model: nn.Module, device: torch.device) -> None:
+
+class PowerSGD:
+    """torch's PowerSGD hook, with its state saved per parameter. The hook keeps its error feedback
+    and warm-start factors per bucket, in the bucket's parameter order; a checkpoint keeps them by
+    parameter name, placed into whatever bucket holds the parameters when training resumes.
+
+    The error feedback is each rank's own (its gradient minus the agreed approximation), so a
+    checkpoint carries every rank's; P and Q are all-reduced, the same on every rank, and saved once."""
+
+    def __init__(self, ddp: DistributedDataParallel, model: nn.Module, ctx: DistContext) -> None:
         self.state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=1,
                                                  start_powerSGD_iter=2, random_seed=0)
         self.names = {p: name for name, p in model.named_parameters()}
         self.layouts: dict[int, Layout] = {}  # bucket index -> its parameters, in order
         self.pending: dict[str, dict[str, torch.Tensor]] = {}  # per-parameter state waiting for its bucket
-        self.device = device
+        self.device, self.comm_device, self.rank, self.world = ctx.device, ctx.comm_device, ctx.rank, ctx.world_size
         ddp.register_comm_hook(self, PowerSGD.hook)
 
     @staticmethod
     def hook(self, bucket):  # noqa: ANN001, ANN205 - DDP rejects a hook annotated other than with its classes
         index, layout = bucket.index(), [(self.names[p], tuple(p.shape)) for p in bucket.parameters()]
-        if self.layouts.get(index, layout) != layout:  # DDP rebuilt its buckets: move the state along
-            self._merge(self._per_parameter({index: self.layouts[index]}))
         if self.pending:
             self._place(index, layout)
         self.layouts[index] = layout
         return powerSGD_hook.powerSGD_hook(self.state, bucket)
 
     def _factors(self, layout: Layout) -> list[tuple[str, int, int]]:
-        """(name, P size, Q size) of each parameter the hook compresses, in the hook's order."""
-        factors = []
+        """(name, P size, Q size) of each parameter the hook compresses, in the hook's order: grouped
+        by matrix shape, groups in order of first appearance, bucket order within a group."""
+        groups: dict[tuple[int, int], list[tuple[str, int, int]]] = {}
         for name, shape in layout:
             n = shape[0] if shape else 1
             m = max(1, int(torch.Size(shape).numel()) // max(n, 1))
             rank = min(n, m, self.state.matrix_approximation_rank)
             if powerSGD_hook._should_compress(n, m, rank, self.state.min_compression_rate)[0]:
-                factors.append((name, n * rank, m * rank))
-        return factors
+                groups.setdefault((n, m), []).append((name, n * rank, m * rank))
+        return [factor for group in groups.values() for factor in group]
 
     def _per_parameter(self, layouts: dict[int, Layout]) -> dict[str, dict[str, torch.Tensor]]:
         """The state of these buckets, split by parameter (and taken out of the hook's dicts)."""
@@ -156,14 +166,36 @@ class PowerSGD:
             self._place(index, layout)
         return {"iter": s.iter, "rng": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)),
                                         "position": int(position), "has_gauss": int(has_gauss), "cached": float(cached)},
-                **saved}
+                **saved, "error": self._every_ranks(saved.get("error", {}))}
+
+    def _every_ranks(self, errors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        """A collective: each rank's error feedback, indexed by rank. Every rank holds errors for the
+        same parameters (the hook runs on every rank in the same steps)."""
+        if not errors:
+            return []
+        names = sorted(errors)
+        flat = flatten([errors[n] for n in names], self.comm_device)
+        gathered = [torch.empty_like(flat) for _ in range(self.world)]
+        dist.all_gather(gathered, flat)
+        return [dict(zip(names, unflatten(g.cpu(), [errors[n] for n in names]))) for g in gathered]
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         s, rng = self.state, state["rng"]
         s.iter = state["iter"]
         s.rng.set_state((rng["name"], rng["keys"].numpy().astype(np.uint32), rng["position"], rng["has_gauss"],
                          rng["cached"]))
-        self.pending = {key: dict(state.get(key, {})) for key in ("error", "p", "q")}
+        self.pending = {key: dict(state.get(key, {})) for key in ("p", "q")}
+        self.pending["error"] = own_error(state.get("error", []), self.rank, self.world)
+
+
+def own_error(per_rank: list[dict[str, torch.Tensor]], rank: int, world: int) -> dict[str, torch.Tensor]:
+    """This rank's saved error feedback at the same world size. At another one, every rank takes the
+    mean of the saved ranks' errors: the averaged gradient then carries the same total correction."""
+    if len(per_rank) == world:
+        return dict(per_rank[rank])
+    if not per_rank:
+        return {}
+    return {name: torch.stack([errors[name] for errors in per_rank]).mean(0) for name in per_rank[0]}
 
 
 def main(argv: list[str] | None = None) -> None:

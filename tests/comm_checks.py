@@ -3,8 +3,10 @@ Prints one 'ok ...' line per check on rank 0 and exits non-zero on the first fai
 from __future__ import annotations
 
 import contextlib
+import copy
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -12,6 +14,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from common.models import build_model  # noqa: E402
 from common.comm import GatherSum, GradientBuckets, float_buffers, launch_all_reduce, ring_all_reduce  # noqa: E402
 
 SIZES = (1, 7, 1000, 2**20 + 3)
@@ -85,6 +88,35 @@ def check_buckets(rank: int, world: int, wire: str = "none", micro_batches: int 
                  "one launch each per step, unused grad None")
 
 
+def check_powersgd_factors(rank: int, world: int) -> None:
+    """PowerSGD's P and Q memories, split by PowerSGD._factors, belong to the parameters they are named
+    for: after the first compressed step each Q slice is the mean over ranks of M_r^T p, M_r being that
+    parameter's gradient on rank r as a matrix. ResNet-18 repeats shapes, which the hook groups."""
+    from torch.nn.parallel import DistributedDataParallel
+    from train_ddp import PowerSGD, keep_registration_order
+    model = build_model("resnet18", 3, 32, 10, seed=0)
+    plain = copy.deepcopy(model)  # the local gradients, uncompressed
+    ddp = DistributedDataParallel(model, bucket_cap_mb=200, gradient_as_bucket_view=True)
+    keep_registration_order(ddp)
+    cpu = torch.device("cpu")
+    powersgd = PowerSGD(ddp, model, SimpleNamespace(device=cpu, comm_device=cpu, rank=rank, world_size=world))
+    powersgd.state.iter = powersgd.state.start_powerSGD_iter  # compress from the first step
+    x = torch.randn(4, 3, 32, 32, generator=torch.Generator().manual_seed(rank))
+    ddp(x).sum().backward()
+    plain(x).sum().backward()
+    local = dict(plain.named_parameters())
+    p_memory, q_memory, p_at, q_at = powersgd.state.p_memory_dict[0], powersgd.state.q_memory_dict[0], 0, 0
+    factors = powersgd._factors(powersgd.layouts[0])
+    for name, p_size, q_size in factors:
+        p, q = p_memory[p_at:p_at + p_size], q_memory[q_at:q_at + q_size]
+        expected = local[name].grad.reshape(p_size, -1).t() @ p
+        dist.all_reduce(expected)
+        torch.testing.assert_close(q, expected / world, rtol=1e-4, atol=1e-6, msg=f"Q slice named {name} is not its Q")
+        p_at, q_at = p_at + p_size, q_at + q_size
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    report(rank, f"powersgd factors: {len(factors)} compressed matrices, {len(shapes) - len(set(shapes))} repeated shapes")
+
+
 def report(rank: int, message: str) -> None:
     if rank == 0:
         print(f"ok {message}", flush=True)
@@ -96,7 +128,8 @@ if __name__ == "__main__":
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
         checks = {"ring": check_ring, "buckets": check_buckets,
-                  "buckets-fp16-accumulate": lambda r, w: check_buckets(r, w, wire="fp16", micro_batches=3)}
+                  "buckets-fp16-accumulate": lambda r, w: check_buckets(r, w, wire="fp16", micro_batches=3),
+                  "powersgd-factors": check_powersgd_factors}
         checks[sys.argv[1]](rank, world)
         dist.barrier()
     finally:

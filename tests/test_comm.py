@@ -23,3 +23,11 @@ def test_buckets_fire_once_per_step_and_reduce_every_gradient(check):
     result = run_script(["tests/comm_checks.py", check], nproc=2, timeout=120)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "one launch each per step, unused grad None" in result.stdout
+
+
+def test_powersgd_state_is_split_by_the_parameters_it_belongs_to():
+    """The per-parameter PowerSGD checkpoint state follows the hook's own layout (shape groups)."""
+    result = run_script(["tests/comm_checks.py", "powersgd-factors"], nproc=2, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ok powersgd factors" in result.stdout
+    print("\n" + result.stdout.strip())
