@@ -11,6 +11,11 @@ in the folder whose identity (the settings that change the trained weights) equa
 the most recently saved one if several do. A checkpoint holds only tensors and plain types, so
 torch.load(weights_only=True) reads it and a file carrying pickled code is refused unread.
 
+Saving in the background: rank 0 copies the state in memory (the only pause training sees), then
+serializes and writes it on one thread while training goes on. At most one save is in flight: the
+next save, the run's last one and a stop wait for it. A failed write ends every rank at the next
+stop check (common/preemption.py), at most CHECK_EVERY steps later, or at the next save if sooner.
+
 Commit protocol: a step file is written whole and made visible at once (local: temp file, fsync,
 rename; object store: one PUT), then the pointer is replaced the same way. No hard links, no
 directory renames. A reader trusts only checkpoints that load, newest first: the pointer's target
@@ -25,8 +30,9 @@ import re
 import secrets
 import time
 import zipfile
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -258,7 +264,7 @@ class Checkpoints:
         self.location, self.ctx, self.keep, self.options = folder, ctx, keep, options
         self.folder: CheckpointFolder | None = None  # rank 0's, opened in resume(): only rank 0 touches the storage
         self.run = ""  # the run folder this job saves into, decided by resume()
-        self.last: str | None = None  # where the run's newest complete checkpoint is (named if a save fails)
+        self.writer = BackgroundWriter()  # rank 0's; idle elsewhere
 
     def url(self) -> str:
         return f"{self.location.rstrip('/')}/{self.run}"
@@ -274,7 +280,7 @@ class Checkpoints:
         self.run = agreed.run
         if agreed.checkpoint is None:
             return None, agreed.warnings
-        self.last = agreed.checkpoint
+        self.writer.last = agreed.checkpoint
         data = self.ctx.broadcast_bytes(choice.data if choice else None)
         resumed = Resumed(agreed.checkpoint, choice.state if choice else parse_checkpoint(data))
         self._restore(run, resumed)
@@ -305,9 +311,11 @@ class Checkpoints:
         run.precision.load_state_dict(state.get("scaler", {}))
         run.strategy.load_state_dict(state.get("strategy", {}))
 
-    def save(self, run: Run, at: Position) -> str:
-        """A collective. Rank 0 writes the checkpoint; every rank returns its path, or ends with
-        rank 0's one-line error if the save failed (the previous checkpoint stays loadable)."""
+    def save(self, run: Run, at: Position, wait: bool, on_saved: Callable[[str, float], None]) -> str:
+        """A collective. Rank 0 copies the state and writes it in the background (wait: and waits for
+        it); every rank returns the checkpoint's path, or ends with rank 0's one-line error if this
+        save (wait) or the one before it failed. The previous checkpoint stays loadable either way.
+        on_saved(path, seconds) is called on rank 0 once the checkpoint is committed."""
         state = {  # the schema; the strategy gathers sharded state (a collective on every rank)
             "model": run.strategy.model_state(run.model),
             "optimizer": run.strategy.optimizer_state(run.optimizer),
@@ -318,16 +326,73 @@ class Checkpoints:
             "world_size": run.ctx.world_size, "config": run.cfg.as_plain_dict(), "identity": run.cfg.identity(),
             "version": __version__,
         }
-        outcome = {"path": step_name(self.run, state["global_step"]), "error": None}
-        if self.ctx.is_primary:
-            try:
-                outcome["path"] = self.last = self.folder.write(self.run, state, self.last)
-            except UserError as e:
-                outcome["error"] = str(e)
+        outcome = {"path": self.folder.storage.url(step_name(self.run, state["global_step"])) if self.folder else "",
+                   "error": self.writer.outcome() if self.ctx.is_primary else None}
+        if self.ctx.is_primary and not outcome["error"]:
+            self.writer.start(self.folder, self.run, detached_copy(state), self.last, on_saved)
+            if wait:
+                outcome["error"] = self.writer.outcome()
         outcome = self.ctx.broadcast_json(outcome)
         if outcome["error"]:
             self.ctx.fail_together(outcome["error"])
         return outcome["path"]
+
+    def finish(self) -> None:
+        """A collective: wait for rank 0's save in flight; every rank ends with its error if it failed."""
+        error = self.ctx.broadcast_json(self.writer.outcome() if self.ctx.is_primary else None)
+        if error:
+            self.ctx.fail_together(error)
+
+    def save_failed(self) -> bool:
+        """Rank 0, without waiting: whether the save in flight has already failed."""
+        return self.writer.failed()
+
+    @property
+    def last(self) -> str | None:
+        return self.writer.last
+
+
+class BackgroundWriter:
+    """Rank 0's one writing thread. Holds the outcome of the last save until someone asks for it."""
+
+    def __init__(self) -> None:
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint-writer")
+        self.pending: Future[str] | None = None
+        self.last: str | None = None  # the run's newest committed checkpoint (named if a save fails)
+
+    def start(self, folder: CheckpointFolder, run: str, state: dict[str, Any], previous: str | None,
+              on_saved: Callable[[str, float], None]) -> None:
+        def write() -> str:
+            started = time.perf_counter()
+            path = folder.write(run, state, previous)
+            on_saved(path, time.perf_counter() - started)
+            return path
+        self.pending = self.pool.submit(write)
+
+    def outcome(self) -> str | None:
+        """Wait for the save in flight, if any: None when it committed, else its one-line error."""
+        pending, self.pending = self.pending, None
+        if pending is None:
+            return None
+        try:
+            self.last = pending.result()
+        except UserError as e:
+            return str(e)
+        return None
+
+    def failed(self) -> bool:
+        return self.pending is not None and self.pending.done() and self.pending.exception() is not None
+
+
+def detached_copy(state: Any) -> Any:
+    """The state with every tensor copied to the CPU: training goes on changing the originals."""
+    if isinstance(state, torch.Tensor):
+        return state.detach().to("cpu", copy=True)
+    if isinstance(state, dict):
+        return {key: detached_copy(value) for key, value in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(detached_copy(value) for value in state)
+    return state
 
 
 def expected_bytes(run: Run) -> int:

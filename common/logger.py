@@ -102,6 +102,9 @@ class NullLogger:
     def saved(self, path: str, step: int, seconds: float) -> None:
         pass
 
+    def save_stall(self, step: int, seconds: float) -> None:
+        pass
+
     def startup(self, seconds: float, step: int) -> None:
         pass
 
@@ -185,8 +188,12 @@ class Logger(RankEcho):
         self.writer.add_scalar("time/startup_s", seconds, step)
 
     def saved(self, path: str, step: int, seconds: float) -> None:
+        """Called from the checkpoint writer's thread, once the checkpoint is committed."""
         self.info(f"saved {path} in {seconds:.2f} s")
         self.writer.add_scalar("time/checkpoint_s", seconds, step)
+
+    def save_stall(self, step: int, seconds: float) -> None:
+        self.writer.add_scalar("time/checkpoint_stall_s", seconds, step)
 
     def flush(self) -> None:
         self.writer.flush()

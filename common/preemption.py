@@ -3,11 +3,13 @@
 A signal only sets a flag. Every CHECK_EVERY steps the flag is all-reduced (MAX) asynchronously as
 a step starts, so the round trip hides behind the step, and read at its end: every rank sees the
 same verdict after the same step, at most CHECK_EVERY steps after the signal. torchrun forwards
-SIGTERM to its workers and kills them 30 s later.
+SIGTERM to its workers and kills them 30 s later. The same check carries rank 0's news that a
+checkpoint written in the background failed (SAVE_FAILED, above every signal number).
 """
 from __future__ import annotations
 
 import signal
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -16,6 +18,7 @@ from common.distributed import DistContext
 from common.errors import UserError
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
+SAVE_FAILED = 1024  # wins the MAX over any signal: the stop would have to save, and saving is what failed
 
 
 class Preempted(UserError):
@@ -33,8 +36,8 @@ class StopRequest:
 
     CHECK_EVERY = 10
 
-    def __init__(self, ctx: DistContext) -> None:
-        self.ctx = ctx
+    def __init__(self, ctx: DistContext, save_failed: Callable[[], bool]) -> None:
+        self.ctx, self.save_failed = ctx, save_failed
         self.received = 0
         self.flag = torch.zeros(1, dtype=torch.int32, device=ctx.comm_device)
         self.handle = None
@@ -46,11 +49,11 @@ class StopRequest:
 
     def begin_step(self, global_step: int) -> None:
         if global_step % self.CHECK_EVERY == 0:
-            self.flag.fill_(self.received)
+            self.flag.fill_(SAVE_FAILED if self.save_failed() else self.received)
             self.handle = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, async_op=True)
 
     def agreed_signal(self, global_step: int) -> int:
-        """0, or the signal some rank received before this check began (same answer on every rank).
+        """0, SAVE_FAILED, or the signal some rank received before this check began (same answer on every rank).
         `global_step`: the step that just ran (counted from 0)."""
         if global_step % self.CHECK_EVERY or self.handle is None:
             return 0

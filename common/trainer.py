@@ -15,7 +15,7 @@ from common.checkpoint import Checkpoints
 from common.data import Dataset, eval_batches
 from common.distributed import DistContext
 from common.logger import EpochResult, NullLogger, StepRecord, StepTimes
-from common.preemption import Preempted, StopRequest
+from common.preemption import SAVE_FAILED, Preempted, StopRequest
 from common.profiling import NoProfiler, StepProfiler
 from common.replicas import check_replicas
 from common.run import Position, Run
@@ -114,7 +114,7 @@ class Trainer:
             result = self.run_epoch(epoch, start.step if epoch == start.epoch else 0)
             self.log.epoch(result, self.run.cfg.epochs)
             self.relay.flush(self.run.ctx, self.log)
-            self.save(Position(epoch + 1, 0))
+            self.save(Position(epoch + 1, 0), wait=epoch + 1 == self.run.cfg.epochs)
         return result
 
     def run_epoch(self, epoch: int, first_step: int) -> EpochResult:
@@ -173,24 +173,28 @@ class Trainer:
             run.strategy.consolidate(run.model)
             check_replicas(run.strategy.replicated(run.model), run.ctx, step)
         self.stop_signal = self.stop.agreed_signal(step - 1) or self.stop_signal
+        if self.stop_signal == SAVE_FAILED:
+            self.checkpoints.finish()  # ends every rank with the failed save's one-line error
         if self.stop_signal and synced:
-            path = self.save(done)
+            path = self.save(done, wait=True)
             run.ctx.fail_together_with(Preempted(
                 f"stopped by {signal.Signals(self.stop_signal).name} after step {step} (epoch {done.epoch + 1}, "
                 f"step {done.step}); checkpoint {path}; run the same command again to resume", self.stop_signal))
         self.save_due = self.save_due or bool(run.cfg.save_every_steps and step % run.cfg.save_every_steps == 0)
         if self.save_due and synced and mid_epoch:
-            self.save(done)
+            self.save(done, wait=False)
 
-    def save(self, at: Position) -> str:
-        """Every rank waits for rank 0's write: the time it takes is the stall a save costs. Any
-        save, the epoch end's included, is the one a due --save-every-steps save waited for."""
+    def save(self, at: Position, wait: bool) -> str:
+        """Training pauses while the state is gathered and copied (and, with wait, written): that
+        pause is the stall a save costs. Any save, the epoch end's included, is the one a due
+        --save-every-steps save waited for."""
         self.save_due = False
+        step = self.run.global_step(at)
         started = time.perf_counter()
         self.steps.flush(self.log, self.run)  # the points up to here, before the checkpoint
         self.run.strategy.consolidate(self.run.model)
-        path = self.checkpoints.save(self.run, at)
-        self.log.saved(path, self.run.global_step(at), time.perf_counter() - started)
+        path = self.checkpoints.save(self.run, at, wait, lambda saved, seconds: self.log.saved(saved, step, seconds))
+        self.log.save_stall(step, time.perf_counter() - started)
         self.log.flush()
         return path
 
