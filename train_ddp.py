@@ -185,7 +185,10 @@ class PowerSGD:
         s.rng.set_state((rng["name"], rng["keys"].numpy().astype(np.uint32), rng["position"], rng["has_gauss"],
                          rng["cached"]))
         self.pending = {key: dict(state.get(key, {})) for key in ("p", "q")}
-        self.pending["error"] = own_error(state.get("error", []), self.rank, self.world)
+        errors = state.get("error", [])
+        if isinstance(errors, dict):  # a checkpoint of an earlier version, which saved rank 0's alone
+            errors = [errors]
+        self.pending["error"] = own_error(errors, self.rank, self.world)
 
 
 def own_error(per_rank: list[dict[str, torch.Tensor]], rank: int, world: int) -> dict[str, torch.Tensor]:

@@ -3,6 +3,7 @@ with and without skipped synchronizations; gradient compression (bytes per step,
 
     python bench/recipes.py                      # all three tables (a few minutes on 2 CPU cores)
     python bench/recipes.py --tables compression --epochs 4
+    python bench/recipes.py --tables throughput --models resnet18 --strategies master dp
 
 World 2, gloo, one thread per rank (train_dp.py: one process with both threads), synthetic data.
 """
@@ -27,13 +28,13 @@ RECIPES = {"fp32": [], "bf16": ["--precision", "bf16"], "compile": ["--compile"]
 STEPS = {"convnet": (60, 10), "resnet18": (9, 3)}  # steps, logging interval (the first interval is warm-up)
 
 
-def throughput(models: list[str], batch: int) -> None:
+def throughput(models: list[str], batch: int, strategies: list[str]) -> None:
     for model in models:
         steps, every = STEPS[model]
         print(f"\n{model} ({MODELS[model][0]} shape), global batch {batch}: images/s (compile: its start-up s)\n")
         print("| strategy | " + " | ".join(RECIPES) + " |\n|---|" + "---|" * len(RECIPES))
-        for name, script in STRATEGIES.items():
-            cells = []
+        for name in strategies:
+            script, cells = STRATEGIES[name], []
             for recipe, flags in RECIPES.items():
                 scalars = run(script, [*synthetic(model, batch, steps, every), *flags], 1 if name == "dp" else 2,
                               2 if name == "dp" else 1)
@@ -89,12 +90,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tables", nargs="+", default=["throughput", "accumulation", "compression"])
     p.add_argument("--models", nargs="+", default=["convnet", "resnet18"], choices=list(STEPS))
+    p.add_argument("--strategies", nargs="+", default=list(STRATEGIES), choices=list(STRATEGIES),
+                   help="rows of the throughput table")
     p.add_argument("--batch-size", type=int, default=64, help="global batch of the throughput table")
     p.add_argument("--epochs", type=int, default=3, help="epochs of the compression runs")
     a = p.parse_args()
     print(f"{os.cpu_count()} cores, torch {torch.__version__}")
     if "throughput" in a.tables:
-        throughput(a.models, a.batch_size)
+        throughput(a.models, a.batch_size, a.strategies)
     if "accumulation" in a.tables:
         accumulation(128, 4)
     if "compression" in a.tables:

@@ -93,6 +93,7 @@ def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
         profiler.stop()
         stop.close()
         relay.close()
+        checkpoints.close()  # the writer thread logs its save: before the logger closes
         log.close(final)
 
 

@@ -14,7 +14,7 @@ torch.load(weights_only=True) reads it and a file carrying pickled code is refus
 Saving in the background: rank 0 copies the state in memory (the only pause training sees), then
 serializes and writes it on one thread while training goes on. At most one save is in flight: the
 next save, the run's last one and a stop wait for it. A failed write ends every rank at the next
-stop check (common/preemption.py), at most CHECK_EVERY steps later, or at the next save if sooner.
+stop check (common/preemption.py), at most CHECK_EVERY + 1 steps later, or at the next save if sooner.
 
 Commit protocol: a step file is written whole and made visible at once (local: temp file, fsync,
 rename; object store: one PUT), then the pointer is replaced the same way. No hard links, no
@@ -73,6 +73,12 @@ def parse_checkpoint(data: bytes) -> dict[str, Any]:
     if missing:
         raise InvalidCheckpoint(f"lacks {', '.join(missing)} (written by another version?)")
     return state
+
+
+def kept(previous: str | None) -> str:
+    """What a failed save leaves: the run's previous checkpoint."""
+    return (f"the previous checkpoint {previous} is intact and the same command resumes from it" if previous
+            else "no earlier checkpoint of this run exists")
 
 
 def _first_line(error: BaseException) -> str:
@@ -237,10 +243,8 @@ class CheckpointFolder:
             self.storage.write(name, buffer.getvalue())
             self.storage.write(f"{run}/{POINTER}", json.dumps(pointer, indent=1).encode())
         except StorageError as e:
-            kept = (f"the previous checkpoint {previous} is intact and the same command resumes from it" if previous
-                    else "no earlier checkpoint of this run exists")
-            raise UserError(f"saving checkpoint {self.storage.url(name)} failed ({e.cause}); {kept}; free space or "
-                            "fix access there, or pass another --checkpoint-dir") from None
+            raise UserError(f"saving checkpoint {self.storage.url(name)} failed ({e.cause}); {kept(previous)}; free "
+                            "space or fix access there, or pass another --checkpoint-dir") from None
         self._prune(run)
         return self.storage.url(name)
 
@@ -351,6 +355,10 @@ class Checkpoints:
     def last(self) -> str | None:
         return self.writer.last
 
+    def close(self) -> None:
+        """Rank 0: wait for a write still in flight when the job ends early, before the logger closes."""
+        self.writer.close()
+
 
 class BackgroundWriter:
     """Rank 0's one writing thread. Holds the outcome of the last save until someone asks for it."""
@@ -364,8 +372,18 @@ class BackgroundWriter:
               on_saved: Callable[[str, float], None]) -> None:
         def write() -> str:
             started = time.perf_counter()
-            path = folder.write(run, state, previous)
-            on_saved(path, time.perf_counter() - started)
+            try:
+                path = folder.write(run, state, previous)
+            except UserError:
+                raise
+            except Exception as e:  # noqa: BLE001 - serializing can fail too (out of memory): one line on every rank
+                url = folder.storage.url(step_name(run, state["global_step"]))
+                raise UserError(f"saving checkpoint {url} failed ({type(e).__name__}: {_first_line(e)}); "
+                                f"{kept(previous)}") from None
+            try:
+                on_saved(path, time.perf_counter() - started)
+            except OSError:
+                pass  # the console went away (a closed pipe): the checkpoint is committed all the same
             return path
         self.pending = self.pool.submit(write)
 
@@ -383,13 +401,20 @@ class BackgroundWriter:
     def failed(self) -> bool:
         return self.pending is not None and self.pending.done() and self.pending.exception() is not None
 
+    def close(self) -> None:
+        """Let a write in flight finish (its outcome no longer matters to anyone: the job is ending)."""
+        self.outcome()
+
 
 def detached_copy(state: Any) -> Any:
     """The state with every tensor copied to the CPU: training goes on changing the originals."""
     if isinstance(state, torch.Tensor):
         return state.detach().to("cpu", copy=True)
-    if isinstance(state, dict):
-        return {key: detached_copy(value) for key, value in state.items()}
+    if isinstance(state, dict):  # the same type: a model's OrderedDict keeps its _metadata (module versions)
+        copy = type(state)((key, detached_copy(value)) for key, value in state.items())
+        if hasattr(state, "_metadata"):
+            copy._metadata = state._metadata
+        return copy
     if isinstance(state, (list, tuple)):
         return type(state)(detached_copy(value) for value in state)
     return state

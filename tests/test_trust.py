@@ -7,11 +7,12 @@ import subprocess
 import time
 from contextlib import contextmanager
 from pathlib import Path
+from concurrent.futures import wait
 from typing import Iterator
 
 import pytest
 
-from common.checkpoint import CheckpointFolder, parse_checkpoint
+from common.checkpoint import BackgroundWriter, CheckpointFolder, parse_checkpoint
 from common.config import parse_args
 from common.errors import UserError
 from common.storage import LocalStorage
@@ -265,3 +266,21 @@ def test_an_error_every_rank_hits_is_printed_once(cifar_root, tmp_path):
                          "--no-download", "--checkpoint-dir", str(tmp_path / "ckpt")], nproc=2)
     assert "data_batch_2" in one_error(result)
     assert "/common/" not in result.stderr  # no rank's traceback
+
+
+def test_a_background_write_commits_or_fails_with_one_line(tmp_path):
+    """Rank 0's writer thread: a committed save becomes the run's last checkpoint and is reported once;
+    a save that cannot even be serialized (here an object torch.save cannot pickle) is one line naming
+    the file and the intact previous checkpoint, and is flagged as failed before anyone waits for it."""
+    from common.storage import storage_for
+
+    folder, writer, reported = CheckpointFolder(storage_for(str(tmp_path)), keep=2), BackgroundWriter(), []
+    writer.start(folder, "run", {"global_step": 2, "identity": {}}, None, lambda path, s: reported.append(path))
+    assert writer.outcome() is None and reported == [writer.last] and writer.last.endswith("run/step-00000002.pt")
+    writer.start(folder, "run", {"global_step": 4, "identity": {}, "code": lambda: 0}, writer.last, reported.append)
+    wait([writer.pending])
+    assert writer.failed()
+    error = writer.outcome()
+    assert error.startswith(f"saving checkpoint {tmp_path}/run/step-00000004.pt failed (") and "\n" not in error
+    assert f"the previous checkpoint {tmp_path}/run/step-00000002.pt is intact" in error
+    assert len(reported) == 1 and not (tmp_path / "run" / "step-00000004.pt").exists()
