@@ -33,6 +33,7 @@ class AllReduceStrategy(HandWrittenSync):
     def configure(self, cfg: Config) -> None:
         super().configure(cfg)
         self.mode = cfg.options["allreduce"]
+        self.uses_transport = self.mode == "torch"  # ring, gather and per-param are written on the process group
         if self.mode == "per-param" and self.wire_dtype is not None:
             raise ConfigError("--allreduce per-param is the tutorials' uncompressed baseline; drop "
                               "--grad-compression, or use the buckets (--allreduce torch or ring)")
@@ -43,7 +44,7 @@ class AllReduceStrategy(HandWrittenSync):
     def make_sync(self, model: nn.Module, ctx: DistContext) -> GradientBuckets | PerParameterAllReduce:
         if self.mode == "per-param":
             return PerParameterAllReduce(model, scale=1.0 / ctx.world_size, device=ctx.comm_device)
-        return GradientBuckets(model, self.bucket_mb, launch_all_reduce(self.mode), rank=ctx.rank,
+        return GradientBuckets(model, self.bucket_mb, launch_all_reduce(self.mode, ctx.transport), rank=ctx.rank,
                                device=ctx.comm_device, scale=1.0 / ctx.world_size, root_buffers=float_buffers(model),
                                wire_dtype=self.wire_dtype)
 

@@ -18,7 +18,8 @@ from common.app import main as run
 from common.comm import broadcast_coalesced, flatten, unflatten
 from common.config import Config
 from common.distributed import DistContext
-from common.strategy import Strategy
+from common.strategy import WIRE_DTYPES, Strategy
+from common.transport import ProcessGroupTransport, Transport
 
 
 # Buffers are still sent from rank 0 once, when DDP is built. The flag's name changed in torch 2.14.
@@ -38,6 +39,7 @@ class DDPStrategy(Strategy):
     def configure(self, cfg: Config) -> None:
         super().configure(cfg)
         self.powersgd: PowerSGD | None = None
+        self.uses_transport = self.compression != "powersgd"  # torch's PowerSGD hook talks to the process group
 
     def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module:
         """DDP broadcasts BatchNorm buffers from rank 0 before every forward; they matter only when
@@ -55,6 +57,9 @@ class DDPStrategy(Strategy):
         if self.compression == "powersgd":  # rank 1: one P and one Q per matrix; error feedback keeps it unbiased
             keep_registration_order(ddp)
             self.powersgd = PowerSGD(ddp, model, ctx)
+        elif not isinstance(ctx.transport, ProcessGroupTransport):
+            ddp.register_comm_hook(TransportHook(ctx.transport, ctx.world_size, WIRE_DTYPES[self.compression]),
+                                   TransportHook.hook)
         elif self.compression != "none":
             hook = {"fp16": default_hooks.fp16_compress_hook, "bf16": default_hooks.bf16_compress_hook}
             ddp.register_comm_hook(None, hook[self.compression])
@@ -75,6 +80,26 @@ class DDPStrategy(Strategy):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if self.powersgd and state:
             self.powersgd.load_state_dict(state)
+
+
+class TransportHook:
+    """DDP's buckets through the suite's own transport (shared memory on a CPU node) instead of the
+    process group: what torch's allreduce and fp16/bf16 hooks do, over another wire. The bucket,
+    cast to the wire dtype, is divided by W before the sum, so W fp16 shares cannot overflow."""
+
+    def __init__(self, transport: Transport, world: int, wire_dtype: torch.dtype | None) -> None:
+        self.transport, self.world, self.wire_dtype = transport, world, wire_dtype
+
+    @staticmethod
+    def hook(self, bucket):  # noqa: ANN001, ANN205 - DDP rejects a hook annotated other than with its classes
+        buffer = bucket.buffer()
+        wire = buffer.div_(self.world) if self.wire_dtype is None else buffer.to(self.wire_dtype).div_(self.world)
+        self.transport.all_reduce(wire).wait()
+        if wire is not buffer:
+            buffer.copy_(wire)
+        done = torch.futures.Future()
+        done.set_result(buffer)
+        return done
 
 
 def keep_registration_order(ddp: DistributedDataParallel) -> None:

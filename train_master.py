@@ -11,15 +11,15 @@ from __future__ import annotations
 import argparse
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from common.app import main as run
-from common.comm import Bucket, GradientBuckets, Handle, broadcast_coalesced, float_buffers, launch_reduce_to_root
+from common.comm import Bucket, GradientBuckets, broadcast_coalesced, float_buffers
 from common.config import Config
 from common.distributed import DistContext
 from common.step import Precision
 from common.strategy import HandWrittenSync
+from common.transport import Handle
 
 
 class MasterWorkerStrategy(HandWrittenSync):
@@ -41,16 +41,16 @@ class MasterWorkerStrategy(HandWrittenSync):
 
     def make_sync(self, model: nn.Module, ctx: DistContext) -> GradientBuckets:
         """Each rank's gradients, divided by W, are summed onto rank 0 (the average), then sent back."""
-        self.is_master, self.device = ctx.is_primary, ctx.comm_device
+        self.is_master, self.device, self.transport = ctx.is_primary, ctx.comm_device, ctx.transport
         if self.master_update:  # only rank 0 needs the average; it sends parameters and buffers after its step
             self.sent_by_master = [*model.parameters(), *float_buffers(model)]
-            return GradientBuckets(model, self.bucket_mb, launch_reduce_to_root, rank=ctx.rank, device=ctx.comm_device,
+            return GradientBuckets(model, self.bucket_mb, ctx.transport.reduce, rank=ctx.rank, device=ctx.comm_device,
                                    scale=1.0 / ctx.world_size, wire_dtype=self.wire_dtype)
 
         def broadcast_average(bucket: Bucket) -> Handle:
-            return dist.broadcast(bucket.flat, src=0, async_op=True)
+            return ctx.transport.broadcast(bucket.flat, 0)
 
-        return GradientBuckets(model, self.bucket_mb, launch_reduce_to_root, rank=ctx.rank, device=ctx.comm_device,
+        return GradientBuckets(model, self.bucket_mb, ctx.transport.reduce, rank=ctx.rank, device=ctx.comm_device,
                                scale=1.0 / ctx.world_size, then=broadcast_average, root_buffers=float_buffers(model),
                                wire_dtype=self.wire_dtype)
 
@@ -62,7 +62,7 @@ class MasterWorkerStrategy(HandWrittenSync):
             precision.step(optimizer)
         # The master's parameters, buffers and (fp16) loss scale: the workers take all three.
         scale = torch.tensor([precision.scale()], dtype=torch.float32, device=self.device)
-        broadcast_coalesced([*self.sent_by_master, scale], self.device)
+        broadcast_coalesced([*self.sent_by_master, scale], self.device, transport=self.transport)
         if not self.is_master:
             precision.follow(scale.item())
 

@@ -153,8 +153,10 @@ def log_dir(cfg: Config, resumed: Resumed | None, world_size: int) -> str:
 def describe(run: Run, checkpoints: Checkpoints, log: NullLogger) -> None:
     cfg, ctx = run.cfg, run.ctx
     master = f"{os.environ.get('MASTER_ADDR', 'local')}:{os.environ.get('MASTER_PORT', '-')}"
+    wire = ctx.transport.name if run.strategy.uses_transport else ctx.backend
+    note = f" ({ctx.transport_note})" if run.strategy.uses_transport and ctx.transport_note else ""
     log.info(f"{run.strategy.describe()}: world {ctx.world_size} = {ctx.nodes} node(s) x {ctx.local_world_size}, "
-             f"backend {ctx.backend}, master {master}, device {ctx.device} (rank 0), "
+             f"backend {ctx.backend}, gradients via {wire}{note}, master {master}, device {ctx.device} (rank 0), "
              f"{torch.get_num_threads()} thread(s) per rank")
     log.info(f"{run.data.name}: {len(run.data.train)} train / {len(run.data.test)} test images; model {cfg.model}; "
              f"global batch {cfg.batch_size} = {cfg.batch_size // ctx.world_size} per rank x {ctx.world_size}"

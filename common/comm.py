@@ -9,23 +9,13 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-
-class Handle(Protocol):
-    def wait(self) -> object: ...
-
-
-class _Done:
-    """Handle of a collective that already finished (the ring runs synchronously)."""
-
-    def wait(self) -> None:
-        return None
-
+from common.transport import Done, Handle, Transport
 
 # A collective started on a flat bucket: returns a handle to wait on before reading the bucket.
 Launch = Callable[[torch.Tensor], Handle]
@@ -83,17 +73,15 @@ class GatherSum:
         torch.sum(torch.stack(self.parts), dim=0, out=self.flat)
 
 
-def launch_all_reduce(mode: str) -> Launch:
-    """mode: torch (dist.all_reduce), ring (ring_all_reduce, synchronous) or gather (GatherSum)."""
+def launch_all_reduce(mode: str, transport: Transport) -> Launch:
+    """mode: torch (the transport's all-reduce: the process group's, or shared memory on one CPU
+    node), ring (ring_all_reduce, synchronous) or gather (GatherSum); ring and gather are written
+    on the process group's point-to-point and all_gather."""
     def ring_now(flat: torch.Tensor) -> Handle:
         ring_all_reduce(flat)
-        return _Done()
+        return Done()
 
-    return {"ring": ring_now, "gather": GatherSum}.get(mode, lambda flat: dist.all_reduce(flat, async_op=True))
-
-
-def launch_reduce_to_root(flat: torch.Tensor) -> Handle:
-    return dist.reduce(flat, dst=0, async_op=True)
+    return {"ring": ring_now, "gather": GatherSum}.get(mode, transport.all_reduce)
 
 
 def _split_into_buckets(params: list[nn.Parameter], cap_bytes: int) -> list[list[nn.Parameter]]:
@@ -265,15 +253,16 @@ def unflatten(flat: torch.Tensor, like: list[torch.Tensor]) -> list[torch.Tensor
     return views
 
 
-def broadcast_coalesced(tensors: list[torch.Tensor], device: torch.device, src: int = 0) -> None:
+def broadcast_coalesced(tensors: list[torch.Tensor], device: torch.device, src: int = 0,
+                        transport: Transport | None = None) -> None:
     """Rank src's values to every rank, one broadcast per dtype (BatchNorm counts are int64),
-    through a flat tensor on the communication device."""
+    through a flat tensor on the communication device (by `transport`, else the process group)."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     for group in by_dtype.values():
         flat = flatten(group, device)
-        dist.broadcast(flat, src=src)
+        transport.broadcast(flat, src).wait() if transport else dist.broadcast(flat, src=src)
         for t, value in zip(group, unflatten(flat, group)):
             t.data.copy_(value)
 

@@ -57,6 +57,7 @@ class Config:
     eval_batch_size: int
     device: str
     backend: str
+    transport: str
     timeout_s: float
     log_dir: str
     checkpoint_dir: str
@@ -155,6 +156,10 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
     add("--eval-batch-size", type=int, default=1000, help="per-rank evaluation batch (default: %(default)s)")
     add("--device", default="auto", help="auto | cpu | cuda (auto: cuda:LOCAL_RANK when there are enough GPUs)")
     add("--backend", default="auto", choices=("auto", "gloo", "nccl"), help="auto: nccl when every rank is on CUDA, else gloo")
+    add("--transport", default="auto", choices=("auto", "shm", "gloo"),
+        help="how gradient collectives travel between CPU ranks: shm (one shared-memory region per node; "
+             "one node, x86-64 Linux), gloo (the process group, TCP), or auto: shm where it can serve, else the "
+             "process group; GPUs always use the process group (default: %(default)s)")
     add("--timeout-s", type=float, default=300.0, help="process-group timeout: a dead peer ends the job after this (default: %(default)s)")
     add("--log-dir", default="", help="TensorBoard directory, or an s3:// (or other fsspec) URL (default: the "
                                       "resumed run's, or runs/<script>-<dataset>-<model>-w<world>-<time>)")

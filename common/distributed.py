@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from common.config import Config
 from common.errors import ConfigError, PeerFailed, UserError
+from common.transport import (ProcessGroupTransport, SharedMemoryTransport, Transport, create_region, map_region,
+                              shared_memory_problem)
 
 T = TypeVar("T")
 
@@ -32,6 +34,10 @@ class DistContext:
     device: torch.device
     backend: str
     store: Any = field(default=None, repr=False, compare=False)  # the job's key-value store, once joined
+    # How the strategies' gradient collectives travel (common/transport.py), and why not through
+    # shared memory where --transport auto chose the process group.
+    transport: Transport = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
+    transport_note: str = ""
 
     @property
     def is_primary(self) -> bool:
@@ -245,7 +251,42 @@ def distributed(cfg: Config) -> Iterator[DistContext]:
         dist.init_process_group(ctx.backend, store=store, rank=0, world_size=1, timeout=timeout)
     ctx = replace(ctx, store=dist.PrefixStore("suite", store))  # our keys apart from the process group's
     try:
+        transport, note = open_transport(ctx, cfg.transport, cfg.timeout_s)
+        ctx = replace(ctx, transport=transport, transport_note=note)
         yield ctx
         dist.barrier()  # leave together: a rank tearing down gloo while a peer still talks can abort it
     finally:
         dist.destroy_process_group()
+
+
+def open_transport(ctx: DistContext, choice: str, timeout_s: float) -> tuple[Transport, str]:
+    """--transport: shm, gloo (the process group's own), or auto (shm wherever it can serve, else
+    the process group, with the reason). Every rank takes the same one: a collective."""
+    process_group = ProcessGroupTransport(ctx.backend)
+    if choice == "gloo" or ctx.world_size == 1:
+        return process_group, ""
+    problems = [p for p in ctx.all_gather_json(shared_memory_problem(ctx.nodes, ctx.backend, ctx.device)) if p]
+    if not problems:
+        path, problem = create_region(ctx.world_size) if ctx.is_primary else ("", "")
+        path, problem = ctx.broadcast_json([path, problem])
+        problems = [problem] if problem else []
+    if not problems:
+        mapped, problems = _map_on_every_rank(ctx, path)
+        if not problems:
+            return SharedMemoryTransport(mapped, ctx.rank, ctx.world_size, timeout_s), ""
+    why = problems[0]
+    if choice == "shm":
+        ctx.fail_together(f"--transport shm: {why}; use --transport auto (shared memory where it can serve) or gloo")
+    return process_group, f"not shm: {why}"
+
+
+def _map_on_every_rank(ctx: DistContext, path: str) -> tuple[Any, list[str]]:
+    """Every rank maps rank 0's region; then rank 0 removes its name (the mappings stay)."""
+    try:
+        mapped, problem = map_region(path, ctx.world_size), None
+    except OSError as e:
+        mapped, problem = None, f"rank {ctx.rank} could not map {path} ({e.strerror})"
+    problems = [p for p in ctx.all_gather_json(problem) if p]
+    if ctx.is_primary:
+        os.unlink(path)
+    return mapped, problems

@@ -29,6 +29,7 @@ class Strategy:
     compressions: tuple[str, ...] = ("none",)  # --grad-compression values it implements
     compression = "none"
     collective_forward = False  # True: forward itself communicates (FSDP), so every rank runs as many forwards
+    uses_transport = False  # True: its gradient collectives go through ctx.transport (shared memory on a CPU node)
 
     @classmethod
     def add_flags(cls, group: argparse._ArgumentGroup) -> None:
@@ -140,6 +141,7 @@ class HandWrittenSync(Strategy):
     BatchNorm buffers equal to rank 0's, as DDP does)."""
 
     compressions = ("none", "fp16", "bf16")
+    uses_transport = True
 
     @classmethod
     def add_flags(cls, group: argparse._ArgumentGroup) -> None:

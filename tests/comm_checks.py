@@ -16,6 +16,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.models import build_model  # noqa: E402
 from common.comm import GatherSum, GradientBuckets, float_buffers, launch_all_reduce, ring_all_reduce  # noqa: E402
+from common.distributed import DistContext, open_transport  # noqa: E402
+from common.transport import SHM_FOLDER, SLOT_BYTES, ProcessGroupTransport, Transport  # noqa: E402
 
 SIZES = (1, 7, 1000, 2**20 + 3)
 
@@ -53,14 +55,16 @@ class WithUnused(nn.Module):
         return out + self.sometimes(x) if dist.get_rank() == 0 else out
 
 
-def check_buckets(rank: int, world: int, wire: str = "none", micro_batches: int = 1) -> None:
+def check_buckets(rank: int, world: int, wire: str = "none", micro_batches: int = 1,
+                  transport: Transport | None = None) -> None:
     """Every gradient averaged (fp16 on the wire: within fp16's rounding), BatchNorm buffers equal
     to rank 0's exactly, one launch per bucket per step however many micro-batches."""
+    transport = transport or ProcessGroupTransport("gloo")
     torch.manual_seed(0)
     model = WithUnused()
     wire_dtype = {"none": None, "fp16": torch.float16}[wire]
     # A tiny cap: several buckets, so ordering and partial readiness are exercised.
-    buckets = GradientBuckets(model, cap_mb=64 / 2**20, launch=launch_all_reduce("torch"), rank=rank,
+    buckets = GradientBuckets(model, cap_mb=64 / 2**20, launch=launch_all_reduce("torch", transport), rank=rank,
                               device=torch.device("cpu"), scale=1.0 / world, root_buffers=float_buffers(model),
                               wire_dtype=wire_dtype)
     tolerance = {"rtol": 1e-6, "atol": 1e-7} if wire_dtype is None else {"rtol": 2e-3, "atol": 1e-4}
@@ -84,8 +88,41 @@ def check_buckets(rank: int, world: int, wire: str = "none", micro_batches: int 
         dist.broadcast(reference, src=0)
         assert torch.equal(model.bn.running_mean, reference), "BatchNorm buffers differ from rank 0's"
     assert buckets.launches == 3 * len(buckets.buckets), f"{buckets.launches} launches for {len(buckets.buckets)} buckets x 3 steps"
-    report(rank, f"buckets ({wire} on the wire, {micro_batches} micro-batch(es)): {len(buckets.buckets)} buckets, "
-                 "one launch each per step, unused grad None")
+    report(rank, f"buckets ({wire} on the wire, {micro_batches} micro-batch(es), {transport.name}): "
+                 f"{len(buckets.buckets)} buckets, one launch each per step, unused grad None")
+
+
+def check_shared_memory(rank: int, world: int) -> None:
+    """The shared-memory transport, set up as the scripts set it up, against gloo's collectives:
+    exact on integer-valued floats, within rounding on reals, the same bits on every rank; tensors
+    larger than a slot go through in chunks; nothing is left in /dev/shm."""
+    ctx = DistContext(rank, world, rank, world, torch.device("cpu"), "gloo")
+    transport, note = open_transport(ctx, "shm", timeout_s=60)
+    assert transport.name == "shm", note
+    dist.barrier()
+    assert not [p for p in Path(SHM_FOLDER).iterdir() if p.name.startswith("dp-suite-")], "region left in /dev/shm"
+    chunked = 2 * SLOT_BYTES // 4 + 3
+    for size in (1, 7, 1000, chunked):
+        g = torch.Generator().manual_seed(100 * rank + size)
+        for dtype in (torch.float32, torch.float16, torch.float64):
+            integers = torch.randint(-100, 100, (size,), generator=g).to(dtype)  # exact sums in any order
+            for op in ("all_reduce", "reduce", "broadcast"):
+                expected, got = integers.clone(), integers.clone()
+                getattr(dist, op)(expected, **({"dst": 0} if op == "reduce" else {"src": world - 1} if op == "broadcast" else {}))
+                getattr(transport, op)(got, *([] if op == "all_reduce" else [0 if op == "reduce" else world - 1])).wait()
+                if op != "reduce" or rank == 0:
+                    assert torch.equal(got, expected), f"shm {op} != gloo's, {dtype}, size {size}"
+        reals = torch.randn(size, generator=g, dtype=torch.float64)
+        expected, got = reals.clone(), reals.clone()
+        dist.all_reduce(expected)
+        transport.all_reduce(got).wait()
+        torch.testing.assert_close(got, expected, rtol=1e-12, atol=1e-12)
+        bits = torch.stack([got, got.clone()])
+        dist.broadcast(bits[1], src=0)
+        assert torch.equal(bits[0], bits[1]), "shm all_reduce gave different bits on different ranks"
+        report(rank, f"shm size {size}")
+    check_buckets(rank, world, transport=transport)
+    check_buckets(rank, world, wire="fp16", micro_batches=3, transport=transport)
 
 
 def check_powersgd_factors(rank: int, world: int) -> None:
@@ -129,7 +166,7 @@ if __name__ == "__main__":
         rank, world = dist.get_rank(), dist.get_world_size()
         checks = {"ring": check_ring, "buckets": check_buckets,
                   "buckets-fp16-accumulate": lambda r, w: check_buckets(r, w, wire="fp16", micro_batches=3),
-                  "powersgd-factors": check_powersgd_factors}
+                  "powersgd-factors": check_powersgd_factors, "shm": check_shared_memory}
         checks[sys.argv[1]](rank, world)
         dist.barrier()
     finally:

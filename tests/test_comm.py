@@ -31,3 +31,11 @@ def test_powersgd_state_is_split_by_the_parameters_it_belongs_to():
     assert result.returncode == 0, result.stderr[-3000:]
     assert "ok powersgd factors" in result.stdout
     print("\n" + result.stdout.strip())
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_shared_memory_transport_matches_gloo(world):
+    result = run_script(["tests/comm_checks.py", "shm"], nproc=world, timeout=180)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("ok shm size") == 4
+    assert result.stdout.count("shm): ") == 2

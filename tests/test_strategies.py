@@ -37,6 +37,13 @@ def test_strategy_equals_one_process(name, world, tmp_path):
     assert code == 0 and max_dw <= 1e-5, stderr[-2000:]
 
 
+@pytest.mark.parametrize("name", ["ddp", "master"])
+def test_process_group_transport_equals_one_process(name, tmp_path):
+    """--transport gloo: the collectives through the process group, as on several nodes."""
+    code, stderr, max_dw = check_equivalence(STRATEGIES[name], 2, "cifar_net", tmp_path, "--transport", "gloo")
+    assert code == 0 and max_dw <= 1e-5, stderr[-2000:]
+
+
 def test_data_parallel_equals_one_process(tmp_path):
     code, stderr, max_dw = check_equivalence(["train_dp.py"], None, "lenet", tmp_path)
     assert code == 0 and max_dw <= 1e-5, stderr[-2000:]

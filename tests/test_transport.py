@@ -1,0 +1,62 @@
+"""The shared-memory gradient transport: chosen where it can serve, refused in one line where it
+cannot, and a peer that never arrives ends the wait within --timeout-s."""
+from __future__ import annotations
+
+import mmap
+import shutil
+import subprocess
+import time
+
+import pytest
+import torch
+
+from common.transport import SharedMemoryTimeout, SharedMemoryTransport
+from tests.conftest import child_env, error_lines, script_command
+
+SMOKE = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
+         "--epochs", "1", "--max-steps", "3"]
+
+
+def test_a_peer_that_never_arrives_ends_the_wait():
+    """Rank 0 of a two-rank region whose rank 1 never posts: one clear error after --timeout-s."""
+    region = mmap.mmap(-1, SharedMemoryTransport.size(2))
+    transport = SharedMemoryTransport(region, rank=0, world=2, timeout_s=0.5)
+    started = time.monotonic()
+    with pytest.raises(SharedMemoryTimeout, match=r"rank\(s\) 1 did not reach .* within 0.5 s \(--timeout-s\)"):
+        transport.all_reduce(torch.ones(10))
+    assert time.monotonic() - started < 5
+
+
+def _in_small_dev_shm(args: list[str], tmp_path) -> subprocess.CompletedProcess:
+    """torchrun with 2 ranks in a private mount namespace whose /dev/shm holds 64 KB."""
+    command = " ".join(script_command([*args, *SMOKE, "--log-dir", str(tmp_path / "tb"),
+                                       "--checkpoint-dir", str(tmp_path / "ck")], nproc=2))
+    return subprocess.run(["unshare", "-m", "sh", "-c", f"mount -t tmpfs -o size=64k tmpfs /dev/shm && {command}"],
+                          env=child_env(), capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture
+def small_dev_shm(tmp_path):
+    if shutil.which("unshare") is None:
+        pytest.skip("needs unshare (util-linux) to give the run its own small /dev/shm")
+    probe = subprocess.run(["unshare", "-m", "sh", "-c", "mount -t tmpfs -o size=64k tmpfs /dev/shm"],
+                           capture_output=True, text=True)
+    if probe.returncode:
+        pytest.skip(f"cannot mount a tmpfs in a private mount namespace (needs root): {probe.stderr.strip()}")
+    return lambda args: _in_small_dev_shm(args, tmp_path)
+
+
+def test_auto_falls_back_to_gloo_when_dev_shm_is_full(small_dev_shm):
+    result = small_dev_shm(["train_allreduce.py"])
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "gradients via gloo (not shm: /dev/shm has no room for 4 MB" in result.stdout
+
+
+def test_explicit_shm_without_room_is_one_line_naming_both_ways_out(small_dev_shm):
+    result = small_dev_shm(["train_ddp.py", "--transport", "shm"])
+    assert result.returncode != 0
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1, result.stderr[-3000:]
+    assert "--transport shm: /dev/shm has no room for 4 MB" in lines[0]
+    assert "--transport auto" in lines[0] and "gloo" in lines[0]
+    assert "common/" not in result.stderr, "a rank printed a traceback"  # torchrun's own summary follows the line
