@@ -1,6 +1,6 @@
 """What each item of a training step costs, timed alone: the memory format and SGD kernel of the
-plain step, per-step reseeding, a host read of the tallies, and the gloo round trips that a
-per-step stop flag, per-step metrics and the gradients cost at W=2.
+plain step, per-step reseeding, a host read of the tallies, and the round trips (gloo, and the
+shared-memory transport) that a stop flag, step metrics and the gradients cost at W=2.
 
     python bench/step_items.py            # convnet, 32 images, one thread; then 2 processes for the collectives
 """
@@ -61,17 +61,22 @@ def one_process() -> None:
 def collectives() -> None:
     import torch.distributed as dist
 
+    from common.distributed import DistContext, open_transport
+
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    shm, _ = open_transport(DistContext(rank, world, rank, world, torch.device("cpu"), "gloo"), "shm", 60)
     flag, metrics = torch.zeros(1, dtype=torch.int32), torch.zeros(6, dtype=torch.float64)
     grads = torch.zeros(sum(p.numel() for p in build_model("convnet", 1, 28, 10, 0).parameters()))
     rows = [("a 1-int all_reduce (the stop flag)", flag), ("a 6-double all_reduce (one step's metrics)", metrics),
             (f"the gradients' all_reduce ({grads.numel() * 4 / 1000:.0f} KB)", grads)]
     for label, tensor in rows:
-        dist.barrier()
-        ms = ms_per_call(lambda: dist.all_reduce(tensor), 300, 30)
-        if dist.get_rank() == 0:
-            print(f"| W=2: {label} | {ms:.3f} |")
+        for wire, all_reduce in (("gloo", dist.all_reduce), ("shm", lambda t: shm.all_reduce(t).wait())):
+            dist.barrier()
+            ms = ms_per_call(lambda: all_reduce(tensor), 300, 30)
+            if rank == 0:
+                print(f"| W=2, {wire}: {label} | {ms:.3f} |")
     dist.destroy_process_group()
 
 

@@ -6,6 +6,8 @@ rows interleaved, best of --repeats.
     python bench/steps.py --models convnet resnet18 --repeats 3
 
 Ratio = the strategy's step time (the suite's own clock: data + compute + sync) / the floor's.
+A second floor, two plain loops running at once (one per core), shows what W=2 costs before any
+communication: the cores' shared caches and memory, and the machine's other tenants.
 """
 from __future__ import annotations
 
@@ -22,8 +24,11 @@ sys.path.insert(0, str(ROOT))
 from bench.strategies import MODELS, run, synthetic, timing  # noqa: E402
 
 STRATEGIES = [  # label, script and flags
+    ("no sync (the suite's loop, nothing sent)", ["bench/nosync.py"]),
     ("ddp", ["train_ddp.py"]),
+    ("ddp --transport gloo", ["train_ddp.py", "--transport", "gloo"]),
     ("allreduce", ["train_allreduce.py"]),
+    ("allreduce --transport gloo", ["train_allreduce.py", "--transport", "gloo"]),
     ("allreduce --allreduce gather", ["train_allreduce.py", "--allreduce", "gather"]),
     ("master", ["train_master.py"]),
     ("master --master-update", ["train_master.py", "--master-update"]),
@@ -54,12 +59,16 @@ print(1000 * (time.perf_counter() - start) / {steps})
 """
 
 
-def floor_ms(model: str, batch: int) -> float:
+def floor_ms(model: str, batch: int, copies: int = 1) -> float:
+    """The plain loop's ms per step; with copies > 1, that many loops at once, their mean."""
     shape, steps, _ = MODELS[model]
     code = FLOOR.format(root=str(ROOT), shape=shape, model=model, batch=batch, steps=steps, warmup=max(2, steps // 6))
-    done = subprocess.run([sys.executable, "-c", code], env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, check=True)
-    return float(done.stdout.split()[-1])
+    loops = [subprocess.Popen([sys.executable, "-c", code], env={**os.environ, "OMP_NUM_THREADS": "1"},
+                              stdout=subprocess.PIPE, text=True) for _ in range(copies)]
+    outputs = [loop.communicate()[0] for loop in loops]
+    if any(loop.returncode for loop in loops):
+        raise SystemExit("the plain loop failed")
+    return statistics.fmean(float(out.split()[-1]) for out in outputs)
 
 
 def strategy_ms(script: list[str], model: str, per_rank: int, world: int) -> float:
@@ -79,16 +88,15 @@ def main() -> None:
         rows: dict[str, list[float]] = {}
         for _ in range(a.repeats):  # interleaved, so drifting load hits every row alike
             rows.setdefault("floor", []).append(floor_ms(model, a.per_rank))
+            rows.setdefault("pair", []).append(floor_ms(model, a.per_rank, copies=2))
             for world in a.worlds:
                 for label, script in STRATEGIES:
                     rows.setdefault(f"{label}, W={world}", []).append(strategy_ms(script, model, a.per_rank, world))
-        floor = min(rows["floor"])
-        print(f"\n{model}: plain loop, one process: {floor:.1f} ms per step "
-              f"(median of repeats {statistics.median(rows['floor']):.1f})\n")
-        print("| strategy | ms per step | / floor |\n|---|---|---|")
+        floor, pair = min(rows.pop("floor")), min(rows.pop("pair"))
+        print(f"\n{model}: plain loop, one process: {floor:.1f} ms per step; two plain loops at once: {pair:.1f} ms\n")
+        print("| strategy | ms per step | / floor | / two loops at once |\n|---|---|---|---|")
         for label, times in rows.items():
-            if label != "floor":
-                print(f"| {label} | {min(times):.1f} | {min(times) / floor:.2f} |")
+            print(f"| {label} | {min(times):.1f} | {min(times) / floor:.2f} | {min(times) / pair:.2f} |")
 
 
 if __name__ == "__main__":

@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from common.config import Config
 from common.errors import ConfigError, PeerFailed, UserError
-from common.transport import (ProcessGroupTransport, SharedMemoryTransport, Transport, create_region, map_region,
-                              shared_memory_problem)
+from common.transport import (LocalTransport, ProcessGroupTransport, SharedMemoryTransport, Transport, create_region,
+                              map_region, shared_memory_problem)
 
 T = TypeVar("T")
 
@@ -262,8 +262,10 @@ def distributed(cfg: Config) -> Iterator[DistContext]:
 def open_transport(ctx: DistContext, choice: str, timeout_s: float) -> tuple[Transport, str]:
     """--transport: shm, gloo (the process group's own), or auto (shm wherever it can serve, else
     the process group, with the reason). Every rank takes the same one: a collective."""
+    if ctx.world_size == 1:
+        return LocalTransport(), ""
     process_group = ProcessGroupTransport(ctx.backend)
-    if choice == "gloo" or ctx.world_size == 1:
+    if choice == "gloo":
         return process_group, ""
     problems = [p for p in ctx.all_gather_json(shared_memory_problem(ctx.nodes, ctx.backend, ctx.device)) if p]
     if not problems:
