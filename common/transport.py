@@ -24,12 +24,13 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from common.errors import UserError
+from common.errors import PeerFailed, UserError
 
 SHM_FOLDER = "/dev/shm"
 SLOT_BYTES = 1 << 20  # one rank's share of a round; larger tensors go through in chunks of this
-FLAG_STRIDE = 8  # int64 entries between two ranks' flags: one 64-byte cache line each
+FLAG_STRIDE = 8  # int64 entries between two ranks' flags: one 64-byte cache line each (round, pid)
 SPINS_BEFORE_YIELD = 64
+PEER_CHECK_S = 0.02  # how often a waiting rank looks whether the late peers still run
 
 
 class Handle(Protocol):
@@ -107,7 +108,10 @@ class SharedMemoryTransport:
     architectures keep the process group (see `shared_memory_problem`).
 
     Synchronous: every call returns after its exchange, with a done handle. A waiting rank spins
-    briefly, then yields its core, so more ranks than cores still make progress."""
+    briefly, then yields its core, so more ranks than cores still make progress. Unlike a gloo
+    socket, shared memory does not tell a rank that its peer died: each rank publishes its pid
+    beside its flag, and a waiting rank gives up as soon as a late peer has exited (torchrun's
+    SIGTERM would only ask it to finish the step it cannot finish), or after --timeout-s."""
 
     name = "shm"
 
@@ -118,6 +122,7 @@ class SharedMemoryTransport:
         self.slots = region.view(2, world, SLOT_BYTES)
         self.round = 0
         self.fence = threading.Lock()
+        self.flags[rank * FLAG_STRIDE + 1] = os.getpid()
 
     @staticmethod
     def size(world: int) -> int:
@@ -165,21 +170,40 @@ class SharedMemoryTransport:
         return rows
 
     def _wait_for(self, round_: int) -> None:
-        flags, stride, spins, deadline = self.flags, FLAG_STRIDE, 0, 0.0
+        flags, stride, spins, started, next_check = self.flags, FLAG_STRIDE, 0, 0.0, 0.0
         peers = range(self.world)
         while not all(flags[r * stride] >= round_ for r in peers):
             spins += 1
             if spins < SPINS_BEFORE_YIELD:
                 continue
             os.sched_yield()
-            if spins % 1024 == 0:
+            if spins % 256 == 0:
                 now = time.monotonic()
-                deadline = deadline or now + self.timeout_s
-                if now > deadline:
-                    late = [r for r in peers if flags[r * stride] < round_]
-                    raise SharedMemoryTimeout(
-                        f"rank(s) {','.join(map(str, late))} did not reach shared-memory exchange {round_} within "
-                        f"{self.timeout_s:g} s (--timeout-s); a peer is stuck or gone")
+                started = started or now
+                if now >= next_check:
+                    self._check_late_peers(round_, now - started)
+                    next_check = now + PEER_CHECK_S
+
+    def _check_late_peers(self, round_: int, waited_s: float) -> None:
+        late = [r for r in range(self.world) if self.flags[r * FLAG_STRIDE] < round_]
+        gone = [r for r in late if not _running(self.flags[r * FLAG_STRIDE + 1])]
+        if gone:  # it printed why, or torchrun will: this rank ends quietly
+            raise PeerFailed(f"rank(s) {','.join(map(str, gone))} ended during shared-memory exchange {round_}")
+        if waited_s > self.timeout_s:
+            raise SharedMemoryTimeout(
+                f"rank(s) {','.join(map(str, late))} did not reach shared-memory exchange {round_} within "
+                f"{self.timeout_s:g} s (--timeout-s); a peer is stuck")
+
+
+def _running(pid: int) -> bool:
+    """False once the process has exited: gone, or a zombie its parent has not reaped yet."""
+    if pid <= 0:
+        return True  # not published yet
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def flag_bytes(world: int) -> int:

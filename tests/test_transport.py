@@ -10,7 +10,8 @@ import time
 import pytest
 import torch
 
-from common.transport import SharedMemoryTimeout, SharedMemoryTransport
+from common.errors import PeerFailed
+from common.transport import FLAG_STRIDE, SharedMemoryTimeout, SharedMemoryTransport
 from tests.conftest import child_env, error_lines, script_command
 
 SMOKE = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
@@ -25,6 +26,19 @@ def test_a_peer_that_never_arrives_ends_the_wait():
     with pytest.raises(SharedMemoryTimeout, match=r"rank\(s\) 1 did not reach .* within 0.5 s \(--timeout-s\)"):
         transport.all_reduce(torch.ones(10))
     assert time.monotonic() - started < 5
+
+
+def test_a_peer_that_exited_ends_the_wait_at_once():
+    """Shared memory does not close like a socket: the waiting rank sees the late peer's pid gone."""
+    region = mmap.mmap(-1, SharedMemoryTransport.size(2))
+    exited = subprocess.Popen(["true"])
+    exited.wait()
+    SharedMemoryTransport(region, rank=1, world=2, timeout_s=60).flags[1 * FLAG_STRIDE + 1] = exited.pid
+    transport = SharedMemoryTransport(region, rank=0, world=2, timeout_s=60)
+    started = time.monotonic()
+    with pytest.raises(PeerFailed, match=r"rank\(s\) 1 ended during shared-memory exchange 1"):
+        transport.all_reduce(torch.ones(10))
+    assert time.monotonic() - started < 2
 
 
 def _in_small_dev_shm(args: list[str], tmp_path) -> subprocess.CompletedProcess:
