@@ -232,7 +232,10 @@ def create_region(world: int) -> tuple[str, str]:
     """Rank 0: a new file in /dev/shm with all its pages reserved. Returns (path, "") or ("", why not):
     a region that did not fit would kill the job with SIGBUS at the first write, not fail here."""
     size = SharedMemoryTransport.size(world)
-    fd, path = tempfile.mkstemp(prefix="dp-suite-", dir=SHM_FOLDER)
+    try:
+        fd, path = tempfile.mkstemp(prefix="dp-suite-", dir=SHM_FOLDER)
+    except OSError as e:
+        return "", f"cannot create a file in {SHM_FOLDER} ({e.strerror})"
     try:
         os.posix_fallocate(fd, 0, size)
         return path, ""
