@@ -5,6 +5,8 @@ each launched from a backward hook as soon as its gradients are ready, waited on
 """
 from __future__ import annotations
 
+import common.collector  # noqa: F401  (first: no garbage collection while torch is imported; see there)
+
 import argparse
 
 from torch import nn

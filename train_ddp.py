@@ -4,6 +4,8 @@
 """
 from __future__ import annotations
 
+import common.collector  # noqa: F401  (first: no garbage collection while torch is imported; see there)
+
 import inspect
 from typing import Any
 

@@ -5,6 +5,8 @@ outputs; gradients are summed onto the first GPU by autograd. On a CPU-only host
 """
 from __future__ import annotations
 
+import common.collector  # noqa: F401  (first: no garbage collection while torch is imported; see there)
+
 import argparse
 import os
 

@@ -13,6 +13,8 @@ after, and gradients are reduce-scattered as backward goes.
 """
 from __future__ import annotations
 
+import common.collector  # noqa: F401  (first: no garbage collection while torch is imported; see there)
+
 import argparse
 import sys
 from contextlib import contextmanager

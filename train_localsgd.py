@@ -12,6 +12,8 @@ the last synchronization is a pseudo-gradient for an outer optimizer (DiLoCo, Do
 """
 from __future__ import annotations
 
+import common.collector  # noqa: F401  (first: no garbage collection while torch is imported; see there)
+
 import argparse
 from typing import Any
 

@@ -8,6 +8,8 @@ broadcasts the updated parameters.
 """
 from __future__ import annotations
 
+import common.collector  # noqa: F401  (first: no garbage collection while torch is imported; see there)
+
 import argparse
 
 import torch

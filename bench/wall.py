@@ -1,18 +1,23 @@
 """The lean-steps issue's whole run, this tree against another checkout, interleaved: total wall
-time, the epochs, start-up (the banner's process start to first step) and final test accuracy.
+time, the epochs, the time outside them (torchrun's and the ranks' start-up and tear-down), start-up
+(the banner's process start to first step, where the tree prints it) and final test accuracy.
 
     git worktree add /tmp/before <older commit>
     python bench/wall.py --before /tmp/before              # 2 runs of each, interleaved
     python bench/wall.py --before /tmp/before --script train_allreduce.py --repeats 3
 
 The run: torchrun, 2 ranks, one thread each, convnet, global batch 64, 10 epochs on a generated
-4,000 / 1,000-image MNIST-format set (tests/datagen.py, the real IDX files).
+4,000 / 1,000-image MNIST-format set (tests/datagen.py, the real IDX files). Repeat k runs
+--seed k-1 in both trees: a tree that sums gradients in another order follows another trajectory
+from the first step, so one seed's accuracy tells little; the mean over seeds, beside the spread
+between seeds, does.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,10 +33,10 @@ EPOCH = re.compile(r"epoch (\d+)/\d+ .* test acc ([\d.]+)% .* ([\d.]+) s  per st
 STARTUP = re.compile(r"start-up: ([\d.]+) s")
 
 
-def one_run(tree: Path, script: str, data: Path, epochs: int, tmp: Path) -> dict[str, float]:
+def one_run(tree: Path, script: str, data: Path, epochs: int, seed: int, tmp: Path) -> dict[str, float]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script,
                "--dataset", "mnist", "--data-dir", str(data), "--no-download", "--model", "convnet",
-               "--batch-size", "64", "--epochs", str(epochs), "--log-dir", str(tmp / "tb"),
+               "--batch-size", "64", "--epochs", str(epochs), "--seed", str(seed), "--log-dir", str(tmp / "tb"),
                "--checkpoint-dir", str(tmp / "ck")]
     started = time.perf_counter()
     done = subprocess.run(command, cwd=tree, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
@@ -41,7 +46,8 @@ def one_run(tree: Path, script: str, data: Path, epochs: int, tmp: Path) -> dict
         raise SystemExit(f"{tree}: {' '.join(command)} failed:\n{done.stderr[-3000:]}")
     epochs_found = EPOCH.findall(done.stdout)
     startup = STARTUP.search(done.stdout)
-    return {"wall": wall, "epochs": sum(float(s) for _, _, s in epochs_found), "acc": float(epochs_found[-1][1]),
+    epochs_s = sum(float(s) for _, _, s in epochs_found)
+    return {"wall": wall, "epochs": epochs_s, "outside": wall - epochs_s, "acc": float(epochs_found[-1][1]),
             "startup": float(startup.group(1)) if startup else float("nan")}
 
 
@@ -58,16 +64,22 @@ def main() -> None:
         for repeat in range(a.repeats):
             for label, tree in (("before", a.before.resolve()), ("after", ROOT)):
                 with tempfile.TemporaryDirectory() as run_tmp:
-                    rows.append((label, repeat + 1, one_run(tree, a.script, data, a.epochs, Path(run_tmp))))
+                    rows.append((label, repeat + 1, one_run(tree, a.script, data, a.epochs, repeat, Path(run_tmp))))
     print(f"{a.script}, W=2, convnet, global batch 64, {a.epochs} epochs, 4,000/1,000 MNIST-format images\n")
-    print("| tree, run | total wall s | epochs s | start-up s (banner) | final test acc |\n|---|---|---|---|---|")
+    print("| tree, run (seed) | total wall s | epochs s | outside the epochs s | start-up s (banner) | final test acc |\n"
+          "|---|---|---|---|---|---|")
     for label, repeat, r in rows:
-        print(f"| {label}, {repeat} | {r['wall']:.1f} | {r['epochs']:.1f} | {r['startup']:.2f} | {r['acc']:.2f}% |")
-    for key in ("wall", "epochs", "startup"):
+        figures = " | ".join(f"{r[key]:.1f}" for key in ("wall", "epochs", "outside"))
+        print(f"| {label}, {repeat} ({repeat - 1}) | {figures} | {r['startup']:.2f} | {r['acc']:.2f}% |")
+    for key in ("wall", "epochs", "outside", "startup"):
         before = [r[key] for label, _, r in rows if label == "before"]
         after = [r[key] for label, _, r in rows if label == "after"]
         ratios = ", ".join(f"{x / y:.2f}" for x, y in zip(after, before))
         print(f"\n{key}: after / before per pair: {ratios}", end="")
+    for label in ("before", "after"):
+        accs = [r["acc"] for tree, _, r in rows if tree == label]
+        print(f"\nfinal test acc, {label}: mean {statistics.mean(accs):.2f}% over {len(accs)} seed(s), "
+              f"min {min(accs):.2f}, max {max(accs):.2f}", end="")
     print()
 
 

@@ -11,6 +11,7 @@ from typing import Sequence
 import torch
 
 from common.checkpoint import Checkpoints, Resumed
+from common.collector import pause_during_set_up, resume_for_training
 from common.config import Config, default_log_dir, parse_args, world_size_from_env
 from common.data import TrainLoader
 from common.distributed import DistContext, check_same_flags, distributed
@@ -33,6 +34,7 @@ STARTED = time.monotonic()  # a fallback for the start-up time where /proc is mi
 
 
 def main(strategy: Strategy, argv: Sequence[str] | None = None) -> None:
+    pause_during_set_up()
     try:
         strategy.check_world(world_size_from_env())
         cfg = parse_args(argv, strategy=strategy.name, default_dataset=strategy.default_dataset,
@@ -87,6 +89,7 @@ def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
         if cfg.check_equivalence:
             check_equivalence(run, log)
             return
+        resume_for_training()
         log.startup(process_age_s(), run.global_step(start))
         final = Trainer(run, log, checkpoints, stop, relay, profiler).fit(start)
     finally:

@@ -1,0 +1,46 @@
+"""Python's garbage collector around a training process (common/collector.py): no collection while
+torch is imported and the run is built, set-up frozen and collection back on for training; a
+program that only imports a train_*.py keeps its collector as it was."""
+from __future__ import annotations
+
+import subprocess
+import sys
+
+from tests.conftest import ROOT, child_env
+
+# Runs a script as `python SCRIPT ...` does (runpy makes it __main__), counts the collections that
+# start between the script's first import (common.collector) and the freeze as training starts, and prints that count and the collector's state at exit.
+PROBE = """
+import atexit, gc, runpy, sys
+set_up = [0]
+def count(phase, info):
+    if phase == "start" and "common.collector" in sys.modules and not gc.get_freeze_count():
+        set_up[0] += 1
+gc.callbacks.append(count)
+atexit.register(lambda: print("PROBE", set_up[0], gc.get_freeze_count(), gc.isenabled(), flush=True))
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_a_training_script_collects_nothing_during_set_up_and_freezes_it_for_training(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-c", PROBE, "train_allreduce.py", "--dataset", "synthetic", "--synthetic-shape", "mnist",
+         "--model", "lenet", "--batch-size", "16", "--epochs", "1", "--max-steps", "3",
+         "--log-dir", str(tmp_path / "tb"), "--checkpoint-dir", str(tmp_path / "ckpt")],
+        cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stderr[-3000:]
+    probe = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("PROBE")]
+    assert len(probe) == 1, result.stdout
+    set_up_collections, frozen, enabled = int(probe[0][0]), int(probe[0][1]), probe[0][2]
+    print(f"\nset-up: {set_up_collections} collections; {frozen} objects frozen for training and exit")
+    assert set_up_collections == 0  # importing torch alone runs hundreds with the collector on
+    assert frozen > 100_000 and enabled == "True"
+
+
+def test_importing_a_training_script_leaves_the_importers_collector_alone():
+    code = "import gc, train_allreduce, train_ddp; print(gc.isenabled(), gc.get_freeze_count())"
+    result = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=child_env(), capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.split() == ["True", "0"]
