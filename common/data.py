@@ -49,6 +49,9 @@ class Dataset:
 
 # ---------------------------------------------------------------- synthetic
 
+SHIFTS = range(-3, 4)  # pixels a synthetic image is shifted by, per axis
+
+
 def make_synthetic(shape: str, train_size: int = 10000, test_size: int = 2000, seed: int = 1234) -> Dataset:
     """Deterministic, learnable images: one smooth random template per class, randomly shifted,
     scaled in contrast and covered in noise, so a net must learn shapes, not single pixels."""
@@ -57,13 +60,18 @@ def make_synthetic(shape: str, train_size: int = 10000, test_size: int = 2000, s
     coarse = torch.rand(spec.classes, spec.channels, 4, 4, generator=g)
     templates = torch.nn.functional.interpolate(coarse, size=spec.size, mode="bilinear", align_corners=False)
 
+    # every template at every shift, once: an image is then one row of this table (every rank
+    # builds the set at start-up, so it is computed in whole-tensor, in-place passes)
+    shifted = torch.stack([templates.roll((dy, dx), dims=(2, 3)) for dy in SHIFTS for dx in SHIFTS])
+
     def split(n: int) -> Split:
         labels = torch.randint(0, spec.classes, (n,), generator=g)
-        shifts = torch.randint(-3, 4, (n, 2), generator=g)
-        images = torch.stack([t.roll((int(dy), int(dx)), dims=(1, 2)) for t, (dy, dx) in zip(templates[labels], shifts)])
+        shifts = torch.randint(SHIFTS[0], SHIFTS[-1] + 1, (n, 2), generator=g) - SHIFTS[0]
+        images = shifted[shifts[:, 0] * len(SHIFTS) + shifts[:, 1], labels]
         contrast = 0.5 + torch.rand(n, 1, 1, 1, generator=g)
-        noisy = 0.5 + 0.3 * (images - 0.5) * contrast + 0.35 * torch.randn(images.shape, generator=g)
-        return Split((noisy.clamp(0, 1) * 255).round().to(torch.uint8), labels)
+        noise = torch.randn(images.shape, generator=g).mul_(0.35)
+        noisy = images.sub_(0.5).mul_(0.3).mul_(contrast).add_(0.5).add_(noise)  # 0.5 + 0.3 (x - 0.5) c + noise
+        return Split(noisy.clamp_(0, 1).mul_(255).round_().to(torch.uint8), labels)
 
     return Dataset(f"synthetic-{shape}", spec, split(train_size), split(test_size))
 
