@@ -86,10 +86,10 @@ def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
         if resumed:
             log.info(f"resumed from {resumed.path}: epoch {start.epoch + 1}, step {start.step} "
                      f"(saved at world {resumed.state['world_size']})")
+        resume_for_training()
         if cfg.check_equivalence:
             check_equivalence(run, log)
             return
-        resume_for_training()
         log.startup(process_age_s(), run.global_step(start))
         final = Trainer(run, log, checkpoints, stop, relay, profiler).fit(start)
     finally:

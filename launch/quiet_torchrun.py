@@ -9,12 +9,19 @@ nothing more. Any other failure (a crash) gets torchrun's full report, as plain 
 """
 from __future__ import annotations
 
-import logging
-import logging.handlers
 import sys
+from pathlib import Path
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-from torch.distributed.run import parse_args, run
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common.collector import pause_during_set_up, resume_for_training  # noqa: E402
+
+pause_during_set_up()  # torch's import below without full collections, and a quick exit (see there)
+
+import logging  # noqa: E402
+import logging.handlers  # noqa: E402
+
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
+from torch.distributed.run import parse_args, run  # noqa: E402
 
 HANDLED = ("UserError", "ConfigError", "PeerFailed", "Preempted")
 
@@ -42,6 +49,7 @@ def main() -> None:
     elastic = logging.getLogger("torch.distributed.elastic")
     elastic.addHandler(held)
     elastic.propagate = False
+    resume_for_training()  # the agent watches its workers for the whole run: its garbage is collected
     try:
         run(parse_args(sys.argv[1:]))
     except ChildFailedError as error:
