@@ -15,7 +15,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.collector import pause_during_set_up, resume_for_training  # noqa: E402
 
-pause_during_set_up()  # torch's import below without full collections, and a quick exit (see there)
+if __name__ == "__main__":
+    pause_during_set_up()  # torch's import below without full collections, and a quick exit (see there)
 
 import logging  # noqa: E402
 import logging.handlers  # noqa: E402

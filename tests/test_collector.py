@@ -6,15 +6,17 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from tests.conftest import ROOT, child_env
+from tests.conftest import ROOT, child_env, run_script
 
-# Runs a script as `python SCRIPT ...` does (runpy makes it __main__), counts the collections that
-# start between the script's first import (common.collector) and the freeze as training starts, and prints that count and the collector's state at exit.
+# Runs a script as `python SCRIPT ...` does (runpy makes it __main__), counts the automatic
+# (young-generation) collections between the script's first import (common.collector) and the
+# freeze as training starts (the exit's own full collection is not one of them), and prints that
+# count and the collector's state at exit.
 PROBE = """
 import atexit, gc, runpy, sys
 set_up = [0]
 def count(phase, info):
-    if phase == "start" and "common.collector" in sys.modules and not gc.get_freeze_count():
+    if phase == "start" and info["generation"] < 2 and "common.collector" in sys.modules and not gc.get_freeze_count():
         set_up[0] += 1
 gc.callbacks.append(count)
 atexit.register(lambda: print("PROBE", set_up[0], gc.get_freeze_count(), gc.isenabled(), flush=True))
@@ -36,6 +38,36 @@ def test_a_training_script_collects_nothing_during_set_up_and_freezes_it_for_tra
     print(f"\nset-up: {set_up_collections} collections; {frozen} objects frozen for training and exit")
     assert set_up_collections == 0  # importing torch alone runs hundreds with the collector on
     assert frozen > 100_000 and enabled == "True"
+
+
+# Runs a script under torchrun and, after every exit handler of the script's (registered first, so
+# run last), lists the threads the process still has.
+THREADS_PROBE = """
+import atexit, os, runpy, sys
+def report():
+    names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+    print("THREADS", os.environ["RANK"], *names, flush=True)
+atexit.register(report)
+sys.argv = sys.argv[1:]
+sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+def test_no_thread_of_the_process_group_runs_into_the_interpreters_exit(tmp_path):
+    """Set-up's reference cycles (DDP's module and reducer) hold the process group and gloo's C++
+    threads; frozen and never collected, they would run on into the interpreter's teardown, where
+    one ended a rank with "terminate called without an active exception" (SIGABRT)."""
+    probe = tmp_path / "probe.py"
+    probe.write_text(THREADS_PROBE)
+    result = run_script([str(probe), "train_ddp.py", "--dataset", "synthetic", "--synthetic-shape", "mnist",
+                         "--model", "lenet", "--batch-size", "32", "--epochs", "1", "--max-steps", "3",
+                         "--log-dir", str(tmp_path / "tb"), "--checkpoint-dir", str(tmp_path / "ckpt")], nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    threads = {line.split()[1]: line.split()[2:] for line in result.stdout.splitlines() if line.startswith("THREADS")}
+    print(f"\nthreads left at exit: {threads}")
+    assert set(threads) == {"0", "1"}, result.stdout
+    assert not [name for names in threads.values() for name in names if name.startswith(("gloo", "pt_"))]
 
 
 def test_importing_a_training_script_leaves_the_importers_collector_alone():
