@@ -74,16 +74,17 @@ LAUNCHED = {  # launcher: its environment ({port}: a free one)
 ], ids=["multi_node-TERM", "local_two_nodes-TERM", "multi_node-INT", "local_two_nodes-INT", "local_two_nodes-ctrl_c"])
 def test_a_signal_to_the_launcher_stops_training_with_a_checkpoint(script, name, group, tmp_path):
     ckpt = tmp_path / "ckpt"  # unique to this test: names its processes for pgrep
-    # 312 steps an epoch; 3 epochs so that even a fast host is still training when the signal comes
+    # 312 steps an epoch, 20 epochs: however fast the host, the signal (1 s after the first step)
+    # comes mid-run, and the stop it asks for ends the run
     flags = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
-             "--epochs", "3", "--log-dir", str(tmp_path / "tb"), "--checkpoint-dir", str(ckpt)]
+             "--epochs", "20", "--log-dir", str(tmp_path / "tb"), "--checkpoint-dir", str(ckpt)]
     env = launcher_env(**{k: v.format(port=free_port()) for k, v in LAUNCHED[script].items()})
     proc = subprocess.Popen([str(LAUNCH / script), "train_ddp.py", *flags], cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-    out, err = Lines(proc.stdout, watch="synthetic"), Lines(proc.stderr)  # rank 0: "synthetic..." once data is loaded
+    out, err = Lines(proc.stdout, watch="start-up:"), Lines(proc.stderr)  # rank 0, as the first step begins
     try:
         assert out.seen.wait(timeout=120), out.text()[-2000:] + err.text()[-3000:]
-        time.sleep(2.0)  # mid-epoch
+        time.sleep(1.0)  # mid-epoch
         sent = time.monotonic()
         if group:
             os.killpg(proc.pid, getattr(signal, name))
