@@ -232,19 +232,26 @@ class CheckpointFolder:
 
     def write(self, run: str, state: dict[str, Any], previous: str | None = None) -> str:
         """Commit one checkpoint: the step file, then the pointer, then prune the run's oldest.
-        Raises UserError naming the file, the cause and `previous` (where the run's last good
-        checkpoint is, if any), which a failed write leaves as it was; the partial file is gone."""
+        Raises UserError naming the file, the cause and the checkpoint the same command resumes
+        from: `previous` (the run's last good one, if any) when the step file failed, which leaves
+        no partial file; the new file itself when only the pointer failed (resume lists step files)."""
         name = step_name(run, state["global_step"])
         buffer = io.BytesIO()
         torch.save(state, buffer)
         pointer = {"checkpoint": name, "global_step": state["global_step"], "saved_at": time.time(),
                    "identity": state["identity"]}
+        ways_out = "free space or fix access there, or pass another --checkpoint-dir"
         try:
             self.storage.write(name, buffer.getvalue())
+        except StorageError as e:
+            raise UserError(f"saving checkpoint {self.storage.url(name)} failed ({e.cause}); {kept(previous)}; "
+                            f"{ways_out}") from None
+        try:
             self.storage.write(f"{run}/{POINTER}", json.dumps(pointer, indent=1).encode())
         except StorageError as e:
-            raise UserError(f"saving checkpoint {self.storage.url(name)} failed ({e.cause}); {kept(previous)}; free "
-                            "space or fix access there, or pass another --checkpoint-dir") from None
+            raise UserError(f"saving checkpoint {self.storage.url(name)} failed at the run's pointer ({e.cause}); "
+                            f"the checkpoint file itself is whole and the same command resumes from it; "
+                            f"{ways_out}") from None
         self._prune(run)
         return self.storage.url(name)
 

@@ -28,7 +28,8 @@ def pause_during_set_up() -> None:
     """From here until `resume_for_training`: no automatic collection."""
     if gc.isenabled():  # not already paused at import
         gc.disable()
-        atexit.register(_collect_then_freeze)  # registered before torch is imported: runs after its handlers
+        # exit handlers run last-registered first: paused at import, this runs after torch's own
+        atexit.register(_collect_then_freeze)
 
 
 def resume_for_training() -> None:

@@ -194,8 +194,10 @@ def test_the_store_going_away_ends_the_job_clearly_and_the_run_resumes_when_it_i
     errors = error_lines(err)
     assert proc.returncode != 0 and len(errors) == 1, err[-3000:]
     assert "saving checkpoint s3://ckpt/outage/" in errors[0] and "the store is unreachable" in errors[0]
-    assert "is intact and the same command resumes from it" in errors[0]
+    assert "the same command resumes from it" in errors[0]
     key, state = latest_in_store(s3, "ckpt", "outage")  # the last good checkpoint, whole
+    if "failed at the run's pointer" in errors[0]:  # the store went away between a step file and its pointer
+        key = errors[0].split("saving checkpoint s3://ckpt/")[1].split()[0]  # that file is whole and newer
     print(f"\nstore stopped mid-run: every process ended {seconds:.1f} s later; last good checkpoint step "
           f"{state['global_step']} intact")
     assert seconds < 60

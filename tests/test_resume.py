@@ -14,7 +14,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from common.checkpoint import CheckpointFolder, InvalidCheckpoint, model_mismatches, parse_checkpoint
-from common.storage import LocalStorage
+from common.errors import UserError
+from common.storage import LocalStorage, StorageError
 from tests.conftest import ROOT, child_env, error_lines, latest_checkpoint, latest_state, run_script, stop_after
 from tests.save_loop import IDENTITY, state as loop_state
 
@@ -143,6 +144,27 @@ def test_a_step_file_newer_than_the_pointer_is_found(tmp_path):
     folder.write("run", loop_state(12, torch.zeros(4)))
     (tmp_path / "run" / "latest.json").write_text(pointer)  # still names step 9
     assert folder.choose("auto", IDENTITY).state["global_step"] == 12
+
+
+class PointerRefused(LocalStorage):
+    """A store that takes the step file, then goes away before the pointer (an outage between the two)."""
+
+    def write(self, name: str, data: bytes) -> None:
+        if name.endswith("latest.json"):
+            raise StorageError(self.url(name), "the store is unreachable")
+        super().write(name, data)
+
+
+def test_a_save_cut_before_its_pointer_names_the_checkpoint_it_resumes_from(tmp_path):
+    folder = CheckpointFolder(LocalStorage(str(tmp_path)), keep=3)
+    _three_checkpoints(folder)
+    with pytest.raises(UserError) as cut:
+        CheckpointFolder(PointerRefused(str(tmp_path)), keep=3).write("run", loop_state(12, torch.zeros(4)),
+                                                                      previous=str(tmp_path / "run" / "step-00000009.pt"))
+    newest = tmp_path / "run" / "step-00000012.pt"
+    assert str(cut.value).startswith(f"saving checkpoint {newest} failed at the run's pointer (the store is unreachable)")
+    assert "the checkpoint file itself is whole and the same command resumes from it" in str(cut.value)
+    assert folder.choose("auto", IDENTITY).checkpoint == str(newest)
 
 
 def test_damaged_checkpoint_warning_in_a_real_resume(reference, tmp_path):
