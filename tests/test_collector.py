@@ -8,18 +8,23 @@ import sys
 
 from tests.conftest import ROOT, child_env, run_script
 
-# Runs a script as `python SCRIPT ...` does (runpy makes it __main__), counts the automatic
-# (young-generation) collections between the script's first import (common.collector) and the
-# freeze as training starts (the exit's own full collection is not one of them), and prints that
-# count and the collector's state at exit.
+# Runs a script as `python SCRIPT ...` does (runpy makes it __main__). Counts the collections from
+# the script's first import (common.collector) until collection is switched back on, notes how many
+# objects are frozen at that moment, and prints both and the collector's state at exit.
 PROBE = """
 import atexit, gc, runpy, sys
-set_up = [0]
+set_up, frozen_at_resume = [0], []
 def count(phase, info):
-    if phase == "start" and info["generation"] < 2 and "common.collector" in sys.modules and not gc.get_freeze_count():
+    if phase == "start" and "common.collector" in sys.modules and not frozen_at_resume:
         set_up[0] += 1
 gc.callbacks.append(count)
-atexit.register(lambda: print("PROBE", set_up[0], gc.get_freeze_count(), gc.isenabled(), flush=True))
+enable = gc.enable
+def enable_and_note():  # the first call is the collector's (weakref's exit handler calls it again)
+    if not frozen_at_resume:
+        frozen_at_resume.append(gc.get_freeze_count())
+    enable()
+gc.enable = enable_and_note
+atexit.register(lambda: print("PROBE", set_up[0], *frozen_at_resume, gc.isenabled(), flush=True))
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """
@@ -33,9 +38,9 @@ def test_a_training_script_collects_nothing_during_set_up_and_freezes_it_for_tra
         cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stderr[-3000:]
     probe = [line.split()[1:] for line in result.stdout.splitlines() if line.startswith("PROBE")]
-    assert len(probe) == 1, result.stdout
+    assert len(probe) == 1 and len(probe[0]) == 3, result.stdout  # collection was switched back on
     set_up_collections, frozen, enabled = int(probe[0][0]), int(probe[0][1]), probe[0][2]
-    print(f"\nset-up: {set_up_collections} collections; {frozen} objects frozen for training and exit")
+    print(f"\nset-up: {set_up_collections} collections; {frozen} objects frozen as training starts")
     assert set_up_collections == 0  # importing torch alone runs hundreds with the collector on
     assert frozen > 100_000 and enabled == "True"
 
