@@ -11,7 +11,7 @@ from typing import Sequence
 import torch
 
 from common.checkpoint import Checkpoints, Resumed
-from common.collector import pause_during_set_up, resume_for_training
+from common.collector import ended_cleanly, pause_during_set_up, resume_for_training
 from common.config import Config, default_log_dir, parse_args, world_size_from_env
 from common.data import TrainLoader
 from common.distributed import DistContext, check_same_flags, distributed
@@ -42,6 +42,7 @@ def main(strategy: Strategy, argv: Sequence[str] | None = None) -> None:
         strategy.configure(cfg)
         with distributed(cfg) as ctx:
             train(cfg, ctx, strategy)
+        ended_cleanly()
     except UserError as e:
         report_to_torchrun(e)
         if e.should_print():

@@ -7,11 +7,19 @@ full collections of ~90 ms each during set-up, and about 1 s per rank in the int
 collection at exit. So: no collection while the run is built; when training starts, every object
 alive is frozen (never traversed again) and collection resumes for what training allocates.
 
-At exit, one collection runs first, while the interpreter is still whole: set-up's reference
-cycles (DDP's module and reducer) hold the process group, and with it gloo's C++ threads. Left
-alive into the interpreter's own teardown, a running C++ thread can end the process with
-"terminate called without an active exception" (SIGABRT). Then what is still alive is frozen, so
-the interpreter's final collection skips it.
+At exit, after a run that ended cleanly, the process ends as soon as every other exit handler
+has run and the output streams are flushed: the interpreter's teardown (~0.5 s a rank: a final
+collection, then every module's objects freed one by one) would do nothing a finished run needs,
+since the run closed its files, TensorBoard writer and process group itself. This happens only
+where nothing can be skipped by it: the collector's handler was the first one registered (so it
+runs last), which holds when a train_*.py is the program and this is its first import; a wrapper
+that registered an exit handler before (a profiler, a coverage tool) gets the usual exit.
+
+Otherwise (an error, a stop on a signal, a wrapper), one collection runs first, while the
+interpreter is still whole: set-up's reference cycles (DDP's module and reducer) hold the process
+group, and with it gloo's C++ threads. Left alive into the interpreter's own teardown, a running
+C++ thread can end the process with "terminate called without an active exception" (SIGABRT).
+Then what is still alive is frozen, so the interpreter's final collection skips it.
 
 Every train_*.py imports this module first, so that importing torch (~0.35 s of collections a rank)
 is covered too; a test or program that imports a train_*.py keeps its collector untouched.
@@ -24,12 +32,18 @@ import os
 import sys
 
 
+class _Exit:
+    runs_last = False  # the exit handler was the first registered: ending the process in it skips no one's
+    clean = False  # the run ended without an error
+
+
 def pause_during_set_up() -> None:
     """From here until `resume_for_training`: no automatic collection."""
     if gc.isenabled():  # not already paused at import
         gc.disable()
         # exit handlers run last-registered first: paused at import, this runs after torch's own
-        atexit.register(_collect_then_freeze)
+        _Exit.runs_last = getattr(atexit, "_ncallbacks", lambda: -1)() == 0
+        atexit.register(_at_exit)
 
 
 def resume_for_training() -> None:
@@ -38,10 +52,27 @@ def resume_for_training() -> None:
     gc.enable()
 
 
-def _collect_then_freeze() -> None:
+def ended_cleanly() -> None:
+    """The run finished without an error: at exit, the process may end without the interpreter's teardown."""
+    _Exit.clean = True
+
+
+def _at_exit() -> None:
+    if _Exit.clean and _Exit.runs_last:
+        _end_process_now()
     gc.unfreeze()
     gc.collect()
     gc.freeze()
+
+
+def _end_process_now() -> None:
+    import ctypes  # here, not at import: this module's import must allocate nothing (see the end)
+
+    for stream in (sys.stdout, sys.stderr):
+        if stream is not None:
+            stream.flush()
+    ctypes.CDLL(None).fflush(None)  # C stdio buffers too (lines printed by C++ libraries)
+    os._exit(0)
 
 
 def _started_as_a_training_script() -> bool:

@@ -54,7 +54,7 @@ class Config:
     schedule: str
     seed: int
     max_steps: int
-    eval_batch_size: int
+    eval_batch_size: int | None
     device: str
     backend: str
     transport: str
@@ -153,7 +153,8 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
     add("--schedule", default="onecycle", choices=("onecycle", "cosine", "constant"), help="lr schedule (default: %(default)s)")
     add("--seed", type=int, default=0, help="seed of weights, shuffling and augmentation (default: %(default)s)")
     add("--max-steps", type=int, default=0, help="cap on optimizer steps per epoch, for smoke runs (0: no cap)")
-    add("--eval-batch-size", type=int, default=1000, help="per-rank evaluation batch (default: %(default)s)")
+    add("--eval-batch-size", type=int, default=None,
+        help="per-rank evaluation batch (default: 1000 on a GPU, 64 on a CPU, where larger batches spill out of the caches)")
     add("--device", default="auto", help="auto | cpu | cuda (auto: cuda:LOCAL_RANK when there are enough GPUs)")
     add("--backend", default="auto", choices=("auto", "gloo", "nccl"), help="auto: nccl when every rank is on CUDA, else gloo")
     add("--transport", default="auto", choices=("auto", "shm", "gloo"),
@@ -223,7 +224,8 @@ def _validate(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int
         p.error(f"--epochs must be >= 1 (got {a.epochs})")
     if a.lr <= 0:
         p.error(f"--lr must be > 0 (got {a.lr})")
-    if a.max_steps < 0 or a.eval_batch_size < 1 or a.timeout_s <= 0 or (a.log_every is not None and a.log_every < 1):
+    if a.max_steps < 0 or (a.eval_batch_size is not None and a.eval_batch_size < 1) or a.timeout_s <= 0 or \
+            (a.log_every is not None and a.log_every < 1):
         p.error("--max-steps must be >= 0, --eval-batch-size >= 1, --timeout-s > 0 and --log-every >= 1")
     if a.keep < 2:
         p.error(f"--keep must be >= 2 (got {a.keep}): the newest checkpoint may be the one a crash cut short")

@@ -14,6 +14,9 @@ from common.strategy import Strategy
 
 AUTO_POINTS_PER_EPOCH = 10  # --log-every left unset: at least this many step-level points per epoch
 AUTO_MAX_INTERVAL = 50
+# --eval-batch-size left unset. On a CPU, a batch's activations should stay in the caches: the
+# convnet scores 500 images in 52 ms as one batch and in 23 ms in batches of 32-100 (one core).
+EVAL_BATCH_GPU, EVAL_BATCH_CPU = 1000, 64
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,10 @@ class Run:
         if self.cfg.log_every:
             return self.cfg.log_every
         return max(1, min(AUTO_MAX_INTERVAL, self.steps_per_epoch // AUTO_POINTS_PER_EPOCH))
+
+    @property
+    def eval_batch_size(self) -> int:
+        return self.cfg.eval_batch_size or (EVAL_BATCH_GPU if self.ctx.device.type == "cuda" else EVAL_BATCH_CPU)
 
     @property
     def steps_per_epoch(self) -> int:

@@ -123,7 +123,7 @@ class Trainer:
         train, times = self.train_epoch(epoch, first_step)
         train_s = time.perf_counter() - start
         run.strategy.consolidate(run.model)  # rank 0's BatchNorm statistics everywhere before they are read
-        test = evaluate(run.plain, run.data, run.ctx, run.cfg.eval_batch_size, run.precision, run.memory_format,
+        test = evaluate(run.plain, run.data, run.ctx, run.eval_batch_size, run.precision, run.memory_format,
                         run.strategy.collective_forward)
         return EpochResult(epoch + 1, run.global_step(Position(epoch + 1, 0)), train.loss, train.acc, test.loss,
                            test.acc, test.samples, train.samples / train_s, time.perf_counter() - start, times)

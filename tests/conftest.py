@@ -10,6 +10,7 @@ from typing import Sequence
 
 import pytest
 import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -49,6 +50,12 @@ def run_script(args: list[str], nproc: int | None = None, timeout: float = 240, 
                env: dict[str, str] | None = None, torchrun: Sequence[str] = ()) -> subprocess.CompletedProcess:
     return subprocess.run(script_command(args, nproc, torchrun), cwd=cwd, env=env or child_env(),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def read_scalars(log_dir: Path) -> tuple[EventAccumulator, dict[str, list[tuple[int, float]]]]:
+    acc = EventAccumulator(str(log_dir))
+    acc.Reload()
+    return acc, {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def free_port() -> int:

@@ -3,10 +3,13 @@ torch is imported and the run is built, set-up frozen and collection back on for
 program that only imports a train_*.py keeps its collector as it was."""
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 
-from tests.conftest import ROOT, child_env, run_script
+import pytest
+
+from tests.conftest import ROOT, child_env, read_scalars, run_script
 
 # Runs a script as `python SCRIPT ...` does (runpy makes it __main__). Counts the collections from
 # the script's first import (common.collector) until collection is switched back on, notes how many
@@ -73,6 +76,43 @@ def test_no_thread_of_the_process_group_runs_into_the_interpreters_exit(tmp_path
     print(f"\nthreads left at exit: {threads}")
     assert set(threads) == {"0", "1"}, result.stdout
     assert not [name for names in threads.values() for name in names if name.startswith(("gloo", "pt_"))]
+
+
+# Runs a script as `python SCRIPT ...` does, registering no exit handler, and says when the process
+# is ended by os._exit.
+FAST_EXIT_PROBE = """
+import os, runpy, sys
+end = os._exit
+def say_and_end(status):
+    os.write(1, f"ENDED BY os._exit({status})\\n".encode())
+    end(status)
+os._exit = say_and_end
+sys.argv = sys.argv[1:]
+runpy.run_path(sys.argv[0], run_name="__main__")
+"""
+
+
+@pytest.mark.parametrize("batch, status", [(16, 0), (10**6, 1)], ids=["clean", "error"])
+def test_a_clean_run_ends_without_the_interpreters_teardown_and_loses_no_output(tmp_path, batch, status):
+    """After a clean run the process ends once the exit handlers have run and the streams are
+    flushed, with its last line printed and its TensorBoard points written; an error exits with its
+    own status, through the usual teardown. (A wrapper's own exit handler still runs: the PROBE line
+    of the first test above is printed by one.)"""
+    buffered = {k: v for k, v in child_env().items() if k != "PYTHONUNBUFFERED"}
+    result = subprocess.run(
+        [sys.executable, "-c", FAST_EXIT_PROBE, "train_allreduce.py", "--dataset", "synthetic", "--synthetic-shape",
+         "mnist", "--model", "lenet", "--batch-size", str(batch), "--epochs", "1", "--max-steps", "3",
+         "--log-dir", str(tmp_path / "tb"), "--checkpoint-dir", str(tmp_path / "ckpt")],
+        cwd=ROOT, env=buffered, capture_output=True, text=True, timeout=240)
+    assert result.returncode == status, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    if status == 0:
+        assert lines[-1] == "ENDED BY os._exit(0)", result.stdout
+        assert re.fullmatch(r"saved \S+step-00000003\.pt in [\d.]+ s", lines[-2]), result.stdout
+        scalars = read_scalars(tmp_path / "tb")[1]
+        assert scalars["test/acc"][-1][0] == 3 and scalars["train/loss"][-1][0] == 3
+    else:
+        assert "ENDED BY" not in result.stdout and "--batch-size 1000000" in result.stderr
 
 
 def test_importing_a_training_script_leaves_the_importers_collector_alone():

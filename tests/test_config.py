@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -9,6 +10,7 @@ import torch
 from common.config import RECIPES, parse_args
 from common.distributed import resolve_backend, resolve_device
 from common.errors import ConfigError
+from common.run import Run
 from tests.conftest import run_script
 
 
@@ -24,6 +26,7 @@ def parse(*argv: str, world_size: int = 1):
     (["--epochs", "0"], "--epochs"),
     (["--lr", "0"], "--lr"),
     (["--lr", "-0.1"], "--lr"),
+    (["--eval-batch-size", "0"], "--eval-batch-size"),
 ])
 def test_bad_flag_exits_2_naming_it(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -47,6 +50,13 @@ def test_defaults_follow_the_dataset_and_scale_lr_with_batch():
     assert parse("--dataset", "mnist", "--batch-size", "256").lr == pytest.approx(2 * RECIPES["mnist"].lr)
     assert parse().model == "resnet18"
     assert parse("--lr", "0.3").lr == 0.3
+
+
+@pytest.mark.parametrize("argv, device, batch", [((), "cpu", 64), ((), "cuda", 1000),
+                                                  (("--eval-batch-size", "300"), "cpu", 300)])
+def test_the_evaluation_batch_is_cache_sized_on_a_cpu_unless_given(argv, device, batch):
+    run = SimpleNamespace(cfg=parse(*argv), ctx=SimpleNamespace(device=torch.device(device)))
+    assert Run.eval_batch_size.fget(run) == batch
 
 
 def test_config_is_plain_types_only():

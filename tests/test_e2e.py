@@ -7,17 +7,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import ROOT, child_env, error_lines, free_port, latest_checkpoint, latest_state, run_script, stop_after
+from tests.conftest import (ROOT, child_env, error_lines, free_port, latest_checkpoint, latest_state, read_scalars,
+                            run_script, stop_after)
 
 TAGS = {"train/loss", "train/acc", "test/loss", "test/acc", "test/samples", "lr", "train/images_per_s", "time/epoch_s"}
-
-
-def read_scalars(log_dir: Path) -> tuple[EventAccumulator, dict[str, list[tuple[int, float]]]]:
-    acc = EventAccumulator(str(log_dir))
-    acc.Reload()
-    return acc, {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
 
 
 def assert_ok(result) -> None:
