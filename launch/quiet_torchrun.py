@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common.collector import ended_cleanly, pause_during_set_up, resume_for_training  # noqa: E402
+from common.collector import pause_during_set_up, resume_for_training  # noqa: E402
 
 if __name__ == "__main__":
     pause_during_set_up()  # torch's import below without full collections, and a quick exit (see there)
@@ -61,7 +61,6 @@ def main() -> None:
         held.setTarget(None)  # logging flushes handlers at exit: drop the held lines for good
         sys.exit(status)
     held.flush()
-    ended_cleanly()
 
 
 if __name__ == "__main__":
