@@ -1,13 +1,16 @@
 """How close each strategy's step comes to the floor: a plain PyTorch loop in one process, one
 thread, on the same per-rank batch, model and memory format. Every row runs as fresh processes,
-rows interleaved, best of --repeats.
+rows interleaved over --repeats rounds.
 
     python bench/steps.py                              # convnet, 32 images per rank, W=1 and 2
-    python bench/steps.py --models convnet resnet18 --repeats 3
+    python bench/steps.py --models convnet resnet18 --repeats 5
 
-Ratio = the strategy's step time (the suite's own clock: data + compute + sync) / the floor's.
-A second floor, two plain loops running at once (one per core), shows what W=2 costs before any
-communication: the cores' shared caches and memory, and the machine's other tenants.
+Ratio = the strategy's step time (the suite's own clock: data + compute + sync) / the floor's,
+with the floor measured right before each row: this shared VM's speed drifts by 10-20% within
+minutes, so a floor from another minute (or the fastest of several) pairs unlike with unlike. Per
+row: the median ratio over the rounds, and the range. A second floor, two plain loops running at
+once (one per core), shows what W=2 costs before any communication: the cores' shared caches and
+memory, and the machine's other tenants.
 """
 from __future__ import annotations
 
@@ -81,22 +84,30 @@ def main() -> None:
     p.add_argument("--models", nargs="+", default=["convnet"], choices=list(MODELS))
     p.add_argument("--per-rank", type=int, default=32, help="images per rank and step (default: %(default)s)")
     p.add_argument("--worlds", nargs="+", type=int, default=[1, 2])
-    p.add_argument("--repeats", type=int, default=3, help="runs per row, fastest kept (default: %(default)s)")
+    p.add_argument("--repeats", type=int, default=3, help="rounds over every row (default: %(default)s)")
     a = p.parse_args()
     print(f"{os.cpu_count()} cores; one thread per rank; gloo; {a.per_rank} images per rank; channels_last")
     for model in a.models:
-        rows: dict[str, list[float]] = {}
+        rows: dict[str, list[tuple[float, float]]] = {}  # row -> (its ms per step, the floor's just before)
+        pairs = []
         for _ in range(a.repeats):  # interleaved, so drifting load hits every row alike
-            rows.setdefault("floor", []).append(floor_ms(model, a.per_rank))
-            rows.setdefault("pair", []).append(floor_ms(model, a.per_rank, copies=2))
+            pairs.append(floor_ms(model, a.per_rank, copies=2))
             for world in a.worlds:
                 for label, script in STRATEGIES:
-                    rows.setdefault(f"{label}, W={world}", []).append(strategy_ms(script, model, a.per_rank, world))
-        floor, pair = min(rows.pop("floor")), min(rows.pop("pair"))
-        print(f"\n{model}: plain loop, one process: {floor:.1f} ms per step; two plain loops at once: {pair:.1f} ms\n")
-        print("| strategy | ms per step | / floor | / two loops at once |\n|---|---|---|---|")
-        for label, times in rows.items():
-            print(f"| {label} | {min(times):.1f} | {min(times) / floor:.2f} | {min(times) / pair:.2f} |")
+                    floor = floor_ms(model, a.per_rank)
+                    rows.setdefault(f"{label}, W={world}", []).append(
+                        (strategy_ms(script, model, a.per_rank, world), floor))
+        floors = [floor for measured in rows.values() for _, floor in measured]
+        pair = statistics.median(pairs)
+        print(f"\n{model}: plain loop, one process: {statistics.median(floors):.1f} ms per step (median; "
+              f"{min(floors):.1f}-{max(floors):.1f}); two plain loops at once: {pair:.1f} ms (median)\n")
+        print("| strategy | ms per step (median) | / floor just before: median (range) | / two loops at once |\n"
+              "|---|---|---|---|")
+        for label, measured in rows.items():
+            ms = statistics.median(row for row, _ in measured)
+            ratios = [row / floor for row, floor in measured]
+            print(f"| {label} | {ms:.1f} | {statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f}) | "
+                  f"{ms / pair:.2f} |")
 
 
 if __name__ == "__main__":
