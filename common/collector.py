@@ -11,9 +11,13 @@ At exit, after a run that ended cleanly, the process ends as soon as every other
 has run and the output streams are flushed: the interpreter's teardown (~0.5 s a rank: a final
 collection, then every module's objects freed one by one) would do nothing a finished run needs,
 since the run closed its files, TensorBoard writer and process group itself. This happens only
-where nothing can be skipped by it: the collector's handler was the first one registered (so it
-runs last), which holds when a train_*.py is the program and this is its first import; a wrapper
-that registered an exit handler before (a profiler, a coverage tool) gets the usual exit.
+where nothing can be skipped by it:
+- the collector's handler was the first one registered, so it runs last. That holds when a
+  train_*.py is the program and this is its first import; a wrapper that registered an exit
+  handler before (a Python profiler, a coverage tool) gets the usual exit;
+- no native tool waits for the process's own teardown: no LD_PRELOAD library (sanitizers, heap
+  profilers) and no CUDA context (Nsight and CUPTI traces are flushed when it is destroyed);
+- no exception went unhandled after the run, and the streams flushed without an error.
 
 Otherwise (an error, a stop on a signal, a wrapper), one collection runs first, while the
 interpreter is still whole: set-up's reference cycles (DDP's module and reducer) hold the process
@@ -58,21 +62,31 @@ def ended_cleanly() -> None:
 
 
 def _at_exit() -> None:
-    if _Exit.clean and _Exit.runs_last:
-        _end_process_now()
+    if _nothing_waits_for_teardown() and _flushed():
+        os._exit(0)
     gc.unfreeze()
     gc.collect()
     gc.freeze()
 
 
-def _end_process_now() -> None:
+def _nothing_waits_for_teardown() -> bool:
+    torch = sys.modules.get("torch")
+    cuda_in_use = torch is not None and torch.cuda.is_initialized()
+    return (_Exit.clean and _Exit.runs_last and getattr(sys, "last_value", None) is None
+            and not os.environ.get("LD_PRELOAD") and not cuda_in_use)
+
+
+def _flushed() -> bool:
     import ctypes  # here, not at import: this module's import must allocate nothing (see the end)
 
-    for stream in (sys.stdout, sys.stderr):
-        if stream is not None:
-            stream.flush()
+    try:
+        for stream in (sys.stdout, sys.stderr):
+            if stream is not None:
+                stream.flush()
+    except (OSError, ValueError):  # a closed pipe: the usual exit reports it
+        return False
     ctypes.CDLL(None).fflush(None)  # C stdio buffers too (lines printed by C++ libraries)
-    os._exit(0)
+    return True
 
 
 def _started_as_a_training_script() -> bool:

@@ -154,7 +154,8 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
     add("--seed", type=int, default=0, help="seed of weights, shuffling and augmentation (default: %(default)s)")
     add("--max-steps", type=int, default=0, help="cap on optimizer steps per epoch, for smoke runs (0: no cap)")
     add("--eval-batch-size", type=int, default=None,
-        help="per-rank evaluation batch (default: 1000 on a GPU, 64 on a CPU, where larger batches spill out of the caches)")
+        help="per-rank evaluation batch (default: 64 on a CPU, where larger batches spill out of the caches; "
+             "1000 on a GPU and for FSDP's full sharding)")
     add("--device", default="auto", help="auto | cpu | cuda (auto: cuda:LOCAL_RANK when there are enough GPUs)")
     add("--backend", default="auto", choices=("auto", "gloo", "nccl"), help="auto: nccl when every rank is on CUDA, else gloo")
     add("--transport", default="auto", choices=("auto", "shm", "gloo"),

@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.collector import pause_during_set_up, resume_for_training  # noqa: E402
 
 if __name__ == "__main__":
-    pause_during_set_up()  # torch's import below without full collections, and a quick exit (see there)
+    pause_during_set_up()  # torch's import below without full collections, and no final one at exit (see there)
 
 import logging  # noqa: E402
 import logging.handlers  # noqa: E402

@@ -78,10 +78,11 @@ def test_no_thread_of_the_process_group_runs_into_the_interpreters_exit(tmp_path
     assert not [name for names in threads.values() for name in names if name.startswith(("gloo", "pt_"))]
 
 
-# Runs a script as `python SCRIPT ...` does, registering no exit handler, and says when the process
-# is ended by os._exit.
+# Runs a script as `python SCRIPT ...` does, registering no exit handler; then prints one line from
+# Python and one from C, both left in their buffers (stdout is a pipe); says when the process is
+# ended by os._exit.
 FAST_EXIT_PROBE = """
-import os, runpy, sys
+import ctypes, os, runpy, sys
 end = os._exit
 def say_and_end(status):
     os.write(1, f"ENDED BY os._exit({status})\\n".encode())
@@ -89,15 +90,17 @@ def say_and_end(status):
 os._exit = say_and_end
 sys.argv = sys.argv[1:]
 runpy.run_path(sys.argv[0], run_name="__main__")
+print("PYTHON LINE")
+ctypes.CDLL(None).printf(b"C LINE\\n")
 """
 
 
 @pytest.mark.parametrize("batch, status", [(16, 0), (10**6, 1)], ids=["clean", "error"])
 def test_a_clean_run_ends_without_the_interpreters_teardown_and_loses_no_output(tmp_path, batch, status):
-    """After a clean run the process ends once the exit handlers have run and the streams are
-    flushed, with its last line printed and its TensorBoard points written; an error exits with its
-    own status, through the usual teardown. (A wrapper's own exit handler still runs: the PROBE line
-    of the first test above is printed by one.)"""
+    """After a clean run the process ends once the exit handlers have run and the streams (Python's
+    and C's) are flushed, with every line printed and the TensorBoard points written; an error exits
+    with its own status, through the usual teardown. (A wrapper's own exit handler still runs: the
+    PROBE line of the first test above is printed by one.)"""
     buffered = {k: v for k, v in child_env().items() if k != "PYTHONUNBUFFERED"}
     result = subprocess.run(
         [sys.executable, "-c", FAST_EXIT_PROBE, "train_allreduce.py", "--dataset", "synthetic", "--synthetic-shape",
@@ -107,8 +110,8 @@ def test_a_clean_run_ends_without_the_interpreters_teardown_and_loses_no_output(
     assert result.returncode == status, result.stderr[-3000:]
     lines = result.stdout.splitlines()
     if status == 0:
-        assert lines[-1] == "ENDED BY os._exit(0)", result.stdout
-        assert re.fullmatch(r"saved \S+step-00000003\.pt in [\d.]+ s", lines[-2]), result.stdout
+        assert lines[-3:] == ["PYTHON LINE", "C LINE", "ENDED BY os._exit(0)"], result.stdout
+        assert re.fullmatch(r"saved \S+step-00000003\.pt in [\d.]+ s", lines[-4]), result.stdout
         scalars = read_scalars(tmp_path / "tb")[1]
         assert scalars["test/acc"][-1][0] == 3 and scalars["train/loss"][-1][0] == 3
     else:

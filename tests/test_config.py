@@ -52,10 +52,12 @@ def test_defaults_follow_the_dataset_and_scale_lr_with_batch():
     assert parse("--lr", "0.3").lr == 0.3
 
 
-@pytest.mark.parametrize("argv, device, batch", [((), "cpu", 64), ((), "cuda", 1000),
-                                                  (("--eval-batch-size", "300"), "cpu", 300)])
-def test_the_evaluation_batch_is_cache_sized_on_a_cpu_unless_given(argv, device, batch):
-    run = SimpleNamespace(cfg=parse(*argv), ctx=SimpleNamespace(device=torch.device(device)))
+@pytest.mark.parametrize("argv, device, collective_forward, batch", [
+    ((), "cpu", False, 64), ((), "cuda", False, 1000), ((), "cpu", True, 1000),
+    (("--eval-batch-size", "300"), "cpu", False, 300)])
+def test_the_evaluation_batch_is_cache_sized_on_a_cpu_unless_given(argv, device, collective_forward, batch):
+    run = SimpleNamespace(cfg=parse(*argv), ctx=SimpleNamespace(device=torch.device(device)),
+                          strategy=SimpleNamespace(collective_forward=collective_forward))
     assert Run.eval_batch_size.fget(run) == batch
 
 
