@@ -101,8 +101,8 @@ def main() -> None:
         pair = statistics.median(pairs)
         print(f"\n{model}: plain loop, one process: {statistics.median(floors):.1f} ms per step (median; "
               f"{min(floors):.1f}-{max(floors):.1f}); two plain loops at once: {pair:.1f} ms (median)\n")
-        print("| strategy | ms per step (median) | / floor just before: median (range) | median / two loops at once (median) |\n"
-              "|---|---|---|---|")
+        print("| strategy | ms per step (median) | / floor just before: median (range) "
+              "| median / two loops at once (median) |\n|---|---|---|---|")
         for label, measured in rows.items():
             ms = statistics.median(row for row, _ in measured)
             ratios = [row / floor for row, floor in measured]
