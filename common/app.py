@@ -68,7 +68,7 @@ def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
     run = build_run(cfg, ctx, strategy)
     checkpoints = Checkpoints(cfg.checkpoint_dir, cfg.keep, ctx, cfg.storage_options)
     resumed, warnings = checkpoints.resume(run)
-    start = resume_position(resumed, run)
+    start = resume_position(resumed)
     run.cfg = replace(cfg, log_dir=log_dir(cfg, resumed, ctx.world_size))
     # On resume TensorBoard drops the cut run's points after the resume point.
     log = make_logger(run.cfg, ctx.rank, run_hparams(run), purge_step=run.global_step(start) + 1 if resumed else None)
@@ -95,7 +95,6 @@ def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
         final = Trainer(run, log, checkpoints, stop, relay, profiler).fit(start)
     finally:
         profiler.stop()
-        stop.close()
         relay.close()
         checkpoints.close()  # the writer thread logs its save: before the logger closes
         log.close(final)
@@ -132,12 +131,12 @@ def process_age_s() -> float:
         return time.monotonic() - STARTED
 
 
-def resume_position(resumed: Resumed | None, run: Run) -> Position:
-    """Where to continue: a checkpoint taken after an epoch's last step continues with the next epoch."""
+def resume_position(resumed: Resumed | None) -> Position:
+    """Where to continue. A checkpoint taken after an epoch's last step but before its evaluation
+    (a stop there, or during the evaluation) continues with that evaluation."""
     if resumed is None:
         return Position(0, 0)
-    epoch, step = int(resumed.state["epoch"]), int(resumed.state["step_in_epoch"])
-    return Position(epoch + 1, 0) if step >= run.steps_per_epoch else Position(epoch, step)
+    return Position(int(resumed.state["epoch"]), int(resumed.state["step_in_epoch"]))
 
 
 def run_hparams(run: Run) -> dict[str, object]:

@@ -6,6 +6,7 @@ which rank it is on. Figures arrive already combined over ranks: losses averaged
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from dataclasses import dataclass
@@ -81,6 +82,11 @@ class EpochResult:
     times: StepTimes
 
 
+def trained(r: EpochResult) -> bool:
+    """False for an epoch whose steps all ran before a resume: this run only evaluated it."""
+    return not math.isnan(r.train_loss)
+
+
 class NullLogger:
     """What ranks != 0 hold: accepts every call, writes nothing."""
 
@@ -132,6 +138,9 @@ class RankEcho(NullLogger):
 
 
 def _epoch_line(r: EpochResult, epochs: int) -> str:
+    if not trained(r):
+        return (f"epoch {r.epoch}/{epochs}  (trained before the resume)  test loss {r.test_loss:.4f}  "
+                f"test acc {100 * r.test_acc:.2f}% ({r.test_samples} images)")
     return (f"epoch {r.epoch}/{epochs}  train loss {r.train_loss:.4f}  test loss {r.test_loss:.4f}  "
             f"test acc {100 * r.test_acc:.2f}% ({r.test_samples} images)  {r.images_per_s:,.0f} img/s  "
             f"{r.epoch_s:.1f} s  per step: data {r.times.data_ms:.1f} / compute {r.times.compute_ms:.1f} / "
@@ -177,9 +186,10 @@ class Logger(RankEcho):
     def epoch(self, r: EpochResult, epochs: int) -> None:
         super().epoch(r, epochs)
         self.best_acc = max(self.best_acc, r.test_acc)
-        self.images_per_s.append(r.images_per_s)
-        scalars = {"test/loss": r.test_loss, "test/acc": r.test_acc, "test/samples": r.test_samples,
-                   "time/epoch_s": r.epoch_s}
+        scalars = {"test/loss": r.test_loss, "test/acc": r.test_acc, "test/samples": r.test_samples}
+        if trained(r):  # an epoch only evaluated here says nothing of its speed
+            self.images_per_s.append(r.images_per_s)
+            scalars["time/epoch_s"] = r.epoch_s
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, r.global_step)
 
@@ -210,7 +220,7 @@ class Logger(RankEcho):
         from torch.utils.tensorboard.summary import hparams
 
         values = (final.test_acc, self.best_acc, time.perf_counter() - self.started,
-                  sum(self.images_per_s) / len(self.images_per_s))
+                  sum(self.images_per_s) / len(self.images_per_s) if self.images_per_s else math.nan)
         for tag, value in zip(SUMMARY_METRICS, values):
             self.writer.add_scalar(tag, value, final.global_step)
         for summary in hparams(self.run, {tag: 0.0 for tag in SUMMARY_METRICS}):

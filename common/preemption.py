@@ -1,14 +1,27 @@
-"""SIGTERM / SIGINT: every rank stops at the same step boundary, after a checkpoint.
+"""SIGTERM / SIGINT: every rank stops at the same point, after a checkpoint.
 
 A signal only sets a flag. Every CHECK_EVERY steps the flag is all-reduced (MAX) asynchronously as
 a step starts, so the round trip hides behind the step, and read at its end: every rank sees the
-same verdict after the same step, at most CHECK_EVERY steps after the signal. torchrun forwards
-SIGTERM to its workers and kills them 30 s later. The same check carries rank 0's news that a
-checkpoint written in the background failed (SAVE_FAILED, above every signal number).
+same verdict after the same step, at most CHECK_EVERY steps after the signal. Evaluation checks
+the same way every CHECK_EVERY of its batches, and a save checks once as it returns (a save can
+be long: a signal that came while it was waited for stops the run at that checkpoint). The same
+check carries rank 0's news that a checkpoint written in the background failed (SAVE_FAILED,
+above every signal number).
+
+The handler stays installed for the life of the process, because a stop request rarely comes as
+one signal: Slurm (proctrack/cgroup), systemd (KillMode=control-group) and a terminal's Ctrl-C
+signal every process of the job, torchrun forwards its own copy milliseconds later, in either
+order (and SIGKILLs its workers when its shutdown timeout, 30 s by default, runs out). Every
+further signal is the same request, except a SIGINT FORCE_AFTER_S or more after the first signal:
+a deliberate second Ctrl-C, which ends the process at once, unsaved, even while the main thread
+waits in a collective (a watcher thread, woken through the signal wakeup fd, does that).
 """
 from __future__ import annotations
 
+import os
 import signal
+import threading
+import time
 from typing import Callable
 
 import torch
@@ -19,6 +32,9 @@ from common.errors import UserError
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 SAVE_FAILED = 1024  # wins the MAX over any signal: the stop would have to save, and saving is what failed
+# A terminal's Ctrl-C reaches torchrun and every worker at once, and torchrun forwards its own
+# SIGINT a moment later: copies closer together than this are one request, not a second Ctrl-C.
+FORCE_AFTER_S = 2.0
 
 
 class Preempted(UserError):
@@ -30,37 +46,82 @@ class Preempted(UserError):
 
 
 class StopRequest:
-    """Checked every CHECK_EVERY steps, at the same global steps on every rank (so all stop after the
-    same step): the async all-reduce is launched as such a step begins and read as it ends, hidden
-    behind it, and costs one small collective per CHECK_EVERY steps instead of one per step."""
+    """Checked every CHECK_EVERY steps (or evaluation batches), at the same indices on every rank
+    (so all stop at the same point): the async all-reduce is launched as such a step begins and
+    read as it ends, hidden behind it, and costs one small collective per CHECK_EVERY steps
+    instead of one per step."""
 
     CHECK_EVERY = 10
 
     def __init__(self, ctx: DistContext, save_failed: Callable[[], bool]) -> None:
         self.ctx, self.save_failed = ctx, save_failed
-        self.received = 0
+        self.received = 0  # the request: the first signal's number
+        self.first_at: float | None = None  # when the watcher saw the first signal
         self.flag = torch.zeros(1, dtype=torch.int32, device=ctx.comm_device)
         self.handle = None
-        self.previous = {s: signal.signal(s, self._on_signal) for s in SIGNALS}
+        self._watch_signals()
 
-    def _on_signal(self, signum: int, frame: object) -> None:
-        self.received = signum
-        signal.signal(signum, self.previous[signum])  # a second signal acts as it would have
+    def _watch_signals(self) -> None:
+        """Python runs a handler in the main thread between two bytecodes, never while that thread
+        waits in a collective or a save: a hung rank would never see the second Ctrl-C. So a
+        thread woken through the wakeup fd (written by the C-level handler the moment a signal
+        lands) does the work; the handler itself only records the request, so that a signal a
+        rank sends itself is seen before its next bytecode, as it was before the thread."""
+        read_end, write_end = os.pipe()
+        os.set_blocking(write_end, False)
+        for s in SIGNALS:
+            signal.signal(s, lambda signum, frame: self._record(signum))
+        signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
+        threading.Thread(target=self._watch, args=(read_end,), name="stop-request", daemon=True).start()
 
-    def begin_step(self, global_step: int) -> None:
-        if global_step % self.CHECK_EVERY == 0:
-            self.flag.fill_(SAVE_FAILED if self.save_failed() else self.received)
+    def _watch(self, read_end: int) -> None:
+        while True:
+            for signum in os.read(read_end, 64):  # one byte per signal: its number
+                if signum in SIGNALS:
+                    self._on_signal(signum)
+
+    def _record(self, signum: int) -> None:
+        if not self.received:  # repeats are the same request
+            self.received = signum
+
+    def _on_signal(self, signum: int) -> None:
+        """In the watcher thread, once per signal: records the request (if the handler has not yet),
+        tells a Ctrl-C how to force the exit, and ends the process on a deliberate second Ctrl-C.
+        os.write, not print: the main thread may be printing."""
+        self._record(signum)
+        now = time.monotonic()
+        if self.first_at is None:
+            self.first_at = now
+            if signum == signal.SIGINT and self.ctx.is_node_primary:
+                os.write(2, f"stopping: a checkpoint first, then the exit; Ctrl-C again, {FORCE_AFTER_S:g} s or "
+                            "more from now, to end at once without saving\n".encode())
+        elif signum == signal.SIGINT and now - self.first_at >= FORCE_AFTER_S:
+            if self.ctx.is_node_primary:
+                os.write(2, b"stopped by a second Ctrl-C, at once and without saving; run the same command again "
+                            b"to resume from the last checkpoint\n")
+            os._exit(128 + signum)  # now: whatever the main thread waits for (a collective, a save)
+
+    def begin_step(self, index: int) -> None:
+        """`index`: the global step about to run (counted from 0), or the evaluation batch."""
+        if index % self.CHECK_EVERY == 0:
+            self.flag.fill_(self._local_verdict())
             self.handle = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, async_op=True)
 
-    def agreed_signal(self, global_step: int) -> int:
-        """0, SAVE_FAILED, or the signal some rank received before this check began (same answer on every rank).
-        `global_step`: the step that just ran (counted from 0)."""
-        if global_step % self.CHECK_EVERY or self.handle is None:
+    def agreed_signal(self, index: int) -> int:
+        """0, SAVE_FAILED, or the signal some rank received before this check began (same answer on
+        every rank). `index`: the step (or evaluation batch) that just ran, as given to begin_step."""
+        if index % self.CHECK_EVERY or self.handle is None:
             return 0
         self.handle.wait()
         self.handle = None
         return int(self.flag.item())
 
-    def close(self) -> None:
-        for s, handler in self.previous.items():
-            signal.signal(s, handler)
+    def agree_now(self) -> int:
+        """A blocking check (a collective), for a point every rank reaches together with no step to
+        hide it behind: the end of a save."""
+        self.flag.fill_(self._local_verdict())
+        dist.all_reduce(self.flag, op=dist.ReduceOp.MAX)
+        return int(self.flag.item())
+
+    def _local_verdict(self) -> int:
+        return SAVE_FAILED if self.save_failed() else self.received

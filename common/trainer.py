@@ -1,6 +1,7 @@
 """The training loop and exact evaluation, written once for every strategy."""
 from __future__ import annotations
 
+import math
 import resource
 import signal
 import time
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.checkpoint import Checkpoints
-from common.data import Dataset, eval_batches
+from common.data import Dataset, eval_batches, eval_shard
 from common.distributed import DistContext
 from common.logger import EpochResult, NullLogger, StepRecord, StepTimes
 from common.preemption import SAVE_FAILED, Preempted, StopRequest
@@ -32,21 +33,38 @@ class Metrics:
     samples: int
 
 
+class EvaluationStopped(Exception):
+    """Every rank agreed, during evaluation, to stop (a signal) or to end (SAVE_FAILED)."""
+
+    def __init__(self, verdict: int, done: int, batches: int) -> None:
+        super().__init__(verdict)
+        self.verdict, self.done, self.batches = verdict, done, batches
+
+
 @torch.no_grad()
 def evaluate(model: nn.Module, data: Dataset, ctx: DistContext, batch: int, precision: Precision,
-             memory_format: torch.memory_format, equal_counts: bool = False) -> Metrics:
+             memory_format: torch.memory_format, equal_counts: bool = False,
+             stop: StopRequest | None = None) -> Metrics:
     """Every rank scores its unpadded shard; one all-reduce of (loss sum, correct, count) combines them.
     equal_counts: every rank runs as many forwards (empty batches at the end of a shorter shard),
-    for models whose forward is itself a collective (FSDP)."""
+    for models whose forward is itself a collective (FSDP). stop: checked over the batches every
+    rank runs (the last shard may be a batch shorter); raises EvaluationStopped when agreed on."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)
-    for images, labels in eval_batches(data.test, data.spec, ctx.rank, ctx.world_size, batch, ctx.device,
-                                       memory_format, equal_counts):
+    checked = -(-len(eval_shard(len(data.test), ctx.world_size - 1, ctx.world_size)) // batch) if stop else 0
+    batches = eval_batches(data.test, data.spec, ctx.rank, ctx.world_size, batch, ctx.device, memory_format,
+                           equal_counts)
+    for index, (images, labels) in enumerate(batches):
+        if index < checked:
+            stop.begin_step(index)
         with precision.autocast():
             logits = model(images)
         totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += len(labels)
+        if index < checked and (verdict := stop.agreed_signal(index)):
+            raise EvaluationStopped(verdict, index + 1, -(-len(eval_shard(len(data.test), ctx.rank,
+                                                                          ctx.world_size)) // batch))
     loss_sum, correct, count = ctx.all_reduce_sum(totals).tolist()
     if int(count) != len(data.test):
         raise RuntimeError(f"evaluation counted {int(count)} samples, the test set has {len(data.test)}")
@@ -87,10 +105,14 @@ class StepLog:
         self.rows.clear()
 
     def take_epoch(self) -> tuple[Metrics, StepTimes]:
+        """NaN loss and accuracy for an epoch whose steps all ran before a resume (a run stopped
+        during its evaluation): this run trained none of it."""
         loss_sum, correct, samples, data_s, compute_s, sync_s, steps = self.epoch_totals
         self.epoch_totals = [0.0] * 7
         times = StepTimes(*(1000 * t / max(steps, 1) for t in (data_s, compute_s, sync_s)))
-        return Metrics(loss_sum / max(samples, 1), correct / max(samples, 1), int(samples)), times
+        if not samples:
+            return Metrics(math.nan, math.nan, 0), times
+        return Metrics(loss_sum / samples, correct / samples, int(samples)), times
 
 
 @dataclass
@@ -114,7 +136,8 @@ class Trainer:
             result = self.run_epoch(epoch, start.step if epoch == start.epoch else 0)
             self.log.epoch(result, self.run.cfg.epochs)
             self.relay.flush(self.run.ctx, self.log)
-            self.save(Position(epoch + 1, 0), wait=epoch + 1 == self.run.cfg.epochs)
+            last = epoch + 1 == self.run.cfg.epochs
+            self.save(Position(epoch + 1, 0), wait=last, check_stop=not last)  # the last: the run is done anyway
         return result
 
     def run_epoch(self, epoch: int, first_step: int) -> EpochResult:
@@ -123,8 +146,13 @@ class Trainer:
         train, times = self.train_epoch(epoch, first_step)
         train_s = time.perf_counter() - start
         run.strategy.consolidate(run.model)  # rank 0's BatchNorm statistics everywhere before they are read
-        test = evaluate(run.plain, run.data, run.ctx, run.eval_batch_size, run.precision, run.memory_format,
-                        run.strategy.collective_forward)
+        try:
+            test = evaluate(run.plain, run.data, run.ctx, run.eval_batch_size, run.precision, run.memory_format,
+                            run.strategy.collective_forward, self.stop)
+        except EvaluationStopped as stopped:  # saved before the evaluation: a resume runs all of it first
+            self.stop_at(Position(epoch, run.steps_per_epoch), stopped.verdict, during=(
+                f", during the epoch's evaluation ({stopped.done} of {stopped.batches} batches scored; a resume "
+                "scores them again)"))
         return EpochResult(epoch + 1, run.global_step(Position(epoch + 1, 0)), train.loss, train.acc, test.loss,
                            test.acc, test.samples, train.samples / train_s, time.perf_counter() - start, times)
 
@@ -173,21 +201,18 @@ class Trainer:
             run.strategy.consolidate(run.model)
             check_replicas(run.strategy.replicated(run.model), run.ctx, step)
         self.stop_signal = self.stop.agreed_signal(step - 1) or self.stop_signal
-        if self.stop_signal == SAVE_FAILED:
-            self.checkpoints.finish()  # ends every rank with the failed save's one-line error
-        if self.stop_signal and synced:
-            path = self.save(done, wait=True)
-            run.ctx.fail_together_with(Preempted(
-                f"stopped by {signal.Signals(self.stop_signal).name} after step {step} (epoch {done.epoch + 1}, "
-                f"step {done.step}); checkpoint {path}; run the same command again to resume", self.stop_signal))
+        if self.stop_signal == SAVE_FAILED or (self.stop_signal and synced):
+            self.stop_at(done, self.stop_signal)
         self.save_due = self.save_due or bool(run.cfg.save_every_steps and step % run.cfg.save_every_steps == 0)
         if self.save_due and synced and mid_epoch:
             self.save(done, wait=False)
 
-    def save(self, at: Position, wait: bool) -> str:
+    def save(self, at: Position, wait: bool, check_stop: bool = True) -> str:
         """Training pauses while the state is gathered and copied (and, with wait, written): that
         pause is the stall a save costs. Any save, the epoch end's included, is the one a due
-        --save-every-steps save waited for."""
+        --save-every-steps save waited for. check_stop: a save can take long (rank 0 may first
+        wait for the save before it), so a stop requested meanwhile is honoured here, with this
+        checkpoint, rather than after more steps and a second save."""
         self.save_due = False
         step = self.run.global_step(at)
         started = time.perf_counter()
@@ -196,7 +221,24 @@ class Trainer:
         path = self.checkpoints.save(self.run, at, wait, lambda saved, seconds: self.log.saved(saved, step, seconds))
         self.log.save_stall(step, time.perf_counter() - started)
         self.log.flush()
+        if check_stop and (verdict := self.stop.agree_now()):
+            self.stop_at(at, verdict, saved=path)
         return path
+
+    def stop_at(self, at: Position, verdict: int, saved: str | None = None, during: str = "") -> None:
+        """End every rank, at a point where the replicas are equal: with the failed save's one-line
+        error (SAVE_FAILED), else after a checkpoint at `at` (saved: the one just started there,
+        waited for here) with the stop line."""
+        if verdict == SAVE_FAILED or saved:
+            self.checkpoints.finish()  # ends every rank with a failed save's error; else it is committed
+        path = saved or self.save(at, wait=True, check_stop=False)
+        self.run.ctx.fail_together_with(Preempted(
+            f"stopped by {signal.Signals(verdict).name} after step {self.run.global_step(at)} ({where(at)}){during}; "
+            f"checkpoint {path}; run the same command again to resume", verdict))
+
+
+def where(at: Position) -> str:
+    return f"epoch {at.epoch + 1}, step {at.step}" if at.step else f"the end of epoch {at.epoch}"
 
 
 def memory_mb(run: Run) -> tuple[float, float, float | None]:

@@ -64,14 +64,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stop_after(signalled_at: int) -> int:
+def stop_after(signalled_at: int, steps_per_epoch: int = 0) -> int:
     """The step after which a run stops when a signal arrives during step `signalled_at` (counted
     from 1): the ranks agree on it at the next step whose 0-based index is a multiple of
-    StopRequest.CHECK_EVERY, and stop once that step is done."""
+    StopRequest.CHECK_EVERY, and stop once that step is done; or, if the epoch ends first, after
+    its last step, at the first check of its evaluation (steps_per_epoch 0: no epoch ends first)."""
     from common.preemption import StopRequest
 
     every = StopRequest.CHECK_EVERY
-    return -(-signalled_at // every) * every + 1
+    at_check = -(-signalled_at // every) * every + 1
+    return min(at_check, -(-signalled_at // steps_per_epoch) * steps_per_epoch) if steps_per_epoch else at_check
+
+
+def saved_position(stop: int, steps_per_epoch: int) -> tuple[int, int]:
+    """(epoch counted from 0, step in it) of the checkpoint a run stopped after global step `stop`
+    writes: a stop after an epoch's last step is saved before that epoch's evaluation."""
+    return (stop - 1) // steps_per_epoch, (stop - 1) % steps_per_epoch + 1
 
 
 def latest_checkpoint(folder: Path) -> Path:

@@ -8,6 +8,16 @@ nosync (never synchronizes).
 FAULT, after the STEP-th optimizer step of this process:
   none     nothing
   sigterm  every rank sends itself SIGTERM (preemption)
+  sigterm-job            rank 0 sends SIGTERM to torchrun, then to every worker (Slurm's scancel,
+                         with torchrun forwarding its own copy)
+  sigterm-workers-first  the same, every worker first, torchrun last
+  sigint-job             rank 0 sends SIGINT to torchrun and every worker (a terminal's Ctrl-C)
+  sigint-twice           the same, and again FORCE_AFTER_S + 0.5 s later (a deliberate second Ctrl-C)
+FAULT at another point:
+  sigterm-eval    every rank sends itself SIGTERM at its STEP-th evaluation batch
+  sigterm-saving  rank 0's writer, writing the checkpoint of global step STEP, sends SIGTERM to
+                  every worker and torchrun in the middle of a 1 s write (a slow store)
+Without torchrun the job is this one process.
   sigkill  rank 1 SIGKILLs itself, on torchrun's first attempt only
   raise    rank 1 raises RuntimeError
   drift    rank 1 nudges one weight (the replicas drift apart)
@@ -18,6 +28,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -27,6 +38,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from common.app import main as run  # noqa: E402
+from common.checkpoint import CheckpointFolder  # noqa: E402
+from common.preemption import FORCE_AFTER_S  # noqa: E402
 from common.step import Precision  # noqa: E402
 from common.strategy import Strategy  # noqa: E402
 from train_allreduce import AllReduceStrategy  # noqa: E402
@@ -51,10 +64,32 @@ def _nudge(optimizer: torch.optim.Optimizer) -> None:
         optimizer.param_groups[0]["params"][2].add_(1e-3)
 
 
+def job(torchrun_first: bool = True) -> list[int]:
+    """torchrun (this rank's parent) and every worker it started, in the order the signals land."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return [os.getpid()]
+    torchrun = os.getppid()
+    workers = [int(pid) for pid in Path(f"/proc/{torchrun}/task/{torchrun}/children").read_text().split()]
+    return [torchrun, *workers] if torchrun_first else [*workers, torchrun]
+
+
+def signal_job(signum: int, torchrun_first: bool = True) -> None:
+    for pid in job(torchrun_first):
+        os.kill(pid, signum)
+
+
 def inject(fault: str, optimizer: torch.optim.Optimizer) -> None:
     rank = dist.get_rank()
     if fault == "sigterm":
         os.kill(os.getpid(), signal.SIGTERM)
+    elif fault in ("sigterm-job", "sigterm-workers-first") and rank == 0:
+        signal_job(signal.SIGTERM, torchrun_first=fault == "sigterm-job")
+    elif fault in ("sigint-job", "sigint-twice") and rank == 0:
+        signal_job(signal.SIGINT)
+        if fault == "sigint-twice":
+            time.sleep(FORCE_AFTER_S + 0.5)
+            print(f"second SIGINT sent at {time.time():.3f}", file=sys.stderr, flush=True)
+            signal_job(signal.SIGINT)
     elif fault == "sigkill" and rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault == "raise" and rank == 1:
@@ -65,9 +100,39 @@ def inject(fault: str, optimizer: torch.optim.Optimizer) -> None:
         warnings.warn("injected warning on rank 1", stacklevel=1)
 
 
+def signal_during_evaluation(model: torch.nn.Module, at_batch: int) -> None:
+    batches = 0
+
+    def count(module: torch.nn.Module, args: object) -> None:
+        nonlocal batches
+        if not module.training:
+            batches += 1
+            if batches == at_batch:
+                os.kill(os.getpid(), signal.SIGTERM)
+    model.register_forward_pre_hook(count)
+
+
+def signal_during_save(global_step: int) -> None:
+    """Rank 0's checkpoint writer (only rank 0 writes) slows down and signals the job mid-write."""
+    write = CheckpointFolder.write
+
+    def slow_write(self: CheckpointFolder, run: str, state: dict, previous: str | None = None) -> str:
+        if state["global_step"] == global_step:
+            time.sleep(0.5)
+            signal_job(signal.SIGTERM, torchrun_first=False)
+            time.sleep(0.5)
+        return write(self, run, state, previous)
+    CheckpointFolder.write = slow_write
+
+
 def faulty(base: type[Strategy], fault: str, at_step: int) -> Strategy:
     class Faulty(base):  # type: ignore[misc, valid-type]
         steps = 0
+
+        def wrap(self, model: torch.nn.Module, ctx):  # the plain model: what evaluation runs
+            if fault == "sigterm-eval":
+                signal_during_evaluation(model, at_step)
+            return super().wrap(model, ctx)
 
         def step(self, optimizer: torch.optim.Optimizer, precision: Precision) -> None:
             super().step(optimizer, precision)
@@ -81,4 +146,6 @@ def faulty(base: type[Strategy], fault: str, at_step: int) -> Strategy:
 if __name__ == "__main__":
     name, fault, step = sys.argv[1], sys.argv[2], int(sys.argv[3])
     del sys.argv[1:4]
+    if fault == "sigterm-saving":
+        signal_during_save(step)
     run(faulty(STRATEGIES[name], fault, step))

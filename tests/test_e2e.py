@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.conftest import (ROOT, child_env, error_lines, free_port, latest_checkpoint, latest_state, read_scalars,
-                            run_script, stop_after)
+                            run_script, saved_position, stop_after)
 
 TAGS = {"train/loss", "train/acc", "test/loss", "test/acc", "test/samples", "lr", "train/images_per_s", "time/epoch_s"}
 
@@ -31,11 +31,11 @@ def test_two_ranks_train_log_checkpoint_and_resume(dataset, cifar_root, mnist_gz
     steps = 10 if dataset == "cifar10" else 12  # 1000 or 1200 training images, 100 per step
     flags = ["--dataset", dataset, "--data-dir", str(root), "--no-download", "--model", "lenet", "--batch-size", "100",
              "--epochs", "3", "--log-every", "5"]
-    # Preempted in epoch 2 or 3: the SIGTERM comes during step 20, the run stops after step 21.
+    # The SIGTERM comes during step 20: cifar10 stops at epoch 2's evaluation (after step 20), mnist after step 21.
     log_dir, ckpt_dir = tmp_path / "tb-run", tmp_path / "ckpt"
     first = run_script(["tests/faults.py", "ddp", "sigterm", "20", "--log-dir", str(log_dir),
                         "--checkpoint-dir", str(ckpt_dir), *flags], nproc=2)
-    stop = stop_after(20)
+    stop = stop_after(20, steps)
     assert f"stopped by SIGTERM after step {stop} " in first.stderr, first.stderr[-3000:]
     assert "global batch 100 = 50 per rank x 2" in first.stdout
     assert first.stdout.count("epoch 1/3") == 1  # rank 0 alone prints
@@ -49,13 +49,13 @@ def test_two_ranks_train_log_checkpoint_and_resume(dataset, cifar_root, mnist_gz
     assert len(list(log_dir.glob("events.out.tfevents.*"))) == 1  # one writer: rank 0's
 
     state = latest_state(ckpt_dir)
-    assert (state["epoch"], state["step_in_epoch"]) == divmod(stop, steps) and state["config"]["dataset"] == dataset
+    epoch, step = saved_position(stop, steps)
+    assert (state["epoch"], state["step_in_epoch"]) == (epoch, step) and state["config"]["dataset"] == dataset
     assert not any(key.startswith("module.") for key in state["model"])
     assert {"optimizer", "scheduler"} <= set(state)
 
     cut_at = latest_checkpoint(ckpt_dir)
     second, resumed_log, _ = train(tmp_path, *flags, name="resumed")  # the same command, without the fault
-    epoch, step = divmod(stop, steps)
     assert f"resumed from {cut_at}: epoch {epoch + 1}, step {step}" in second.stdout
     assert "epoch 1/3" not in second.stdout and "epoch 3/3" in second.stdout
     assert [step for step, _ in read_scalars(resumed_log)[1]["test/acc"]] == list(range((epoch + 1) * steps,

@@ -16,10 +16,12 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from common.checkpoint import CheckpointFolder, InvalidCheckpoint, model_mismatches, parse_checkpoint
 from common.errors import UserError
 from common.storage import LocalStorage, StorageError
-from tests.conftest import ROOT, child_env, error_lines, latest_checkpoint, latest_state, run_script, stop_after
+from tests.conftest import (ROOT, child_env, error_lines, latest_checkpoint, latest_state, run_script, saved_position,
+                            stop_after)
 from tests.save_loop import IDENTITY, state as loop_state
 
 # 8 steps per epoch, 3 epochs: small enough for CI, long enough to cut mid-epoch.
+STEPS = 8
 RUN = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
        "--epochs", "3", "--max-steps", "8"]
 SCRIPTS = {"ddp": ["train_ddp.py"], "allreduce": ["train_allreduce.py"], "master": ["train_master.py"],
@@ -258,7 +260,7 @@ def test_sigterm_to_torchrun_saves_exits_and_resumes_losing_nothing(reference, t
 # 7 -------------------------------------------------------------------------------------------
 def test_resume_at_another_world_size_continues_the_same_sample_stream(reference, tmp_path):
     ckpt = tmp_path / "ckpt"
-    preempted(train(faulty("ddp", "sigterm", 11), ckpt), stop_after(11))  # world 2, mid-epoch 3
+    preempted(train(faulty("ddp", "sigterm", 11), ckpt), stop_after(11, STEPS))  # world 2, before epoch 2's evaluation
     resumed = train(SCRIPTS["ddp"], ckpt, nproc=None)  # world 1, same global batch
     ok(resumed)
     assert "saved at world 2" in resumed.stdout and "world 1" in resumed.stdout
@@ -271,7 +273,7 @@ def test_a_sharded_checkpoint_is_the_suites_format_for_every_script(reference, t
     """FSDP2 at world 2 saves a full, unprefixed state dict and optimizer state: DDP at world 1
     resumes from it (resharded: unsharded) and ends with the uninterrupted FSDP run's weights."""
     cut = tmp_path / "cut"
-    preempted(train(faulty("fsdp", "sigterm", 11), cut), stop_after(11))
+    preempted(train(faulty("fsdp", "sigterm", 11), cut), stop_after(11, STEPS))
     state = latest_state(cut)
     assert not any(key.startswith(("module.", "_fsdp")) for key in state["model"]) and state["optimizer"]["state"]
     resumed = train(SCRIPTS["ddp"], tmp_path / "ddp", "--resume", str(latest_checkpoint(cut)), nproc=None)
@@ -298,7 +300,7 @@ def test_every_strategy_resumes_exactly(name, reference, tmp_path):
     ckpt = tmp_path / "ckpt"
     nproc = None if name == "dp" else 2
     cut = train(faulty(name, "sigterm", 13), ckpt, nproc=nproc)
-    stop = stop_after(13)
+    stop = stop_after(13, STEPS)  # at epoch 2's evaluation
     if name == "localsgd":  # a stop waits for the next averaging (every 2 steps here): nothing is saved unaveraged
         stop += stop % 2
     preempted(cut, stop)
@@ -306,7 +308,82 @@ def test_every_strategy_resumes_exactly(name, reference, tmp_path):
         assert cut.returncode == 128 + signal.SIGTERM
     resumed = train(SCRIPTS[name], ckpt, nproc=nproc)
     ok(resumed)
-    assert "resumed from" in resumed.stdout and f"epoch {stop // 8 + 1}, step {stop % 8}" in resumed.stdout
+    epoch, step = saved_position(stop, STEPS)
+    assert "resumed from" in resumed.stdout and f"epoch {epoch + 1}, step {step}" in resumed.stdout
     dw = max_dw(final_weights(ckpt), reference(name))
     print(f"\n{name}: stopped after step {stop}, resumed: max |dw| = {dw:.3g}")
     assert dw <= 1e-6
+
+
+# 10 ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fault", ["sigterm-job", "sigterm-workers-first"])
+def test_sigterm_to_torchrun_and_every_worker_saves_and_resumes_losing_nothing(fault, reference, tmp_path):
+    """Slurm (proctrack/cgroup: scancel, the time limit, preemption) and systemd signal every process
+    of the job, and torchrun forwards its own copy: each worker gets SIGTERM twice, in either order."""
+    ckpt = tmp_path / "ckpt"
+    stop = stop_after(17, STEPS)  # mid-epoch 3
+    preempted(train(faulty("ddp", fault, 17), ckpt), stop)
+    assert latest_state(ckpt)["global_step"] == stop
+    resumed = train(SCRIPTS["ddp"], ckpt)
+    ok(resumed)
+    epoch, step = saved_position(stop, STEPS)
+    assert f"epoch {epoch + 1}, step {step} (saved at world 2)" in resumed.stdout
+    dw = max_dw(final_weights(ckpt), reference("ddp"))
+    print(f"\n{fault}: stopped after step {stop}, resumed: max |dw| = {dw:.3g}")
+    assert dw <= 1e-6
+
+
+def test_a_ctrl_c_reaching_torchrun_and_every_worker_is_one_request(tmp_path):
+    """A terminal's Ctrl-C reaches torchrun and every worker, and torchrun forwards its own SIGINT."""
+    ckpt = tmp_path / "ckpt"
+    result = train(faulty("ddp", "sigint-job", 17), ckpt)
+    stop = stop_after(17, STEPS)
+    assert result.returncode != 0 and f"stopped by SIGINT after step {stop} " in result.stderr, result.stderr[-3000:]
+    assert result.stderr.count("Ctrl-C again, 2 s or more from now") == 1  # local rank 0 says how to force it
+    assert "second Ctrl-C" not in result.stderr
+    assert latest_state(ckpt)["global_step"] == stop
+
+
+@pytest.mark.parametrize("nproc", [2, None])
+def test_a_second_ctrl_c_after_the_delay_ends_every_process_at_once_unsaved(nproc, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    result = train(faulty("ddp", "sigint-twice", 12), ckpt, nproc=nproc)
+    ended = time.time()
+    assert result.stderr.count("stopped by a second Ctrl-C, at once and without saving") == 1, result.stderr[-3000:]
+    assert "stopped by SIGINT after" not in result.stderr
+    assert latest_state(ckpt)["global_step"] == STEPS  # epoch 1's checkpoint: none at the stop
+    if nproc is None:  # no torchrun in between: the process's own status
+        assert result.returncode == 128 + signal.SIGINT
+    assert result.returncode != 0
+    seconds = ended - float(result.stderr.split("second SIGINT sent at ")[1].split()[0])
+    print(f"\nsecond Ctrl-C at world {nproc or 1}: every process gone {seconds:.2f} s later")
+    assert seconds < 5
+
+
+def test_a_stop_during_evaluation_is_saved_before_it_and_the_resume_evaluates_first(reference, tmp_path):
+    ckpt = tmp_path / "ckpt"
+    small_batches = ("--eval-batch-size", "16")  # 63 batches per rank; the signal at the 5th of epoch 1's
+    cut = train(faulty("ddp", "sigterm-eval", 5), ckpt, *small_batches)
+    preempted(cut, STEPS)
+    assert "during the epoch's evaluation (11 of 63 batches scored" in cut.stderr, cut.stderr[-3000:]
+    assert "epoch 1/3" not in cut.stdout
+    state = latest_state(ckpt)
+    assert (state["epoch"], state["step_in_epoch"]) == (0, STEPS)
+    resumed = train(SCRIPTS["ddp"], ckpt, *small_batches)
+    ok(resumed)
+    assert f"resumed from {latest_checkpoint(ckpt).parent / 'step-00000008.pt'}: epoch 1, step 8" in resumed.stdout
+    assert "epoch 1/3  (trained before the resume)  test loss" in resumed.stdout
+    assert max_dw(final_weights(ckpt), reference("ddp")) <= 1e-6
+    events = EventAccumulator(str(ckpt.parent / f"tb-{ckpt.name}"))
+    events.Reload()
+    assert [e.step for e in events.Scalars("test/acc")] == [8, 16, 24]  # every epoch evaluated once
+    assert [e.step for e in events.Scalars("time/epoch_s")] == [16, 24]  # epoch 1 was not trained by the resume
+
+
+def test_a_signal_while_a_save_is_waited_for_stops_at_that_checkpoint(tmp_path):
+    """The store is slow: step 6's save waits for step 5's; the signals land meanwhile. The stop
+    comes with step 6's checkpoint, not 5 steps and a second save later."""
+    ckpt = tmp_path / "ckpt"
+    cut = train(faulty("ddp", "sigterm-saving", 5), ckpt, "--save-every-steps", "1")
+    preempted(cut, 6)
+    assert latest_state(ckpt)["global_step"] == 6
