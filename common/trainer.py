@@ -51,7 +51,7 @@ def evaluate(model: nn.Module, data: Dataset, ctx: DistContext, batch: int, prec
     rank runs (the last shard may be a batch shorter); raises EvaluationStopped when agreed on."""
     model.eval()
     totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)
-    checked = -(-len(eval_shard(len(data.test), ctx.world_size - 1, ctx.world_size)) // batch) if stop else 0
+    checked = shard_batches(len(data.test), ctx.world_size - 1, ctx.world_size, batch) if stop else 0  # the smallest
     batches = eval_batches(data.test, data.spec, ctx.rank, ctx.world_size, batch, ctx.device, memory_format,
                            equal_counts)
     for index, (images, labels) in enumerate(batches):
@@ -63,12 +63,16 @@ def evaluate(model: nn.Module, data: Dataset, ctx: DistContext, batch: int, prec
         totals[1] += (logits.argmax(1) == labels).sum()
         totals[2] += len(labels)
         if index < checked and (verdict := stop.agreed_signal(index)):
-            raise EvaluationStopped(verdict, index + 1, -(-len(eval_shard(len(data.test), ctx.rank,
-                                                                          ctx.world_size)) // batch))
+            raise EvaluationStopped(verdict, index + 1, shard_batches(len(data.test), ctx.rank, ctx.world_size, batch))
     loss_sum, correct, count = ctx.all_reduce_sum(totals).tolist()
     if int(count) != len(data.test):
         raise RuntimeError(f"evaluation counted {int(count)} samples, the test set has {len(data.test)}")
     return Metrics(loss_sum / count, correct / count, int(count))
+
+
+def shard_batches(size: int, rank: int, world_size: int, batch: int) -> int:
+    """How many evaluation batches the rank's shard makes (without equal_counts' padding)."""
+    return -(-len(eval_shard(size, rank, world_size)) // batch)
 
 
 @dataclass
