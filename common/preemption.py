@@ -38,11 +38,19 @@ FORCE_AFTER_S = 2.0
 
 
 class Preempted(UserError):
+    """Raised on every rank at the same point. Rank 0 prints the line; the others exit at once,
+    without PeerFailed's wait: the printing rank keeps its handler, so the SIGTERM torchrun sends it
+    when a peer exits first cannot cut its line or its exit."""
+
     prefix = ""  # not an error: the run stopped where it was asked to
 
-    def __init__(self, message: str, signum: int) -> None:
+    def __init__(self, message: str, signum: int, printing: bool) -> None:
         super().__init__(message)
         self.exit_code = 128 + signum  # the shell's convention for "ended by signal N"
+        self.printing = printing
+
+    def should_print(self) -> bool:
+        return self.printing
 
 
 class StopRequest:

@@ -236,9 +236,9 @@ class Trainer:
         if verdict == SAVE_FAILED or saved:
             self.checkpoints.finish()  # ends every rank with a failed save's error; else it is committed
         path = saved or self.save(at, wait=True, check_stop=False)
-        self.run.ctx.fail_together_with(Preempted(
-            f"stopped by {signal.Signals(verdict).name} after step {self.run.global_step(at)} ({where(at)}){during}; "
-            f"checkpoint {path}; run the same command again to resume", verdict))
+        raise Preempted(f"stopped by {signal.Signals(verdict).name} after step {self.run.global_step(at)} "
+                        f"({where(at)}){during}; checkpoint {path}; run the same command again to resume", verdict,
+                        printing=self.run.ctx.is_primary)
 
 
 def where(at: Position) -> str:
