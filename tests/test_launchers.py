@@ -1,5 +1,6 @@
 """The launchers with real processes: signals reach torchrun and the workers save before they stop,
-SLURM's GPU counts in all their forms, and a Kubernetes manifest that keeps every argument intact."""
+SLURM's GPU counts in all their forms, a Kubernetes manifest that keeps every argument intact, no
+credential in any echo or manifest, and the grace every launcher gives the stop."""
 from __future__ import annotations
 
 import importlib.util
@@ -311,15 +312,17 @@ def test_k8s_never_writes_a_credential_into_the_manifest(case, tmp_path):
     assert not leaked(result.stderr)
 
 
-def test_k8s_takes_credentials_from_a_secret(tmp_path):
+@pytest.mark.parametrize("options", ["env:STORAGE_OPTIONS", "@/var/run/secrets/store.json",
+                                     '{"endpoint_url": "http://minio:9000"}'], ids=["variable", "file", "no credential"])
+def test_k8s_takes_credentials_from_a_secret(options, tmp_path):
     env = {"IMAGE": "img", "DATA_PVC": "data", "SECRET_NAME": "dp-store,dp-extra", "DRY_RUN": "1"}
-    result = k8s(tmp_path, env, ["--storage-options", "env:STORAGE_OPTIONS"])
+    result = k8s(tmp_path, env, ["--storage-options", options])
     assert result.returncode == 0, result.stderr
     _, manifest = split(result.stdout)
     for spec in manifest["spec"]["pytorchReplicaSpecs"].values():
         container = spec["template"]["spec"]["containers"][0]
         assert container["envFrom"] == [{"secretRef": {"name": "dp-store"}}, {"secretRef": {"name": "dp-extra"}}]
-        assert container["command"][-2:] == ["--storage-options", "env:STORAGE_OPTIONS"]
+        assert container["command"][-2:] == ["--storage-options", options]
 
 
 def test_k8s_lets_the_users_own_folders_win(tmp_path):
@@ -393,3 +396,22 @@ def test_quiet_torchrun_gives_the_workers_120_s_to_stop(monkeypatch):
     monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "45")  # a value the caller set wins
     quiet.give_workers_time_to_stop()
     assert config_from_args(parse_args(["--standalone", "--nproc_per_node=1", "train_ddp.py"]))[0].shutdown_timeout == 45
+
+
+@pytest.mark.parametrize("submitted_from", ["repository", "elsewhere"])
+def test_slurm_finds_its_redaction_when_run_from_slurms_copy(submitted_from, tmp_path):
+    """sbatch runs a copy of the script from its spool folder: redact.sh is then found through the
+    submission folder, or the script stops with one line saying where to submit from."""
+    spool = tmp_path / "job7"
+    spool.mkdir()
+    (spool / "slurm_script").write_text((LAUNCH / "slurm.sbatch").read_text())
+    submit = ROOT if submitted_from == "repository" else tmp_path
+    result = subprocess.run(["bash", str(spool / "slurm_script"), "train_ddp.py", *CREDENTIAL_ARGS["inline"]],
+                            cwd=submit, env=launcher_env(DRY_RUN="1", SLURM_SUBMIT_DIR=str(submit), **ECHOED["slurm.sbatch"]),
+                            capture_output=True, text=True, timeout=30)
+    assert not leaked(result.stdout + result.stderr)
+    if submitted_from == "repository":
+        assert result.returncode == 0 and result.stdout.rstrip().endswith("--storage-options ***"), result.stderr
+    else:
+        assert result.returncode == 2 and result.stdout == "" and len(result.stderr.splitlines()) == 1
+        assert "submit from the repository's root" in result.stderr
