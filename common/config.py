@@ -10,6 +10,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Sequence
 
+from common.credentials import read_storage_options
 from common.models import MODELS
 from common.storage import log_url_problem, url_problem
 
@@ -75,7 +76,8 @@ class Config:
     compile: bool
     profile: bool
     memory_format: str
-    storage_options: dict[str, Any] = field(default_factory=dict)  # may hold credentials: never logged or saved
+    # May hold credentials: never logged, saved, or shown in a repr of the Config.
+    storage_options: dict[str, Any] = field(default_factory=dict, repr=False)
     options: dict[str, Any] = field(default_factory=dict)  # the strategy's own flags
     identity_options: tuple[str, ...] = ()  # those of the strategy's flags that change the trained weights
 
@@ -139,9 +141,11 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
         help="download the data set's archives from BASE_URL/<file name> (a mirror) instead of their home sites")
     add("--cache-dir", default="", help="local copy of a --data-dir URL, one per node "
                                         "(default: $XDG_CACHE_HOME/dp-suite or ~/.cache/dp-suite)")
-    add("--storage-options", default="{}", metavar="JSON",
-        help='fsspec options for URLs in --data-dir, --checkpoint-dir and --resume, e.g. '
-             '\'{"endpoint_url": "http://minio:9000"}\'; credentials here are never printed or saved '
+    add("--storage-options", default="{}", metavar="JSON|@FILE|env:VAR",
+        help='fsspec options for URLs in --data-dir, --checkpoint-dir and --resume: a JSON object such as '
+             '\'{"endpoint_url": "http://minio:9000"}\', or @FILE (read from that JSON file) or env:VAR (from that '
+             "environment variable). Give credentials in a file or a variable: a command line is readable by every "
+             "user of the machine (ps). They are never printed or saved "
              "(default: the standard AWS variables, profile or instance role)")
     add("--synthetic-shape", default="cifar", choices=("cifar", "mnist"), help="image shape of --dataset synthetic")
     add("--model", default=None, help=f"one of {', '.join(MODELS)} (default: per data set)")
@@ -262,12 +266,9 @@ def _cpp_compiler() -> str | None:
 def _validate_storage(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """URLs this installation cannot open are found here, before any process group starts."""
     try:
-        a.storage_options = json.loads(a.storage_options)
-    except json.JSONDecodeError as e:
-        p.error(f"--storage-options is not valid JSON ({e.msg} at character {e.pos}); give an object such as "
-                '\'{"endpoint_url": "http://127.0.0.1:9000"}\'')
-    if not isinstance(a.storage_options, dict):
-        p.error("--storage-options must be a JSON object, e.g. '{\"endpoint_url\": \"http://127.0.0.1:9000\"}'")
+        a.storage_options = read_storage_options(a.storage_options)
+    except ValueError as e:
+        p.error(f"--storage-options {e}")
     for flag, value in (("--data-dir", a.data_dir), ("--checkpoint-dir", a.checkpoint_dir), ("--resume", a.resume)):
         if problem := url_problem(value):
             p.error(f"{flag} {value}: {problem}")

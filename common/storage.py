@@ -12,6 +12,8 @@ import shutil
 from pathlib import Path
 from typing import Any, Callable, Protocol, TypeVar
 
+from common.credentials import secrets_in
+
 T = TypeVar("T")
 
 
@@ -157,19 +159,6 @@ def is_url(path: str) -> bool:
 S3_DEFAULTS = {"config_kwargs": {"connect_timeout": 5, "read_timeout": 20,
                                  "retries": {"max_attempts": 3, "mode": "standard"}}}
 S3FS_RETRIES = 2  # s3fs's own retry loop around botocore's (its default: 5, with growing sleeps)
-SECRET_KEYS = ("key", "secret", "token", "password", "access_key_id", "secret_access_key", "session_token")
-SECRET_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
-
-
-def secrets_in(options: dict[str, Any]) -> list[str]:
-    """Credential values that must never be printed: from the options and the standard variables."""
-    found = [os.environ[name] for name in SECRET_ENV if os.environ.get(name)]
-    for key, value in options.items():
-        if isinstance(value, dict):
-            found += secrets_in(value)
-        elif isinstance(value, str) and any(word in key.lower() for word in SECRET_KEYS):
-            found.append(value)
-    return [s for s in found if len(s) >= 4]
 
 
 class FsspecStorage:

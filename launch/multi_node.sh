@@ -14,7 +14,12 @@
 # NPROC           processes on this node (default: the GPU count, or 2 on a CPU-only host)
 # MAX_RESTARTS    worker-group restarts after a failure (default: 0)
 # JOIN_TIMEOUT    seconds to wait for all nodes to join (default: 600)
-# DRY_RUN=1       print the command without running it
+# TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds the workers get to stop (finish the step, save) after a
+#                 TERM or INT before torchrun kills them (default here: 120; torchrun's own: 30)
+# DRY_RUN=1       print the command without running it (credentials in it shown as ***)
+#
+# Security: the rendezvous port (and gloo's/nccl's) has no authentication, and the c10d rendezvous
+# unpickles what its store holds: whoever reaches the port can run code here. Use trusted networks.
 #
 # TERM and INT sent to this script are passed on to torchrun, which passes them on to the workers:
 # they stop after the same step, rank 0 saves a checkpoint, and the script exits with torchrun's
@@ -42,8 +47,11 @@ cmd=(torchrun "--nnodes=${NNODES}" "--nproc_per_node=${nproc}" --rdzv-backend=c1
 [[ -n "${LOCAL_ADDR:-}" ]] && cmd+=("--local-addr=${LOCAL_ADDR}")
 cmd+=("$@")
 
-echo "${cmd[*]}"
+# shellcheck source=launch/redact.sh
+source "$(dirname "$0")/redact.sh"
+shown "${cmd[@]}"
 [[ "${DRY_RUN:-0}" == 1 ]] && exit 0
+export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120}
 
 # The node that hosts the endpoint binds its port: say so now if something else holds it.
 if [[ "${NODE_RANK:-0}" == 0 ]] && python3 - "$host" "$port" <<'PY'

@@ -6,9 +6,12 @@ The training scripts print a handled error (missing data, a bad flag, a stop by 
 line and note it in torchrun's per-rank error file. When every failed worker did that (or was
 stopped by torchrun after another one did), this exits with the worker's status and prints
 nothing more. Any other failure (a crash) gets torchrun's full report, as plain torchrun would.
+
+It also gives the workers STOP_GRACE_S (not torchrun's 30 s) to stop after a TERM or INT.
 """
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -25,6 +28,15 @@ from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  #
 from torch.distributed.run import parse_args, run  # noqa: E402
 
 HANDLED = ("UserError", "ConfigError", "PeerFailed", "Preempted")
+# After forwarding a TERM or INT, torchrun waits this long for the workers before it sends SIGKILL;
+# its own default (LaunchConfig.shutdown_timeout: 30 s) can cut the stop's checkpoint save short.
+STOP_GRACE_S = 120
+
+
+def give_workers_time_to_stop() -> None:
+    """torchrun reads TORCH_ELASTIC_SHUTDOWN_TIMEOUT when --shutdown-timeout is not given (torch
+    releases of 2026 on; older ones keep 30 s). A value the caller set wins."""
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(STOP_GRACE_S))
 
 
 def text(message: str | dict) -> str:
@@ -64,4 +76,5 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    give_workers_time_to_stop()
     main()

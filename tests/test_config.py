@@ -1,6 +1,7 @@
 """Bad flags exit 2 with a message naming the flag, before any process group starts."""
 from __future__ import annotations
 
+import json
 import time
 from types import SimpleNamespace
 
@@ -93,3 +94,40 @@ def test_nccl_without_gpu_is_a_clear_error():
     assert result.returncode == 2
     assert "error: --backend nccl needs every rank on a CUDA GPU" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+# --storage-options from a file or a variable: errors name the file or variable, never what it holds.
+SECRET = "s3cr3t-value-never-shown"
+GOOD = json.dumps({"endpoint_url": "http://127.0.0.1:9000", "key": "AKIAEXAMPLE", "secret": SECRET})
+
+
+@pytest.mark.parametrize("form", ["file", "env"])
+def test_storage_options_from_a_file_or_a_variable(form, tmp_path, monkeypatch):
+    path = tmp_path / "store.json"
+    path.write_text(GOOD)
+    monkeypatch.setenv("DP_STORE", GOOD)
+    cfg = parse("--storage-options", f"@{path}" if form == "file" else "env:DP_STORE")
+    assert cfg.storage_options == json.loads(GOOD)
+    assert SECRET not in repr(cfg) and "storage_options" not in cfg.as_plain_dict()
+
+
+@pytest.mark.parametrize("value, content, expected", [
+    ("@{tmp}/missing.json", None, "--storage-options @{tmp}/missing.json: cannot read the file (No such file"),
+    ("@{tmp}/store.json", '{"secret": "' + SECRET + '",}', "--storage-options @{tmp}/store.json: the file is not "
+                                                            "valid JSON (Expecting property name"),
+    ("@{tmp}/store.json", json.dumps([SECRET]), "--storage-options @{tmp}/store.json: the file must be a JSON object"),
+    ("env:DP_STORE_UNSET", None, "--storage-options env:DP_STORE_UNSET: the environment variable DP_STORE_UNSET is "
+                                 "not set"),
+    ("env:DP_STORE", '{"token": ' + SECRET + '}', "--storage-options env:DP_STORE: the variable is not valid JSON"),
+    ('{"secret": ' + SECRET + '}', None, "--storage-options is not valid JSON (Expecting value at line 1 column 12)"),
+], ids=["missing file", "bad JSON in the file", "not an object", "unset variable", "bad JSON in the variable",
+        "bad inline JSON"])
+def test_a_bad_storage_options_source_is_one_line_naming_it(value, content, expected, tmp_path, monkeypatch, capsys):
+    if content is not None:
+        (tmp_path / "store.json").write_text(content)
+        monkeypatch.setenv("DP_STORE", content)
+    with pytest.raises(SystemExit) as exc:
+        parse("--storage-options", value.replace("{tmp}", str(tmp_path)))
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and len(err.splitlines()) == 1
+    assert expected.replace("{tmp}", str(tmp_path)) in err and SECRET not in err

@@ -1,8 +1,12 @@
 """The launchers with real processes: signals reach torchrun and the workers save before they stop,
-SLURM's GPU counts in all their forms, and a Kubernetes manifest that keeps every argument intact."""
+SLURM's GPU counts in all their forms, a Kubernetes manifest that keeps every argument intact, no
+credential in any echo or manifest, and the grace every launcher gives the stop."""
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -17,7 +21,8 @@ from tests.conftest import ROOT, child_env, free_port
 
 LAUNCH = ROOT / "launch"
 PARAMETERS = {"NPROC", "NNODES", "RDZV_ENDPOINT", "RDZV_ID", "NODE_RANK", "LOCAL_ADDR", "MAX_RESTARTS", "JOIN_TIMEOUT",
-              "PORT", "RDZV_PORT", "DRY_RUN", "IMAGE", "DATA_PVC", "CKPT_PVC", "WORKERS", "JOB_NAME", "BACKOFF_LIMIT"}
+              "PORT", "RDZV_PORT", "DRY_RUN", "IMAGE", "DATA_PVC", "CKPT_PVC", "WORKERS", "JOB_NAME", "BACKOFF_LIMIT",
+              "SECRET_NAME", "TORCH_ELASTIC_SHUTDOWN_TIMEOUT"}
 
 
 def launcher_env(**env: str) -> dict[str, str]:
@@ -197,8 +202,8 @@ def test_k8s_manifest_keeps_every_argument_intact(tmp_path):
     result = k8s(tmp_path, {"IMAGE": "registry.example/dp:1", "DATA_PVC": "data", "NPROC": "2", "DRY_RUN": "1"}, args)
     assert result.returncode == 0, result.stderr
     command, manifest = split(result.stdout)
-    expected = ["torchrun", "--nproc_per_node=2", "--max-restarts=3", "train_ddp.py", *args,
-                "--data-dir", "/data", "--checkpoint-dir", "/checkpoints/dp-suite"]
+    expected = ["torchrun", "--nproc_per_node=2", "--max-restarts=3", "train_ddp.py",
+                "--data-dir", "/data", "--checkpoint-dir", "/checkpoints/dp-suite", *args]
     specs = manifest["spec"]["pytorchReplicaSpecs"]
     for role in ("Master", "Worker"):
         assert specs[role]["template"]["spec"]["containers"][0]["command"] == expected
@@ -217,8 +222,8 @@ def test_k8s_applies_the_manifest_it_prints(tmp_path):
     result = k8s(tmp_path, env, ["--log-dir", "/logs/my run"])
     assert result.returncode == 0, result.stderr
     command, printed = split(result.stdout)
-    assert command == ("torchrun --nproc_per_node=4 --max-restarts=1 train_ddp.py --log-dir '/logs/my run' "
-                       "--data-dir /data --checkpoint-dir /checkpoints/run7")
+    assert command == ("torchrun --nproc_per_node=4 --max-restarts=1 train_ddp.py --data-dir /data "
+                       "--checkpoint-dir /checkpoints/run7 --log-dir '/logs/my run'")
     assert (tmp_path / "kubectl.args").read_text().split() == ["apply", "-f", "-"]
     applied = yaml.safe_load((tmp_path / "kubectl.stdin").read_text())
     assert applied == printed
@@ -236,3 +241,177 @@ def test_k8s_refuses_bad_numbers(env, tmp_path):
     assert result.returncode == 2 and result.stdout == ""
     assert result.stderr.startswith("error: ") and len(result.stderr.splitlines()) == 1, result.stderr
     assert next(iter(env)) in result.stderr
+
+
+# 4 -------------------------------------------------------------------------------------------
+# Credentials on a launcher's command line: values unique to this session, so that a search for them
+# in what the launchers print or write cannot match anything else.
+KEY, SECRET, PASSWORD = f"AKIA{os.urandom(6).hex().upper()}", f"s3cr3t-{os.urandom(8).hex()}", f"pw-{os.urandom(6).hex()}"
+INLINE = json.dumps({"endpoint_url": "http://minio:9000", "key": KEY, "secret": SECRET})
+CREDENTIAL_ARGS = {
+    "inline": ["--storage-options", INLINE],
+    "inline with =": [f"--storage-options={INLINE}"],
+    "abbreviated flag": ["--storage", INLINE],  # argparse takes any unambiguous prefix
+    "URL password": ["--data-dir", f"https://reader:{PASSWORD}@data.example/mnist"],
+}
+ECHOED = {  # launcher: its environment for a DRY_RUN
+    "single_node.sh": {"NPROC": "2"},
+    "multi_node.sh": {"NNODES": "2", "RDZV_ENDPOINT": "head:29400"},
+    "local_two_nodes.sh": {"PORT": "4321"},
+    "slurm.sbatch": {"SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[01-02]", "SLURM_JOB_ID": "7", "NPROC": "2"},
+}
+
+
+def leaked(text: str) -> list[str]:
+    return [name for name, value in (("key", KEY), ("secret", SECRET), ("password", PASSWORD)) if value in text]
+
+
+@pytest.mark.parametrize("form", list(CREDENTIAL_ARGS))
+@pytest.mark.parametrize("script", list(ECHOED))
+def test_no_launcher_echoes_a_credential(script, form):
+    args = CREDENTIAL_ARGS[form]
+    result = subprocess.run(["bash", str(LAUNCH / script), "train_ddp.py", *args, "--epochs", "2"], cwd=ROOT,
+                            env=launcher_env(DRY_RUN="1", **ECHOED[script]), capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert not leaked(result.stdout + result.stderr), result.stdout
+    for line in result.stdout.splitlines():  # the rest of the command is intact
+        assert line.endswith(("train_ddp.py --storage-options *** --epochs 2", "--storage-options=*** --epochs 2",
+                              "--storage *** --epochs 2", "--data-dir https://reader:***@data.example/mnist --epochs 2"))
+
+
+@pytest.mark.parametrize("value", ["@/run/secrets/store.json", "env:STORAGE_OPTIONS"])
+def test_launchers_show_where_credentials_come_from(value):
+    result = subprocess.run(["bash", str(LAUNCH / "single_node.sh"), "train_ddp.py", "--storage-options", value],
+                            cwd=ROOT, env=launcher_env(DRY_RUN="1", NPROC="1"), capture_output=True, text=True,
+                            timeout=30)
+    assert result.stdout.strip() == f"torchrun --standalone --nproc_per_node=1 train_ddp.py --storage-options {value}"
+
+
+K8S_CREDENTIALS = {  # case: (arguments, what the error names)
+    "s3fs key and secret": (["--storage-options", INLINE], "--storage-options holds credentials (key, secret)"),
+    "nested client_kwargs": (["--storage-options", json.dumps({"client_kwargs": {"aws_secret_access_key": SECRET}})],
+                             "--storage-options holds credentials (client_kwargs.aws_secret_access_key)"),
+    "HTTP header": ([f"--storage-options={json.dumps({'headers': {'Authorization': f'Bearer {SECRET}'}})}"],
+                    "--storage-options holds credentials (headers.Authorization)"),
+    "gcsfs token dict": (["--stor", json.dumps({"token": {"private_key": SECRET, "client_email": "a@b"}})],
+                         "--storage-options holds credentials (token.private_key, token.client_email)"),
+    "not JSON": (["--storage-options", f"{{key: {KEY}}}"], "--storage-options is not JSON (it may hold credentials)"),
+    "URL password": (["--data-dir", f"s3://reader:{PASSWORD}@bucket/data"], "--data-dir holds a URL with a password"),
+}
+
+
+@pytest.mark.parametrize("case", list(K8S_CREDENTIALS))
+def test_k8s_never_writes_a_credential_into_the_manifest(case, tmp_path):
+    args, names = K8S_CREDENTIALS[case]
+    result = k8s(tmp_path, {"IMAGE": "img", "DATA_PVC": "data"}, ["--epochs", "1", *args])
+    assert result.returncode == 2 and result.stdout == "", result.stdout
+    assert not (tmp_path / "kubectl.stdin").exists()  # nothing applied
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"error: {names}: ") and "SECRET_NAME" in lines[0] \
+        and "secretRef" in lines[0], result.stderr
+    assert not leaked(result.stderr)
+
+
+@pytest.mark.parametrize("options", ["env:STORAGE_OPTIONS", "@/var/run/secrets/store.json",
+                                     '{"endpoint_url": "http://minio:9000"}'], ids=["variable", "file", "no credential"])
+def test_k8s_takes_credentials_from_a_secret(options, tmp_path):
+    env = {"IMAGE": "img", "DATA_PVC": "data", "SECRET_NAME": "dp-store,dp-extra", "DRY_RUN": "1"}
+    result = k8s(tmp_path, env, ["--storage-options", options])
+    assert result.returncode == 0, result.stderr
+    _, manifest = split(result.stdout)
+    for spec in manifest["spec"]["pytorchReplicaSpecs"].values():
+        container = spec["template"]["spec"]["containers"][0]
+        assert container["envFrom"] == [{"secretRef": {"name": "dp-store"}}, {"secretRef": {"name": "dp-extra"}}]
+        assert container["command"][-2:] == ["--storage-options", options]
+
+
+def test_k8s_lets_the_users_own_folders_win(tmp_path):
+    """The pods' --data-dir/--checkpoint-dir come before the user's flags: argparse keeps the last."""
+    from common.config import parse_args
+
+    result = k8s(tmp_path, {"IMAGE": "img", "DATA_PVC": "data", "DRY_RUN": "1"},
+                 ["--dataset", "mnist", "--data-dir", "s3://bucket/mnist", "--checkpoint=/data/my-checkpoints"])
+    assert result.returncode == 0, result.stderr
+    command = split(result.stdout)[1]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0][
+        "command"]
+    assert command[3] == "train_ddp.py"
+    cfg = parse_args(command[4:], strategy="ddp", default_dataset="mnist", world_size=1)
+    assert (cfg.data_dir, cfg.checkpoint_dir) == ("s3://bucket/mnist", "/data/my-checkpoints")
+    default = parse_args(command[4:8], strategy="ddp", default_dataset="mnist", world_size=1)
+    assert (default.data_dir, default.checkpoint_dir) == ("/data", "/checkpoints/dp-suite")
+
+
+@pytest.mark.parametrize("grace", [None, "600"], ids=["default", "600 s"])
+def test_k8s_gives_the_stop_its_grace(grace, tmp_path):
+    env = {"IMAGE": "img", "DATA_PVC": "data", "DRY_RUN": "1", **({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": grace} if grace else {})}
+    result = k8s(tmp_path, env, [])
+    assert result.returncode == 0, result.stderr
+    seconds = int(grace or 120)
+    for spec in split(result.stdout)[1]["spec"]["pytorchReplicaSpecs"].values():
+        pod = spec["template"]["spec"]
+        assert pod["containers"][0]["env"] == [{"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": str(seconds)}]
+        assert pod["terminationGracePeriodSeconds"] == seconds + 30  # Kubernetes' SIGKILL after torchrun's
+
+
+def recording(tmp: Path, program: str) -> Path:
+    """A fake `program` on PATH that records the grace torchrun would read and its arguments."""
+    fake = tmp / "bin"
+    fake.mkdir(exist_ok=True)
+    (fake / program).write_text(f'#!/bin/sh\necho "grace=$TORCH_ELASTIC_SHUTDOWN_TIMEOUT" > {tmp}/{program}.got\n'
+                                f'printf "%s\\n" "$@" >> {tmp}/{program}.got\n')
+    (fake / program).chmod(0o755)
+    return fake
+
+
+@pytest.mark.parametrize("grace", [None, "600"], ids=["default", "600 s"])
+@pytest.mark.parametrize("script, program", [("slurm.sbatch", "srun"), ("multi_node.sh", "torchrun")])
+def test_launchers_raise_torchruns_grace_for_the_stop(script, program, grace, tmp_path):
+    env = {**ECHOED[script], "PATH": f"{recording(tmp_path, program)}{os.pathsep}{child_env()['PATH']}"}
+    if script == "multi_node.sh":
+        env["RDZV_ENDPOINT"], env["NNODES"] = f"127.0.0.1:{free_port()}", "1"
+    result = subprocess.run(["bash", str(LAUNCH / script), "train_ddp.py"], cwd=ROOT, capture_output=True, text=True,
+                            env=launcher_env(**env, **({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": grace} if grace else {})),
+                            timeout=30)
+    assert result.returncode == 0, result.stderr
+    assert (tmp_path / f"{program}.got").read_text().splitlines()[0] == f"grace={grace or 120}"
+
+
+def test_slurm_signals_the_stop_early_enough_for_torchruns_grace():
+    """--signal's lead over the time limit covers torchrun's grace and 30 s for torchrun to end."""
+    lead = re.search(r"^#SBATCH --signal=TERM@(\d+)$", (LAUNCH / "slurm.sbatch").read_text(), re.M)
+    assert lead and int(lead.group(1)) >= 120 + 30
+
+
+def test_quiet_torchrun_gives_the_workers_120_s_to_stop(monkeypatch):
+    """The value torchrun's own configuration takes from what launch/quiet_torchrun.py sets."""
+    from torch.distributed.run import config_from_args, parse_args
+
+    monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
+    spec = importlib.util.spec_from_file_location("quiet_torchrun", LAUNCH / "quiet_torchrun.py")
+    quiet = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quiet)
+    quiet.give_workers_time_to_stop()
+    config = config_from_args(parse_args(["--standalone", "--nproc_per_node=1", "train_ddp.py"]))[0]
+    assert config.shutdown_timeout == 120
+    monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "45")  # a value the caller set wins
+    quiet.give_workers_time_to_stop()
+    assert config_from_args(parse_args(["--standalone", "--nproc_per_node=1", "train_ddp.py"]))[0].shutdown_timeout == 45
+
+
+@pytest.mark.parametrize("submitted_from", ["repository", "elsewhere"])
+def test_slurm_finds_its_redaction_when_run_from_slurms_copy(submitted_from, tmp_path):
+    """sbatch runs a copy of the script from its spool folder: redact.sh is then found through the
+    submission folder, or the script stops with one line saying where to submit from."""
+    spool = tmp_path / "job7"
+    spool.mkdir()
+    (spool / "slurm_script").write_text((LAUNCH / "slurm.sbatch").read_text())
+    submit = ROOT if submitted_from == "repository" else tmp_path
+    result = subprocess.run(["bash", str(spool / "slurm_script"), "train_ddp.py", *CREDENTIAL_ARGS["inline"]],
+                            cwd=submit, env=launcher_env(DRY_RUN="1", SLURM_SUBMIT_DIR=str(submit), **ECHOED["slurm.sbatch"]),
+                            capture_output=True, text=True, timeout=30)
+    assert not leaked(result.stdout + result.stderr)
+    if submitted_from == "repository":
+        assert result.returncode == 0 and result.stdout.rstrip().endswith("--storage-options ***"), result.stderr
+    else:
+        assert result.returncode == 2 and result.stdout == "" and len(result.stderr.splitlines()) == 1
+        assert "submit from the repository's root" in result.stderr

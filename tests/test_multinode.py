@@ -188,14 +188,16 @@ def test_launchers_print_the_torchrun_command():
     k8s = dry("k8s.sh", {"IMAGE": "registry.example/dp:1", "DATA_PVC": "cifar", "WORKERS": "3", "NPROC": "4"},
               "train_ddp.py", "--epochs", "5")
     command, _, manifest = k8s.partition("\n")
-    assert command == ("# each pod runs: torchrun --nproc_per_node=4 --max-restarts=3 train_ddp.py --epochs 5 "
-                       "--data-dir /data --checkpoint-dir /checkpoints/dp-suite")
+    assert command == ("# each pod runs: torchrun --nproc_per_node=4 --max-restarts=3 train_ddp.py --data-dir /data "
+                       "--checkpoint-dir /checkpoints/dp-suite --epochs 5")
     pod = {"containers": [{"name": "pytorch", "image": "registry.example/dp:1", "workingDir": "/workspace",
                            "command": command.removeprefix("# each pod runs: ").split(),
+                           "env": [{"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": "120"}],
                            "resources": {"limits": {"nvidia.com/gpu": 4}},
                            "volumeMounts": [{"name": "data", "mountPath": "/data"},
                                             {"name": "checkpoints", "mountPath": "/checkpoints"},
                                             {"name": "shm", "mountPath": "/dev/shm"}]}],
+           "terminationGracePeriodSeconds": 150,
            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": "cifar"}},
                        {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "cifar"}},
                        {"name": "shm", "emptyDir": {"medium": "Memory"}}]}

@@ -232,6 +232,73 @@ def test_no_credential_reaches_any_output_event_file_or_checkpoint(s3, tmp_path)
     assert any(k.endswith(".pt") for k in objects(s3, "ckpt", "secrets"))
 
 
+def test_credentials_from_a_file_or_a_variable_reach_the_store(s3, tmp_path):
+    """No credentials anywhere but in the --storage-options file (a torchrun run) or variable (one
+    process): the store is reached with them, and none is printed or saved."""
+    options = json.dumps({"key": s3.key_id, "secret": s3.secret})
+    (tmp_path / "store.json").write_text(options)
+    environ = {**env(s3), "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent",
+               "DP_STORE": options}
+    environ.pop("AWS_ACCESS_KEY_ID"), environ.pop("AWS_SECRET_ACCESS_KEY")
+    flags = [*MNIST, "--epochs", "1", "--max-steps", "1", "--data-dir", "s3://data/mnist-raw"]
+    from_file = train(s3, tmp_path, *flags, "--checkpoint-dir", "s3://ckpt/from-file", "--storage-options",
+                      f"@{tmp_path / 'store.json'}", environ=environ)
+    ok(from_file)
+    from_variable = train(s3, tmp_path, *flags, "--checkpoint-dir", "s3://ckpt/from-variable", "--storage-options",
+                          "env:DP_STORE", environ=environ, nproc=None)
+    ok(from_variable)
+    for prefix in ("from-file", "from-variable"):
+        key, state = latest_in_store(s3, "ckpt", prefix)
+        assert state["global_step"] == 1 and s3.secret not in json.dumps(state["config"]), key
+    printed = from_file.stdout + from_file.stderr + from_variable.stdout + from_variable.stderr
+    assert s3.key_id not in printed and s3.secret not in printed
+
+
+# Every credential-bearing option of fsspec's common back ends, at the depths they take: (options,
+# values that must be scrubbed, values that must stay readable).
+BACK_ENDS = {
+    "s3fs": ({"key": "AKIAS3FSKEY", "secret": "s3fs-secret", "token": "s3fs-session-token",
+              "client_kwargs": {"endpoint_url": "http://minio:9000", "aws_access_key_id": "AKIACLIENTKEY",
+                                "aws_secret_access_key": "client-secret", "aws_session_token": "client-token"},
+              "config_kwargs": {"proxies": {"https": "http://proxyuser:proxy%40pass@proxy:3128"}}},
+             ["AKIAS3FSKEY", "s3fs-secret", "s3fs-session-token", "AKIACLIENTKEY", "client-secret", "client-token",
+              "proxy%40pass", "proxy@pass"], ["http://minio:9000", "proxyuser"]),
+    "gcsfs": ({"project": "my-project", "token": {"type": "service_account", "private_key_id": "pkid-1234",
+                                                  "private_key": "-----BEGIN PRIVATE KEY-----abc",
+                                                  "client_secret": "gcs-client-secret", "refresh_token": "gcs-refresh"}},
+              ["pkid-1234", "-----BEGIN PRIVATE KEY-----abc", "gcs-client-secret", "gcs-refresh"], ["my-project"]),
+    "gcsfs token file": ({"token": "/secrets/service-account.json"}, ["/secrets/service-account.json"], []),
+    "adlfs": ({"account_name": "myaccount", "account_key": "adls-account-key", "sas_token": "sv=2024&sig=abcd",
+               "connection_string": "DefaultEndpointsProtocol=https;AccountName=myaccount;AccountKey=cs-key",
+               "tenant_id": "tenant-1", "client_id": "client-1", "client_secret": "adls-client-secret",
+               "credential": "adls-credential"},
+              ["adls-account-key", "sv=2024&sig=abcd", "DefaultEndpointsProtocol=https;AccountName=myaccount;"
+               "AccountKey=cs-key", "adls-client-secret", "adls-credential"], ["myaccount", "tenant-1", "client-1"]),
+    "http": ({"headers": {"Authorization": "Bearer http-bearer", "Cookie": "session=http-cookie",
+                          "X-Api-Key": "http-api-key", "Accept": "application/json"},
+              "client_kwargs": {"auth": ["httpuser", "http-password"], "timeout": 30}},
+             ["Bearer http-bearer", "session=http-cookie", "http-api-key", "httpuser", "http-password"],
+             ["application/json"]),
+    "ftp, sftp, smb": ({"host": "files.example", "username": "ftpuser", "password": "ftp-password",
+                        "passphrase": "sftp-passphrase", "pkey": "sftp-private-key"},
+                       ["ftp-password", "sftp-passphrase", "sftp-private-key"], ["files.example", "ftpuser"]),
+    "nested in lists": ({"fo": [{"protocol": "s3", "target_options": {"secret": "listed-secret"}}],
+                         "mirrors": ["https://mirroruser:mirror-password@mirror.example/data"]},
+                        ["listed-secret", "mirror-password"], ["mirroruser", "mirror.example"]),
+}
+
+
+@pytest.mark.parametrize("back_end", list(BACK_ENDS))
+def test_store_errors_are_scrubbed_of_every_credential_option(back_end):
+    from common.storage import FsspecStorage
+
+    options, secret, public = BACK_ENDS[back_end]
+    store = FsspecStorage("memory://scrubbed", options)  # the memory file system takes any options
+    message = store.scrub(f"error while using {json.dumps(options)} and {' / '.join(secret)}")
+    assert not [s for s in secret if s in message], message
+    assert all(value in message for value in public), message
+
+
 def _closed_endpoint() -> str:
     return f"http://127.0.0.1:{free_port()}"
 
