@@ -14,7 +14,7 @@ Patches:
   stale-after=S          a heartbeat that has not moved for S seconds is stale (common.distributed.STALE_AFTER_S)
   hang-preparing=PATH    on node 1, the node's data preparation writes its pid into PATH and never ends
   slow-storage=S@K       the K-th read or write of a local checkpoint folder by this process sleeps S seconds
-                         first, saying so on stderr with the time ("storage op K sleeps S s at UNIX_TIME")
+                         first, saying so on stderr ("storage op K (write NAME) sleeps S s at UNIX_TIME in pid P")
 """
 from __future__ import annotations
 
@@ -82,8 +82,8 @@ def slow_storage(spec: str) -> None:
         def operation(self, name, *args):
             count[0] += 1
             if count[0] == int(op):
-                print(f"storage op {op} ({real.__name__} {name}) sleeps {seconds} s at {time.time():.3f}",
-                      file=sys.stderr, flush=True)
+                print(f"storage op {op} ({real.__name__} {name}) sleeps {seconds} s at {time.time():.3f} in pid "
+                      f"{os.getpid()}", file=sys.stderr, flush=True)
                 time.sleep(float(seconds))
             return real(self, name, *args)
         return operation

@@ -22,8 +22,8 @@ SLEEP_AT = re.compile(r"storage op \d+ \(\w+ \S+\) sleeps \S+ s at ([\d.]+)")
 def test_a_killed_preparing_process_ends_the_other_node(mnist_root, tmp_path):
     """Before: node 0 polled the store for node 1's data for ever."""
     pid_file = tmp_path / "preparing.pid"
-    command = ["bash", "launch/local_two_nodes.sh", "tests/patched.py", f"stale-after={STALE_S},hang-preparing={pid_file}",
-               "train_ddp.py", "--dataset", "mnist", "--model", "lenet", "--batch-size", "32", "--epochs", "1",
+    command = ["bash", "launch/local_two_nodes.sh", "tests/patched.py",
+               f"stale-after={STALE_S},hang-preparing={pid_file}", "train_ddp.py", "--dataset", "mnist", "--model", "lenet", "--batch-size", "32", "--epochs", "1",
                "--max-steps", "2", "--data-dir", str(mnist_root), "--cache-dir", str(tmp_path / "cache"),
                "--checkpoint-dir", str(tmp_path / "ckpt")]
     job = subprocess.Popen(command, cwd=ROOT, env={**child_env(), "NPROC": "1"}, stdout=subprocess.PIPE,
