@@ -265,35 +265,43 @@ def wait_for_keys(store: Any, keys: Sequence[str], deadline_s: float,
     pending key's heartbeat has not moved for STALE_AFTER_S (counted from this call for a worker
     that never beat), when the keys are still unset STALE_AFTER_S after deadline_s, or when the
     store itself is gone. progress(pending, seconds) is called every PROGRESS_EVERY_S."""
-    started = last_said = time.monotonic()
+    started = last_said = last_beats = time.monotonic()
     give_up_at = started + deadline_s + STALE_AFTER_S  # the workers report their own overrun: time to
     beats = {key: (-1, started) for key in keys}  # the last value seen, and when it changed
-    pending = list(keys)
-    while True:
-        try:
-            pending = [key for key in pending if not store.check([key])]
-            if not pending:
-                return
+    pending, pause = list(keys), POLL_S / 256  # a short wait (a save handed to the writer) costs ~1 ms
+    try:
+        while not store.check(pending):  # one request for all keys; the heartbeats once a second
             now = time.monotonic()
-            for key in pending:
-                value = store.add(f"{key}/beat", 0)
-                if value != beats[key][0]:
-                    beats[key] = (value, now)
-            who = {key: store.get(f"{key}/who").decode() for key in pending if store.check([f"{key}/who"])}
-        except RuntimeError as e:  # torch's store errors; the host of the store (node 0's agent) ended
-            raise Unanswered(pending, f"could not be reached: the job's store failed ({_first_line(e)})", {}) \
-                from None
-        stale = [key for key in pending if now - beats[key][1] > STALE_AFTER_S]
-        if stale:
-            raise Unanswered(stale, f"stopped responding (no heartbeat for {STALE_AFTER_S:g} s: killed, e.g. "
-                                    "out of memory, or frozen)", who)
-        if now > give_up_at:
-            raise Unanswered(pending, f"did not finish within {deadline_s:g} s ({DEADLINE_FLAG}) and did not say so "
-                                      f"in the {STALE_AFTER_S:g} s after", who)
-        if progress and now - last_said >= PROGRESS_EVERY_S:
-            progress(pending, now - started)
-            last_said = now
-        time.sleep(POLL_S)
+            if now - last_beats >= HEARTBEAT_EVERY_S:
+                pending = [key for key in pending if not store.check([key])]
+                _check_heartbeats(store, pending, beats, now)
+                last_beats = now
+            if now > give_up_at:
+                raise Unanswered(pending, f"did not finish within {deadline_s:g} s ({DEADLINE_FLAG}) and did not "
+                                          f"say so in the {STALE_AFTER_S:g} s after", _who(store, pending))
+            if progress and now - last_said >= PROGRESS_EVERY_S:
+                progress(pending, now - started)
+                last_said = now
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_S)
+    except RuntimeError as e:  # torch's store errors: the host of the store (node 0's agent) ended
+        raise Unanswered(pending, f"could not be reached: the job's store failed ({_first_line(e)})", {}) from None
+
+
+def _check_heartbeats(store: Any, pending: list[str], beats: dict[str, tuple[int, float]], now: float) -> None:
+    for key in pending:
+        value = store.add(f"{key}/beat", 0)  # reads the counter without waiting for it to exist
+        if value != beats[key][0]:
+            beats[key] = (value, now)
+    stale = [key for key in pending if now - beats[key][1] > STALE_AFTER_S]
+    if stale:
+        raise Unanswered(stale, f"stopped responding (no heartbeat for {STALE_AFTER_S:g} s: killed, e.g. out of "
+                                "memory, or frozen)", _who(store, stale))
+
+
+def _who(store: Any, keys: list[str]) -> dict[str, str]:
+    """' (host H, pid P)' of each key's worker, where it said."""
+    return {key: store.get(f"{key}/who").decode() for key in keys if store.check([f"{key}/who"])}
 
 
 def _first_line(error: BaseException) -> str:
