@@ -5,9 +5,9 @@ strategies and collectives work the same at every world size.
 
 Waits for work that only some processes do (a node's data preparation, rank 0's storage I/O) go
 through the job's key-value store, not a collective, so they are bounded by their own deadline
-(--storage-timeout-s), not by --timeout-s: the worker bumps a heartbeat key while it works, and a
-waiter gives up when the heartbeat stops for STALE_AFTER_S (the worker was killed or froze) or
-when the worker overran its deadline by as much again.
+(--storage-timeout-s), not by --timeout-s: the worker bumps a heartbeat key while it works and
+reports its own overrun of the deadline; a waiter gives up when the heartbeat stops for
+STALE_AFTER_S (the worker was killed or froze), or STALE_AFTER_S after the deadline.
 """
 from __future__ import annotations
 
@@ -106,7 +106,7 @@ class DistContext:
         raise error
 
     def after_primary(self, what: str, action: Callable[[], T], deadline_s: float) -> T | None:
-        """Rank 0 runs `action` (storage I/O: `what` names it, e.g. "save of checkpoint X") while the
+        """Rank 0 runs `action` (storage I/O: `what` names it, e.g. "checkpoint save at step 40") while the
         other ranks wait on the store, not in a collective: a slow store or a large checkpoint is
         not charged to --timeout-s. Call it on every rank in the same order, then enter the
         collective that shares the result. Returns the action's result on rank 0, None elsewhere.
@@ -117,7 +117,7 @@ class DistContext:
         if self.is_primary:
             try:
                 result, outcome = run_with_heartbeat(self.store, key, action, deadline_s), None
-            except TimeoutError:
+            except DeadlinePassed:
                 outcome = f"rank 0's {what} did not finish within {deadline_s:g} s ({DEADLINE_FLAG}): the storage " \
                           f"is hung or slower than that; check it, or pass a larger {DEADLINE_FLAG}"
                 abandon_hung_thread()
@@ -214,9 +214,13 @@ class Heartbeat:
         self.stopped.set()
 
 
+class DeadlinePassed(Exception):
+    """run_with_heartbeat's action is still running at its deadline."""
+
+
 def run_with_heartbeat(store: Any, key: str, action: Callable[[], T], deadline_s: float) -> T:
-    """`action`'s result, computed on a daemon thread under a Heartbeat; TimeoutError once deadline_s
-    has passed (the thread is left behind: storage I/O cannot be cancelled)."""
+    """`action`'s result, computed on a daemon thread under a Heartbeat; DeadlinePassed once
+    deadline_s has passed (the thread is left behind: storage I/O cannot be cancelled)."""
     box: dict[str, Any] = {}
 
     def work() -> None:
@@ -229,7 +233,7 @@ def run_with_heartbeat(store: Any, key: str, action: Callable[[], T], deadline_s
         worker.start()
         worker.join(deadline_s)
     if worker.is_alive():
-        raise TimeoutError(key)
+        raise DeadlinePassed(key)
     if "error" in box:
         raise box["error"]
     return box["result"]

@@ -34,8 +34,8 @@ import torch
 from common import formats
 from common.config import STORAGE_TIMEOUT_S
 from common.data import Dataset, Split, make_synthetic
-from common.distributed import (DEADLINE_FLAG, POLL_S, PROGRESS_EVERY_S, DistContext, Unanswered, run_with_heartbeat,
-                                wait_for_keys)
+from common.distributed import (DEADLINE_FLAG, POLL_S, PROGRESS_EVERY_S, DeadlinePassed, DistContext, Unanswered,
+                                run_with_heartbeat, wait_for_keys)
 from common.errors import UserError, WaitExpired
 from common.storage import StorageError, is_url, storage_for
 
@@ -64,7 +64,7 @@ def load_dataset(name: str, data_dir: str, *, ctx: DistContext, say: Say, allow_
         try:
             report = {"error": None, "decoded": str(run_with_heartbeat(ctx.store, node_key(ctx.node_rank), prepare,
                                                                        deadline_s))}
-        except TimeoutError:
+        except DeadlinePassed:
             report = {"error": f"preparing the data did not finish within {deadline_s:g} s ({DEADLINE_FLAG}); "
                                f"pass a larger {DEADLINE_FLAG} for a slow download"}
         except UserError as e:

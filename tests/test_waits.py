@@ -6,11 +6,15 @@ import os
 import re
 import signal
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import pytest
+import torch.distributed as dist
 
+from common import distributed
+from common.distributed import DeadlinePassed, Heartbeat, Unanswered, run_with_heartbeat, wait_for_keys
 from tests.conftest import ROOT, child_env, error_lines, script_command
 
 SMALL = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
@@ -23,8 +27,8 @@ def test_a_killed_preparing_process_ends_the_other_node(mnist_root, tmp_path):
     """Before: node 0 polled the store for node 1's data for ever."""
     pid_file = tmp_path / "preparing.pid"
     command = ["bash", "launch/local_two_nodes.sh", "tests/patched.py",
-               f"stale-after={STALE_S},hang-preparing={pid_file}", "train_ddp.py", "--dataset", "mnist", "--model", "lenet", "--batch-size", "32", "--epochs", "1",
-               "--max-steps", "2", "--data-dir", str(mnist_root), "--cache-dir", str(tmp_path / "cache"),
+               f"stale-after={STALE_S},hang-preparing={pid_file}", "train_ddp.py", "--dataset", "mnist", "--model",
+               "lenet", "--batch-size", "32", "--epochs", "1", "--max-steps", "2", "--data-dir", str(mnist_root), "--cache-dir", str(tmp_path / "cache"),
                "--checkpoint-dir", str(tmp_path / "ckpt")]
     job = subprocess.Popen(command, cwd=ROOT, env={**child_env(), "NPROC": "1"}, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
@@ -88,3 +92,27 @@ def test_storage_hung_beyond_its_deadline_ends_every_rank(tmp_path, during, op, 
     assert "did not finish within 4 s (--storage-timeout-s)" in errors[0]
     assert "/common/" not in result.stderr  # no rank's traceback (torchrun's own summary stays)
     assert ended - hung_at < 4 + 12
+
+
+def test_a_waiter_tells_a_slow_worker_from_a_dead_or_late_one(monkeypatch):
+    """The rules the tests above rely on, in one process with a real store and real threads."""
+    monkeypatch.setattr(distributed, "STALE_AFTER_S", 1.5)
+    store = dist.HashStore()
+    worker = threading.Thread(target=lambda: store.set("slow", str(run_with_heartbeat(store, "slow", slow_work, 10))))
+    worker.start()
+    wait_for_keys(store, ["slow"], 10)  # 2.5 s of work, longer than the heartbeat bound: waited for
+    assert store.get("slow") == b"7"
+    started = time.monotonic()
+    with pytest.raises(Unanswered, match="stopped responding") as dead:
+        wait_for_keys(store, ["never-started"], 10)
+    assert 1.5 <= time.monotonic() - started < 4 and dead.value.pending == ["never-started"]
+    with Heartbeat(store, "late"), pytest.raises(Unanswered, match=r"did not finish within 0.5 s") as late:
+        wait_for_keys(store, ["late"], 0.5)  # alive, but silent past its deadline and the grace after it
+    assert late.value.who == {"late": f" (host {os.uname().nodename}, pid {os.getpid()})"}
+    with pytest.raises(DeadlinePassed):
+        run_with_heartbeat(store, "hung", lambda: time.sleep(60), 0.5)
+
+
+def slow_work() -> int:
+    time.sleep(2.5)
+    return 7
