@@ -66,7 +66,7 @@ def report_to_torchrun(error: UserError) -> None:
 def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
     check_same_flags(cfg, ctx)
     run = build_run(cfg, ctx, strategy)
-    checkpoints = Checkpoints(cfg.checkpoint_dir, cfg.keep, ctx, cfg.storage_options)
+    checkpoints = Checkpoints(cfg.checkpoint_dir, cfg.keep, ctx, cfg.storage_options, cfg.storage_timeout_s)
     resumed, warnings = checkpoints.resume(run)
     start = resume_position(resumed)
     run.cfg = replace(cfg, log_dir=log_dir(cfg, resumed, ctx.world_size))
@@ -106,7 +106,8 @@ def build_run(cfg: Config, ctx: DistContext, strategy: Strategy) -> Run:
     memory_format = torch.channels_last if cfg.memory_format == "channels_last" else torch.contiguous_format
     data = load_dataset(cfg.dataset, cfg.data_dir, ctx=ctx, say=node_console(ctx), allow_download=cfg.download,
                         download_from=cfg.download_from, cache_dir=cfg.cache_dir,
-                        storage_options=cfg.storage_options, synthetic_shape=cfg.synthetic_shape)
+                        storage_options=cfg.storage_options, synthetic_shape=cfg.synthetic_shape,
+                        deadline_s=cfg.storage_timeout_s)
     loader = ctx.together(lambda: TrainLoader(data.train, data.spec, cfg.batch_size, ctx.rank, ctx.world_size,
                                               cfg.seed, ctx.device, cfg.max_steps, memory_format))
     model = build_model(cfg.model, data.spec.channels, data.spec.size, data.spec.classes, cfg.seed)

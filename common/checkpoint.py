@@ -32,15 +32,18 @@ import time
 import zipfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import torch
 
 from common import __version__
+from common.config import STORAGE_TIMEOUT_S
 from common.distributed import DistContext
 from common.errors import UserError
 from common.run import Position, Run
 from common.storage import Storage, StorageError, split, storage_for
+
+T = TypeVar("T")
 
 POINTER = "latest.json"
 STEP_FILE = re.compile(r"step-(\d{8})\.pt$")
@@ -269,13 +272,17 @@ class Checkpoints:
 
     Rank 0 alone reads the folder and writes; the other ranks get its decisions and the
     checkpoint's bytes through the process group (as JSON and raw bytes, never pickles), so every
-    outcome, a failed save included, is the same on all ranks and they end together."""
+    outcome, a failed save included, is the same on all ranks and they end together. While rank 0
+    reads or waits for a write, the others wait on the store (ctx.after_primary), not in the
+    collective: storage time is bounded by timeout_s (--storage-timeout-s), not by --timeout-s."""
 
-    def __init__(self, folder: str, keep: int, ctx: DistContext, options: dict[str, Any] | None = None) -> None:
-        self.location, self.ctx, self.keep, self.options = folder, ctx, keep, options
+    def __init__(self, folder: str, keep: int, ctx: DistContext, options: dict[str, Any] | None = None,
+                 timeout_s: float = STORAGE_TIMEOUT_S) -> None:
+        self.location, self.ctx, self.keep, self.options, self.timeout_s = folder, ctx, keep, options, timeout_s
         self.folder: CheckpointFolder | None = None  # rank 0's, opened in resume(): only rank 0 touches the storage
         self.run = ""  # the run folder this job saves into, decided by resume()
         self.writer = BackgroundWriter()  # rank 0's; idle elsewhere
+        self.hung = False  # rank 0's storage outlived timeout_s: its writer is left behind, not waited for
 
     def url(self) -> str:
         return f"{self.location.rstrip('/')}/{self.run}"
@@ -284,7 +291,7 @@ class Checkpoints:
         """A collective. Finds what this job continues (--resume auto, none or a file), checks the
         folder takes writes and has room for a checkpoint, and loads the checkpoint into `run`.
         Returns it (None for a fresh start) and the warnings to print once."""
-        choice = self._choose_on_primary(run) if self.ctx.is_primary else None
+        choice = self._on_primary(f"checkpoint read from {self.location}", lambda: self._choose_on_primary(run))
         agreed = Choice(**self.ctx.broadcast_json(choice.plain() if choice else None))
         if agreed.error:
             self.ctx.fail_together(agreed.error)
@@ -337,22 +344,34 @@ class Checkpoints:
             "world_size": run.ctx.world_size, "config": run.cfg.as_plain_dict(), "identity": run.cfg.identity(),
             "version": __version__,
         }
-        outcome = {"path": self.folder.storage.url(step_name(self.run, state["global_step"])) if self.folder else "",
-                   "error": self.writer.outcome() if self.ctx.is_primary else None}
-        if self.ctx.is_primary and not outcome["error"]:
-            self.writer.start(self.folder, self.run, detached_copy(state), self.last, on_saved)
-            if wait:
-                outcome["error"] = self.writer.outcome()
-        outcome = self.ctx.broadcast_json(outcome)
+        path = self.folder.storage.url(step_name(self.run, state["global_step"])) if self.folder else ""
+
+        def write_on_primary() -> dict[str, Any]:
+            outcome = {"path": path, "error": self.writer.outcome()}  # the save before this one
+            if not outcome["error"]:
+                self.writer.start(self.folder, self.run, detached_copy(state), self.last, on_saved)
+                if wait:
+                    outcome["error"] = self.writer.outcome()
+            return outcome
+        outcome = self.ctx.broadcast_json(self._on_primary(f"checkpoint save at step {state['global_step']}",
+                                                          write_on_primary))
         if outcome["error"]:
             self.ctx.fail_together(outcome["error"])
         return outcome["path"]
 
     def finish(self) -> None:
         """A collective: wait for rank 0's save in flight; every rank ends with its error if it failed."""
-        error = self.ctx.broadcast_json(self.writer.outcome() if self.ctx.is_primary else None)
+        error = self.ctx.broadcast_json(self._on_primary("checkpoint save", self.writer.outcome))
         if error:
             self.ctx.fail_together(error)
+
+    def _on_primary(self, what: str, action: Callable[[], T]) -> T | None:
+        """Rank 0's storage I/O while the others wait (see DistContext.after_primary)."""
+        try:
+            return self.ctx.after_primary(what, action, self.timeout_s)
+        except UserError:  # on rank 0: its storage outlived the deadline, and the job ends because of it
+            self.hung = True
+            raise
 
     def save_failed(self) -> bool:
         """Rank 0, without waiting: whether the save in flight has already failed."""
@@ -363,8 +382,10 @@ class Checkpoints:
         return self.writer.last
 
     def close(self) -> None:
-        """Rank 0: wait for a write still in flight when the job ends early, before the logger closes."""
-        self.writer.close()
+        """Rank 0: wait for a write still in flight when the job ends early, before the logger closes
+        (not for one that outlived --storage-timeout-s: the job is ending because of it)."""
+        if not self.hung:
+            self.writer.close()
 
 
 class BackgroundWriter:

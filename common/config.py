@@ -15,6 +15,9 @@ from common.models import MODELS
 from common.storage import log_url_problem, url_problem
 
 DATASETS = ("cifar10", "mnist", "synthetic")
+# --storage-timeout-s's default: generous, so that it covers a large checkpoint on a slow store, with
+# the storage layer's own bounded retries of transient errors, and a data set's download.
+STORAGE_TIMEOUT_S = 1800.0
 
 
 @dataclass(frozen=True)
@@ -60,6 +63,7 @@ class Config:
     backend: str
     transport: str
     timeout_s: float
+    storage_timeout_s: float
     log_dir: str
     checkpoint_dir: str
     resume: str
@@ -167,6 +171,10 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
              "one node, x86-64 Linux), gloo (the process group, TCP), or auto: shm where it can serve, else the "
              "process group; GPUs always use the process group (default: %(default)s)")
     add("--timeout-s", type=float, default=300.0, help="process-group timeout: a dead peer ends the job after this (default: %(default)s)")
+    add("--storage-timeout-s", type=float, default=STORAGE_TIMEOUT_S,
+        help="the longest a node's data preparation or one of rank 0's checkpoint reads and saves may take; the "
+             "other ranks wait for it outside the process group, so --timeout-s does not bound it, and a process "
+             "that dies meanwhile is noticed within 30 s by its heartbeat (default: %(default)s)")
     add("--log-dir", default="", help="TensorBoard directory, or an s3:// (or other fsspec) URL (default: the "
                                       "resumed run's, or runs/<script>-<dataset>-<model>-w<world>-<time>)")
     add("--checkpoint-dir", default="", help="where checkpoints are written: a folder or an object-store URL "
@@ -230,8 +238,9 @@ def _validate(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int
     if a.lr <= 0:
         p.error(f"--lr must be > 0 (got {a.lr})")
     if a.max_steps < 0 or (a.eval_batch_size is not None and a.eval_batch_size < 1) or a.timeout_s <= 0 or \
-            (a.log_every is not None and a.log_every < 1):
-        p.error("--max-steps must be >= 0, --eval-batch-size >= 1, --timeout-s > 0 and --log-every >= 1")
+            a.storage_timeout_s <= 0 or (a.log_every is not None and a.log_every < 1):
+        p.error("--max-steps must be >= 0, --eval-batch-size >= 1, --timeout-s and --storage-timeout-s > 0 and "
+                "--log-every >= 1")
     if a.keep < 2:
         p.error(f"--keep must be >= 2 (got {a.keep}): the newest checkpoint may be the one a crash cut short")
     if a.save_every_steps < 0:

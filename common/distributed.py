@@ -2,27 +2,46 @@
 
 Without torchrun (RANK unset) the script runs as one process with a one-rank process group, so
 strategies and collectives work the same at every world size.
+
+Waits for work that only some processes do (a node's data preparation, rank 0's storage I/O) go
+through the job's key-value store, not a collective, so they are bounded by their own deadline
+(--storage-timeout-s), not by --timeout-s: the worker bumps a heartbeat key while it works and
+reports its own overrun of the deadline; a waiter gives up when the heartbeat stops for
+STALE_AFTER_S (the worker was killed or froze), or STALE_AFTER_S after the deadline.
 """
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import os
+import socket
 import sys
+import threading
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import timedelta
-from typing import Any, Callable, Iterator, TypeVar
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 import torch.distributed as dist
 
 from common.config import Config
-from common.errors import ConfigError, PeerFailed, UserError
+from common.errors import ConfigError, PeerFailed, UserError, WaitExpired
 from common.transport import (LocalTransport, ProcessGroupTransport, SharedMemoryTransport, Transport, create_region,
                               map_region, shared_memory_problem)
 
 T = TypeVar("T")
+
+HEARTBEAT_EVERY_S = 1.0  # a worker bumps its heartbeat key this often
+# No heartbeat for this long: the worker is dead or frozen. Far above any pause of a live worker
+# (its heartbeat thread needs the GIL, which a long native call may hold for a few seconds).
+STALE_AFTER_S = 30.0
+POLL_S = 0.2
+PROGRESS_EVERY_S = 10.0
+EXIT_GRACE_S = 10.0  # a rank that gave up on a hung storage thread ends at most this long after it
+DEADLINE_FLAG = "--storage-timeout-s"
 
 
 @dataclass(frozen=True)
@@ -38,6 +57,8 @@ class DistContext:
     # shared memory where --transport auto chose the process group.
     transport: Transport = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
     transport_note: str = ""
+    # Numbers the after_primary waits: every rank makes them in the same order, as for collectives.
+    waits: Iterator[int] = field(default_factory=itertools.count, repr=False, compare=False)
 
     @property
     def is_primary(self) -> bool:
@@ -84,6 +105,42 @@ class DistContext:
             raise quiet
         raise error
 
+    def after_primary(self, what: str, action: Callable[[], T], deadline_s: float) -> T | None:
+        """Rank 0 runs `action` (storage I/O: `what` names it, e.g. "checkpoint save at step 40") while the
+        other ranks wait on the store, not in a collective: a slow store or a large checkpoint is
+        not charged to --timeout-s. Call it on every rank in the same order, then enter the
+        collective that shares the result. Returns the action's result on rank 0, None elsewhere.
+        Rank 0 ends after deadline_s with one line; the others end with it (quietly), or on their
+        own when rank 0 stops responding (see wait_for_keys), each node's first waiting rank
+        printing the line."""
+        key = f"after-primary/{next(self.waits)}"
+        if self.is_primary:
+            try:
+                result, outcome = run_with_heartbeat(self.store, key, action, deadline_s), None
+            except DeadlinePassed:
+                outcome = f"rank 0's {what} did not finish within {deadline_s:g} s ({DEADLINE_FLAG}): the storage " \
+                          f"is hung or slower than that; check it, or pass a larger {DEADLINE_FLAG}"
+                abandon_hung_thread()
+                raise UserError(outcome) from None
+            except UserError as e:
+                outcome = str(e)
+                raise
+            except BaseException as e:
+                outcome = f"rank 0 ended with {type(e).__name__} during its {what}"
+                raise
+            finally:
+                self.store.set(key, json.dumps(outcome))
+            return result
+        first_waiter = self.local_rank == (1 if self.node_rank == 0 else 0)
+        try:
+            wait_for_keys(self.store, [key], deadline_s)
+        except Unanswered as e:
+            raise WaitExpired(f"rank 0{e.who.get(key, '')} {e.why} during its {what}", first_waiter) from None
+        outcome = json.loads(self.store.get(key))
+        if outcome:
+            raise PeerFailed(outcome)  # rank 0 prints it
+        return None
+
     def together(self, action: Callable[[], T]) -> T:
         """Run `action` on every rank. If it raises a UserError anywhere, every rank ends and the
         error is printed once, by rank 0 (naming the ranks when not all of them hit it)."""
@@ -129,6 +186,130 @@ class DistContext:
         gathered = [torch.empty_like(padded) for _ in range(self.world_size)]
         dist.all_gather(gathered, padded)
         return [json.loads(g[:int(s.item())].cpu().numpy().tobytes()) for g, s in zip(gathered, sizes)]
+
+
+class Heartbeat:
+    """While its block runs, a thread bumps `key`/beat in the store every HEARTBEAT_EVERY_S and
+    `key`/who tells waiters which process it is: a waiter tells a slow worker from a dead one."""
+
+    def __init__(self, store: Any, key: str) -> None:
+        self.store, self.beat = store, f"{key}/beat"
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name=f"heartbeat {key}", daemon=True)
+        store.set(f"{key}/who", f" (host {socket.gethostname()}, pid {os.getpid()})")
+
+    def _run(self) -> None:
+        while not self.stopped.wait(HEARTBEAT_EVERY_S):
+            try:
+                self.store.add(self.beat, 1)
+            except RuntimeError:  # the store's host ended: the job is ending, the waiters see why
+                return
+
+    def __enter__(self) -> "Heartbeat":
+        self.store.add(self.beat, 1)
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stopped.set()
+
+
+class DeadlinePassed(Exception):
+    """run_with_heartbeat's action is still running at its deadline."""
+
+
+def run_with_heartbeat(store: Any, key: str, action: Callable[[], T], deadline_s: float) -> T:
+    """`action`'s result, computed on a daemon thread under a Heartbeat; DeadlinePassed once
+    deadline_s has passed (the thread is left behind: storage I/O cannot be cancelled)."""
+    box: dict[str, Any] = {}
+
+    def work() -> None:
+        try:
+            box["result"] = action()
+        except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+            box["error"] = e
+    worker = threading.Thread(target=work, name=f"work {key}", daemon=True)
+    with Heartbeat(store, key):
+        worker.start()
+        worker.join(deadline_s)
+    if worker.is_alive():
+        raise DeadlinePassed(key)
+    if "error" in box:
+        raise box["error"]
+    return box["result"]
+
+
+def abandon_hung_thread() -> None:
+    """The interpreter joins every non-daemon thread at exit (a checkpoint writer's among them), so
+    a process whose storage call hangs for good would never end: end it EXIT_GRACE_S from now,
+    time enough to print its line and close its files."""
+    def end() -> None:
+        time.sleep(EXIT_GRACE_S)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(1)
+    threading.Thread(target=end, name="exit after a hung storage call", daemon=True).start()
+
+
+class Unanswered(Exception):
+    """wait_for_keys gave up on `pending` keys: `why` says why in words, `who` names their workers."""
+
+    def __init__(self, pending: list[str], why: str, who: dict[str, str]) -> None:
+        super().__init__(why)
+        self.pending, self.why, self.who = pending, why, who
+
+
+def wait_for_keys(store: Any, keys: Sequence[str], deadline_s: float,
+                  progress: Callable[[list[str], float], None] | None = None) -> None:
+    """Poll the store until every key is set, each by a worker that runs under a Heartbeat of that
+    key and sets it, at the latest, when its own deadline_s has passed. Raises Unanswered when a
+    pending key's heartbeat has not moved for STALE_AFTER_S (counted from this call for a worker
+    that never beat), when the keys are still unset STALE_AFTER_S after deadline_s, or when the
+    store itself is gone. progress(pending, seconds) is called every PROGRESS_EVERY_S."""
+    started = last_said = last_beats = time.monotonic()
+    give_up_at = started + deadline_s + STALE_AFTER_S  # the workers report their own overrun: time to
+    beats = {key: (-1, started) for key in keys}  # the last value seen, and when it changed
+    pending, pause = list(keys), POLL_S / 256  # a short wait (a save handed to the writer) costs ~1 ms
+    try:
+        while not store.check(pending):  # one request for all keys; the heartbeats once a second
+            now = time.monotonic()
+            if now - last_beats >= HEARTBEAT_EVERY_S:
+                pending = [key for key in pending if not store.check([key])]
+                _check_heartbeats(store, pending, beats, now)
+                last_beats = now
+            if now > give_up_at:
+                raise Unanswered(pending, f"did not finish within {deadline_s:g} s ({DEADLINE_FLAG}) and did not "
+                                          f"say so in the {STALE_AFTER_S:g} s after", _who(store, pending))
+            if progress and now - last_said >= PROGRESS_EVERY_S:
+                progress(pending, now - started)
+                last_said = now
+            time.sleep(pause)
+            pause = min(2 * pause, POLL_S)
+    except RuntimeError as e:  # torch's store errors: the host of the store (node 0's agent) ended
+        raise Unanswered(pending, f"could not be reached: the job's store failed ({_first_line(e)})", {}) from None
+
+
+def _check_heartbeats(store: Any, pending: list[str], beats: dict[str, tuple[int, float]], now: float) -> None:
+    for key in pending:
+        value = store.add(f"{key}/beat", 0)  # reads the counter without waiting for it to exist
+        if value != beats[key][0]:
+            beats[key] = (value, now)
+    stale = [key for key in pending if now - beats[key][1] > STALE_AFTER_S]
+    if stale:
+        raise Unanswered(stale, f"stopped responding (no heartbeat for {STALE_AFTER_S:g} s: killed, e.g. out of "
+                                "memory, or frozen)", _who(store, stale))
+
+
+def _who(store: Any, keys: list[str]) -> dict[str, str]:
+    """' (host H, pid P)' of each key's worker, where it said."""
+    return {key: store.get(f"{key}/who").decode() for key in keys if store.check([f"{key}/who"])}
+
+
+def _first_line(error: BaseException) -> str:
+    return (str(error).splitlines() or [type(error).__name__])[0][:200]
 
 
 def _bytes_tensor(data: bytes, device: torch.device) -> torch.Tensor:

@@ -40,3 +40,19 @@ class PeerFailed(UserError):
 
     def should_print(self) -> bool:
         return False
+
+
+class WaitExpired(UserError):
+    """A rank gave up waiting on the job's store for another process's work (a node's data, rank 0's
+    storage I/O): that process stopped responding or overran its deadline. The ranks cannot agree
+    on it in a collective (the process they waited for may be gone), so each rank decides alone and
+    the first waiting rank of each node prints the line (each node has its own console)."""
+
+    quiet_exit_delay_s = 3.0
+
+    def __init__(self, message: str, prints: bool) -> None:
+        super().__init__(message)
+        self.prints = prints
+
+    def should_print(self) -> bool:
+        return self.prints

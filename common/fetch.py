@@ -2,10 +2,15 @@
 an object store into a local cache, once per node; then every rank reads the same files.
 
 One process per node (its local rank 0) does the work; the others wait on the job's key-value
-store, not inside a collective, so a download may take as long as it takes: the job ends early
-only when a node reports that it failed. Files appear under their final names only when complete
-and verified (temp name, checksum, rename), under a file lock, so nodes sharing one volume fetch
-once and a cut download never passes for a complete file.
+store, not inside a collective, so a download is not bounded by --timeout-s. The worker bumps a
+heartbeat in the store while it works (common/distributed.py): every rank ends, with one line naming
+the node(s), when a node reports that it failed, when a node's heartbeat stops for STALE_AFTER_S
+(its preparing process was killed, e.g. by the OOM killer), or when a node's preparation overruns
+--storage-timeout-s (that node reports it; the others give up STALE_AFTER_S later).
+
+Files appear under their final names only when complete and verified (temp name, checksum,
+rename), under a file lock, so nodes sharing one volume fetch once and a cut download never passes
+for a complete file.
 """
 from __future__ import annotations
 
@@ -27,39 +32,52 @@ from typing import Any, Callable, Iterator
 import torch
 
 from common import formats
+from common.config import STORAGE_TIMEOUT_S
 from common.data import Dataset, Split, make_synthetic
-from common.distributed import DistContext
-from common.errors import UserError
+from common.distributed import (DEADLINE_FLAG, POLL_S, PROGRESS_EVERY_S, DeadlinePassed, DistContext, Unanswered,
+                                run_with_heartbeat, wait_for_keys)
+from common.errors import UserError, WaitExpired
 from common.storage import StorageError, is_url, storage_for
 
 Say = Callable[[str], None]
 
 DOWNLOAD_TIMEOUT_S = 60.0  # a stalled connection (no byte for this long) fails the download
-PROGRESS_EVERY_S = 10.0
-POLL_S = 0.2
 
 
 def load_dataset(name: str, data_dir: str, *, ctx: DistContext, say: Say, allow_download: bool = True,
                  download_from: str = "", cache_dir: str = "", storage_options: dict[str, Any] | None = None,
-                 synthetic_shape: str = "cifar") -> Dataset:
+                 synthetic_shape: str = "cifar", deadline_s: float = STORAGE_TIMEOUT_S) -> Dataset:
     """The data set. Its node's local rank 0 makes the files present and decodes them once into a
-    cache of raw tensors; every rank of the node maps that cache (shared pages, no copy)."""
+    cache of raw tensors, within deadline_s; every rank of the node maps that cache (shared pages,
+    no copy)."""
     if name == "synthetic":
         return make_synthetic(synthetic_shape)
     root = cache_folder(cache_dir, data_dir) if is_url(data_dir) else Path(data_dir)
+
+    def prepare() -> Path:
+        if is_url(data_dir):
+            fetch_remote(name, data_dir, root, storage_options or {}, say)
+        else:
+            ensure_local(name, root, allow_download, download_from, say)
+        return decode_once(name, root, cache_dir)
     if ctx.is_node_primary:
         try:
-            if is_url(data_dir):
-                fetch_remote(name, data_dir, root, storage_options or {}, say)
-            else:
-                ensure_local(name, root, allow_download, download_from, say)
-            report = {"error": None, "decoded": str(decode_once(name, root, cache_dir))}
+            report = {"error": None, "decoded": str(run_with_heartbeat(ctx.store, node_key(ctx.node_rank), prepare,
+                                                                       deadline_s))}
+        except DeadlinePassed:
+            report = {"error": f"preparing the data did not finish within {deadline_s:g} s ({DEADLINE_FLAG}); "
+                               f"pass a larger {DEADLINE_FLAG} for a slow download"}
         except UserError as e:
             report = {"error": str(e)}
-        ctx.store.set(f"data/node-{ctx.node_rank}", json.dumps(report))
-    wait_for_nodes(ctx, say)
-    decoded = Path(json.loads(ctx.store.get(f"data/node-{ctx.node_rank}"))["decoded"])
+        ctx.store.set(node_key(ctx.node_rank), json.dumps(report))
+    wait_for_nodes(ctx, say, deadline_s)
+    decoded = Path(json.loads(ctx.store.get(node_key(ctx.node_rank)))["decoded"])
     return ctx.together(lambda: map_decoded(name, decoded))
+
+
+def node_key(node: int) -> str:
+    """Where a node's local rank 0 reports its data (and beats its heartbeat) in the job's store."""
+    return f"data/node-{node}"
 
 
 # ---------------------------------------------------------------- decoded once per node
@@ -103,17 +121,21 @@ def map_decoded(name: str, folder: Path) -> Dataset:
     return Dataset(name, spec, Split(*tensors[:2]), Split(*tensors[2:]))
 
 
-def wait_for_nodes(ctx: DistContext, say: Say) -> None:
-    """Every rank waits until each node's local rank 0 reported, polling the store (no deadline:
-    a download may be slow); a node's failure ends every rank with its message."""
-    keys = [f"data/node-{node}" for node in range(ctx.nodes)]
-    started = last_said = time.monotonic()
-    while not ctx.store.check(keys):
-        time.sleep(POLL_S)
-        if time.monotonic() - last_said >= PROGRESS_EVERY_S:
-            waiting = [k.rsplit("-", 1)[1] for k in keys if not ctx.store.check([k])]
-            say(f"waiting for the data on node(s) {', '.join(waiting)} ({time.monotonic() - started:.0f} s)")
-            last_said = time.monotonic()
+def wait_for_nodes(ctx: DistContext, say: Say, deadline_s: float) -> None:
+    """Every rank waits until each node's local rank 0 reported, polling the store; a node's
+    failure ends every rank with its message. A node that stopped responding, or that reported
+    nothing STALE_AFTER_S after its own deadline, ends every rank that waits for it with one line
+    (no collective: that node's ranks may be gone)."""
+    keys = [node_key(node) for node in range(ctx.nodes)]
+
+    def progress(pending: list[str], seconds: float) -> None:
+        say(f"waiting for the data on node(s) {', '.join(k.rsplit('-', 1)[1] for k in pending)} ({seconds:.0f} s)")
+    try:
+        wait_for_keys(ctx.store, keys, deadline_s, progress)
+    except Unanswered as e:
+        nodes = ", ".join(f"node {key.rsplit('-', 1)[1]}{e.who.get(key, '')}" for key in e.pending)
+        raise WaitExpired(f"the data preparation on {nodes} {e.why}; see that node's log, then run again",
+                          ctx.is_node_primary) from None
     errors = [(key, json.loads(ctx.store.get(key))["error"]) for key in keys]
     failed = [(key, error) for key, error in errors if error]
     if failed:

@@ -11,6 +11,10 @@ Patches:
   cifar-md5=HEX          the CIFAR-10 archive's checksum is HEX (a generated archive, not the real one)
   cifar-batch-md5=DIR    the CIFAR-10 batches' checksums are those of the files in DIR (generated ones)
   no-module=NAME         `import NAME` fails, as if the package were not installed
+  stale-after=S          a heartbeat that has not moved for S seconds is stale (common.distributed.STALE_AFTER_S)
+  hang-preparing=PATH    on node 1, the node's data preparation writes its pid into PATH and never ends
+  slow-storage=S@K       the K-th read or write of a local checkpoint folder by this process sleeps S seconds
+                         first, saying so on stderr ("storage op K (write NAME) sleeps S s at UNIX_TIME in pid P")
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ import hashlib
 import os
 import runpy
 import sys
+import time
 from pathlib import Path
 
 import torch.distributed as dist
@@ -53,6 +58,38 @@ def failing_fsync(after: int):
     return fsync
 
 
+def hang_preparing(path: str) -> None:
+    from common import fetch
+
+    real = fetch.decode_once
+
+    def decode_once(*args, **kwargs):
+        if os.environ.get("GROUP_RANK") != "1":
+            return real(*args, **kwargs)
+        Path(path).write_text(str(os.getpid()))
+        while True:
+            time.sleep(60)
+    fetch.decode_once = decode_once
+
+
+def slow_storage(spec: str) -> None:
+    from common.storage import LocalStorage
+
+    seconds, op = spec.split("@")
+    count = [0]
+
+    def slowed(real):
+        def operation(self, name, *args):
+            count[0] += 1
+            if count[0] == int(op):
+                print(f"storage op {op} ({real.__name__} {name}) sleeps {seconds} s at {time.time():.3f} in pid "
+                      f"{os.getpid()}", file=sys.stderr, flush=True)
+                time.sleep(float(seconds))
+            return real(self, name, *args)
+        return operation
+    LocalStorage.read, LocalStorage.write = slowed(LocalStorage.read), slowed(LocalStorage.write)
+
+
 def apply(patch: str) -> None:
     if patch == "no-object-collectives":
         for module in (dist, c10d):
@@ -75,6 +112,14 @@ def apply(patch: str) -> None:
         formats.CIFAR_BATCH_MD5 = {f.name: hashlib.md5(f.read_bytes()).hexdigest() for f in folder.iterdir()}
     elif patch.startswith("no-module="):
         sys.modules[patch.removeprefix("no-module=")] = None  # import raises ImportError
+    elif patch.startswith("stale-after="):
+        from common import distributed
+
+        distributed.STALE_AFTER_S = float(patch.removeprefix("stale-after="))
+    elif patch.startswith("hang-preparing="):
+        hang_preparing(patch.removeprefix("hang-preparing="))
+    elif patch.startswith("slow-storage="):
+        slow_storage(patch.removeprefix("slow-storage="))
     else:
         raise SystemExit(f"unknown patch {patch}")
 
