@@ -110,7 +110,8 @@ def build_run(cfg: Config, ctx: DistContext, strategy: Strategy) -> Run:
                         deadline_s=cfg.storage_timeout_s)
     loader = ctx.together(lambda: TrainLoader(data.train, data.spec, cfg.batch_size, ctx.rank, ctx.world_size,
                                               cfg.seed, ctx.device, cfg.max_steps, memory_format))
-    model = build_model(cfg.model, data.spec.channels, data.spec.size, data.spec.classes, cfg.seed)
+    model = ctx.together(lambda: build_model(cfg.model, data.spec.channels, data.spec.size, data.spec.classes,
+                                             cfg.seed))
     model = model.to(ctx.device, memory_format=memory_format)
     if cfg.sync_bn:
         convert_batchnorm(model)

@@ -5,13 +5,14 @@ import argparse
 import hashlib
 import json
 import os
+import re
 import shutil
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Sequence
 
 from common.credentials import read_storage_options
-from common.models import MODELS
+from common.models import MODELS, model_problem
 from common.storage import log_url_problem, url_problem
 
 DATASETS = ("cifar10", "mnist", "synthetic")
@@ -152,7 +153,10 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
              "user of the machine (ps). They are never printed or saved "
              "(default: the standard AWS variables, profile or instance role)")
     add("--synthetic-shape", default="cifar", choices=("cifar", "mnist"), help="image shape of --dataset synthetic")
-    add("--model", default=None, help=f"one of {', '.join(MODELS)} (default: per data set)")
+    add("--model", default=None, help=f"one of {', '.join(MODELS)}; torchvision:NAME, a torchvision classification "
+                                      "model, untrained; or MODULE:FUNCTION, your FUNCTION(channels, size, classes) "
+                                      "returning an nn.Module, from PYTHONPATH or the current directory "
+                                      "(default: per data set)")
     add("--epochs", type=int, default=None, help="training epochs (default: per data set)")
     add("--batch-size", type=int, default=None, help="GLOBAL batch, split evenly across ranks (default: per data set)")
     add("--lr", type=float, default=None, help="peak learning rate (default: per data set, scaled linearly with --batch-size)")
@@ -216,7 +220,13 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
 
 def default_log_dir(cfg: Config, world_size: int) -> str:
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    return os.path.join("runs", f"{cfg.strategy}-{cfg.dataset}-{cfg.model}-w{world_size}-{stamp}")
+    return os.path.join("runs", f"{cfg.strategy}-{cfg.dataset}-{path_part(cfg.model)}-w{world_size}-{stamp}")
+
+
+def path_part(text: str) -> str:
+    """`text` as one folder-name part on any OS: a --model such as torchvision:resnet18 or
+    my.models:build has ':' (Windows) and may have '/' (every OS)."""
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", text)
 
 
 def world_size_from_env() -> int:
@@ -226,8 +236,8 @@ def world_size_from_env() -> int:
 def _validate(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int) -> None:
     if a.dataset not in DATASETS:
         p.error(f"--dataset {a.dataset!r} is unknown; choose one of {', '.join(DATASETS)}")
-    if a.model not in MODELS:
-        p.error(f"--model {a.model!r} is unknown; choose one of {', '.join(MODELS)}")
+    if problem := model_problem(a.model):
+        p.error(f"--model {a.model!r} {problem}")
     if a.batch_size < 1:
         p.error(f"--batch-size must be >= 1 (got {a.batch_size})")
     if a.batch_size % world_size:
@@ -310,6 +320,7 @@ def parse_args(argv: Sequence[str] | None = None, *, strategy: str, default_data
     cfg = Config(strategy=strategy, options=options, identity_options=tuple(identity_options),
                  **{k: v for k, v in values.items() if k in common})
     if not cfg.checkpoint_dir:  # one folder per run identity: a changed command never continues another run
-        cfg = replace(cfg, checkpoint_dir=os.path.join("checkpoints", f"{strategy}-{a.dataset}-{a.model}-{cfg.run_id}"))
+        folder = f"{strategy}-{a.dataset}-{path_part(a.model)}-{cfg.run_id}"
+        cfg = replace(cfg, checkpoint_dir=os.path.join("checkpoints", folder))
     return cfg
 
