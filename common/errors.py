@@ -40,3 +40,24 @@ class PeerFailed(UserError):
 
     def should_print(self) -> bool:
         return False
+
+
+class PeerVanished(UserError):
+    """A peer process ended without a word (killed by a signal, a crash in native code) while this
+    rank waited for it. common/failures.py words it (who, on which host, during what, at which
+    step); the lowest surviving rank of each host prints it, unless the launcher names the failure
+    itself (launch/quiet_torchrun.py: it knows how the peer ended and joins that to this line)."""
+
+    quiet_exit_delay_s = 3.0  # the printing survivor may still be saying it
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = (), prints: bool = True, where: str = "") -> None:
+        super().__init__(message)
+        self.ranks, self.prints, self.where = ranks, prints, where  # where: "during ... at step N"
+
+    def should_print(self) -> bool:
+        return self.prints
+
+
+class Crashed(UserError):
+    """This rank raised an error no one handled (a bug): its traceback is printed, then one line
+    saying which rank, where and when."""
