@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 Peers = tuple[tuple[str, int], ...]  # every rank's (host, pid), in rank order
 LAUNCHER_NAMES_FAILURES = "DP_SUITE_LAUNCHER_NAMES_FAILURES"  # set by launch/quiet_torchrun.py for its workers
+SPOKEN = "failure-told/"  # store key prefix: this rank printed its own failure
 VANISH_GRACE_S = 2.0  # a closed socket comes a little before its process is gone: how long to look for it
 LOST_CONNECTION = ("/gloo/transport/", "Connection closed by peer", "Connection reset by peer")
 
@@ -98,6 +99,7 @@ def told(error: Exception, ctx: DistContext | None) -> UserError:
     failure.told = True  # type: ignore[attr-defined]
     if isinstance(failure, Crashed):
         traceback.print_exception(error)  # a bug: its traceback is what fixes it
+        _mark_spoken(ctx)
     else:  # torchrun's report (and quiet_torchrun's line) then says why
         report_to_torchrun(failure)
     if failure.should_print():
@@ -115,11 +117,11 @@ def explained(error: Exception, ctx: DistContext | None) -> UserError:
         return error  # type: ignore[return-value]
     peer_vanished = isinstance(error, PeerVanished) or lost_connection(error)
     where = doing(error.__traceback__, peer_vanished)
-    rank, peers = (ctx.rank, ctx.peers) if ctx else (int(os.environ.get("RANK", 0)), ())
+    rank = ctx.rank if ctx else int(os.environ.get("RANK", 0))
     if isinstance(error, PeerVanished):
-        return vanished(rank, peers, error.ranks, where, str(error))
+        return vanished(ctx, error.ranks, where, str(error))
     if peer_vanished:
-        return vanished(rank, peers, _wait_for_vanished(peers), where, _gloo_words(str(error)))
+        return vanished(ctx, _wait_for_vanished(ctx.peers if ctx else ()), where, _gloo_words(str(error)))
     return Crashed(f"rank {rank} (pid {os.getpid()}) on {host()} failed with {type(error).__name__} {where} "
                    "(traceback above)")
 
@@ -129,8 +131,9 @@ def lost_connection(error: BaseException) -> bool:
     return any(words in str(error) for words in LOST_CONNECTION)
 
 
-def vanished(rank: int, peers: Peers, ranks: tuple[int, ...], where: str, detail: str) -> PeerVanished:
-    """peers: every rank's (host, pid), as DistContext.peers holds them (empty before they are known)."""
+def vanished(ctx: DistContext | None, ranks: tuple[int, ...], where: str, detail: str) -> PeerVanished:
+    """ctx: None before the process group is joined (then the ranks' hosts and pids are unknown)."""
+    rank, peers = (ctx.rank, ctx.peers) if ctx else (int(os.environ.get("RANK", 0)), ())
     me = f"rank {rank} (pid {os.getpid()}) on {host()}"
     if ranks and peers:
         who = " and ".join(f"rank {r} (pid {peers[r][1]}) on {peers[r][0]} {_how_peer_ended(peers[r][1])}"
@@ -138,7 +141,8 @@ def vanished(rank: int, peers: Peers, ranks: tuple[int, ...], where: str, detail
         message = f"{who} {where}; {me} ends with it"
     else:  # on another host (that host's launcher can say which), or before the ranks were known
         message = f"{me} lost its connection to a peer ({detail}) {where}"
-    return PeerVanished(message, ranks, prints=_prints(rank, peers, ranks), where=where)
+    prints = _prints(rank, peers, ranks) and not (ranks and all(_spoke(ctx, r) for r in ranks))
+    return PeerVanished(message, ranks, prints=prints, where=where)
 
 
 def _how_peer_ended(pid: int) -> str:
@@ -152,6 +156,22 @@ def _prints(rank: int, peers: Peers, gone: tuple[int, ...]) -> bool:
         return False
     here = [r for r, (name, _) in enumerate(peers) if name == host() and r not in gone]
     return rank == min(here, default=rank)
+
+
+def _mark_spoken(ctx: DistContext | None) -> None:
+    """Tell the survivors, through the job's store, that this rank printed why it ends: they need not."""
+    if ctx is not None and ctx.store is not None:
+        try:
+            ctx.store.set(f"{SPOKEN}{ctx.rank}", "1")
+        except RuntimeError:  # the store is gone too: the survivors then speak as well
+            pass
+
+
+def _spoke(ctx: DistContext | None, rank: int) -> bool:
+    try:
+        return ctx is not None and ctx.store is not None and ctx.store.check([f"{SPOKEN}{rank}"])
+    except RuntimeError:  # the store went with the job: say it rather than stay silent
+        return False
 
 
 def _wait_for_vanished(peers: Peers) -> tuple[int, ...]:
