@@ -48,7 +48,7 @@ class PeerVanished(UserError):
     step); the lowest surviving rank of each host prints it, unless the launcher names the failure
     itself (launch/quiet_torchrun.py: it knows how the peer ended and joins that to this line)."""
 
-    quiet_exit_delay_s = 3.0  # the printing survivor may still be saying it
+    # No quiet delay: torchrun stops every rank because the peer vanished, not because this one exits.
 
     def __init__(self, message: str, ranks: tuple[int, ...] = (), prints: bool = True, where: str = "") -> None:
         super().__init__(message)
