@@ -27,7 +27,7 @@ import logging  # noqa: E402
 import logging.handlers  # noqa: E402
 import os  # noqa: E402
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure  # noqa: E402
 from torch.distributed.run import parse_args, run  # noqa: E402
 
 HANDLED = ("UserError", "ConfigError", "PeerFailed", "Preempted")
@@ -66,10 +66,15 @@ def signal_lines(error: ChildFailedError, stopped: set[int]) -> list[str] | None
         return None
     if not culprits:
         return [f"error: {text(vanished[0][1].message).removeprefix(VANISHED)}"]
-    where = next((w for _, f in vanished if (w := f.error_file_data.get("message", {}).get("extraInfo", {})
-                                               .get("where"))), "")
+    where = next((doing for doing in map(survivor_saw, (f for _, f in vanished)) if doing), "")
     return [f"error: rank {rank} (pid {f.pid}) on {host()} {how_it_ended(f.exitcode)} {where}".rstrip()
             for rank, f in culprits]
+
+
+def survivor_saw(failure: ProcessFailure) -> str:
+    """What a survivor was doing as its peer vanished ("during the gradient exchange at step 180"),
+    from its error file (common/failures.py, report_to_torchrun)."""
+    return failure.error_file_data["message"]["extraInfo"].get("where", "")
 
 
 def main() -> None:
