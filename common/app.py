@@ -1,7 +1,6 @@
 """The program every train_*.py runs, given its strategy: parse, join, load, build, resume, train."""
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
@@ -17,7 +16,7 @@ from common.data import TrainLoader
 from common.distributed import DistContext, check_same_flags, distributed
 from common.equivalence import check_equivalence
 from common.fetch import load_dataset
-from common.errors import UserError
+from common.failures import is_handled, told
 from common.logger import NullLogger, make_logger, node_console
 from common.models import build_model
 from common.optim import make_scheduler
@@ -41,26 +40,16 @@ def main(strategy: Strategy, argv: Sequence[str] | None = None) -> None:
                          add_flags=strategy.add_flags, identity_options=strategy.identity_options)
         strategy.configure(cfg)
         with distributed(cfg) as ctx:
-            train(cfg, ctx, strategy)
+            try:
+                train(cfg, ctx, strategy)
+            except Exception as error:  # told while the ranks are known, to name the one that vanished
+                raise told(error, ctx) from None
         ended_cleanly()
-    except UserError as e:
-        report_to_torchrun(e)
-        if e.should_print():
-            print(f"{e.prefix}{e}", file=sys.stderr, flush=True)
-        elif "TORCHELASTIC_RUN_ID" in os.environ:
-            time.sleep(e.quiet_exit_delay_s)
-        sys.exit(e.exit_code)
-
-
-def report_to_torchrun(error: UserError) -> None:
-    """Tell torchrun (through its per-rank error file) that this rank ended on a handled error, so its
-    summary says why and launch/quiet_torchrun.py can keep the console to our one line."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
-        with open(path, "w") as f:  # the format torch.distributed.elastic's @record writes
-            json.dump({"message": {"message": f"{type(error).__name__}: {error}",
-                                   "extraInfo": {"py_callstack": "(handled; printed as one line above)",
-                                                 "timestamp": str(int(time.time()))}}}, f)
+    except Exception as error:  # a UserError's one line, a vanished peer named, a crash's traceback and line
+        failure = told(error, None)
+        if not failure.should_print() and "TORCHELASTIC_RUN_ID" in os.environ:
+            time.sleep(failure.quiet_exit_delay_s)
+        sys.exit(failure.exit_code)
 
 
 def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
@@ -93,6 +82,12 @@ def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
             return
         log.startup(process_age_s(), run.global_step(start))
         final = Trainer(run, log, checkpoints, stop, relay, profiler).fit(start)
+    except Exception as error:
+        if is_handled(error):
+            raise
+        # Said here, while the stop handler still holds SIGTERM: torchrun stops the survivors of a
+        # vanished peer with it, and the clean-up below would otherwise be cut before the line is out.
+        raise told(error, ctx) from None
     finally:
         profiler.stop()
         relay.close()

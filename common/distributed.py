@@ -59,6 +59,8 @@ class DistContext:
     transport_note: str = ""
     # Numbers the after_primary waits: every rank makes them in the same order, as for collectives.
     waits: Iterator[int] = field(default_factory=itertools.count, repr=False, compare=False)
+    # Every rank's (host, pid), in rank order: a survivor names the rank that vanished (common/failures.py).
+    peers: tuple[tuple[str, int], ...] = field(default=(), repr=False, compare=False)
 
     @property
     def is_primary(self) -> bool:
@@ -432,6 +434,7 @@ def distributed(cfg: Config) -> Iterator[DistContext]:
         dist.init_process_group(ctx.backend, store=store, rank=0, world_size=1, timeout=timeout)
     ctx = replace(ctx, store=dist.PrefixStore("suite", store))  # our keys apart from the process group's
     try:
+        ctx = replace(ctx, peers=tuple(map(tuple, ctx.all_gather_json([socket.gethostname(), os.getpid()]))))
         transport, note = open_transport(ctx, cfg.transport, cfg.timeout_s)
         ctx = replace(ctx, transport=transport, transport_note=note)
         yield ctx
@@ -450,11 +453,15 @@ def open_transport(ctx: DistContext, choice: str, timeout_s: float) -> tuple[Tra
         return process_group, ""
     problems = [p for p in ctx.all_gather_json(shared_memory_problem(ctx.nodes, ctx.backend, ctx.device)) if p]
     if not problems:
-        path, problem = create_region(ctx.world_size) if ctx.is_primary else ("", "")
-        path, problem = ctx.broadcast_json([path, problem])
-        problems = [problem] if problem else []
-    if not problems:
-        mapped, problems = _map_on_every_rank(ctx, path)
+        region, problem = create_region(ctx.world_size) if ctx.is_primary else (None, "")
+        try:
+            path, problem = ctx.broadcast_json([region.path if region else "", problem])
+            problems = [problem] if problem else []
+            if not problems:
+                mapped, problems = _map_on_every_rank(ctx, path)
+        finally:  # every rank mapped it, or the set-up failed: the name goes, the mappings stay
+            if region:
+                region.remove()
         if not problems:
             return SharedMemoryTransport(mapped, ctx.rank, ctx.world_size, timeout_s), ""
     why = problems[0]
@@ -464,12 +471,9 @@ def open_transport(ctx: DistContext, choice: str, timeout_s: float) -> tuple[Tra
 
 
 def _map_on_every_rank(ctx: DistContext, path: str) -> tuple[Any, list[str]]:
-    """Every rank maps rank 0's region; then rank 0 removes its name (the mappings stay)."""
+    """Every rank maps rank 0's region (which rank 0 then removes: the mappings stay)."""
     try:
         mapped, problem = map_region(path, ctx.world_size), None
     except OSError as e:
         mapped, problem = None, f"rank {ctx.rank} could not map {path} ({e.strerror})"
-    problems = [p for p in ctx.all_gather_json(problem) if p]
-    if ctx.is_primary:
-        os.unlink(path)
-    return mapped, problems
+    return mapped, [p for p in ctx.all_gather_json(problem) if p]

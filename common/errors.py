@@ -56,3 +56,24 @@ class WaitExpired(UserError):
 
     def should_print(self) -> bool:
         return self.prints
+
+
+class PeerVanished(UserError):
+    """A peer process ended without a word (killed by a signal, a crash in native code) while this
+    rank waited for it. common/failures.py words it (who, on which host, during what, at which
+    step); the lowest surviving rank of each host prints it, unless the launcher names the failure
+    itself (launch/quiet_torchrun.py: it knows how the peer ended and joins that to this line)."""
+
+    # No quiet delay: torchrun stops every rank because the peer vanished, not because this one exits.
+
+    def __init__(self, message: str, ranks: tuple[int, ...] = (), prints: bool = True, where: str = "") -> None:
+        super().__init__(message)
+        self.ranks, self.prints, self.where = ranks, prints, where  # where: "during ... at step N"
+
+    def should_print(self) -> bool:
+        return self.prints
+
+
+class Crashed(UserError):
+    """This rank raised an error no one handled (a bug): its traceback is printed, then one line
+    saying which rank, where and when."""

@@ -13,6 +13,8 @@ Results are identical on every rank: each sums the ranks' contributions in rank 
 """
 from __future__ import annotations
 
+import fcntl
+import glob
 import mmap
 import os
 import platform
@@ -24,13 +26,16 @@ from typing import Protocol
 import torch
 import torch.distributed as dist
 
-from common.errors import PeerFailed, UserError
+from common.errors import PeerVanished, UserError
+from common.failures import running
 
 SHM_FOLDER = "/dev/shm"
 SLOT_BYTES = 1 << 20  # one rank's share of a round; larger tensors go through in chunks of this
 FLAG_STRIDE = 8  # int64 entries between two ranks' flags: one 64-byte cache line each (round, pid)
 SPINS_BEFORE_YIELD = 64
 PEER_CHECK_S = 0.02  # how often a waiting rank looks whether the late peers still run
+REGION_PREFIX = "dp-suite-"
+LEFTOVER_AFTER_S = 10.0  # a region this old whose creator holds no lock on it was left by a killed set-up
 
 
 class Handle(Protocol):
@@ -99,8 +104,9 @@ class SharedMemoryTransport:
     is: write my slot, publish the round number in my flag, wait until every flag shows it, read.
     Rounds alternate between the two slot sets, so a rank may write round k+2's slot as soon as all
     flags show k+1: a peer posts k+1 only after it finished reading round k. The file is unlinked
-    as soon as every rank has mapped it, so a killed job leaves nothing in /dev/shm, and the
-    memory goes with the last process.
+    as soon as every rank has mapped it (or the set-up failed), so a killed job leaves nothing in
+    /dev/shm, and the memory goes with the last process; a set-up killed before that leaves a file
+    that the next job on the node removes (see Region).
 
     Memory order: on x86-64 stores become visible in program order and loads are not reordered with
     older loads, so a peer that sees my flag also sees my slot. The empty lock between the two is
@@ -111,7 +117,8 @@ class SharedMemoryTransport:
     briefly, then yields its core, so more ranks than cores still make progress. Unlike a gloo
     socket, shared memory does not tell a rank that its peer died: each rank publishes its pid
     beside its flag, and a waiting rank gives up as soon as a late peer has exited (torchrun's
-    SIGTERM would only ask it to finish the step it cannot finish), or after --timeout-s."""
+    SIGTERM would only ask it to finish the step it cannot finish), naming it (PeerVanished), or
+    after --timeout-s."""
 
     name = "shm"
 
@@ -186,24 +193,13 @@ class SharedMemoryTransport:
 
     def _check_late_peers(self, round_: int, waited_s: float) -> None:
         late = [r for r in range(self.world) if self.flags[r * FLAG_STRIDE] < round_]
-        gone = [r for r in late if not _running(self.flags[r * FLAG_STRIDE + 1])]
-        if gone:  # it printed why, or torchrun will: this rank ends quietly
-            raise PeerFailed(f"rank(s) {','.join(map(str, gone))} ended during shared-memory exchange {round_}")
+        gone = tuple(r for r in late if not running(self.flags[r * FLAG_STRIDE + 1]))
+        if gone:  # common/failures.py names it, with the step and the phase, as the line the job ends with
+            raise PeerVanished(f"rank(s) {','.join(map(str, gone))} ended during shared-memory exchange {round_}", gone)
         if waited_s > self.timeout_s:
             raise SharedMemoryTimeout(
                 f"rank(s) {','.join(map(str, late))} did not reach shared-memory exchange {round_} within "
                 f"{self.timeout_s:g} s (--timeout-s); a peer is stuck")
-
-
-def _running(pid: int) -> bool:
-    """False once the process has exited: gone, or a zombie its parent has not reaped yet."""
-    if pid <= 0:
-        return True  # not published yet
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def flag_bytes(world: int) -> int:
@@ -228,22 +224,53 @@ def shared_memory_problem(nodes: int, backend: str, device: torch.device) -> str
     return None
 
 
-def create_region(world: int) -> tuple[str, str]:
-    """Rank 0: a new file in /dev/shm with all its pages reserved. Returns (path, "") or ("", why not):
+class Region:
+    """Rank 0's new file in /dev/shm, named only until every rank has mapped it. Its creator holds a
+    shared lock on it meanwhile: a named region that nobody locks belongs to a set-up that was killed
+    (SIGKILL gives no chance to remove it), and the next create_region on the node removes it."""
+
+    def __init__(self, fd: int, path: str) -> None:
+        self.fd, self.path = fd, path
+
+    def remove(self) -> None:
+        os.unlink(self.path)
+        os.close(self.fd)  # releases the lock, after the name is gone
+
+
+def create_region(world: int) -> tuple[Region | None, str]:
+    """Rank 0: a new file in /dev/shm with all its pages reserved. Returns (region, "") or (None, why not):
     a region that did not fit would kill the job with SIGBUS at the first write, not fail here."""
+    remove_leftover_regions()
     size = SharedMemoryTransport.size(world)
     try:
-        fd, path = tempfile.mkstemp(prefix="dp-suite-", dir=SHM_FOLDER)
+        fd, path = tempfile.mkstemp(prefix=REGION_PREFIX, dir=SHM_FOLDER)
     except OSError as e:
-        return "", f"cannot create a file in {SHM_FOLDER} ({e.strerror})"
+        return None, f"cannot create a file in {SHM_FOLDER} ({e.strerror})"
+    fcntl.flock(fd, fcntl.LOCK_SH)
     try:
         os.posix_fallocate(fd, 0, size)
-        return path, ""
+        return Region(fd, path), ""
     except OSError as e:
-        os.unlink(path)
-        return "", f"{SHM_FOLDER} has no room for {size / 2**20:.0f} MB ({e.strerror})"
-    finally:
-        os.close(fd)
+        Region(fd, path).remove()
+        return None, f"{SHM_FOLDER} has no room for {size / 2**20:.0f} MB ({e.strerror})"
+
+
+def remove_leftover_regions() -> None:
+    """Remove the regions of set-ups that were killed: named, older than a moment (a new one is
+    locked right after it is made), and locked by no process."""
+    for path in glob.glob(os.path.join(SHM_FOLDER, REGION_PREFIX + "*")):
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # removed meanwhile, or another user's
+        try:
+            if time.time() - os.fstat(fd).st_mtime > LEFTOVER_AFTER_S:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                os.unlink(path)
+        except OSError:
+            pass  # a live set-up holds it, or it went meanwhile
+        finally:
+            os.close(fd)
 
 
 def map_region(path: str, world: int) -> mmap.mmap:

@@ -5,7 +5,11 @@
 The training scripts print a handled error (missing data, a bad flag, a stop by SIGTERM) as one
 line and note it in torchrun's per-rank error file. When every failed worker did that (or was
 stopped by torchrun after another one did), this exits with the worker's status and prints
-nothing more. Any other failure (a crash) gets torchrun's full report, as plain torchrun would.
+nothing more. A worker killed by a signal (the OOM killer's SIGKILL, a segfault) cannot speak:
+this prints one line for it instead of torchrun's report, naming its rank, pid, host and signal,
+and what the job was doing then (from the survivors' error files), and exits 1. Any other failure
+(a crash: the worker printed its traceback and a line) gets torchrun's full report, as plain
+torchrun would.
 
 It also gives the workers STOP_GRACE_S (not torchrun's 30 s) to stop after a TERM or INT.
 """
@@ -17,6 +21,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.collector import pause_during_set_up, resume_for_training  # noqa: E402
+from common.failures import LAUNCHER_NAMES_FAILURES, host, how_it_ended  # noqa: E402
 
 if __name__ == "__main__":
     pause_during_set_up()  # torch's import below without full collections, and no final one at exit (see there)
@@ -24,10 +29,12 @@ if __name__ == "__main__":
 import logging  # noqa: E402
 import logging.handlers  # noqa: E402
 
-from torch.distributed.elastic.multiprocessing.errors import ChildFailedError  # noqa: E402
+from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure  # noqa: E402
 from torch.distributed.run import parse_args, run  # noqa: E402
 
-HANDLED = ("UserError", "ConfigError", "PeerFailed", "Preempted")
+HANDLED = ("UserError", "ConfigError", "PeerFailed", "Preempted", "WaitExpired")
+VANISHED = "PeerVanished: "  # a survivor's error file: the worker it waited for vanished
+CLOSING = "Sending process %s closing signal %s"  # torchrun's log line as it stops the other workers
 # After forwarding a TERM or INT, torchrun waits this long for the workers before it sends SIGKILL;
 # its own default (LaunchConfig.shutdown_timeout: 30 s) can cut the stop's checkpoint save short.
 STOP_GRACE_S = 120
@@ -44,14 +51,41 @@ def text(message: str | dict) -> str:
     return message.get("message", "") if isinstance(message, dict) else message
 
 
-def handled(error: ChildFailedError) -> int | None:
+def handled(error: ChildFailedError, stopped: set[int]) -> int | None:
     """The exit status to end with quietly, or None if some worker failed another way."""
     failures = list(error.failures.values())
     reported = [f for f in failures if text(f.message).startswith(HANDLED)]
     # Every worker either reported its handled error or was stopped by torchrun after a peer did.
-    if not reported or not all(f in reported or f.exitcode < 0 for f in failures):
+    if not reported or not all(f in reported or f.pid in stopped for f in failures):
         return None
     return next((f.exitcode for f in reported if f.exitcode > 0), 1)
+
+
+def stopped_by_torchrun(records: list[logging.LogRecord]) -> set[int]:
+    """The pids torchrun sent its closing signal (after another worker failed), from its held log lines."""
+    return {int(r.args[0]) for r in records if r.msg == CLOSING and isinstance(r.args, tuple)}
+
+
+def signal_lines(error: ChildFailedError, stopped: set[int]) -> list[str] | None:
+    """One line per worker that a signal killed (torchrun did not stop it: it died first), joined to
+    what the survivors were doing; or the lowest survivor's line when the vanished worker ran on
+    another node; None if some worker failed another way (a crash: torchrun's report)."""
+    failures = sorted(error.failures.items())
+    vanished = [(rank, f) for rank, f in failures if text(f.message).startswith(VANISHED)]
+    culprits = [(rank, f) for rank, f in failures if f.pid not in stopped and (rank, f) not in vanished]
+    if any(f.exitcode >= 0 for _, f in culprits) or not (culprits or vanished):
+        return None
+    if not culprits:
+        return [f"error: {text(vanished[0][1].message).removeprefix(VANISHED)}"]
+    where = next((doing for doing in map(survivor_saw, (f for _, f in vanished)) if doing), "")
+    return [f"error: rank {rank} (pid {f.pid}) on {host()} {how_it_ended(f.exitcode)} {where}".rstrip()
+            for rank, f in culprits]
+
+
+def survivor_saw(failure: ProcessFailure) -> str:
+    """What a survivor was doing as its peer vanished ("during the gradient exchange at step 180"),
+    from its error file (common/failures.py, report_to_torchrun)."""
+    return failure.error_file_data["message"]["extraInfo"].get("where", "")
 
 
 def main() -> None:
@@ -63,15 +97,19 @@ def main() -> None:
     elastic.addHandler(held)
     elastic.propagate = False
     resume_for_training()  # the agent watches its workers for the whole run: its garbage is collected
+    os.environ[LAUNCHER_NAMES_FAILURES] = "1"  # the workers leave the naming of a vanished peer to signal_lines
     try:
         run(parse_args(sys.argv[1:]))
     except ChildFailedError as error:
-        status = handled(error)
-        if status is None:
+        stopped = stopped_by_torchrun(held.buffer)
+        status, lines = handled(error, stopped), signal_lines(error, stopped)
+        if status is None and lines is None:
             held.flush()
             raise
         held.setTarget(None)  # logging flushes handlers at exit: drop the held lines for good
-        sys.exit(status)
+        if status is None:
+            print("\n".join(lines), file=sys.stderr, flush=True)
+        sys.exit(status or 1)
     held.flush()
 
 

@@ -5,7 +5,8 @@ or catches it.
 
 STRATEGY: ddp, allreduce, master, dp, fsdp (--shard full), zero1 (--shard optimizer), localsgd, or
 nosync (never synchronizes).
-FAULT, after the STEP-th optimizer step of this process:
+FAULT, after the STEP-th optimizer step of this process (FAULT_AT_FILE, if set, names a file that
+receives rank 1's "time.time() pid" as it injects, for tests that time what follows):
   none     nothing
   sigterm  every rank sends itself SIGTERM (preemption)
   sigterm-job            rank 0 sends SIGTERM to torchrun, then to every worker (Slurm's scancel,
@@ -20,11 +21,13 @@ FAULT at another point:
 Without torchrun the job is this one process.
   sigkill  rank 1 SIGKILLs itself, on torchrun's first attempt only
   raise    rank 1 raises RuntimeError
+  segfault rank 1 dies of SIGSEGV (a crash in native code)
   drift    rank 1 nudges one weight (the replicas drift apart)
   warn     rank 1 issues a Python warning
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
 import sys
@@ -80,6 +83,8 @@ def signal_job(signum: int, torchrun_first: bool = True) -> None:
 
 def inject(fault: str, optimizer: torch.optim.Optimizer) -> None:
     rank = dist.get_rank()
+    if rank == 1 and os.environ.get("FAULT_AT_FILE"):
+        Path(os.environ["FAULT_AT_FILE"]).write_text(f"{time.time()!r} {os.getpid()}")
     if fault == "sigterm":
         os.kill(os.getpid(), signal.SIGTERM)
     elif fault in ("sigterm-job", "sigterm-workers-first") and rank == 0:
@@ -94,6 +99,8 @@ def inject(fault: str, optimizer: torch.optim.Optimizer) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault == "raise" and rank == 1:
         raise RuntimeError("injected failure on rank 1")
+    elif fault == "segfault" and rank == 1:
+        ctypes.string_at(0)  # reads address 0
     elif fault == "drift" and rank == 1:
         _nudge(optimizer)
     elif fault == "warn" and rank == 1:

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from common.errors import PeerFailed
+from common.errors import PeerVanished
 from common.transport import FLAG_STRIDE, SharedMemoryTimeout, SharedMemoryTransport
 from tests.conftest import child_env, error_lines, script_command
 
@@ -36,7 +36,7 @@ def test_a_peer_that_exited_ends_the_wait_at_once():
     SharedMemoryTransport(region, rank=1, world=2, timeout_s=60).flags[1 * FLAG_STRIDE + 1] = exited.pid
     transport = SharedMemoryTransport(region, rank=0, world=2, timeout_s=60)
     started = time.monotonic()
-    with pytest.raises(PeerFailed, match=r"rank\(s\) 1 ended during shared-memory exchange 1"):
+    with pytest.raises(PeerVanished, match=r"rank\(s\) 1 ended during shared-memory exchange 1"):
         transport.all_reduce(torch.ones(10))
     assert time.monotonic() - started < 2
 
