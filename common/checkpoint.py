@@ -25,10 +25,12 @@ holds one copy of it (the detached copy) while saving, two on an object store (a
 
 A store that does not answer never starts a run over. Resume tells "the store did not answer"
 (unreachable, timed out, throttled, denied: common/storage.py's kinds) apart from "the file is not a
-checkpoint". A store that did not answer is asked again, with pauses growing from 1 s to 10 s, for
-at most RESUME_RETRY_S (60 s; the environment variable DP_STORE_RETRY_S changes it) in all for one
-start, on top of each request's own timeouts and retries; then the job ends with one line naming
-the URL and the cause, having started and changed nothing. Denied and other failures end it at once.
+checkpoint". A store that did not answer is asked again, with pauses growing from 1 s to 10 s, until
+failed requests and pauses have taken RESUME_RETRY_S (60 s; the environment variable
+DP_STORE_RETRY_S changes it) for one start (the last request's own timeouts and retries may add a
+few seconds: a stopped S3 endpoint ends the job about 69 s after its start); then the job ends with
+one line naming the URL and the cause, having started and changed nothing. Denied and other
+failures end it at once.
 Only a file that is there and does not parse is skipped (for the run's previous checkpoint).
 What --resume auto concludes from a folder:
 - no run folder with this command's settings: a fresh start (a new run folder);
