@@ -21,7 +21,7 @@ rename; object store: one PUT), then the pointer is replaced the same way. No ha
 directory renames. A reader trusts only checkpoints that load, newest first: the pointer's target
 and every step file it can list, so a cut save or a stale listing costs at most that one save.
 A local step file is serialized straight into its temp file: besides the training state, rank 0
-holds one copy of it (the detached copy) while saving, two on an object store (and the PUT's buffer).
+holds one copy of it while saving (the detached copy); on an object store two (and the PUT's buffer).
 
 A store that does not answer never starts a run over. Resume tells "the store did not answer"
 (unreachable, timed out, throttled, denied: common/storage.py's kinds) apart from "the file is not a
@@ -201,7 +201,7 @@ class Patience:
                 self.spent_s += time.monotonic() - started
                 self.last = e
                 if self.spent_s + pause > self.bound_s:
-                    raise UserError(f"--checkpoint-dir: the store did not answer reading {e.url} for "
+                    raise UserError(f"the store did not answer reading {e.url} for "
                                     f"{self.spent_s:.0f} s ({e.cause}); nothing was started and no file was changed; "
                                     "run the same command again once the store answers") from None
                 time.sleep(pause)
