@@ -133,8 +133,8 @@ class LocalStorage:
             _fsync_dir(path.parent)
         except BaseException as e:  # serializing can fail too (out of memory)
             tmp.unlink(missing_ok=True)  # never leave a partial file behind
-            if isinstance(e, OSError):
-                raise StorageError(self.url(name), os_cause(e), error_kind(e)) from None
+            if (os_error := _os_error_behind(e)) is not None:
+                raise StorageError(self.url(name), os_cause(os_error), error_kind(os_error)) from None
             raise
 
     def read(self, name: str) -> bytes:
@@ -169,6 +169,14 @@ class LocalStorage:
                 tmp.unlink(missing_ok=True)
             except OSError as e:
                 raise StorageError(str(tmp), os_cause(e), error_kind(e)) from None
+
+
+def _os_error_behind(error: BaseException | None) -> OSError | None:
+    """The OSError that caused `error`, if any: torch.save reports a failed write (a full disk) as
+    a RuntimeError ('unexpected pos') raised while it closes its archive, in the OSError's handling."""
+    while error is not None and not isinstance(error, OSError):
+        error = error.__cause__ or error.__context__
+    return error
 
 
 def _write_synced(path: Path, produce: Callable[[BinaryIO], None]) -> None:
