@@ -20,14 +20,43 @@ Commit protocol: a step file is written whole and made visible at once (local: t
 rename; object store: one PUT), then the pointer is replaced the same way. No hard links, no
 directory renames. A reader trusts only checkpoints that load, newest first: the pointer's target
 and every step file it can list, so a cut save or a stale listing costs at most that one save.
+A local step file is serialized straight into its temp file: besides the training state, rank 0
+holds one copy of it while saving (the detached copy); on an object store two (and the PUT's buffer).
+
+A store that does not answer never starts a run over. Resume tells "the store did not answer"
+(unreachable, timed out, throttled, denied: common/storage.py's kinds) apart from "the file is not a
+checkpoint". A store that did not answer is asked again, with pauses growing from 1 s to 10 s, until
+failed requests and pauses have taken RESUME_RETRY_S (60 s; the environment variable
+DP_STORE_RETRY_S changes it) for one start (the last request's own timeouts and retries may add a
+few seconds: a stopped S3 endpoint ends the job about 69 s after its start); then the job ends with
+one line naming the URL and the cause, having started and changed nothing. Denied and other
+failures end it at once.
+Only a file that is there and does not parse is skipped (for the run's previous checkpoint).
+What --resume auto concludes from a folder:
+- no run folder with this command's settings: a fresh start (a new run folder);
+- such a run, and a checkpoint of it loads: the newest one that loads is continued;
+- such a run, and none of its checkpoints loads: an error, never a fresh start (which would hide
+  the run: after the new run's first save, auto would pick it). Ways out: --resume FILE of a
+  checkpoint you trust, or --resume none for a new run beside it;
+- a run folder whose pointer is missing, does not parse (rewritten in place where rename is
+  refused, and cut) or names an unexpected file: its identity is read from its newest step file
+  that loads (step files carry it), with a warning; its save time is then taken as its start time
+  (the folder name). A folder with step files of which none loads, and no usable pointer, may be
+  this command's run: an error with the same ways out.
+
+Parallel jobs may share a CHECKPOINT_DIR: each writes only its own run folder (names carry 64
+random bits), and a start removes the temp files of a killed writer only in its own run folder,
+once the start is accepted (a resumed run is written by one job at a time).
 """
 from __future__ import annotations
 
 import io
 import json
+import os
 import pickle
 import re
 import secrets
+import sys
 import time
 import zipfile
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,12 +70,19 @@ from common.config import STORAGE_TIMEOUT_S
 from common.distributed import DistContext
 from common.errors import UserError
 from common.run import Position, Run
-from common.storage import Storage, StorageError, split, storage_for
+from common.storage import MISSING, Storage, StorageError, split, storage_for
+
+T = TypeVar("T")
 
 T = TypeVar("T")
 
 POINTER = "latest.json"
 STEP_FILE = re.compile(r"step-(\d{8})\.pt$")
+RUN_STARTED = "%Y%m%d-%H%M%S"  # the time-sortable start of a run folder's name
+# How long one start keeps asking a store that does not answer (unreachable, timed out, throttled)
+# before the job ends: seconds spent on failed requests and pauses, over all of the start's reads.
+RESUME_RETRY_S = float(os.environ.get("DP_STORE_RETRY_S", "60"))
+FIRST_PAUSE_S, LONGEST_PAUSE_S = 1.0, 10.0
 REQUIRED = ("model", "optimizer", "scheduler", "epoch", "step_in_epoch", "global_step", "config", "world_size",
             "identity")
 
@@ -76,6 +112,10 @@ def parse_checkpoint(data: bytes) -> dict[str, Any]:
     if missing:
         raise InvalidCheckpoint(f"lacks {', '.join(missing)} (written by another version?)")
     return state
+
+
+WAYS_OUT = ("to load a checkpoint you trust, pass --resume FILE; to start a new run beside it (its files are kept), "
+            "pass --resume none")
 
 
 def kept(previous: str | None) -> str:
@@ -112,6 +152,7 @@ class RunInfo:
     checkpoint: str
     global_step: int
     saved_at: float
+    warning: str | None = None  # recovered from a step file: why, and from which
 
 
 @dataclass(frozen=True)
@@ -138,49 +179,106 @@ class Choice:
         return {"run": self.run, "checkpoint": self.checkpoint, "warnings": list(self.warnings), "error": self.error}
 
 
+class BadPointer(Exception):
+    pass
+
+
+class Patience:
+    """One start's allowance for a store that does not answer: a transient failure is retried after
+    a pause (1 s, doubling up to 10 s) while the time spent on failures stays within `bound_s`."""
+
+    def __init__(self, bound_s: float | None = None) -> None:
+        self.bound_s = RESUME_RETRY_S if bound_s is None else bound_s
+        self.spent_s, self.retries = 0.0, 0
+        self.last: StorageError | None = None
+
+    def call(self, action: Callable[[], T]) -> T:
+        pause = FIRST_PAUSE_S
+        while True:
+            started = time.monotonic()
+            try:
+                return action()
+            except StorageError as e:
+                if not e.transient:
+                    raise
+                self.spent_s += time.monotonic() - started
+                self.last = e
+                if self.spent_s + pause > self.bound_s:
+                    raise UserError(f"the store did not answer reading {e.url} for "
+                                    f"{self.spent_s:.0f} s ({e.cause}); nothing was started and no file was changed; "
+                                    "run the same command again once the store answers") from None
+                time.sleep(pause)
+                self.spent_s += pause
+                self.retries += 1
+                pause = min(2 * pause, LONGEST_PAUSE_S)
+
+    def warnings(self) -> list[str]:
+        if not self.retries:
+            return []
+        return [f"warning: the store did not answer at first ({self.last.url}: {self.last.cause}); it did after "
+                f"{self.retries} retries over {self.spent_s:.0f} s"]
+
+
 class CheckpointFolder:
     """Rank 0's side: the folder's runs, choosing what to resume, writing, pruning. No collectives."""
 
     def __init__(self, storage: Storage, keep: int, options: dict[str, Any] | None = None) -> None:
         self.storage, self.keep, self.options = storage, keep, options or {}
+        self.patience = Patience()
 
     def choose(self, request: str, identity: dict[str, Any]) -> Choice:
         """--resume auto, none or a checkpoint file. Raises UserError for a folder that holds only
-        runs with other settings, or a file of another run."""
+        runs with other settings, a file of another run, a run of this command none of whose
+        checkpoints loads, or a store that did not answer within RESUME_RETRY_S."""
+        self.patience = Patience()
         if request == "none":
             return Choice(new_run_name())
         if request != "auto":
             data, state = self._explicit(request, identity)
-            return Choice(new_run_name(), request, data=data, state=state)
+            return Choice(new_run_name(), request, tuple(self.patience.warnings()), data=data, state=state)
         runs = self.runs()
         same = [r for r in runs if r.identity == identity]
         if not same:
             if runs:
                 raise UserError(self._other_run_message(runs[0], identity))
-            return Choice(new_run_name())
-        warnings = []
-        for name in self.candidates(same[0]):
+            return Choice(new_run_name(), warnings=tuple(self.patience.warnings()))
+        return self._continue(same[0], identity)
+
+    def _continue(self, run: RunInfo, identity: dict[str, Any]) -> Choice:
+        """The run's newest checkpoint that loads. Only a file that is there and is no checkpoint is
+        skipped: a store that does not answer ends the start (Patience), and a run none of whose
+        checkpoints loads is an error, not a fresh start that would hide it."""
+        warnings, problems = [run.warning] if run.warning else [], []
+        candidates = self.candidates(run)
+        for name in candidates:
             try:
-                data = self.storage.read(name)
+                data = self._read(name)
                 state = parse_checkpoint(data)
             except (InvalidCheckpoint, StorageError) as e:
+                if isinstance(e, StorageError) and e.kind != MISSING:
+                    raise
                 why = e.cause if isinstance(e, StorageError) else e
                 warnings.append(f"warning: checkpoint {self.storage.url(name)} {why}; falling back to the previous one")
+                problems.append(f"{name.rsplit('/', 1)[-1]} {why}")
                 continue
             if state["identity"] != identity:  # a file copied in by hand
                 warnings.append(f"warning: checkpoint {self.storage.url(name)} belongs to another run "
                                 f"({'; '.join(differences(state['identity'], identity))}); skipped")
+                problems.append(f"{name.rsplit('/', 1)[-1]} belongs to another run")
                 continue
-            return Choice(same[0].name, self.storage.url(name), tuple(warnings), data=data, state=state)
-        warnings.append(f"warning: no usable checkpoint in {self.storage.url(same[0].name)}; starting a new run")
-        return Choice(new_run_name(), warnings=tuple(warnings))
+            return Choice(run.name, self.storage.url(name), (*warnings, *self.patience.warnings()), data=data,
+                          state=state)
+        raise UserError(f"run {self.storage.url(run.name)} has this command's settings, but none of its "
+                        f"{len(candidates)} checkpoint(s) loads ({'; '.join(problems[:2])}"
+                        f"{' ...' if len(problems) > 2 else ''}); nothing was started; {WAYS_OUT}")
 
     def _explicit(self, path: str, identity: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
         """--resume FILE: that checkpoint, which must belong to a run with this identity. The job
         saves into a new run folder, so the file's own run is never pruned or mixed with."""
         parent, name = split(path)
         try:
-            data = storage_for(parent, self.options).read(name)
+            storage = storage_for(parent, self.options)
+            data = self.patience.call(lambda: storage.read(name))
         except StorageError as e:
             raise UserError(f"--resume {path}: {e.cause}; give a checkpoint file, 'auto' or 'none'") from None
         try:
@@ -199,24 +297,50 @@ class CheckpointFolder:
                 f"its settings ({as_flags(other.identity)}); to start a new run beside it (its files are kept), "
                 "pass --resume none, or another --checkpoint-dir")
 
+    def _read(self, name: str) -> bytes:
+        return self.patience.call(lambda: self.storage.read(name))
+
     def runs(self) -> list[RunInfo]:
-        """Run folders that hold a pointer, most recently saved first."""
-        runs = []
-        for name in self.storage.list(""):
+        """The folder's runs, most recently saved first: run folders with a pointer, or with a step
+        file that loads (recovered, with a warning). A store that does not answer ends the start."""
+        found = [run for name in self.patience.call(lambda: self.storage.list("")) if (run := self._run(name))]
+        return sorted(found, key=lambda r: r.saved_at, reverse=True)
+
+    def _run(self, name: str) -> RunInfo | None:
+        """The run in folder `name`, or None if it is no run's (no pointer and no step file)."""
+        try:
+            return _from_pointer(name, self._read(f"{name}/{POINTER}"))
+        except StorageError as e:
+            if e.kind != MISSING:
+                raise
+            problem = "is missing"
+        except BadPointer as e:
+            problem = str(e)
+        steps = self._steps(name)
+        return self._recover(name, steps, problem) if steps else None
+
+    def _recover(self, name: str, steps: list[str], problem: str) -> RunInfo:
+        """The run's identity from its newest step file that loads (each carries it)."""
+        for step in reversed(steps):
             try:
-                pointer = json.loads(self.storage.read(f"{name}/{POINTER}"))
-                runs.append(RunInfo(name, pointer["identity"], pointer["checkpoint"], int(pointer["global_step"]),
-                                    float(pointer["saved_at"])))
-            except (StorageError, ValueError, KeyError, TypeError):
-                continue  # not a run folder, or a run that never completed a save
-        return sorted(runs, key=lambda r: r.saved_at, reverse=True)
+                state = parse_checkpoint(self._read(step))
+            except (InvalidCheckpoint, StorageError) as e:
+                if isinstance(e, StorageError) and e.kind != MISSING:
+                    raise
+                continue
+            warning = (f"warning: the pointer {self.storage.url(f'{name}/{POINTER}')} {problem}; run {name} "
+                       f"recovered from its newest step file that loads, {step.rsplit('/', 1)[-1]}")
+            return RunInfo(name, state["identity"], step, int(state["global_step"]), _started_at(name), warning)
+        raise UserError(f"run folder {self.storage.url(name)} holds {len(steps)} step file(s) of which none loads, "
+                        f"and its pointer {problem}: it may be this command's run; nothing was started; {WAYS_OUT}")
 
     def candidates(self, run: RunInfo) -> list[str]:
         """The run's checkpoints, newest first: the pointer's target and every step file listed."""
         return sorted({*self._steps(run.name), run.checkpoint}, key=_step_number, reverse=True)
 
     def _steps(self, run: str) -> list[str]:
-        return sorted((f"{run}/{n}" for n in self.storage.list(run) if STEP_FILE.match(n)), key=_step_number)
+        names = self.patience.call(lambda: self.storage.list(run))
+        return sorted((f"{run}/{n}" for n in names if STEP_FILE.match(n)), key=_step_number)
 
     def check_writable(self, run: str, expected_bytes: int) -> None:
         """Find out now, not after an epoch, that the folder is read-only, unreachable or full."""
@@ -239,13 +363,11 @@ class CheckpointFolder:
         from: `previous` (the run's last good one, if any) when the step file failed, which leaves
         no partial file; the new file itself when only the pointer failed (resume lists step files)."""
         name = step_name(run, state["global_step"])
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
         pointer = {"checkpoint": name, "global_step": state["global_step"], "saved_at": time.time(),
                    "identity": state["identity"]}
         ways_out = "free space or fix access there, or pass another --checkpoint-dir"
         try:
-            self.storage.write(name, buffer.getvalue())
+            self.storage.write_from(name, lambda f: torch.save(state, f))
         except StorageError as e:
             raise UserError(f"saving checkpoint {self.storage.url(name)} failed ({e.cause}); {kept(previous)}; "
                             f"{ways_out}") from None
@@ -307,9 +429,9 @@ class Checkpoints:
     def _choose_on_primary(self, run: Run) -> Choice:
         try:  # opening the storage can fail too (an object store): every rank must hear of it
             self.folder = CheckpointFolder(storage_for(self.location, self.options), self.keep, self.options)
-            self.folder.storage.remove_leftovers()  # temp files of a writer killed mid-save
             choice = self.folder.choose(run.cfg.resume, run.cfg.identity())
             self.folder.check_writable(choice.run, expected_bytes(run))
+            self.folder.storage.remove_leftovers(choice.run)  # a killed writer's temp files, in this job's folder only
             return choice
         except UserError as e:
             return Choice("", error=str(e))
@@ -430,8 +552,11 @@ class BackgroundWriter:
         return self.pending is not None and self.pending.done() and self.pending.exception() is not None
 
     def close(self) -> None:
-        """Let a write in flight finish (its outcome no longer matters to anyone: the job is ending)."""
-        self.outcome()
+        """Let a write in flight finish. The job is ending (on an error, or the outcome would have
+        been asked for): if the save failed, say so, and which checkpoint the same command resumes from."""
+        error = self.outcome()
+        if error:
+            print(f"warning: the job's last save did not complete: {error}", file=sys.stderr, flush=True)
 
 
 def detached_copy(state: Any) -> Any:
@@ -471,5 +596,28 @@ def _step_number(name: str) -> int:
     return int(STEP_FILE.search(name).group(1))
 
 
+def _from_pointer(run: str, raw: bytes) -> RunInfo:
+    """The pointer's RunInfo; BadPointer if it does not parse (cut) or names a file other than one
+    of the run's step files (edited by hand, or a folder copied under another name)."""
+    try:
+        pointer = json.loads(raw)
+        info = RunInfo(run, dict(pointer["identity"]), pointer["checkpoint"], int(pointer["global_step"]),
+                       float(pointer["saved_at"]))
+    except (ValueError, KeyError, TypeError) as e:
+        raise BadPointer(f"does not parse ({type(e).__name__}, {len(raw)} bytes)") from None
+    if not isinstance(info.checkpoint, str) or not re.fullmatch(rf"{re.escape(run)}/step-\d{{8}}\.pt", info.checkpoint):
+        raise BadPointer(f"names an unexpected file {str(info.checkpoint)[:80]!r}")
+    return info
+
+
+def _started_at(run: str) -> float:
+    """The start time in a run folder's name (its save time is unknown without a pointer)."""
+    try:
+        return time.mktime(time.strptime(run[:15], RUN_STARTED))
+    except ValueError:
+        return 0.0
+
+
 def new_run_name() -> str:
-    return f"{time.strftime('%Y%m%d-%H%M%S')}-{secrets.token_hex(2)}"
+    """Start time (sortable) and 64 random bits: parallel starts in one second never share a folder."""
+    return f"{time.strftime(RUN_STARTED)}-{secrets.token_hex(8)}"

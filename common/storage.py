@@ -2,27 +2,40 @@
 
 Names are '/'-separated paths relative to the storage's root. `write` is all-or-nothing for
 readers: they see the old object or the new one, never part of one.
+
+Every failure is a StorageError whose `kind` says what a reader may conclude from it: MISSING (no
+such file: nothing is there), DENIED (credentials or permissions), TRANSIENT (unreachable, timed
+out, throttled, busy: the same request may work in a moment) or FAILED (anything else). Only
+MISSING says something about the folder's contents; the others say the store did not answer.
 """
 from __future__ import annotations
 
 import errno
 import importlib.util
+import io
 import os
 import shutil
 from pathlib import Path
-from typing import Any, Callable, Protocol, TypeVar
+from typing import Any, BinaryIO, Callable, Protocol, TypeVar
 
 from common.credentials import secrets_in
 
 T = TypeVar("T")
 
+MISSING, DENIED, TRANSIENT, FAILED = "missing", "denied", "transient", "failed"
+
 
 class StorageError(Exception):
-    """An operation on `url` failed; `cause` says why in a few words (for one-line errors)."""
+    """An operation on `url` failed; `cause` says why in a few words (for one-line errors), `kind`
+    what it means (MISSING, DENIED, TRANSIENT or FAILED)."""
 
-    def __init__(self, url: str, cause: str) -> None:
+    def __init__(self, url: str, cause: str, kind: str = FAILED) -> None:
         super().__init__(f"{url}: {cause}")
-        self.url, self.cause = url, cause
+        self.url, self.cause, self.kind = url, cause, kind
+
+    @property
+    def transient(self) -> bool:
+        return self.kind == TRANSIENT
 
 
 class Storage(Protocol):
@@ -30,6 +43,10 @@ class Storage(Protocol):
         """What a person should see for `name` (the root itself for '')."""
 
     def write(self, name: str, data: bytes) -> None: ...
+
+    def write_from(self, name: str, produce: Callable[[BinaryIO], None]) -> None:
+        """Like write, with the bytes written by `produce` into a file object: a local file gets
+        them as they come (no copy of the whole in memory); it may be called twice."""
 
     def read(self, name: str) -> bytes: ...
 
@@ -41,14 +58,43 @@ class Storage(Protocol):
     def free_bytes(self) -> int | None:
         """Room left for writes, or None where the store has no such limit."""
 
-    def remove_leftovers(self) -> None:
-        """Remove what a writer killed mid-write left behind (never a complete object)."""
+    def remove_leftovers(self, folder: str) -> None:
+        """Remove what a writer killed mid-write left in `folder` (never a complete object). Only
+        for a folder no other live writer uses: the job's own run folder, once its start is accepted."""
 
 
 def os_cause(error: OSError) -> str:
     """'No space left on device (ENOSPC)': the words and the code people search for."""
     code = errno.errorcode.get(error.errno or 0)
     return f"{error.strerror or error}{f' ({code})' if code else ''}"
+
+
+# Errors after which the same request may well succeed: a network file system or a FUSE mount of
+# an object store (which reports a failed request as EIO) that is slow, busy or briefly away.
+TRANSIENT_ERRNOS = {errno.EAGAIN, errno.EBUSY, errno.EINTR, errno.EIO, errno.ETIMEDOUT, errno.ESTALE,
+                    errno.ECONNREFUSED, errno.ECONNRESET, errno.ECONNABORTED, errno.EHOSTDOWN, errno.EHOSTUNREACH,
+                    errno.ENETDOWN, errno.ENETUNREACH, errno.ENETRESET, errno.EPIPE, errno.EREMOTEIO}
+# botocore's and aiohttp's names for a request that got no answer (they are not ConnectionErrors).
+TRANSIENT_NAMES = {"EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ReadTimeoutError",
+                   "ConnectionError", "ResponseStreamingError", "IncompleteReadError", "ClientConnectorError",
+                   "ServerDisconnectedError", "ClientOSError", "ClientPayloadError", "ServerTimeoutError"}
+THROTTLED = ("SlowDown", "Throttl", "RequestLimitExceeded", "TooManyRequests", "ServiceUnavailable", "(503)",
+             "(500)", "InternalError", "RequestTimeout")
+DENIED_WORDS = ("AccessDenied", "InvalidAccessKeyId", "SignatureDoesNotMatch", "ExpiredToken", "Forbidden")
+
+
+def error_kind(error: BaseException) -> str:
+    """MISSING, DENIED, TRANSIENT or FAILED, from the exception a file system or store raised."""
+    name, text = type(error).__name__, str(error)
+    if isinstance(error, (FileNotFoundError, NotADirectoryError)):
+        return MISSING
+    if isinstance(error, PermissionError) or name in ("NoCredentialsError", "PartialCredentialsError") \
+            or any(word in text for word in DENIED_WORDS):
+        return DENIED
+    if isinstance(error, (ConnectionError, TimeoutError)) or name in TRANSIENT_NAMES \
+            or getattr(error, "errno", None) in TRANSIENT_ERRNOS or any(word in text for word in THROTTLED):
+        return TRANSIENT
+    return FAILED
 
 
 # rename(2) refused by the file system (S3 Mountpoint, some FUSE mounts), not by permissions on the file.
@@ -71,30 +117,35 @@ class LocalStorage:
         return self.root / name if name else self.root
 
     def write(self, name: str, data: bytes) -> None:
+        self.write_from(name, lambda f: f.write(data))
+
+    def write_from(self, name: str, produce: Callable[[BinaryIO], None]) -> None:
         path = self._path(name)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
-            _write_synced(tmp, data)
+            _write_synced(tmp, produce)
             try:
                 os.replace(tmp, path)
             except OSError as e:
                 if e.errno not in NO_RENAME:
                     raise
                 tmp.unlink(missing_ok=True)
-                _write_synced(path, data)
+                _write_synced(path, produce)
             _fsync_dir(path.parent)
-        except OSError as e:
+        except BaseException as e:  # serializing can fail too (out of memory)
             tmp.unlink(missing_ok=True)  # never leave a partial file behind
-            raise StorageError(self.url(name), os_cause(e)) from None
+            if (os_error := _os_error_behind(e)) is not None:
+                raise StorageError(self.url(name), os_cause(os_error), error_kind(os_error)) from None
+            raise
 
     def read(self, name: str) -> bytes:
         try:
             return self._path(name).read_bytes()
-        except FileNotFoundError:
-            raise StorageError(self.url(name), "no such file") from None
+        except (FileNotFoundError, NotADirectoryError):
+            raise StorageError(self.url(name), "no such file", MISSING) from None
         except OSError as e:
-            raise StorageError(self.url(name), os_cause(e)) from None
+            raise StorageError(self.url(name), os_cause(e), error_kind(e)) from None
 
     def list(self, prefix: str) -> list[str]:
         try:
@@ -102,29 +153,37 @@ class LocalStorage:
         except (FileNotFoundError, NotADirectoryError):
             return []
         except OSError as e:
-            raise StorageError(self.url(prefix), os_cause(e)) from None
+            raise StorageError(self.url(prefix), os_cause(e), error_kind(e)) from None
 
     def delete(self, name: str) -> None:
         try:
             self._path(name).unlink(missing_ok=True)
         except OSError as e:
-            raise StorageError(self.url(name), os_cause(e)) from None
+            raise StorageError(self.url(name), os_cause(e), error_kind(e)) from None
 
     def free_bytes(self) -> int | None:
         existing = next(p for p in (self.root, *self.root.absolute().parents) if p.exists())
         return shutil.disk_usage(existing).free
 
-    def remove_leftovers(self) -> None:
-        for tmp in [*self.root.glob(".*.tmp-*"), *self.root.glob("*/.*.tmp-*")]:
+    def remove_leftovers(self, folder: str) -> None:
+        for tmp in self._path(folder).glob(".*.tmp-*"):
             try:
                 tmp.unlink(missing_ok=True)
             except OSError as e:
-                raise StorageError(str(tmp), os_cause(e)) from None
+                raise StorageError(str(tmp), os_cause(e), error_kind(e)) from None
 
 
-def _write_synced(path: Path, data: bytes) -> None:
+def _os_error_behind(error: BaseException | None) -> OSError | None:
+    """The OSError that caused `error`, if any: torch.save reports a failed write (a full disk) as
+    a RuntimeError ('unexpected pos') raised while it closes its archive, in the OSError's handling."""
+    while error is not None and not isinstance(error, OSError):
+        error = error.__cause__ or error.__context__
+    return error
+
+
+def _write_synced(path: Path, produce: Callable[[BinaryIO], None]) -> None:
     with open(path, "wb") as f:
-        f.write(data)
+        produce(f)
         f.flush()
         os.fsync(f.fileno())
 
@@ -196,10 +255,17 @@ class FsspecStorage:
         try:
             return action(self._path(name))
         except Exception as e:  # noqa: BLE001 - every store error becomes one line naming the URL
-            raise StorageError(self.url(name), self.scrub(describe_store_error(e))) from None
+            raise StorageError(self.url(name), self.scrub(describe_store_error(e)), error_kind(e)) from None
 
     def write(self, name: str, data: bytes) -> None:
         self._do(name, lambda path: self.fs.pipe_file(path, data))
+
+    def write_from(self, name: str, produce: Callable[[BinaryIO], None]) -> None:
+        """One PUT of an in-memory buffer. CPython's getvalue() hands over the buffer itself, not a
+        copy (botocore takes bytes, not a memoryview)."""
+        buffer = io.BytesIO()
+        produce(buffer)
+        self.write(name, buffer.getvalue())
 
     def read(self, name: str) -> bytes:
         return self._do(name, self.fs.cat_file)
@@ -227,7 +293,7 @@ class FsspecStorage:
     def free_bytes(self) -> int | None:
         return None
 
-    def remove_leftovers(self) -> None:
+    def remove_leftovers(self, folder: str) -> None:
         pass  # a cut PUT leaves nothing behind
 
 
@@ -240,9 +306,10 @@ def describe_store_error(error: Exception) -> str:
                 "an instance role, or key/secret in --storage-options")
     if isinstance(error, PermissionError) or "AccessDenied" in text or "InvalidAccessKeyId" in text:
         return f"access denied, wrong or missing credentials ({text})"
-    if name in ("EndpointConnectionError", "ConnectTimeoutError", "ConnectionClosedError", "ReadTimeoutError") \
-            or isinstance(error, (ConnectionError, TimeoutError)):
+    if name in TRANSIENT_NAMES or isinstance(error, (ConnectionError, TimeoutError)):
         return f"the store is unreachable ({text}); check AWS_ENDPOINT_URL or endpoint_url in --storage-options"
+    if error_kind(error) == TRANSIENT:
+        return f"the store is busy or throttling ({text})"
     if isinstance(error, FileNotFoundError):
         return f"not found ({text})" if text else "not found"
     return f"{name}: {text}"

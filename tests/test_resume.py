@@ -109,7 +109,7 @@ def test_sigkill_during_saves_never_costs_the_newest_complete_checkpoint(tmp_pat
         assert choice.state["global_step"] >= max(completed), "a save reported complete was lost"
         assert torch.equal(choice.state["model"]["w"][:3], parse_checkpoint(choice.data)["model"]["w"][:3])
         leftovers_seen += len(list(tmp_path.glob("*/.*.tmp-*")))
-        folder.storage.remove_leftovers()  # what the next start does
+        folder.storage.remove_leftovers("run")  # what the next start of this run does
         assert not list(tmp_path.glob("*/.*.tmp-*")), "temp files survived the next start"
         last_done = choice.state["global_step"]
     assert len(list(tmp_path.glob("run/step-*.pt"))) <= 3 + 1  # --keep 3, plus one if a kill beat the pruning

@@ -1,0 +1,257 @@
+"""Stores never start a run over: a store that does not answer at resume, a cut or odd pointer, and
+jobs that share a --checkpoint-dir. Real torchrun processes (gloo, CPU); the object store is the
+test S3 server (moto) behind a proxy on 127.0.0.1 that fails chosen requests for a while."""
+from __future__ import annotations
+
+import errno
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.checkpoint import BackgroundWriter, CheckpointFolder, new_run_name
+from common.errors import UserError
+from common.storage import DENIED, FAILED, MISSING, TRANSIENT, LocalStorage, StorageError, error_kind
+from tests.conftest import ROOT, child_env, error_lines, free_port, run_script
+from tests.flaky_proxy import FlakyProxy
+from tests.s3server import S3Server
+from tests.save_loop import IDENTITY, state as loop_state
+
+# 1 epoch of 4 steps, saved at steps 2 and 4: the run is complete, so a resume that finds it ends
+# at once with "training already complete: <its checkpoint>", and one that misses it trains anew.
+RUN = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
+       "--epochs", "1", "--max-steps", "4", "--save-every-steps", "2"]
+NEWEST = "step-00000004.pt"
+SHORT_BOUND_S = 8  # DP_STORE_RETRY_S for the cases where the store stays away
+
+
+def train(ckpt: str, tmp_path: Path, environ: dict[str, str] | None = None, *extra: str):
+    return run_script(["train_ddp.py", *RUN, "--checkpoint-dir", ckpt, "--log-dir", str(tmp_path / "tb"), *extra],
+                      nproc=2, env=environ or child_env(), timeout=300)
+
+
+def ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+
+
+def run_folders(folder: Path) -> list[str]:
+    return sorted(p.name for p in folder.iterdir() if p.is_dir())
+
+
+# ---------------------------------------------------------------- a store that does not answer
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory):
+    """The S3 server, a proxy in front of it, and one complete run saved (directly) under s3://ckpt/base."""
+    server = S3Server(free_port())
+    server.start()
+    server.client().create_bucket(Bucket="ckpt")
+    proxy = FlakyProxy(int(server.endpoint.rsplit(":", 1)[1]))
+    ok(train("s3://ckpt/base", tmp_path_factory.mktemp("base"), {**child_env(), **server.env()}))
+    yield server, proxy
+    proxy.shutdown()
+    server.stop()
+
+
+def keys(server: S3Server, prefix: str) -> list[str]:
+    listed = server.client().list_objects_v2(Bucket="ckpt", Prefix=f"{prefix}/").get("Contents", [])
+    return sorted(o["Key"].removeprefix(f"{prefix}/") for o in listed)
+
+
+def copy_run(server: S3Server, prefix: str) -> list[str]:
+    """The base run under another prefix (a pointer names its checkpoint relative to the folder)."""
+    client = server.client()
+    for key in keys(server, "base"):
+        client.copy_object(Bucket="ckpt", Key=f"{prefix}/{key}", CopySource={"Bucket": "ckpt", "Key": f"base/{key}"})
+    return keys(server, prefix)
+
+
+# (what fails: a path part, how, for how long from the first failure; None: until the job has ended)
+OUTAGES = {
+    "pointer 503, back in 6 s": ("latest.json", "503", 6),
+    "checkpoint dropped, back in 6 s": (".pt", "drop", 6),
+    "checkpoint 503 throughout": (".pt", "503", None),
+    "pointer dropped throughout": ("latest.json", "drop", None),
+}
+# One attempt per request (the suite's default is 3, with up to 6 s of backoff, and s3fs's own
+# retries around them): the outage then meets the resume's own retries at once, in seconds.
+ONE_ATTEMPT = json.dumps({"config_kwargs": {"connect_timeout": 5, "read_timeout": 20, "retries": {"max_attempts": 1}}})
+
+
+@pytest.mark.parametrize("case", list(OUTAGES))
+def test_a_store_that_does_not_answer_at_resume_never_starts_the_run_over(case, store, tmp_path):
+    server, proxy = store
+    match, how, seconds = OUTAGES[case]
+    prefix = case.replace(" ", "-").replace(",", "")
+    before = copy_run(server, prefix)
+    environ = {**child_env(), **server.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
+    if seconds is None:
+        environ["DP_STORE_RETRY_S"] = str(SHORT_BOUND_S)
+    proxy.fail(match, how, seconds if seconds is not None else float("inf"))
+    started = time.monotonic()
+    try:
+        result = train(f"s3://ckpt/{prefix}", tmp_path, environ, "--storage-options", ONE_ATTEMPT)
+    finally:
+        proxy.fault = None
+    elapsed = time.monotonic() - started
+    assert proxy.failed > 0, "the proxy failed no request: the case tests nothing"
+    assert keys(server, prefix) == before, "the job wrote into the store: it started something"
+    if seconds is not None:  # the store came back within the bound: the run goes on where it was
+        ok(result)
+        run = before[0].split("/")[0]
+        assert f"training already complete: s3://ckpt/{prefix}/{run}/{NEWEST}" in result.stdout, result.stdout
+        assert "warning: the store did not answer at first" in result.stderr, result.stderr[-3000:]
+    else:
+        errors = error_lines(result.stderr)
+        assert result.returncode != 0 and len(errors) == 1, result.stderr[-3000:]
+        assert f"the store did not answer reading s3://ckpt/{prefix}/" in errors[0]
+        assert "nothing was started" in errors[0] and "/common/" not in result.stderr
+        assert elapsed < SHORT_BOUND_S + 60  # start-up, the bound, and one last request's own retries
+    print(f"\n{case}: {proxy.failed} requests failed; exit {result.returncode} after {elapsed:.1f} s")
+
+
+# ---------------------------------------------------------------- pointers
+
+def test_a_cut_pointer_is_recovered_in_a_real_resume(tmp_path):
+    """What a pointer rewritten in place (rename refused: S3 Mountpoint, some FUSE mounts) and cut
+    by a kill leaves: a latest.json that does not parse. The run stays visible through its step files."""
+    ckpt = tmp_path / "ckpt"
+    ok(train(str(ckpt), tmp_path))
+    [run] = run_folders(ckpt)
+    pointer = ckpt / run / "latest.json"
+    pointer.write_bytes(pointer.read_bytes()[:40])
+    resumed = train(str(ckpt), tmp_path)
+    ok(resumed)
+    assert f"the pointer {pointer} does not parse" in resumed.stderr, resumed.stderr[-3000:]
+    assert f"training already complete: {ckpt / run / NEWEST}" in resumed.stdout, resumed.stdout
+    assert run_folders(ckpt) == [run]
+
+
+def _three_checkpoints(folder: CheckpointFolder) -> None:
+    for step in (3, 6, 9):
+        folder.write("run", loop_state(step, torch.zeros(4)))
+
+
+POINTERS = {  # damage -> what the warning says
+    "cut": (lambda raw: raw[: len(raw) // 2], "does not parse"),
+    "empty": (lambda raw: b"", "does not parse"),
+    "not an object": (lambda raw: b"[1, 2]", "does not parse"),
+    "unexpected name": (lambda raw: raw.replace(b"step-00000009.pt", b"weights.pt"), "names an unexpected file"),
+    "another folder's file": (lambda raw: raw.replace(b"run/", b"other/"), "names an unexpected file"),
+    "missing": (None, "is missing"),
+}
+
+
+@pytest.mark.parametrize("damage", list(POINTERS))
+def test_a_damaged_pointer_is_a_warning_and_the_run_resumes_from_its_newest_step_file(damage, tmp_path):
+    folder = CheckpointFolder(LocalStorage(str(tmp_path)), keep=3)
+    _three_checkpoints(folder)
+    change, why = POINTERS[damage]
+    pointer = tmp_path / "run" / "latest.json"
+    if change is None:
+        pointer.unlink()
+    else:
+        pointer.write_bytes(change(pointer.read_bytes()))
+    choice = folder.choose("auto", IDENTITY)
+    assert choice.run == "run" and choice.state["global_step"] == 9
+    assert any(f"the pointer {pointer} {why}" in w for w in choice.warnings), choice.warnings
+
+
+def test_a_run_none_of_whose_checkpoints_loads_is_an_error_not_a_fresh_start(tmp_path):
+    folder = CheckpointFolder(LocalStorage(str(tmp_path)), keep=3)
+    _three_checkpoints(folder)
+    for step_file in (tmp_path / "run").glob("step-*.pt"):
+        step_file.write_bytes(step_file.read_bytes()[:100])
+    with pytest.raises(UserError, match="none of its 3 checkpoint.s. loads .* pass --resume none"):
+        folder.choose("auto", IDENTITY)
+    (tmp_path / "run" / "latest.json").write_bytes(b"{")  # and no pointer to tell whose run it is
+    with pytest.raises(UserError, match="holds 3 step file.s. of which none loads, and its pointer does not parse"):
+        folder.choose("auto", IDENTITY)
+
+
+class Unreachable(LocalStorage):
+    """A store whose reads time out while `down` is set."""
+
+    down = True
+
+    def read(self, name: str) -> bytes:
+        if self.down:
+            raise StorageError(self.url(name), "the store is unreachable (timed out)", TRANSIENT)
+        return super().read(name)
+
+
+def test_a_pointer_read_that_times_out_is_retried_then_ends_the_start(tmp_path, monkeypatch):
+    monkeypatch.setattr("common.checkpoint.RESUME_RETRY_S", 0.5)
+    monkeypatch.setattr("common.checkpoint.FIRST_PAUSE_S", 0.1)
+    _three_checkpoints(CheckpointFolder(LocalStorage(str(tmp_path)), keep=3))
+    folder = CheckpointFolder(Unreachable(str(tmp_path)), keep=3)
+    with pytest.raises(UserError, match=f"did not answer reading {tmp_path}/run/latest.json .*nothing was started"):
+        folder.choose("auto", IDENTITY)
+    assert folder.patience.retries == 2  # after 0.1 s and 0.2 s; a third pause would pass the bound
+
+
+# ---------------------------------------------------------------- errors told apart
+
+@pytest.mark.parametrize("error, kind", [
+    (FileNotFoundError(errno.ENOENT, "No such file"), MISSING),
+    (PermissionError(errno.EACCES, "Permission denied"), DENIED),
+    (OSError(errno.EBUSY, "Please reduce your request rate."), TRANSIENT),  # s3fs's 503 SlowDown
+    (OSError(errno.EIO, "Input/output error"), TRANSIENT),  # a FUSE mount's failed request
+    (ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused"), TRANSIENT),
+    (TimeoutError("read timed out"), TRANSIENT),
+    (OSError(errno.EINVAL, "Invalid argument"), FAILED),
+])
+def test_store_errors_are_told_apart(error, kind):
+    assert error_kind(error) == kind
+
+
+# ---------------------------------------------------------------- jobs sharing a folder
+
+def test_run_names_of_parallel_starts_never_collide():
+    names = [new_run_name() for _ in range(20000)]  # far more than start in one second
+    assert len(set(names)) == len(names)
+    assert names[0][:15] <= names[-1][:15]  # the prefix sorts by start time
+
+
+def test_jobs_saving_every_step_into_one_folder_finish_while_others_start_there(tmp_path):
+    ckpt, stop = tmp_path / "ckpt", tmp_path / "stop"
+    loops = [subprocess.Popen([sys.executable, "tests/save_loop.py", str(ckpt), run, "0", str(stop)], cwd=ROOT,
+                              env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for run in ("job-a", "job-b")]
+    try:
+        for loop in loops:
+            assert loop.stdout.readline().strip(), "a save loop did not start"
+        refused = train(str(ckpt), tmp_path)  # other settings than the loops' runs: refused
+        assert "with other settings" in error_lines(refused.stderr)[0], refused.stderr[-3000:]
+        ok(train(str(ckpt), tmp_path, None, "--resume", "none"))  # a new run beside them
+    finally:
+        stop.touch()
+    outcomes = [loop.communicate(timeout=60) for loop in loops]
+    for loop, (out, err) in zip(loops, outcomes):
+        assert loop.returncode == 0, err[-3000:]
+    steps = [len(out.split()) for out, _ in outcomes]
+    print(f"\ntwo jobs saved {steps} times while two commands started in their folder")
+
+
+class Full(LocalStorage):
+    """A disk that fills up: step files fail, as a save in the background would."""
+
+    def write_from(self, name, produce) -> None:
+        raise StorageError(self.url(name), "No space left on device (ENOSPC)", FAILED)
+
+
+def test_the_end_of_a_job_names_a_failed_last_save(tmp_path, capsys):
+    CheckpointFolder(LocalStorage(str(tmp_path)), keep=3).write("run", loop_state(3, torch.zeros(4)))
+    writer = BackgroundWriter()
+    writer.start(CheckpointFolder(Full(str(tmp_path)), keep=3), "run", loop_state(6, torch.zeros(4)),
+                 str(tmp_path / "run" / "step-00000003.pt"), lambda path, seconds: None)
+    writer.close()  # what the end of a job does: on an error exit, nobody asked for the save's outcome
+    line = capsys.readouterr().err.strip()
+    assert line.startswith(f"warning: the job's last save did not complete: saving checkpoint "
+                           f"{tmp_path}/run/step-00000006.pt failed (No space left on device"), line
+    assert f"the previous checkpoint {tmp_path}/run/step-00000003.pt is intact and the same command resumes" in line
+    assert "\n" not in line
