@@ -10,12 +10,14 @@ import common.collector  # noqa: F401  (first: no garbage collection while torch
 import argparse
 import os
 
+import torch
 from torch import nn
 
 from common.app import main as run
 from common.config import Config
 from common.distributed import DistContext
 from common.errors import ConfigError
+from common.step import PRECISIONS
 from common.strategy import Strategy
 
 
@@ -31,6 +33,7 @@ class DataParallelStrategy(Strategy):
         super().configure(cfg)
         if cfg.options["gpus"]:  # set before CUDA starts; the chosen GPUs become cuda:0, cuda:1, ...
             os.environ["CUDA_VISIBLE_DEVICES"] = cfg.options["gpus"]
+        self.autocast_dtype = PRECISIONS[cfg.precision]
 
     def compression_hint(self) -> str:
         return ("nn.DataParallel sums gradients inside one process, over no network: drop --grad-compression, or "
@@ -43,10 +46,26 @@ class DataParallelStrategy(Strategy):
                               "`torchrun --nproc_per_node=1 train_dp.py`; for one process per GPU use train_ddp.py")
 
     def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module:
-        return nn.DataParallel(model)  # on a CPU-only host: a pass-through
+        return nn.DataParallel(ReplicaAutocast(model, self.autocast_dtype))  # on a CPU-only host: a pass-through
 
     def unwrap(self, model: nn.Module) -> nn.Module:
-        return model.module
+        return model.module.module
+
+
+class ReplicaAutocast(nn.Module):
+    """nn.DataParallel runs each GPU's replica in a thread of its own and enters autocast there with
+    that thread's default dtype (float16 on CUDA), not the run's: --precision bf16 would run the
+    replicas in fp16, with no loss scaling. This restates the run's dtype inside the replica."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype | None) -> None:
+        super().__init__()
+        self.module, self.dtype = module, dtype
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        if self.dtype is None or not torch.is_autocast_enabled(images.device.type):
+            return self.module(images)
+        with torch.autocast(images.device.type, dtype=self.dtype):
+            return self.module(images)
 
 
 def main(argv: list[str] | None = None) -> None:

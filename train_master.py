@@ -65,7 +65,7 @@ class MasterWorkerStrategy(HandWrittenSync):
         # The master's parameters, buffers and (fp16) loss scale: the workers take all three.
         scale = torch.tensor([precision.scale()], dtype=torch.float32, device=self.device)
         broadcast_coalesced([*self.sent_by_master, scale], self.device, transport=self.transport)
-        if not self.is_master:
+        if not self.is_master and precision.scaler:  # read only with fp16: on a GPU the read waits for the step
             precision.follow(scale.item())
 
 

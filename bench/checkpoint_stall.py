@@ -3,8 +3,8 @@ store (moto's S3 server on 127.0.0.1, started here) and a local folder. Real tra
 world 2; the figures come from the runs' TensorBoard scalars time/checkpoint_stall_s (the pause)
 and time/checkpoint_s (serialize + upload, on rank 0's writer thread).
 
-    python bench/checkpoint_stall.py                   # ResNet-18 (~90 MB checkpoints)
-    python bench/checkpoint_stall.py --model convnet
+    python -m bench checkpoint_stall                   # ResNet-18 (~90 MB checkpoints)
+    python -m bench checkpoint_stall --model convnet
 
 Mid-epoch saves only: the run's last save waits for its write by design (nothing may be lost).
 """
@@ -14,18 +14,15 @@ import argparse
 import logging
 import statistics
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+from bench.strategies import launcher
+from common.report import load_run
+from tests.conftest import free_port
+from tests.s3server import S3Server
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.strategies import launcher  # noqa: E402
-from common.report import load_run  # noqa: E402
-from tests.conftest import free_port  # noqa: E402
-from tests.s3server import S3Server  # noqa: E402
-
 SAVE_EVERY = 2
 
 

@@ -1,8 +1,8 @@
 """Train all six strategies on the same data and settings, one after another, then write the
 report (table and plots) comparing them.
 
-    python bench/compare.py                                # synthetic data, 3 epochs, world 2
-    python bench/compare.py --out report -- --dataset mnist --epochs 2
+    python -m bench compare                                # synthetic data, 3 epochs, world 2
+    python -m bench compare --out report -- --dataset mnist --epochs 2
 
 Flags after `--` go to every train_*.py. Runs land in OUT/runs/<strategy>, the report in OUT.
 """
@@ -10,16 +10,13 @@ from __future__ import annotations
 
 import argparse
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
+from bench.strategies import launcher
+from common.report import write_report
+
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.strategies import launcher  # noqa: E402
-from common.report import write_report  # noqa: E402
-
 STRATEGIES = {"ddp": "train_ddp.py", "allreduce": "train_allreduce.py", "master": "train_master.py",
               "dp": "train_dp.py", "fsdp": "train_fsdp.py", "localsgd": "train_localsgd.py"}
 DEFAULT_FLAGS = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "convnet", "--epochs", "6",

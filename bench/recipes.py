@@ -1,9 +1,9 @@
 """Recipes side by side: images/s per strategy for fp32, bf16 and --compile; gradient accumulation
 with and without skipped synchronizations; gradient compression (bytes per step, accuracy).
 
-    python bench/recipes.py                      # all three tables (a few minutes on 2 CPU cores)
-    python bench/recipes.py --tables compression --epochs 4
-    python bench/recipes.py --tables throughput --models resnet18 --strategies master dp
+    python -m bench recipes                      # all three tables (a few minutes on 2 CPU cores)
+    python -m bench recipes --tables compression --epochs 4
+    python -m bench recipes --tables throughput --models resnet18 --strategies master dp
 
 World 2, gloo, one thread per rank (train_dp.py: one process with both threads), synthetic data.
 """
@@ -11,16 +11,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.strategies import MODELS, run, synthetic, timing  # noqa: E402
-from common.models import build_model  # noqa: E402
+from bench.strategies import MODELS, run, synthetic, timing
+from common.models import build_model
 
 STRATEGIES = {"ddp": ["train_ddp.py"], "allreduce": ["train_allreduce.py"], "master": ["train_master.py"],
               "dp": ["train_dp.py"]}
@@ -50,7 +45,7 @@ def accumulation(batch: int, micro: int) -> None:
     """DDP with no_sync on all but the last micro-batch, against syncing every one of them."""
     flags = [*synthetic("convnet", batch, 60, 10), "--accumulate", str(micro)]
     skipped = timing(run(["train_ddp.py"], flags, 2))
-    every = timing(run(["bench/sync_every_micro_batch.py"], flags, 2))
+    every = timing(run(["-m", "bench.references", "sync-every-micro-batch"], flags, 2))
     print(f"\naccumulation: ddp, convnet, global batch {batch} in {micro} micro-batches per rank, world 2\n")
     print("| gradients synchronized | ms per step | images/s |\n|---|---|---|")
     for label, t in (("once per step (no_sync on the others)", skipped), ("after every micro-batch", every)):

@@ -1,7 +1,7 @@
 """Sharded and low-communication training against DDP.
 
-    python bench/sharding.py memory          # per-rank training state, ResNet-18, W = 1, 2, 4
-    python bench/sharding.py localsgd        # accuracy against bytes communicated, H = 1, 4, 16, 64
+    python -m bench sharding memory          # per-rank training state, ResNet-18, W = 1, 2, 4
+    python -m bench sharding localsgd        # accuracy against bytes communicated, H = 1, 4, 16, 64
 
 memory: parameters + gradients + optimizer state each rank holds (the mem/state_mb the suite logs:
 every storage once, a shard where sharded), and images/s at W=2.
@@ -12,14 +12,9 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
-
-from bench.strategies import run, synthetic, timing  # noqa: E402
-from common.models import build_model  # noqa: E402
+from bench.strategies import run, synthetic, timing
+from common.models import build_model
 
 SHARDED = {"ddp": ["train_ddp.py"], "fsdp --shard optimizer (ZeRO-1)": ["train_fsdp.py", "--shard", "optimizer"],
            "fsdp --shard full (FSDP2)": ["train_fsdp.py", "--shard", "full"]}

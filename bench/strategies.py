@@ -1,8 +1,8 @@
 """Every strategy side by side: same model, global batch, world size and threads per rank, each
 run as real torchrun processes on synthetic data, timed by the suite's own step clock.
 
-    python bench/strategies.py                 # convnet (MNIST shape) and resnet18 (CIFAR shape)
-    python bench/strategies.py --models convnet --repeats 3
+    python -m bench strategies                 # convnet (MNIST shape) and resnet18 (CIFAR shape)
+    python -m bench strategies --models convnet --repeats 3
 
 Per row: images/s, ms per step, ms of exposed sync (step time minus the no-sync row's, which
 counts sync hidden inside backward too, e.g. DDP's), and the ratio of images/s to DDP's.
@@ -18,11 +18,12 @@ import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 ROOT = Path(__file__).resolve().parent.parent
 
 ROWS = [  # label, script and flags
-    ("no sync (floor)", ["bench/nosync.py"]),
+    ("no sync (floor)", ["-m", "bench.references", "nosync"]),
     ("per-param all_reduce (tutorials)", ["train_allreduce.py", "--allreduce", "per-param"]),
     ("ddp", ["train_ddp.py"]),
     ("allreduce (buckets)", ["train_allreduce.py"]),
@@ -57,19 +58,37 @@ def launcher(script: str, world: int, threads: int) -> tuple[list[str], dict[str
             {**os.environ, "OMP_NUM_THREADS": str(threads)})
 
 
-def run(script: list[str], flags: list[str], world: int, threads: int = 1) -> dict[str, list[float]]:
-    """Train with these flags (fresh temp folders) and return every TensorBoard scalar by tag."""
+@dataclass
+class Finished:
+    returncode: int
+    stdout: str
+    stderr: str
+    scalars: dict[str, list[float]]  # every TensorBoard scalar by tag
+
+
+def train(script: list[str], flags: list[str], world: int, threads: int = 1, torchrun: Sequence[str] = ()) -> Finished:
+    """Train with these flags in fresh temp folders (flags may name their own --checkpoint-dir);
+    torchrun: more torchrun options (not for train_dp.py, which runs as one plain process)."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     with tempfile.TemporaryDirectory() as tmp:
         command, env = launcher(script[0], world, threads)
-        done = subprocess.run([*command, *script, *flags, "--log-dir", f"{tmp}/tb", "--checkpoint-dir", f"{tmp}/ckpt"],
+        done = subprocess.run([*command, *torchrun, *script, "--log-dir", f"{tmp}/tb", "--checkpoint-dir", f"{tmp}/ckpt", *flags],
                               cwd=ROOT, env=env, capture_output=True, text=True)
-        if done.returncode:
-            raise SystemExit(f"{' '.join(script + flags)} failed:\n{done.stderr[-3000:]}")
+        if not os.path.isdir(f"{tmp}/tb"):  # a run that failed before its logger started
+            return Finished(done.returncode, done.stdout, done.stderr, {})
         acc = EventAccumulator(f"{tmp}/tb", size_guidance={"scalars": 0})
         acc.Reload()
-        return {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+        scalars = {tag: [e.value for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
+        return Finished(done.returncode, done.stdout, done.stderr, scalars)
+
+
+def run(script: list[str], flags: list[str], world: int, threads: int = 1) -> dict[str, list[float]]:
+    """Train with these flags (fresh temp folders) and return every TensorBoard scalar by tag."""
+    done = train(script, flags, world, threads)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(script + flags)} failed:\n{done.stderr[-3000:]}")
+    return done.scalars
 
 
 def synthetic(model: str, batch: int, steps: int, every: int) -> list[str]:

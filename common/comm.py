@@ -194,7 +194,12 @@ class GradientBuckets:
                 offset += p.numel()
             if self.scale != 1.0:
                 bucket.grads.mul_(self.scale)
-            bucket.used.copy_(torch.tensor([p.grad is not None for p in bucket.params], dtype=bucket.used.dtype))
+            # Filled on the device: copying a host list into a CUDA bucket would wait for the GPU
+            # inside backward, every bucket, every step.
+            bucket.used.fill_(1)
+            for i, p in enumerate(bucket.params):
+                if p.grad is None:
+                    bucket.used[i].fill_(0)
             if bucket.buffers:
                 region = bucket.buffer_region
                 region.copy_(torch.cat([b.detach().reshape(-1) for b in bucket.buffers])) if self.is_root else region.zero_()
@@ -222,7 +227,10 @@ class GradientBuckets:
 
     def _write_back(self, bucket: Bucket) -> None:
         offset = 0
-        for p, used_anywhere in zip(bucket.params, bucket.used.tolist()):
+        # Used here means used somewhere; only a rank that skipped a parameter reads the flags (on a
+        # GPU, a read that waits for the collective).
+        used = bucket.used.tolist() if any(p.grad is None for p in bucket.params) else [1] * len(bucket.params)
+        for p, used_anywhere in zip(bucket.params, used):
             if used_anywhere:
                 grad = bucket.grads[offset:offset + p.numel()].view_as(p)
                 p.grad = grad.to(p.device, p.dtype) if p.grad is None else p.grad.copy_(grad)

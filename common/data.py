@@ -152,7 +152,7 @@ class TrainLoader:
             g = _batch_generator(self.seed, epoch, step)
             shifts = torch.randint(0, 9, (self.global_batch, 2), generator=g)[self.rank::self.world_size]
             flips = (torch.rand(self.global_batch, generator=g) < 0.5)[self.rank::self.world_size]
-            images = crop_and_flip(images, shifts.to(images.device), flips.to(images.device))
+            images = crop_and_flip(images, to_device(shifts, images.device), to_device(flips, images.device))
         return self.normalize(images)
 
 
@@ -173,5 +173,10 @@ def eval_batches(split: Split, spec: DataSpec, rank: int, world_size: int, batch
         most = -(-len(eval_shard(len(split), 0, world_size)) // batch)  # shard 0 is never the smaller one
         indices += [torch.zeros(0, dtype=torch.int64)] * (most - len(indices))
     for index in indices:
-        images = split.images[index].pin_memory() if device.type == "cuda" else split.images[index]
-        yield normalize(images.to(device, non_blocking=True)), split.labels[index].to(device, non_blocking=True)
+        yield normalize(to_device(split.images[index], device)), to_device(split.labels[index], device)
+
+
+def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device` without waiting: from pageable memory a copy to a GPU blocks until
+    the GPU has caught up with everything queued before it, every step; from pinned memory it does not."""
+    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor.to(device)

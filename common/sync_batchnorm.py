@@ -30,22 +30,24 @@ class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         dims = [0, *range(2, x.dim())]
         shape = [1, -1] + [1] * (x.dim() - 2)
-        count = dist_fn.all_reduce(x.new_tensor([x.numel() / x.size(1)]))
+        # The count is made and used on the device: a host value (new_tensor, .item()) would make
+        # the CPU wait for the GPU at every BatchNorm layer of every forward.
+        count = dist_fn.all_reduce(torch.full((1,), x.numel() / x.size(1), dtype=x.dtype, device=x.device))
         mean = dist_fn.all_reduce(x.sum(dims)) / count
         centered = x - mean.view(shape)
         var = dist_fn.all_reduce(centered.pow(2).sum(dims)) / count
-        self._update_running_stats(mean.detach(), var.detach(), count.item())
+        self._update_running_stats(mean.detach(), var.detach(), count)
         out = centered / torch.sqrt(var.view(shape) + self.eps)
         return out * self.weight.view(shape) + self.bias.view(shape) if self.affine else out
 
     @torch.no_grad()
-    def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, count: float) -> None:
+    def _update_running_stats(self, mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor) -> None:
         if not self.track_running_stats:
             return
         self.num_batches_tracked += 1
         momentum = 1.0 / float(self.num_batches_tracked) if self.momentum is None else self.momentum
         self.running_mean.lerp_(mean, momentum)
-        self.running_var.lerp_(var * count / max(count - 1, 1), momentum)  # unbiased, as nn.BatchNorm
+        self.running_var.lerp_(var * count / (count - 1).clamp(min=1), momentum)  # unbiased, as nn.BatchNorm
 
 
 def convert_batchnorm(module: nn.Module) -> nn.Module:

@@ -1,0 +1,48 @@
+"""Every relative link in README.md and docs/*.md points to a file that exists and, where it names
+an anchor, to a heading of that file (GitHub's anchors: lower case, punctuation dropped, spaces
+as hyphens, -1, -2, ... for repeats)."""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Iterator
+
+import pytest
+
+from tests.conftest import ROOT
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+CODE = re.compile(r"```.*?```|`[^`\n]*`", re.DOTALL)
+
+
+def anchors(page: Path) -> Iterator[str]:
+    """The anchors GitHub gives the headings of a Markdown page."""
+    seen: dict[str, int] = {}
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", CODE.sub("", page.read_text()), re.MULTILINE):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        seen[slug] = seen.get(slug, -1) + 1
+        yield slug if seen[slug] == 0 else f"{slug}-{seen[slug]}"
+
+
+def links(page: Path) -> list[str]:
+    return [t for t in LINK.findall(CODE.sub("", page.read_text())) if not re.match(r"[a-z]+:", t)]
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_relative_link_resolves(page):
+    broken = []
+    for target in links(page):
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            broken.append(f"{target}: no such file")
+        elif anchor and anchor not in set(anchors(file)):
+            broken.append(f"{target}: no heading with that anchor in {file.name}")
+    assert not broken, f"{page.name}: " + "; ".join(broken)
+
+
+def test_the_readme_links_every_page():
+    """A page nobody can reach from the front door is caught too."""
+    linked = {(ROOT / t.partition("#")[0]).resolve() for t in links(ROOT / "README.md") if t.startswith("docs/")}
+    assert set(PAGES[1:]) <= linked, sorted(p.name for p in set(PAGES[1:]) - linked)
