@@ -19,7 +19,7 @@ from common.app import main as run
 from common.comm import Bucket, GradientBuckets, broadcast_coalesced, float_buffers
 from common.config import Config
 from common.distributed import DistContext
-from common.step import Precision
+from common.precision import Precision
 from common.strategy import HandWrittenSync
 from common.transport import Handle
 

@@ -24,7 +24,7 @@ from common.optim import make_scheduler
 from common.preemption import StopRequest
 from common.profiling import NoProfiler, StepProfiler, trace_folder
 from common.run import Position, Run
-from common.step import Precision
+from common.precision import Precision
 from common.strategy import Strategy
 from common.sync_batchnorm import convert_batchnorm
 from common.trainer import Trainer

@@ -19,7 +19,8 @@ from common.logger import NullLogger
 from common.models import build_model
 from common.optim import make_optimizer, make_scheduler
 from common.run import Run
-from common.step import Precision, train_step
+from common.precision import Precision
+from common.step import train_step
 from common.strategy import Strategy
 
 TOLERANCE = 1e-5  # float32 on CPU; the two sides sum the same numbers in a different order

@@ -9,7 +9,7 @@ from torch import nn
 from common.config import Config
 from common.data import Dataset, TrainLoader
 from common.distributed import DistContext
-from common.step import Precision
+from common.precision import Precision
 from common.strategy import Strategy
 
 AUTO_POINTS_PER_EPOCH = 10  # --log-every left unset: at least this many step-level points per epoch

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, ContextManager
+from typing import Any, ContextManager
 
 import torch
 from torch import nn
@@ -15,9 +15,7 @@ from torch import nn
 from common.config import Config
 from common.distributed import DistContext
 from common.errors import ConfigError
-
-if TYPE_CHECKING:
-    from common.step import Precision
+from common.precision import Precision
 
 
 class Strategy:

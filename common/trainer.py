@@ -19,7 +19,8 @@ from common.preemption import SAVE_FAILED, Preempted, StopRequest
 from common.profiling import NoProfiler, StepProfiler
 from common.replicas import check_replicas
 from common.run import Position, Run
-from common.step import DATA, SYNC, Precision, StepClock, reseed, train_step, uses_randomness
+from common.precision import Precision
+from common.step import DATA, SYNC, StepClock, reseed, train_step, uses_randomness
 from common.warnings_relay import WarningRelay
 
 FLUSH_STEPS = 50  # step-level points are combined over ranks in one collective about this often
