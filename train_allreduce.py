@@ -11,12 +11,12 @@ import argparse
 
 from torch import nn
 
-from common.app import main as run
-from common.comm import GradientBuckets, PerParameterAllReduce, float_buffers, launch_all_reduce
+from common.train.app import main as run
+from common.dist.comm import GradientBuckets, PerParameterAllReduce, float_buffers, launch_all_reduce
 from common.config import Config
-from common.distributed import DistContext
+from common.dist.context import DistContext
 from common.errors import ConfigError
-from common.strategy import HandWrittenSync
+from common.train.strategy import HandWrittenSync
 
 
 class AllReduceStrategy(HandWrittenSync):

@@ -16,12 +16,12 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from common.app import main as run
-from common.comm import broadcast_coalesced, flatten, unflatten
+from common.train.app import main as run
+from common.dist.comm import broadcast_coalesced, flatten, unflatten
 from common.config import Config
-from common.distributed import DistContext
-from common.strategy import WIRE_DTYPES, Strategy
-from common.transport import ProcessGroupTransport, Transport
+from common.dist.context import DistContext
+from common.train.strategy import WIRE_DTYPES, Strategy
+from common.dist.transport import ProcessGroupTransport, Transport
 
 
 # Buffers are still sent from rank 0 once, when DDP is built. The flag's name changed in torch 2.14.

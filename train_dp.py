@@ -12,11 +12,11 @@ import os
 
 from torch import nn
 
-from common.app import main as run
+from common.train.app import main as run
 from common.config import Config
-from common.distributed import DistContext
+from common.dist.context import DistContext
 from common.errors import ConfigError
-from common.strategy import Strategy
+from common.train.strategy import Strategy
 
 
 class DataParallelStrategy(Strategy):

@@ -24,13 +24,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.app import main as run
-from common.comm import broadcast_coalesced, replicate_from_rank0
+from common.train.app import main as run
+from common.dist.comm import broadcast_coalesced, replicate_from_rank0
 from common.config import Config
-from common.distributed import DistContext
+from common.dist.context import DistContext
 from common.errors import ConfigError
-from common.optim import make_optimizer
-from common.strategy import Strategy
+from common.train.optim import make_optimizer
+from common.train.strategy import Strategy
 
 SHARDS = ("full", "optimizer")
 

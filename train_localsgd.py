@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.app import main as run
-from common.comm import flatten, float_buffers, replicate_from_rank0, unflatten
+from common.train.app import main as run
+from common.dist.comm import flatten, float_buffers, replicate_from_rank0, unflatten
 from common.config import Config
-from common.distributed import DistContext
+from common.dist.context import DistContext
 from common.errors import ConfigError
-from common.strategy import Strategy
+from common.train.strategy import Strategy
 
 OUTER_DEFAULT_LR = {"sgd": 1.0, "nesterov": 0.7}
 OUTER_MOMENTUM = 0.9

@@ -15,13 +15,13 @@ import argparse
 import torch
 from torch import nn
 
-from common.app import main as run
-from common.comm import Bucket, GradientBuckets, broadcast_coalesced, float_buffers
+from common.train.app import main as run
+from common.dist.comm import Bucket, GradientBuckets, broadcast_coalesced, float_buffers
 from common.config import Config
-from common.distributed import DistContext
-from common.precision import Precision
-from common.strategy import HandWrittenSync
-from common.transport import Handle
+from common.dist.context import DistContext
+from common.train.precision import Precision
+from common.train.strategy import HandWrittenSync
+from common.dist.transport import Handle
 
 
 class MasterWorkerStrategy(HandWrittenSync):

@@ -68,7 +68,7 @@ def stop_after(signalled_at: int) -> int:
     """The step after which a run stops when a signal arrives during step `signalled_at` (counted
     from 1): the ranks agree on it at the next step whose 0-based index is a multiple of
     StopRequest.CHECK_EVERY, and stop once that step is done."""
-    from common.preemption import StopRequest
+    from common.train.preemption import StopRequest
 
     every = StopRequest.CHECK_EVERY
     return -(-signalled_at // every) * every + 1

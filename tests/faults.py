@@ -26,9 +26,9 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.app import main as run  # noqa: E402
-from common.precision import Precision  # noqa: E402
-from common.strategy import Strategy  # noqa: E402
+from common.train.app import main as run  # noqa: E402
+from common.train.precision import Precision  # noqa: E402
+from common.train.strategy import Strategy  # noqa: E402
 from train_allreduce import AllReduceStrategy  # noqa: E402
 from train_ddp import DDPStrategy  # noqa: E402
 from train_dp import DataParallelStrategy  # noqa: E402

@@ -9,7 +9,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.checkpoint import CheckpointFolder  # noqa: E402
+from common.train.checkpoint import CheckpointFolder  # noqa: E402
 from common.storage import LocalStorage  # noqa: E402
 
 IDENTITY = {"model": "save-loop"}

@@ -1,5 +1,5 @@
 """One optimizer step, written once for every strategy and recipe: micro-batches, mixed precision
-(common/precision.py), the strategy's synchronization and the update; the clock that splits the
+(common/train/precision.py), the strategy's synchronization and the update; the clock that splits the
 step's time."""
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.precision import Precision
-from common.strategy import Strategy
+from common.train.precision import Precision
+from common.train.strategy import Strategy
 
 DATA, COMPUTE, SYNC = range(3)
 

@@ -26,9 +26,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-from common import formats
-from common.data import Dataset, Split, make_synthetic
-from common.distributed import DistContext
+from common.data import formats
+from common.data.loader import Dataset, Split, make_synthetic
+from common.dist.context import DistContext
 from common.errors import UserError
 from common.storage import StorageError, is_url, storage_for
 

@@ -19,8 +19,8 @@ import torch.distributed as dist
 
 from common.config import Config
 from common.errors import ConfigError, PeerFailed, UserError
-from common.transport import (LocalTransport, ProcessGroupTransport, SharedMemoryTransport, Transport, create_region,
-                              map_region, shared_memory_problem)
+from common.dist.transport import (LocalTransport, ProcessGroupTransport, SharedMemoryTransport, Transport,
+                                   create_region, map_region, shared_memory_problem)
 
 T = TypeVar("T")
 
@@ -34,7 +34,7 @@ class DistContext:
     device: torch.device
     backend: str
     store: Any = field(default=None, repr=False, compare=False)  # the job's key-value store, once joined
-    # How the strategies' gradient collectives travel (common/transport.py), and why not through
+    # How the strategies' gradient collectives travel (common/dist/transport.py), and why not through
     # shared memory where --transport auto chose the process group.
     transport: Transport = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
     transport_note: str = ""
