@@ -10,6 +10,14 @@ Grouped by concern, in layers; a module imports only from its own layer and the 
               stores), models (the networks by name), collector (the garbage collector)
 
 The train_*.py scripts, tests, bench and launch stand above all of it; nothing here imports them.
+
+Importing the package does one thing besides: when a train_*.py is the program, Python's garbage
+collector pauses until training starts (common/collector.py says why). Every train_*.py imports
+the package first, so that its own import of torch is covered too.
 """
+from common.collector import pause_during_set_up, started_as_a_training_script
 
 __version__ = "0.1.0"
+
+if started_as_a_training_script():
+    pause_during_set_up()
