@@ -2,6 +2,9 @@
 
     python3 launch/quiet_torchrun.py --standalone --nproc_per_node=2 train_ddp.py ...
 
+launch/single_node.sh runs it so. It imports the suite's package (common), found where it is
+installed (pip install -e .) or, as single_node.sh does, through PYTHONPATH=<the repository>.
+
 The training scripts print a handled error (missing data, a bad flag, a stop by SIGTERM) as one
 line and note it in torchrun's per-rank error file. When every failed worker did that (or was
 stopped by torchrun after another one did), this exits with the worker's status and prints
@@ -10,10 +13,8 @@ nothing more. Any other failure (a crash) gets torchrun's full report, as plain 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common.collector import pause_during_set_up, resume_for_training  # noqa: E402
+from common.collector import pause_during_set_up, resume_for_training
 
 if __name__ == "__main__":
     pause_during_set_up()  # torch's import below without full collections, and no final one at exit (see there)
