@@ -116,15 +116,19 @@ def test_no_import_circle_under_common():
 
 
 @pytest.mark.parametrize("module, line, expected", [
-    ("data/reader.py", "from common.train.loop import Loop",
-     "common.data.reader (data) imports common.train.loop (train), a higher layer"),
-    ("output/log.py", "import common.data.reader", "common.output.log (output) imports common.data.reader (data), the same layer"),
-    ("config.py", "from common.dist import net", "common.config (base) imports common.dist.net (dist), a higher layer"),
-    ("dist/net.py", "from common.extra import thing", "common.dist.net imports common.extra.thing: common/extra/ is in no layer"),
-    ("dist/net.py", "import train_ddp", "common.dist.net imports the program train_ddp"),
+    ("data/loader.py", "from common.train.loop import Loop",
+     "common.data.loader (data) imports common.train.loop (train), a higher layer"),
+    ("output/log.py", "import common.data.loader",
+     "common.output.log (output) imports common.data.loader (data), the same layer"),
+    ("config.py", "from common.dist import net",
+     "common.config (base) imports common.dist.net (dist), a higher layer"),
+    ("dist/net.py", "from common.extra import thing",
+     "common.dist.net imports common.extra.thing: common/extra/ is in no layer"),
+    ("dist/net.py", "import train_ddp",
+     "common.dist.net imports the program train_ddp"),
 ], ids=["upward", "sideways", "base-upward", "unplaced-package", "program"])
 def test_the_check_finds_a_wrong_import(tmp_path, module, line, expected):
-    for name in ("config.py", "data/reader.py", "output/log.py", "dist/net.py", "train/loop.py", "extra/thing.py"):
+    for name in ("config.py", "data/loader.py", "output/log.py", "dist/net.py", "train/loop.py", "extra/thing.py"):
         (tmp_path / "common" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "common" / name).touch()
     (tmp_path / "common" / module).write_text(line + "\n")
