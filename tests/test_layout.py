@@ -115,6 +115,25 @@ def test_no_import_circle_under_common():
     assert [" -> ".join(c) for c in circles(import_graph(ROOT))] == []
 
 
+def root_path_edits(path: Path) -> list[int]:
+    """Lines that put a folder found from this file's own place (__file__) on sys.path: the way to
+    reach the package before it was one. (Putting a script's folder there, as `python SCRIPT`
+    does, is not such an edit.)"""
+    tree = ast.parse(path.read_text(), str(path))
+    return [node.lineno for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("sys.path.insert", "sys.path.append")
+            and any(isinstance(n, ast.Name) and n.id == "__file__" for arg in node.args for n in ast.walk(arg))]
+
+
+def test_tests_launchers_and_scripts_find_the_package_without_editing_sys_path():
+    """pytest.ini's pythonpath, PYTHONPATH for the processes the tests start, launch/single_node.sh's
+    PYTHONPATH, or `pip install -e .`: never a sys.path edit in the code."""
+    files = [*ROOT.glob("train_*.py"), *(ROOT / "tests").glob("*.py"), *(ROOT / "launch").glob("*.py"),
+             *(ROOT / "common").rglob("*.py")]
+    assert len(files) > 40
+    assert {str(f.relative_to(ROOT)): lines for f in files if (lines := root_path_edits(f))} == {}
+
+
 @pytest.mark.parametrize("module, line, expected", [
     ("data/loader.py", "from common.train.loop import Loop",
      "common.data.loader (data) imports common.train.loop (train), a higher layer"),
