@@ -5,18 +5,16 @@ each launched from a backward hook as soon as its gradients are ready, waited on
 """
 from __future__ import annotations
 
-import common.collector  # noqa: F401  (first: no garbage collection while torch is imported; see there)
+from common.train.app import main as run
+from common.train.strategy import HandWrittenSync
+from common.config import Config
+from common.dist.comm import GradientBuckets, PerParameterAllReduce, float_buffers, launch_all_reduce
+from common.dist.context import DistContext
+from common.errors import ConfigError
 
 import argparse
 
 from torch import nn
-
-from common.app import main as run
-from common.comm import GradientBuckets, PerParameterAllReduce, float_buffers, launch_all_reduce
-from common.config import Config
-from common.distributed import DistContext
-from common.errors import ConfigError
-from common.strategy import HandWrittenSync
 
 
 class AllReduceStrategy(HandWrittenSync):

@@ -4,7 +4,12 @@
 """
 from __future__ import annotations
 
-import common.collector  # noqa: F401  (first: no garbage collection while torch is imported; see there)
+from common.train.app import main as run
+from common.train.strategy import WIRE_DTYPES, Strategy
+from common.config import Config
+from common.dist.comm import broadcast_coalesced, flatten, unflatten
+from common.dist.context import DistContext
+from common.dist.transport import ProcessGroupTransport, Transport
 
 import inspect
 from typing import Any
@@ -15,13 +20,6 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
-
-from common.app import main as run
-from common.comm import broadcast_coalesced, flatten, unflatten
-from common.config import Config
-from common.distributed import DistContext
-from common.strategy import WIRE_DTYPES, Strategy
-from common.transport import ProcessGroupTransport, Transport
 
 
 # Buffers are still sent from rank 0 once, when DDP is built. The flag's name changed in torch 2.14.

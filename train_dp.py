@@ -5,7 +5,11 @@ outputs; gradients are summed onto the first GPU by autograd. On a CPU-only host
 """
 from __future__ import annotations
 
-import common.collector  # noqa: F401  (first: no garbage collection while torch is imported; see there)
+from common.train.app import main as run
+from common.train.strategy import Strategy
+from common.config import Config
+from common.dist.context import DistContext
+from common.errors import ConfigError
 
 import argparse
 import os

@@ -13,7 +13,13 @@ after, and gradients are reduce-scattered as backward goes.
 """
 from __future__ import annotations
 
-import common.collector  # noqa: F401  (first: no garbage collection while torch is imported; see there)
+from common.train.app import main as run
+from common.train.strategy import Strategy
+from common.config import Config
+from common.dist.comm import broadcast_coalesced, replicate_from_rank0
+from common.dist.context import DistContext
+from common.errors import ConfigError
+from common.train.optim import make_optimizer
 
 import argparse
 import sys
@@ -23,14 +29,6 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
-
-from common.app import main as run
-from common.comm import broadcast_coalesced, replicate_from_rank0
-from common.config import Config
-from common.distributed import DistContext
-from common.errors import ConfigError
-from common.optim import make_optimizer
-from common.strategy import Strategy
 
 SHARDS = ("full", "optimizer")
 

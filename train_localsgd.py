@@ -12,7 +12,12 @@ the last synchronization is a pseudo-gradient for an outer optimizer (DiLoCo, Do
 """
 from __future__ import annotations
 
-import common.collector  # noqa: F401  (first: no garbage collection while torch is imported; see there)
+from common.train.app import main as run
+from common.train.strategy import Strategy
+from common.config import Config
+from common.dist.comm import flatten, float_buffers, replicate_from_rank0, unflatten
+from common.dist.context import DistContext
+from common.errors import ConfigError
 
 import argparse
 from typing import Any
@@ -20,13 +25,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
-
-from common.app import main as run
-from common.comm import flatten, float_buffers, replicate_from_rank0, unflatten
-from common.config import Config
-from common.distributed import DistContext
-from common.errors import ConfigError
-from common.strategy import Strategy
 
 OUTER_DEFAULT_LR = {"sgd": 1.0, "nesterov": 0.7}
 OUTER_MOMENTUM = 0.9

@@ -8,20 +8,18 @@ broadcasts the updated parameters.
 """
 from __future__ import annotations
 
-import common.collector  # noqa: F401  (first: no garbage collection while torch is imported; see there)
+from common.train.app import main as run
+from common.train.strategy import HandWrittenSync
+from common.config import Config
+from common.dist.comm import Bucket, GradientBuckets, broadcast_coalesced, float_buffers
+from common.dist.context import DistContext
+from common.dist.transport import Handle
+from common.train.precision import Precision
 
 import argparse
 
 import torch
 from torch import nn
-
-from common.app import main as run
-from common.comm import Bucket, GradientBuckets, broadcast_coalesced, float_buffers
-from common.config import Config
-from common.distributed import DistContext
-from common.step import Precision
-from common.strategy import HandWrittenSync
-from common.transport import Handle
 
 
 class MasterWorkerStrategy(HandWrittenSync):

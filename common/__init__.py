@@ -1,3 +1,23 @@
-"""Shared core of the data-parallel training suite: everything the four train_*.py scripts share."""
+"""Shared core of the data-parallel training suite: everything the train_*.py scripts share.
+
+Grouped by concern, in layers; a module imports only from its own layer and the layers below it
+(tests/test_layout.py declares the order and checks it, with no import circle anywhere):
+
+    train/    the training loop, checkpoints, the seam to the strategies     (top)
+    data/     reading data              output/  what a run reports           (side by side)
+    dist/     processes and communication
+    the base, here at the top: errors, config (the flags), storage (local folders and object
+              stores), models (the networks by name), collector (the garbage collector)
+
+The train_*.py scripts, tests, bench and launch stand above all of it; nothing here imports them.
+
+Importing the package does one thing besides: when a train_*.py is the program, Python's garbage
+collector pauses until training starts (common/collector.py says why). Every train_*.py imports
+the package first, so that its own import of torch is covered too.
+"""
+from common.collector import pause_during_set_up, started_as_a_training_script
 
 __version__ = "0.1.0"
+
+if started_as_a_training_script():
+    pause_during_set_up()

@@ -13,8 +13,8 @@ collection, then every module's objects freed one by one) would do nothing a fin
 since the run closed its files, TensorBoard writer and process group itself. This happens only
 where nothing can be skipped by it:
 - the collector's handler was the first one registered, so it runs last. That holds when a
-  train_*.py is the program and this is its first import; a wrapper that registered an exit
-  handler before (a Python profiler, a coverage tool) gets the usual exit;
+  train_*.py is the program and the package is its first import; a wrapper that registered an
+  exit handler before (a Python profiler, a coverage tool) gets the usual exit;
 - no native tool waits for the process's own teardown: no LD_PRELOAD library (sanitizers, heap
   profilers) and no CUDA context (Nsight and CUPTI traces are flushed when it is destroyed);
 - no exception went unhandled after the run, and the streams flushed without an error.
@@ -25,8 +25,10 @@ group, and with it gloo's C++ threads. Left alive into the interpreter's own tea
 C++ thread can end the process with "terminate called without an active exception" (SIGABRT).
 Then what is still alive is frozen, so the interpreter's final collection skips it.
 
-Every train_*.py imports this module first, so that importing torch (~0.35 s of collections a rank)
-is covered too; a test or program that imports a train_*.py keeps its collector untouched.
+Importing the package (common/__init__.py) pauses collection when a train_*.py is the program, and
+every train_*.py imports the package before anything else, so that importing torch (~0.35 s of
+collections a rank) is covered too; a test or program that imports a train_*.py keeps its
+collector untouched.
 """
 from __future__ import annotations
 
@@ -77,7 +79,7 @@ def _nothing_waits_for_teardown() -> bool:
 
 
 def _flushed() -> bool:
-    import ctypes  # here, not at import: this module's import must allocate nothing (see the end)
+    import ctypes  # here, not at import: the package's import pauses collection only after this one's
 
     try:
         for stream in (sys.stdout, sys.stderr):
@@ -89,9 +91,5 @@ def _flushed() -> bool:
     return True
 
 
-def _started_as_a_training_script() -> bool:
+def started_as_a_training_script() -> bool:
     return os.path.basename(getattr(sys.modules.get("__main__"), "__file__", None) or "").startswith("train_")
-
-
-if _started_as_a_training_script():
-    pause_during_set_up()

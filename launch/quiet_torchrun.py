@@ -2,6 +2,9 @@
 
     python3 launch/quiet_torchrun.py --standalone --nproc_per_node=2 train_ddp.py ...
 
+launch/single_node.sh runs it so. It imports the suite's package (common), found where it is
+installed (pip install -e .) or, as single_node.sh does, through PYTHONPATH=<the repository>.
+
 The training scripts print a handled error (missing data, a bad flag, a stop by SIGTERM) as one
 line and note it in torchrun's per-rank error file. When every failed worker did that (or was
 stopped by torchrun after another one did), this exits with the worker's status and prints
@@ -17,7 +20,6 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from common.collector import pause_during_set_up, resume_for_training  # noqa: E402

@@ -25,4 +25,6 @@ echo "torchrun $(shown "${args[@]}")"
 [[ "${DRY_RUN:-0}" == 1 ]] && exit 0
 torchrun=$(command -v torchrun) || { echo "error: torchrun is not on PATH; activate the environment that has torch" >&2; exit 2; }
 python=$(head -n 1 "$torchrun" | sed 's/^#!//')  # the interpreter torchrun belongs to
-exec "$python" "$(dirname "$0")/quiet_torchrun.py" "${args[@]}"
+root=$(cd "$(dirname "$0")/.." && pwd)
+# quiet_torchrun.py imports the suite's package: from the repository, whether it is installed or not
+PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec "$python" "$root/launch/quiet_torchrun.py" "${args[@]}"

@@ -12,12 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from common.models import build_model  # noqa: E402
-from common.comm import GatherSum, GradientBuckets, float_buffers, launch_all_reduce, ring_all_reduce  # noqa: E402
-from common.distributed import DistContext, open_transport  # noqa: E402
-from common.transport import SHM_FOLDER, SLOT_BYTES, ProcessGroupTransport, Transport  # noqa: E402
+from common.models import build_model
+from common.dist.comm import GatherSum, GradientBuckets, float_buffers, launch_all_reduce, ring_all_reduce
+from common.dist.context import DistContext, open_transport
+from common.dist.transport import SHM_FOLDER, SLOT_BYTES, ProcessGroupTransport, Transport
 
 SIZES = (1, 7, 1000, 2**20 + 3)
 

@@ -12,10 +12,9 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from tests.datagen import write_cifar10, write_mnist
 
-from tests.datagen import write_cifar10, write_mnist  # noqa: E402
+ROOT = Path(__file__).resolve().parent.parent
 
 
 # The gradient-averaging strategies, as every test that loops over strategies names them.
@@ -29,7 +28,9 @@ AVERAGING = {
 
 
 def child_env() -> dict[str, str]:
-    """One thread per rank: several ranks share 2 cores. No torchrun variables leak in."""
+    """One thread per rank: several ranks share 2 cores. No torchrun variables leak in. PYTHONPATH:
+    the scripts a test starts (tests/faults.py, a train_*.py run from elsewhere) import the
+    checkout's package, installed or not."""
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT),
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")  # torchrun of this venv

@@ -16,8 +16,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from common.data import make_synthetic
-from common.formats import CIFAR_DIR, CIFAR_TEST, CIFAR_TRAIN, MNIST_DIR, MNIST_PROCESSED, MNIST_PROCESSED_DIR
+from common.data.loader import make_synthetic
+from common.data.formats import CIFAR_DIR, CIFAR_TEST, CIFAR_TRAIN, MNIST_DIR, MNIST_PROCESSED, MNIST_PROCESSED_DIR
 
 CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 

@@ -33,7 +33,6 @@ import signal
 import sys
 import time
 import warnings
-from pathlib import Path
 
 import torch
 import torch.distributed as dist

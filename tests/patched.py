@@ -102,11 +102,11 @@ def apply(patch: str) -> None:
     elif patch.startswith("eio-after-"):
         os.fsync = failing_fsync(int(patch.removeprefix("eio-after-")))
     elif patch.startswith("cifar-md5="):
-        from common import formats
+        from common.data import formats
 
         formats.CIFAR_MD5 = patch.removeprefix("cifar-md5=")
     elif patch.startswith("cifar-batch-md5="):
-        from common import formats
+        from common.data import formats
 
         folder = Path(patch.removeprefix("cifar-batch-md5="))
         formats.CIFAR_BATCH_MD5 = {f.name: hashlib.md5(f.read_bytes()).hexdigest() for f in folder.iterdir()}

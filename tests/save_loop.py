@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from common.checkpoint import CheckpointFolder  # noqa: E402
-from common.storage import LocalStorage  # noqa: E402
+from common.train.checkpoint import CheckpointFolder
+from common.storage import LocalStorage
 
 IDENTITY = {"model": "save-loop"}
 

@@ -12,13 +12,14 @@ import pytest
 from tests.conftest import ROOT, child_env, read_scalars, run_script
 
 # Runs a script as `python SCRIPT ...` does (runpy makes it __main__). Counts the collections from
-# the script's first import (common.collector) until collection is switched back on, notes how many
-# objects are frozen at that moment, and prints both and the collector's state at exit.
+# the moment the script first imports the package or torch (whichever comes first) until collection
+# is switched back on, notes how many objects are frozen at that moment, and prints both and the
+# collector's state at exit.
 PROBE = """
 import atexit, gc, runpy, sys
 set_up, frozen_at_resume = [0], []
 def count(phase, info):
-    if phase == "start" and "common.collector" in sys.modules and not frozen_at_resume:
+    if phase == "start" and ("common" in sys.modules or "torch" in sys.modules) and not frozen_at_resume:
         set_up[0] += 1
 gc.callbacks.append(count)
 enable = gc.enable

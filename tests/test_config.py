@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from common.config import RECIPES, parse_args
-from common.distributed import resolve_backend, resolve_device
+from common.dist.context import resolve_backend, resolve_device
 from common.errors import ConfigError
-from common.run import Run
+from common.train.run import Run
 from tests.conftest import run_script
 
 

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from common.data import DataSpec, Split, TrainLoader, crop_and_flip, eval_shard, make_synthetic
+from common.data.loader import DataSpec, Split, TrainLoader, crop_and_flip, eval_shard, make_synthetic
 from common.errors import UserError
-from common.fetch import ensure_local
-from common.formats import CIFAR_DIR, MNIST_DIR, MNIST_PROCESSED_DIR, read_cifar10, read_mnist
+from common.data.fetch import ensure_local
+from common.data.formats import CIFAR_DIR, MNIST_DIR, MNIST_PROCESSED_DIR, read_cifar10, read_mnist
 from tests.conftest import free_port
 from tests.datagen import write_mnist, write_mnist_processed
 

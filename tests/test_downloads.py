@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from common.errors import UserError
-from common.fetch import ensure_local
-from common.formats import CIFAR_ARCHIVE, CIFAR_DIR, CIFAR_TEST, CIFAR_TRAIN
+from common.data.fetch import ensure_local
+from common.data.formats import CIFAR_ARCHIVE, CIFAR_DIR, CIFAR_TEST, CIFAR_TRAIN
 from tests.conftest import ROOT, run_script
 from tests.datagen import write_cifar10
 from tests.httpserver import FileServer
@@ -73,7 +73,7 @@ def test_two_nodes_sharing_one_data_folder_download_once(mirror, tmp_path):
 
 def test_a_cut_download_leaves_nothing_that_passes_for_complete(mirror, tmp_path, monkeypatch):
     folder, md5 = mirror
-    monkeypatch.setattr("common.formats.CIFAR_MD5", md5)
+    monkeypatch.setattr("common.data.formats.CIFAR_MD5", md5)
     data = tmp_path / "data"
     with FileServer(folder, cut=True) as server, pytest.raises(UserError) as failed:
         ensure_local("cifar10", data, allow_download=True, download_from=server.url, say=print)

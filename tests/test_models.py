@@ -5,7 +5,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from common.data import CIFAR_SPEC, MNIST_SPEC
+from common.data.loader import CIFAR_SPEC, MNIST_SPEC
 from common.models import MODELS, build_model
 
 

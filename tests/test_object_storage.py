@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.formats import CIFAR_DIR, MNIST_DIR
+from common.data.formats import CIFAR_DIR, MNIST_DIR
 from tests.conftest import ROOT, child_env, error_lines, free_port, run_script, script_command, stop_after
 from tests.datagen import write_cifar10, write_mnist, write_mnist_processed
 from tests.s3server import S3Server

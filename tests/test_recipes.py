@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from common.equivalence import TOLERANCE, tolerance
+from common.train.equivalence import TOLERANCE, tolerance
 from tests.conftest import AVERAGING, child_env, error_lines, latest_state, run_script, stop_after
 
 STRATEGIES = {**AVERAGING, "dp": ["train_dp.py"]}

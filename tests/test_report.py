@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from common.report import write_report
+from common.output.report import write_report
 from tests.conftest import ROOT, child_env, free_port, run_script
 
 STEP_TAGS = {"train/loss", "train/acc", "lr", "train/images_per_s", "time/data_ms", "time/compute_ms",
@@ -131,7 +131,7 @@ def test_report_writes_a_table_row_per_run_and_readable_plots(runs, tmp_path):
 
 
 def test_report_command_line(runs, tmp_path):
-    result = subprocess.run([sys.executable, "-m", "common.report", str(runs), "--out", str(tmp_path / "r")],
+    result = subprocess.run([sys.executable, "-m", "common.output.report", str(runs), "--out", str(tmp_path / "r")],
                             cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "wrote" in result.stdout and "| run | strategy | world |" in result.stdout

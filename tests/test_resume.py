@@ -13,7 +13,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from common.checkpoint import CheckpointFolder, InvalidCheckpoint, model_mismatches, parse_checkpoint
+from common.train.checkpoint import CheckpointFolder, InvalidCheckpoint, model_mismatches, parse_checkpoint
 from common.errors import UserError
 from common.preemption import FORCE_AFTER_S
 from common.storage import LocalStorage, StorageError

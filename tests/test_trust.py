@@ -12,7 +12,7 @@ from typing import Iterator
 
 import pytest
 
-from common.checkpoint import BackgroundWriter, CheckpointFolder, parse_checkpoint
+from common.train.checkpoint import BackgroundWriter, CheckpointFolder, parse_checkpoint
 from common.config import parse_args
 from common.errors import UserError
 from common.storage import LocalStorage

@@ -14,13 +14,14 @@ import torch
 from torch import nn
 
 from common.config import Config
-from common.data import TrainLoader
-from common.logger import NullLogger
+from common.data.loader import TrainLoader
+from common.output.logger import NullLogger
 from common.models import build_model
-from common.optim import make_optimizer, make_scheduler
-from common.run import Run
-from common.step import Precision, train_step
-from common.strategy import Strategy
+from common.train.optim import make_optimizer, make_scheduler
+from common.train.run import Run
+from common.train.precision import Precision
+from common.train.step import train_step
+from common.train.strategy import Strategy
 
 TOLERANCE = 1e-5  # float32 on CPU; the two sides sum the same numbers in a different order
 # (flag, value, bound) where the two sides round differently. Measured max |dw| after 4 steps (lenet,

@@ -9,7 +9,7 @@ from typing import Sequence
 
 import torch
 
-from common.checkpoint import Checkpoints, Resumed
+from common.train.checkpoint import Checkpoints, Resumed
 from common.collector import ended_cleanly, pause_during_set_up, resume_for_training
 from common.config import Config, default_log_dir, parse_args, world_size_from_env
 from common.data import TrainLoader
@@ -19,15 +19,15 @@ from common.fetch import load_dataset
 from common.failures import is_handled, told
 from common.logger import NullLogger, make_logger, node_console
 from common.models import build_model
-from common.optim import make_scheduler
-from common.preemption import StopRequest
-from common.profiling import NoProfiler, StepProfiler, trace_folder
-from common.run import Position, Run
-from common.step import Precision
-from common.strategy import Strategy
-from common.sync_batchnorm import convert_batchnorm
-from common.trainer import Trainer
-from common.warnings_relay import WarningRelay
+from common.train.optim import make_scheduler
+from common.train.preemption import StopRequest
+from common.output.profiling import NoProfiler, StepProfiler, trace_folder
+from common.train.run import Position, Run
+from common.train.precision import Precision
+from common.train.strategy import Strategy
+from common.dist.sync_batchnorm import convert_batchnorm
+from common.train.trainer import Trainer
+from common.output.warnings_relay import WarningRelay
 
 STARTED = time.monotonic()  # a fallback for the start-up time where /proc is missing
 

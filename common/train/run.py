@@ -7,10 +7,10 @@ import torch
 from torch import nn
 
 from common.config import Config
-from common.data import Dataset, TrainLoader
-from common.distributed import DistContext
-from common.step import Precision
-from common.strategy import Strategy
+from common.data.loader import Dataset, TrainLoader
+from common.dist.context import DistContext
+from common.train.precision import Precision
+from common.train.strategy import Strategy
 
 AUTO_POINTS_PER_EPOCH = 10  # --log-every left unset: at least this many step-level points per epoch
 AUTO_MAX_INTERVAL = 50

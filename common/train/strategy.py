@@ -7,17 +7,15 @@ from __future__ import annotations
 
 import argparse
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, ContextManager
+from typing import Any, ContextManager
 
 import torch
 from torch import nn
 
 from common.config import Config
-from common.distributed import DistContext
+from common.dist.context import DistContext
 from common.errors import ConfigError
-
-if TYPE_CHECKING:
-    from common.step import Precision
+from common.train.precision import Precision
 
 
 class Strategy:
@@ -62,7 +60,7 @@ class Strategy:
 
     def make_optimizer(self, cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
         """Built after wrap(), over the parameters the strategy trains (a shard, for ZeRO)."""
-        from common.optim import make_optimizer
+        from common.train.optim import make_optimizer
 
         return make_optimizer(cfg, model.parameters())
 
@@ -159,7 +157,7 @@ class HandWrittenSync(Strategy):
         return "PowerSGD needs DDP's communication hooks: use train_ddp.py --grad-compression powersgd"
 
     def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module:
-        from common.comm import replicate_from_rank0
+        from common.dist.comm import replicate_from_rank0
 
         replicate_from_rank0(model, ctx.comm_device)
         self.sync = self.make_sync(model, ctx)

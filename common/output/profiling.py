@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile, schedule
 
-from common.logger import NullLogger
+from common.output.logger import NullLogger
 from common.storage import is_url
 
 WAIT, WARMUP, ACTIVE = 5, 2, 4  # steps skipped (first-step costs, DDP's bucket rebuild), warmed up, traced

@@ -1,6 +1,6 @@
 """Compare training runs from their TensorBoard event files: a markdown table and PNG plots.
 
-    python -m common.report RUN_DIR [RUN_DIR ...] [--out report]
+    python -m common.output.report RUN_DIR [RUN_DIR ...] [--out report]
 
 A RUN_DIR is one run's --log-dir, or a parent holding several (every folder with event files
 below it counts). Writes OUT/report.md (one row per run), OUT/curves.png (test accuracy and train

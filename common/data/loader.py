@@ -1,7 +1,7 @@
 """Data sets as in-memory uint8 tensors, per-batch normalization and augmentation, sharding.
 
 Images stay uint8 until a batch is on its device, where it is cropped, flipped and normalized with
-tensor ops (no per-sample PIL work). common/formats.py reads the on-disk formats, common/fetch.py
+tensor ops (no per-sample PIL work). common/data/formats.py reads the on-disk formats, common/data/fetch.py
 gets the files onto each node.
 """
 from __future__ import annotations

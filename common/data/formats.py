@@ -24,7 +24,7 @@ from typing import BinaryIO, Callable, Iterator, Sequence
 
 import torch
 
-from common.data import CIFAR_SPEC, MNIST_SPEC, Dataset, Split
+from common.data.loader import CIFAR_SPEC, MNIST_SPEC, Dataset, Split
 from common.errors import UserError
 
 CIFAR_DIR = "cifar-10-batches-py"

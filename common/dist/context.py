@@ -53,7 +53,7 @@ class DistContext:
     device: torch.device
     backend: str
     store: Any = field(default=None, repr=False, compare=False)  # the job's key-value store, once joined
-    # How the strategies' gradient collectives travel (common/transport.py), and why not through
+    # How the strategies' gradient collectives travel (common/dist/transport.py), and why not through
     # shared memory where --transport auto chose the process group.
     transport: Transport = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
     transport_note: str = ""

@@ -9,8 +9,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from common.distributed import DistContext
-from common.logger import NullLogger
+from common.dist.context import DistContext
+from common.output.logger import NullLogger
 
 
 class WarningRelay:

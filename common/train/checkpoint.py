@@ -14,7 +14,7 @@ torch.load(weights_only=True) reads it and a file carrying pickled code is refus
 Saving in the background: rank 0 copies the state in memory (the only pause training sees), then
 serializes and writes it on one thread while training goes on. At most one save is in flight: the
 next save, the run's last one and a stop wait for it. A failed write ends every rank at the next
-stop check (common/preemption.py), at most CHECK_EVERY + 1 steps later, or at the next save if sooner.
+stop check (common/train/preemption.py), at most CHECK_EVERY + 1 steps later, or at the next save if sooner.
 
 Commit protocol: a step file is written whole and made visible at once (local: temp file, fsync,
 rename; object store: one PUT), then the pointer is replaced the same way. No hard links, no

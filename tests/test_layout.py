@@ -1,0 +1,162 @@
+"""The layout of common/ (its package docstrings say the same in words): one-way layers and no
+import circle. Every module's imports are read with ast, nothing is imported; imports inside
+functions and under TYPE_CHECKING count too: they are dependencies whenever they run."""
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+# Lowest first. A module may import modules of its own package and of lower layers; packages that
+# share a layer do not import each other. BASE: the modules at the top of common/.
+BASE = "base"
+LAYERS = ((BASE,), ("dist",), ("data", "output"), ("train",))
+PROGRAMS = ("tests", "bench", "launch")  # with the train_*.py scripts, they stand above common/: it never imports them
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def resolve(node: ast.ImportFrom, module: str, is_package: bool, root: Path) -> list[str]:
+    """The modules a `from X import a, b` names: X's submodules a and b where they exist, else X."""
+    if node.level:
+        package = module.split(".") if is_package else module.split(".")[:-1]
+        base = ".".join(package[:len(package) - node.level + 1] + ([node.module] if node.module else []))
+    else:
+        base = node.module or ""
+    folder = root.joinpath(*base.split("."))
+    return [f"{base}.{a.name}" if (folder / f"{a.name}.py").exists() or (folder / a.name).is_dir() else base
+            for a in node.names]
+
+
+def imports_of(path: Path, root: Path) -> set[str]:
+    module, tree = module_name(path, root), ast.parse(path.read_text(), str(path))
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            found.update(resolve(node, module, path.name == "__init__.py", root))
+    return found
+
+
+def import_graph(root: Path) -> dict[str, set[str]]:
+    """Module under common/ -> what it imports that is ours (common/ or a program beside it)."""
+    graph = {}
+    for path in sorted((root / "common").rglob("*.py")):
+        graph[module_name(path, root)] = {m for m in imports_of(path, root) if is_ours(m)}
+    return graph
+
+
+def is_ours(module: str) -> bool:
+    top = module.split(".")[0]
+    return top == "common" or top in PROGRAMS or top.startswith("train_")
+
+
+def package_of(module: str, root: Path) -> str:
+    """The subpackage of common/ a module is in, or BASE for the modules at its top."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 and (root / "common" / parts[1]).is_dir() else BASE
+
+
+def wrong_imports(graph: dict[str, set[str]], root: Path) -> list[str]:
+    """Every import that goes up a layer, sideways between packages of one layer, into a package
+    no layer names, or out to a program."""
+    ranks = {package: rank for rank, layer in enumerate(LAYERS) for package in layer}
+    problems = []
+    for module, targets in graph.items():
+        for target in sorted(targets):
+            if not target.startswith("common"):
+                problems.append(f"{module} imports the program {target}")
+                continue
+            mine, theirs = package_of(module, root), package_of(target, root)
+            unplaced = [p for p in (mine, theirs) if p not in ranks]
+            if unplaced:
+                problems.append(f"{module} imports {target}: common/{unplaced[0]}/ is in no layer of LAYERS")
+            elif mine != theirs and ranks[theirs] >= ranks[mine]:
+                problems.append(f"{module} ({mine}) imports {target} ({theirs}), "
+                                f"{'a higher' if ranks[theirs] > ranks[mine] else 'the same'} layer")
+    return problems
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """One circle through each group of modules that import each other (depth-first search)."""
+    found, state, stack = [], {}, []  # state: 1 on the current path, 2 done
+
+    def visit(module: str) -> None:
+        state[module] = 1
+        stack.append(module)
+        for target in sorted(graph.get(module, ())):
+            if state.get(target) == 1:
+                found.append(stack[stack.index(target):] + [target])
+            elif target not in state:
+                visit(target)
+        stack.pop()
+        state[module] = 2
+
+    for module in sorted(graph):
+        if module not in state:
+            visit(module)
+    return found
+
+
+def test_every_import_under_common_goes_down_the_layers():
+    graph = import_graph(ROOT)
+    assert len(graph) > 25 and sum(map(len, graph.values())) > 60  # the walk found the modules and their imports
+    assert wrong_imports(graph, ROOT) == []
+
+
+def test_no_import_circle_under_common():
+    assert [" -> ".join(c) for c in circles(import_graph(ROOT))] == []
+
+
+def root_path_edits(path: Path) -> list[int]:
+    """Lines that put a folder found from this file's own place (__file__) on sys.path: the way to
+    reach the package before it was one. (Putting a script's folder there, as `python SCRIPT`
+    does, is not such an edit.)"""
+    tree = ast.parse(path.read_text(), str(path))
+    return [node.lineno for node in ast.walk(tree)
+            if isinstance(node, ast.Call) and ast.unparse(node.func) in ("sys.path.insert", "sys.path.append")
+            and any(isinstance(n, ast.Name) and n.id == "__file__" for arg in node.args for n in ast.walk(arg))]
+
+
+def test_tests_launchers_and_scripts_find_the_package_without_editing_sys_path():
+    """pytest.ini's pythonpath, PYTHONPATH for the processes the tests start, launch/single_node.sh's
+    PYTHONPATH, or `pip install -e .`: never a sys.path edit in the code."""
+    files = [*ROOT.glob("train_*.py"), *(ROOT / "tests").glob("*.py"), *(ROOT / "launch").glob("*.py"),
+             *(ROOT / "common").rglob("*.py")]
+    assert len(files) > 40
+    assert {str(f.relative_to(ROOT)): lines for f in files if (lines := root_path_edits(f))} == {}
+
+
+@pytest.mark.parametrize("module, line, expected", [
+    ("data/loader.py", "from common.train.loop import Loop",
+     "common.data.loader (data) imports common.train.loop (train), a higher layer"),
+    ("output/log.py", "import common.data.loader",
+     "common.output.log (output) imports common.data.loader (data), the same layer"),
+    ("config.py", "from common.dist import net",
+     "common.config (base) imports common.dist.net (dist), a higher layer"),
+    ("dist/net.py", "from common.extra import thing",
+     "common.dist.net imports common.extra.thing: common/extra/ is in no layer"),
+    ("dist/net.py", "import train_ddp",
+     "common.dist.net imports the program train_ddp"),
+], ids=["upward", "sideways", "base-upward", "unplaced-package", "program"])
+def test_the_check_finds_a_wrong_import(tmp_path, module, line, expected):
+    for name in ("config.py", "data/loader.py", "output/log.py", "dist/net.py", "train/loop.py", "extra/thing.py"):
+        (tmp_path / "common" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "common" / name).touch()
+    (tmp_path / "common" / module).write_text(line + "\n")
+    problems = wrong_imports(import_graph(tmp_path), tmp_path)
+    assert len(problems) == 1 and problems[0].startswith(expected), problems
+
+
+def test_the_check_finds_a_circle(tmp_path):
+    (tmp_path / "common" / "train").mkdir(parents=True)
+    (tmp_path / "common" / "train" / "step.py").write_text("from common.train.strategy import Strategy\n")
+    (tmp_path / "common" / "train" / "strategy.py").write_text("def f():\n    from common.train import step\n")
+    assert circles(import_graph(tmp_path)) == [["common.train.step", "common.train.strategy", "common.train.step"]]
