@@ -17,12 +17,12 @@ import os
 import torch
 from torch import nn
 
-from common.app import main as run
+from common.train.app import main as run
 from common.config import Config
-from common.distributed import DistContext
+from common.dist.context import DistContext
 from common.errors import ConfigError
-from common.step import PRECISIONS
-from common.strategy import Strategy
+from common.train.precision import PRECISIONS
+from common.train.strategy import Strategy
 
 
 class DataParallelStrategy(Strategy):

@@ -18,7 +18,7 @@ import tempfile
 from pathlib import Path
 
 from bench.strategies import launcher
-from common.report import load_run
+from common.output.report import load_run
 from tests.conftest import free_port
 from tests.s3server import S3Server
 

@@ -14,7 +14,7 @@ import tempfile
 from pathlib import Path
 
 from bench.strategies import launcher
-from common.report import write_report
+from common.output.report import write_report
 
 ROOT = Path(__file__).resolve().parent.parent
 STRATEGIES = {"ddp": "train_ddp.py", "allreduce": "train_allreduce.py", "master": "train_master.py",

@@ -13,8 +13,8 @@ from __future__ import annotations
 import sys
 from contextlib import nullcontext
 
-from common.app import main
-from common.strategy import Strategy
+from common.train.app import main
+from common.train.strategy import Strategy
 from train_ddp import DDPStrategy
 
 

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 
 from bench.strategies import MODELS, run, synthetic, timing
-from common.data import make_synthetic
+from common.data.loader import make_synthetic
 from common.models import build_model
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -50,7 +50,7 @@ STRATEGIES = [  # label, script and flags
 
 FLOOR = """
 import sys, time, torch, torch.nn.functional as F
-from common.data import make_synthetic
+from common.data.loader import make_synthetic
 from common.models import build_model
 torch.set_num_threads(1)
 data = make_synthetic({shape!r})
@@ -127,7 +127,7 @@ def items_one_process() -> None:
 def items_collectives() -> None:
     import torch.distributed as dist
 
-    from common.distributed import DistContext, open_transport
+    from common.dist.context import DistContext, open_transport
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)

@@ -5,6 +5,9 @@
 launch/single_node.sh runs it so. It imports the suite's package (common), found where it is
 installed (pip install -e .) or, as single_node.sh does, through PYTHONPATH=<the repository>.
 
+launch/single_node.sh runs it so. It imports the suite's package (common), found where it is
+installed (pip install -e .) or, as single_node.sh does, through PYTHONPATH=<the repository>.
+
 The training scripts print a handled error (missing data, a bad flag, a stop by SIGTERM) as one
 line and note it in torchrun's per-rank error file. When every failed worker did that (or was
 stopped by torchrun after another one did), this exits with the worker's status and prints
@@ -21,9 +24,8 @@ from __future__ import annotations
 import os
 import sys
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from common.collector import pause_during_set_up, resume_for_training  # noqa: E402
-from common.failures import LAUNCHER_NAMES_FAILURES, host, how_it_ended  # noqa: E402
+from common.collector import pause_during_set_up, resume_for_training
+from common.dist.failures import LAUNCHER_NAMES_FAILURES, host, how_it_ended
 
 if __name__ == "__main__":
     pause_during_set_up()  # torch's import below without full collections, and no final one at exit (see there)
@@ -86,7 +88,7 @@ def signal_lines(error: ChildFailedError, stopped: set[int]) -> list[str] | None
 
 def survivor_saw(failure: ProcessFailure) -> str:
     """What a survivor was doing as its peer vanished ("during the gradient exchange at step 180"),
-    from its error file (common/failures.py, report_to_torchrun)."""
+    from its error file (common/dist/failures.py, report_to_torchrun)."""
     return failure.error_file_data["message"]["extraInfo"].get("where", "")
 
 

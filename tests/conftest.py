@@ -70,7 +70,7 @@ def stop_after(signalled_at: int, steps_per_epoch: int = 0) -> int:
     from 1): the ranks agree on it at the next step whose 0-based index is a multiple of
     StopRequest.CHECK_EVERY, and stop once that step is done; or, if the epoch ends first, after
     its last step, at the first check of its evaluation (steps_per_epoch 0: no epoch ends first)."""
-    from common.preemption import StopRequest
+    from common.train.preemption import StopRequest
 
     every = StopRequest.CHECK_EVERY
     at_check = -(-signalled_at // every) * every + 1

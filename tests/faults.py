@@ -33,23 +33,23 @@ import signal
 import sys
 import time
 import warnings
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from common.app import main as run  # noqa: E402
-from common.checkpoint import CheckpointFolder  # noqa: E402
-from common.preemption import FORCE_AFTER_S  # noqa: E402
-from common.step import Precision  # noqa: E402
-from common.strategy import Strategy  # noqa: E402
-from train_allreduce import AllReduceStrategy  # noqa: E402
-from train_ddp import DDPStrategy  # noqa: E402
-from train_dp import DataParallelStrategy  # noqa: E402
-from train_fsdp import FullShard, ZeroOne  # noqa: E402
-from train_localsgd import LocalSGDStrategy  # noqa: E402
-from train_master import MasterWorkerStrategy  # noqa: E402
+from common.train.app import main as run
+from common.train.checkpoint import CheckpointFolder
+from common.train.preemption import FORCE_AFTER_S
+from common.train.precision import Precision
+from common.train.strategy import Strategy
+from train_allreduce import AllReduceStrategy
+from train_ddp import DDPStrategy
+from train_dp import DataParallelStrategy
+from train_fsdp import FullShard, ZeroOne
+from train_localsgd import LocalSGDStrategy
+from train_master import MasterWorkerStrategy
 
 
 class NoSync(Strategy):

@@ -15,7 +15,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from common.train.checkpoint import CheckpointFolder, InvalidCheckpoint, model_mismatches, parse_checkpoint
 from common.errors import UserError
-from common.preemption import FORCE_AFTER_S
+from common.train.preemption import FORCE_AFTER_S
 from common.storage import LocalStorage, StorageError
 from tests.conftest import (ROOT, child_env, error_lines, latest_checkpoint, latest_state, run_script, saved_position,
                             stop_after)

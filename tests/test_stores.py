@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.checkpoint import BackgroundWriter, CheckpointFolder, new_run_name
+from common.train.checkpoint import BackgroundWriter, CheckpointFolder, new_run_name
 from common.errors import UserError
 from common.storage import DENIED, FAILED, MISSING, TRANSIENT, LocalStorage, StorageError, error_kind
 from tests.conftest import ROOT, child_env, error_lines, free_port, run_script
@@ -185,8 +185,8 @@ class Unreachable(LocalStorage):
 
 
 def test_a_pointer_read_that_times_out_is_retried_then_ends_the_start(tmp_path, monkeypatch):
-    monkeypatch.setattr("common.checkpoint.RESUME_RETRY_S", 0.5)
-    monkeypatch.setattr("common.checkpoint.FIRST_PAUSE_S", 0.1)
+    monkeypatch.setattr("common.train.checkpoint.RESUME_RETRY_S", 0.5)
+    monkeypatch.setattr("common.train.checkpoint.FIRST_PAUSE_S", 0.1)
     _three_checkpoints(CheckpointFolder(LocalStorage(str(tmp_path)), keep=3))
     folder = CheckpointFolder(Unreachable(str(tmp_path)), keep=3)
     with pytest.raises(UserError, match=f"did not answer reading {tmp_path}/run/latest.json .*nothing was started"):

@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from common.config import Config
 from common.errors import ConfigError, PeerFailed, UserError, WaitExpired
-from common.transport import (LocalTransport, ProcessGroupTransport, SharedMemoryTransport, Transport, create_region,
+from common.dist.transport import (LocalTransport, ProcessGroupTransport, SharedMemoryTransport, Transport, create_region,
                               map_region, shared_memory_problem)
 
 T = TypeVar("T")
@@ -59,7 +59,7 @@ class DistContext:
     transport_note: str = ""
     # Numbers the after_primary waits: every rank makes them in the same order, as for collectives.
     waits: Iterator[int] = field(default_factory=itertools.count, repr=False, compare=False)
-    # Every rank's (host, pid), in rank order: a survivor names the rank that vanished (common/failures.py).
+    # Every rank's (host, pid), in rank order: a survivor names the rank that vanished (common/dist/failures.py).
     peers: tuple[tuple[str, int], ...] = field(default=(), repr=False, compare=False)
 
     @property

@@ -12,12 +12,12 @@ import torch
 from common.train.checkpoint import Checkpoints, Resumed
 from common.collector import ended_cleanly, pause_during_set_up, resume_for_training
 from common.config import Config, default_log_dir, parse_args, world_size_from_env
-from common.data import TrainLoader
-from common.distributed import DistContext, check_same_flags, distributed
-from common.equivalence import check_equivalence
-from common.fetch import load_dataset
-from common.failures import is_handled, told
-from common.logger import NullLogger, make_logger, node_console
+from common.data.loader import TrainLoader
+from common.dist.context import DistContext, check_same_flags, distributed
+from common.train.equivalence import check_equivalence
+from common.data.fetch import load_dataset
+from common.dist.failures import is_handled, told
+from common.output.logger import NullLogger, make_logger, node_console
 from common.models import build_model
 from common.train.optim import make_scheduler
 from common.train.preemption import StopRequest

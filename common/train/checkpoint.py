@@ -67,9 +67,9 @@ import torch
 
 from common import __version__
 from common.config import STORAGE_TIMEOUT_S
-from common.distributed import DistContext
+from common.dist.context import DistContext
 from common.errors import UserError
-from common.run import Position, Run
+from common.train.run import Position, Run
 from common.storage import MISSING, Storage, StorageError, split, storage_for
 
 T = TypeVar("T")

@@ -12,16 +12,17 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from common.checkpoint import Checkpoints
-from common.data import Dataset, eval_batches, eval_shard
-from common.distributed import DistContext
-from common.logger import EpochResult, NullLogger, StepRecord, StepTimes
-from common.preemption import SAVE_FAILED, Preempted, StopRequest
-from common.profiling import NoProfiler, StepProfiler
-from common.replicas import check_replicas
-from common.run import Position, Run
-from common.step import DATA, SYNC, Precision, StepClock, reseed, train_step, uses_randomness
-from common.warnings_relay import WarningRelay
+from common.train.checkpoint import Checkpoints
+from common.data.loader import Dataset, eval_batches, eval_shard
+from common.dist.context import DistContext
+from common.output.logger import EpochResult, NullLogger, StepRecord, StepTimes
+from common.train.preemption import SAVE_FAILED, Preempted, StopRequest
+from common.output.profiling import NoProfiler, StepProfiler
+from common.dist.replicas import check_replicas
+from common.train.run import Position, Run
+from common.train.step import DATA, SYNC, StepClock, reseed, train_step, uses_randomness
+from common.train.precision import Precision
+from common.output.warnings_relay import WarningRelay
 
 FLUSH_STEPS = 50  # step-level points are combined over ranks in one collective about this often
 

@@ -23,10 +23,11 @@ import traceback
 from types import TracebackType
 from typing import TYPE_CHECKING, Iterator
 
+from common.dist.procs import exit_code, running
 from common.errors import Crashed, PeerVanished, UserError
 
 if TYPE_CHECKING:
-    from common.distributed import DistContext
+    from common.dist.context import DistContext
 
 Peers = tuple[tuple[str, int], ...]  # every rank's (host, pid), in rank order
 LAUNCHER_NAMES_FAILURES = "DP_SUITE_LAUNCHER_NAMES_FAILURES"  # set by launch/quiet_torchrun.py for its workers
@@ -39,7 +40,7 @@ SIGNAL_HINTS = {signal.SIGKILL: " (out of memory?)", signal.SIGSEGV: " (a crash 
                 signal.SIGABRT: " (aborted by native code)", signal.SIGILL: " (a crash in native code)",
                 signal.SIGFPE: " (a crash in native code)"}
 
-# What the job was doing, by the functions of the loop (common/trainer.py) on the failing stack,
+# What the job was doing, by the functions of the loop (common/train/trainer.py) on the failing stack,
 # the innermost first. Inside a training step the only talk between ranks is the gradient exchange.
 PHASES = {"evaluate": "the evaluation", "check_equivalence": "the equivalence check", "save": "a checkpoint save",
           "check_replicas": "the replica check", "flush": "the exchange of step metrics",
@@ -61,33 +62,6 @@ def how_it_ended(exitcode: int) -> str:
     except ValueError:
         return f"was killed by signal {-exitcode}"
     return f"was killed by {name}{SIGNAL_HINTS.get(signal.Signals(-exitcode), '')}"
-
-
-def running(pid: int) -> bool:
-    """False once the process has exited: gone, or a zombie its parent has not reaped yet."""
-    if pid <= 0:
-        return True  # not published yet
-    stat = _stat(pid)
-    return stat is not None and stat[0] != "Z"
-
-
-def exit_code(pid: int) -> int | None:
-    """A zombie's exit code as torchrun gives it (negative: killed by that signal), while its parent
-    has not reaped it yet; None once it is gone (Linux 3.5+ keeps it in /proc/PID/stat)."""
-    stat = _stat(pid)
-    if stat is None or stat[0] != "Z" or len(stat) < 50:
-        return None
-    status = int(stat[49])  # field 52, exit_code: a waitpid(2) status
-    return -(status & 0x7F) if status & 0x7F else status >> 8
-
-
-def _stat(pid: int) -> list[str] | None:
-    """/proc/PID/stat from its third field (the state) on, or None if there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat") as stat:
-            return stat.read().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
 
 
 def told(error: Exception, ctx: DistContext | None) -> UserError:

@@ -1,0 +1,29 @@
+"""A process's state from /proc (Linux), by pid: whether a peer still runs, and how a zombie ended."""
+from __future__ import annotations
+
+
+def running(pid: int) -> bool:
+    """False once the process has exited: gone, or a zombie its parent has not reaped yet."""
+    if pid <= 0:
+        return True  # not published yet
+    stat = _stat(pid)
+    return stat is not None and stat[0] != "Z"
+
+
+def exit_code(pid: int) -> int | None:
+    """A zombie's exit code as torchrun gives it (negative: killed by that signal), while its parent
+    has not reaped it yet; None once it is gone (Linux 3.5+ keeps it in /proc/PID/stat)."""
+    stat = _stat(pid)
+    if stat is None or stat[0] != "Z" or len(stat) < 50:
+        return None
+    status = int(stat[49])  # field 52, exit_code: a waitpid(2) status
+    return -(status & 0x7F) if status & 0x7F else status >> 8
+
+
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat from its third field (the state) on, or None if there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
