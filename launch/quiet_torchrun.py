@@ -17,7 +17,8 @@ and what the job was doing then (from the survivors' error files), and exits 1. 
 (a crash: the worker printed its traceback and a line) gets torchrun's full report, as plain
 torchrun would.
 
-It also gives the workers STOP_GRACE_S (not torchrun's 30 s) to stop after a TERM or INT.
+It also gives the workers STOP_GRACE_S (not torchrun's 30 s) to stop after a TERM or INT, and then
+ends with one line and status 128+N, not torchrun's traceback of the signal.
 """
 from __future__ import annotations
 
@@ -33,6 +34,7 @@ if __name__ == "__main__":
 import logging  # noqa: E402
 import logging.handlers  # noqa: E402
 
+from torch.distributed.elastic.multiprocessing import SignalException  # noqa: E402
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure  # noqa: E402
 from torch.distributed.run import parse_args, run  # noqa: E402
 
@@ -114,6 +116,10 @@ def main() -> None:
         if status is None:
             print("\n".join(lines), file=sys.stderr, flush=True)
         sys.exit(status or 1)
+    except SignalException as stop:  # torchrun passed it on and waited for the workers: their lines say the rest
+        held.setTarget(None)
+        print(f"launcher: {stop.sigval.name} passed on to the workers; they have ended", file=sys.stderr, flush=True)
+        sys.exit(128 + stop.sigval)
     held.flush()
 
 

@@ -65,16 +65,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def stop_after(signalled_at: int, steps_per_epoch: int = 0) -> int:
+def stop_after(signalled_at: int, steps_per_epoch: int = 0, save_every: int = 0) -> int:
     """The step after which a run stops when a signal arrives during step `signalled_at` (counted
     from 1): the ranks agree on it at the next step whose 0-based index is a multiple of
     StopRequest.CHECK_EVERY, and stop once that step is done; or, if the epoch ends first, after
-    its last step, at the first check of its evaluation (steps_per_epoch 0: no epoch ends first)."""
+    its last step, at the first check of its evaluation (steps_per_epoch 0: no epoch ends first);
+    or, if a save (--save-every-steps) comes first, right after it (save_every 0: no such saves)."""
     from common.train.preemption import StopRequest
 
     every = StopRequest.CHECK_EVERY
-    at_check = -(-signalled_at // every) * every + 1
-    return min(at_check, -(-signalled_at // steps_per_epoch) * steps_per_epoch) if steps_per_epoch else at_check
+    ends = [-(-signalled_at // every) * every + 1]
+    ends += [-(-signalled_at // n) * n for n in (steps_per_epoch, save_every) if n]
+    return min(ends)
 
 
 def saved_position(stop: int, steps_per_epoch: int) -> tuple[int, int]:

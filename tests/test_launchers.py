@@ -69,15 +69,19 @@ class Lines(threading.Thread):
 LAUNCHED = {  # launcher: its environment ({port}: a free one)
     "multi_node.sh": {"NNODES": "1", "RDZV_ENDPOINT": "127.0.0.1:{port}", "NPROC": "2"},
     "local_two_nodes.sh": {"NPROC": "1"},
+    "single_node.sh": {"NPROC": "2"},
 }
 
 
-@pytest.mark.parametrize("script, name, group", [
-    ("multi_node.sh", "SIGTERM", False), ("local_two_nodes.sh", "SIGTERM", False),
-    ("multi_node.sh", "SIGINT", False), ("local_two_nodes.sh", "SIGINT", False),
-    ("local_two_nodes.sh", "SIGINT", True),  # Ctrl-C in a terminal: INT to the launcher's whole process group
-], ids=["multi_node-TERM", "local_two_nodes-TERM", "multi_node-INT", "local_two_nodes-INT", "local_two_nodes-ctrl_c"])
-def test_a_signal_to_the_launcher_stops_training_with_a_checkpoint(script, name, group, tmp_path):
+@pytest.mark.parametrize("script, name, group, times", [
+    ("multi_node.sh", "SIGTERM", False, 1), ("local_two_nodes.sh", "SIGTERM", False, 1),
+    ("multi_node.sh", "SIGINT", False, 1), ("local_two_nodes.sh", "SIGINT", False, 1),
+    ("local_two_nodes.sh", "SIGINT", True, 1),  # Ctrl-C in a terminal: INT to the launcher's whole process group
+    ("single_node.sh", "SIGTERM", False, 1),
+    ("single_node.sh", "SIGTERM", False, 2),  # `kill` twice, a second scancel: torchrun's agent is signalled again
+], ids=["multi_node-TERM", "local_two_nodes-TERM", "multi_node-INT", "local_two_nodes-INT", "local_two_nodes-ctrl_c",
+        "single_node-TERM", "single_node-TERM-twice"])
+def test_a_signal_to_the_launcher_stops_training_with_a_checkpoint(script, name, group, times, tmp_path):
     ckpt = tmp_path / "ckpt"  # unique to this test: names its processes for pgrep
     # 312 steps an epoch, 20 epochs: however fast the host, the signal (1 s after the first step)
     # comes mid-run, and the stop it asks for ends the run
@@ -91,10 +95,12 @@ def test_a_signal_to_the_launcher_stops_training_with_a_checkpoint(script, name,
         assert out.seen.wait(timeout=120), out.text()[-2000:] + err.text()[-3000:]
         time.sleep(1.0)  # mid-epoch
         sent = time.monotonic()
-        if group:
-            os.killpg(proc.pid, getattr(signal, name))
-        else:
-            proc.send_signal(getattr(signal, name))  # to the launcher's pid only, as `kill -TERM PID` does
+        for _ in range(times):
+            if group:
+                os.killpg(proc.pid, getattr(signal, name))
+            else:
+                proc.send_signal(getattr(signal, name))  # to the launcher's pid only, as `kill -TERM PID` does
+            time.sleep(0.1)  # the next one comes while the agent waits for its workers to stop
         proc.wait(timeout=60)
         exited = time.monotonic() - sent
         left_at_exit = ours(str(ckpt))
@@ -115,6 +121,8 @@ def test_a_signal_to_the_launcher_stops_training_with_a_checkpoint(script, name,
     assert gone is not None
     assert proc.returncode != 0  # training did not complete
     assert len(stopped) == 1, err.text()[-3000:]
+    if script == "single_node.sh":  # quiet_torchrun: no traceback from the agent, also after a second signal
+        assert "Traceback" not in err.text(), err.text()[-3000:]
     assert saved, f"no checkpoint under {ckpt}"
 
 

@@ -162,7 +162,7 @@ def test_a_corrupt_newest_checkpoint_object_falls_back_to_the_previous(s3, tmp_p
              "--checkpoint-dir", "s3://ckpt/corrupt", "--save-every-steps", "2"]
     cut = run_script(["tests/faults.py", "ddp", "sigterm", "10", *flags, "--cache-dir", str(tmp_path / "cache"),
                       "--log-dir", str(tmp_path / "tb")], nproc=2, env=env(s3))
-    stop = stop_after(10)
+    stop = stop_after(10, save_every=2)
     assert f"stopped by SIGTERM after step {stop} " in cut.stderr, cut.stderr[-3000:]
     key, state = latest_in_store(s3, "ckpt", "corrupt")
     assert state["global_step"] == stop
@@ -170,8 +170,9 @@ def test_a_corrupt_newest_checkpoint_object_falls_back_to_the_previous(s3, tmp_p
     resumed = train(s3, tmp_path, *flags)
     ok(resumed)
     assert f"warning: checkpoint s3://ckpt/{key} is truncated or not a checkpoint" in resumed.stderr
-    previous = key.replace(f"step-{stop:08d}", f"step-{stop - 1:08d}")
-    assert f"resumed from s3://ckpt/{previous}: epoch 1, step {stop - 1}" in resumed.stdout
+    before = (stop - 1) // 2 * 2  # the save before the stop's (every 2 steps)
+    previous = key.replace(f"step-{stop:08d}", f"step-{before:08d}")
+    assert f"resumed from s3://ckpt/{previous}: epoch 1, step {before}" in resumed.stdout
 
 
 def test_the_store_going_away_ends_the_job_clearly_and_the_run_resumes_when_it_is_back(s3, tmp_path):

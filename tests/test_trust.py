@@ -156,15 +156,15 @@ def test_resume_none_in_a_used_folder_keeps_both_runs_apart(tmp_path):
     old_run = latest_checkpoint(ckpt).parent
     old_files = sorted(p.name for p in old_run.iterdir())
     new = run_script(["tests/faults.py", "ddp", "sigterm", "10", *common, "--resume", "none"], nproc=2)
-    stopped = [line for line in new.stderr.splitlines()
-               if line.startswith(f"stopped by SIGTERM after step {stop_after(10)} ")]
+    stop = stop_after(10, save_every=2)
+    stopped = [line for line in new.stderr.splitlines() if line.startswith(f"stopped by SIGTERM after step {stop} ")]
     assert stopped, new.stderr[-3000:]
     named = Path(stopped[0].split("checkpoint ")[1].split(";")[0])
     assert named.is_file() and named.parent != old_run  # its own checkpoint survived, in its own folder
     assert sorted(p.name for p in old_run.iterdir()) == old_files  # the old run is untouched
     later = run_script(["train_ddp.py", *common], nproc=2)
     ok(later)
-    assert f"resumed from {named}: epoch 1, step {stop_after(10)}" in later.stdout  # the new run, not the old one
+    assert f"resumed from {named}: epoch 1, step {stop}" in later.stdout  # the new run, not the old one
 
 
 # ---------------------------------------------------------------- storage faults
