@@ -37,7 +37,7 @@ STRATEGIES = {  # label -> script and flags
 EQUIVALENT = {**STRATEGIES, "localsgd": ["train_localsgd.py", "--sync-every", "1"]}  # H=1 equals averaging
 MIXED = ["ddp", "allreduce", "master"]  # the strategies that take --device cpu,cuda
 RECIPES = {"fp32": [], "bf16": ["--precision", "bf16"], "compile": ["--compile"]}
-EQUIVALENT_RECIPES = {  # the recipe rows of the README's equivalence table, on DDP
+EQUIVALENT_RECIPES = {  # the recipe rows of docs/recipes.md's equivalence table, on DDP
     "--accumulate 2": ["--accumulate", "2"],
     "bf16, bf16 wire, --accumulate 2": ["--precision", "bf16", "--grad-compression", "bf16", "--accumulate", "2"],
     "fp16 (GradScaler), fp16 wire": ["--precision", "fp16", "--grad-compression", "fp16"],

@@ -214,7 +214,8 @@ def is_url(path: str) -> bool:
 
 
 # Timeouts and retries for object stores: an unreachable endpoint must end the job in seconds, not
-# hang it (botocore's defaults: 60 s per connect and per read, several retries). Bounds in README.
+# hang it (botocore's defaults: 60 s per connect and per read, several retries). Bounds in
+# docs/object-storage.md (Errors).
 S3_DEFAULTS = {"config_kwargs": {"connect_timeout": 5, "read_timeout": 20,
                                  "retries": {"max_attempts": 3, "mode": "standard"}}}
 S3FS_RETRIES = 2  # s3fs's own retry loop around botocore's (its default: 5, with growing sleeps)

@@ -5,9 +5,6 @@
 launch/single_node.sh runs it so. It imports the suite's package (common), found where it is
 installed (pip install -e .) or, as single_node.sh does, through PYTHONPATH=<the repository>.
 
-launch/single_node.sh runs it so. It imports the suite's package (common), found where it is
-installed (pip install -e .) or, as single_node.sh does, through PYTHONPATH=<the repository>.
-
 The training scripts print a handled error (missing data, a bad flag, a stop by SIGTERM) as one
 line and note it in torchrun's per-rank error file. When every failed worker did that (or was
 stopped by torchrun after another one did), this exits with the worker's status and prints

@@ -407,7 +407,7 @@ def context_from_env(cfg: Config) -> DistContext:
 def _bind_to_loopback(ctx: DistContext) -> None:
     """On one node no peer is remote: keep gloo's and nccl's listening sockets on the loopback
     interface instead of every interface (unless the user chose one). torchrun's own rendezvous
-    store still listens on all interfaces: torch offers no way to bind it (see README, Security)."""
+    store still listens on all interfaces: torch offers no way to bind it (see docs/security.md)."""
     if ctx.nodes == 1 and sys.platform.startswith("linux"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")

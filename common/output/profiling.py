@@ -3,7 +3,8 @@ to the TensorBoard run, and the top operators on rank 0's console.
 
 Open a trace in https://ui.perfetto.dev or chrome://tracing. The hand-written strategies mark
 their gradient traffic ("sync: launch bucket N", "sync: wait for buckets"); DDP's shows as its
-reducer's all_reduce on the communication thread; see the README for what overlap looks like.
+reducer's all_reduce on the communication thread; docs/recipes.md (--profile) says what overlap
+looks like.
 """
 from __future__ import annotations
 

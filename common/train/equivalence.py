@@ -67,7 +67,8 @@ def starting_point(run: Run) -> dict[str, torch.Tensor]:
 
 def tolerance(cfg: Config) -> float:
     """1e-5 where the maths is the same (float32: the two sides only sum in another order); looser,
-    measured bounds where a recipe rounds differently on the two sides (see README)."""
+    measured bounds where a recipe rounds differently on the two sides (docs/recipes.md, the
+    equivalence table of the recipes)."""
     return max([TOLERANCE, *(bound for key, value, bound in LOOSER if getattr(cfg, key) == value)])
 
 
