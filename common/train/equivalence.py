@@ -85,4 +85,4 @@ def _verdict(run: Run, reference: nn.Module, steps: int, log: NullLogger) -> Non
              f"{ctx.world_size}, tolerance {bound:g})")
     if not max_dw <= bound:  # also catches NaN
         ctx.fail_together(f"equivalence check failed: max |dw| = {max_dw:.3g} > {bound:g}; models with "
-                          "BatchNorm or dropout differ from one process by design (see README)")
+                          "BatchNorm or dropout differ from one process by design (see docs/strategies.md)")
