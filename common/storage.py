@@ -304,7 +304,7 @@ def describe_store_error(error: Exception) -> str:
     text = _first_line(error) if str(error) else ""
     if name == "NoCredentialsError":
         return ("no credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a profile (AWS_PROFILE), "
-                "an instance role, or key/secret in --storage-options")
+                "an instance role, or key/secret in --storage-options @FILE or env:VAR (not inline: ps shows it)")
     if isinstance(error, PermissionError) or "AccessDenied" in text or "InvalidAccessKeyId" in text:
         return f"access denied, wrong or missing credentials ({text})"
     if name in TRANSIENT_NAMES or isinstance(error, (ConnectionError, TimeoutError)):
