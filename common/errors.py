@@ -77,3 +77,8 @@ class PeerVanished(UserError):
 class Crashed(UserError):
     """This rank raised an error no one handled (a bug): its traceback is printed, then one line
     saying which rank, where and when."""
+
+
+def first_line(error: BaseException) -> str:
+    """An error's message cut to one line for a one-line error (its type's name if it has none)."""
+    return (str(error).splitlines() or [type(error).__name__])[0][:200]

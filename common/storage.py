@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, BinaryIO, Callable, Protocol, TypeVar
 
 from common.credentials import secrets_in
+from common.errors import first_line
 
 T = TypeVar("T")
 
@@ -301,7 +302,7 @@ class FsspecStorage:
 def describe_store_error(error: Exception) -> str:
     """What went wrong, in the words a user acts on."""
     name = type(error).__name__
-    text = _first_line(error) if str(error) else ""
+    text = first_line(error) if str(error) else ""
     if name == "NoCredentialsError":
         return ("no credentials found: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, a profile (AWS_PROFILE), "
                 "an instance role, or key/secret in --storage-options @FILE or env:VAR (not inline: ps shows it)")
@@ -328,7 +329,7 @@ def url_problem(url: str) -> str | None:
     except ValueError:
         return f"no file system is known for {protocol}:// URLs"
     except ImportError as e:
-        return f"{protocol}:// URLs need a package that is not installed ({_first_line(e)}); pip install it " \
+        return f"{protocol}:// URLs need a package that is not installed ({first_line(e)}); pip install it " \
                "(s3fs for s3:// is in requirements.txt)"
     return None
 
@@ -350,10 +351,6 @@ def export_s3_endpoint(options: dict[str, Any]) -> None:
     endpoint = options.get("endpoint_url") or options.get("client_kwargs", {}).get("endpoint_url")
     if endpoint:
         os.environ.setdefault("S3_ENDPOINT", endpoint)
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).splitlines() or [type(error).__name__])[0][:200]
 
 
 def storage_for(url: str, options: dict[str, Any] | None = None) -> Storage:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from common.config import Config
-from common.errors import ConfigError, PeerFailed, UserError, WaitExpired
+from common.errors import ConfigError, PeerFailed, UserError, WaitExpired, first_line
 from common.dist.transport import (LocalTransport, ProcessGroupTransport, SharedMemoryTransport, Transport, create_region,
                               map_region, shared_memory_problem)
 
@@ -291,7 +291,7 @@ def wait_for_keys(store: Any, keys: Sequence[str], deadline_s: float,
             time.sleep(pause)
             pause = min(2 * pause, POLL_S)
     except RuntimeError as e:  # torch's store errors: the host of the store (node 0's agent) ended
-        raise Unanswered(pending, f"could not be reached: the job's store failed ({_first_line(e)})", {}) from None
+        raise Unanswered(pending, f"could not be reached: the job's store failed ({first_line(e)})", {}) from None
 
 
 def _check_heartbeats(store: Any, pending: list[str], beats: dict[str, tuple[int, float]], now: float) -> None:
@@ -308,10 +308,6 @@ def _check_heartbeats(store: Any, pending: list[str], beats: dict[str, tuple[int
 def _who(store: Any, keys: list[str]) -> dict[str, str]:
     """' (host H, pid P)' of each key's worker, where it said."""
     return {key: store.get(f"{key}/who").decode() for key in keys if store.check([f"{key}/who"])}
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).splitlines() or [type(error).__name__])[0][:200]
 
 
 def _bytes_tensor(data: bytes, device: torch.device) -> torch.Tensor:
