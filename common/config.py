@@ -15,7 +15,8 @@ from common.credentials import read_storage_options
 from common.models import MODELS, model_problem
 from common.storage import log_url_problem, url_problem
 
-DATASETS = ("cifar10", "mnist", "synthetic")
+DATASETS = ("cifar10", "mnist", "synthetic", "imagefolder", "shards")
+OWN_DATASETS = ("imagefolder", "shards")  # your own images (common/shards.py has their layouts)
 # --storage-timeout-s's default: generous, so that it covers a large checkpoint on a slow store, with
 # the storage layer's own bounded retries of transient errors, and a data set's download.
 STORAGE_TIMEOUT_S = 1800.0
@@ -38,6 +39,9 @@ RECIPES = {
     "cifar10": Recipe(model="resnet18", epochs=30, batch_size=512, lr=0.4),
     "mnist": Recipe(model="convnet", epochs=4, batch_size=128, lr=0.1),
     "synthetic": Recipe(model="convnet", epochs=2, batch_size=128, lr=0.05),
+    # Your own images: the torchvision reference recipe's model, at a batch that fits a small GPU.
+    "imagefolder": Recipe(model="resnet18", epochs=30, batch_size=256, lr=0.2),
+    "shards": Recipe(model="resnet18", epochs=30, batch_size=256, lr=0.2),
 }
 
 
@@ -50,6 +54,11 @@ class Config:
     download_from: str
     cache_dir: str
     synthetic_shape: str
+    image_size: int
+    workers: int | None
+    skip_broken: bool
+    cache_gb: float
+    shard_cache_gb: float
     model: str
     epochs: int
     batch_size: int
@@ -105,14 +114,16 @@ class Config:
         return identity_digest(self.identity())
 
 
-# Settings that change the trained weights. --synthetic-shape matters only for --dataset synthetic.
+# Settings that change the trained weights. --synthetic-shape matters only for --dataset synthetic;
+# --data-dir and --image-size only for your own images (the built-in sets are the same anywhere).
 IDENTITY = ("dataset", "model", "batch_size", "lr", "momentum", "weight_decay", "schedule", "epochs", "seed",
             "max_steps", "sync_bn", "precision", "accumulate", "grad_compression")
 
 
 def run_identity(flags: dict[str, Any], strategy_options: Sequence[str] = ()) -> dict[str, Any]:
     """The identity of a run from its flags (a Config's, or those saved in a checkpoint)."""
-    keys = [*IDENTITY, *(["synthetic_shape"] if flags.get("dataset") == "synthetic" else []), *strategy_options]
+    keys = [*IDENTITY, *(["synthetic_shape"] if flags.get("dataset") == "synthetic" else []),
+            *(["data_dir", "image_size"] if flags.get("dataset") in OWN_DATASETS else []), *strategy_options]
     return {key: flags.get(key) for key in keys}
 
 
@@ -153,6 +164,22 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
              "user of the machine (ps). They are never printed or saved "
              "(default: the standard AWS variables, profile or instance role)")
     add("--synthetic-shape", default="cifar", choices=("cifar", "mnist"), help="image shape of --dataset synthetic")
+    own = p.add_argument_group("your own images (--dataset imagefolder | shards; docs/data.md)")
+    own.add_argument("--image-size", type=int, default=0, metavar="S",
+                     help="train at S x S: random-resized crops + flips for training, resize + centre crop for "
+                          "evaluation; needed when the images differ in size (default: their common size)")
+    own.add_argument("--workers", type=int, default=None, metavar="N",
+                     help="DataLoader worker processes per rank decoding a streamed set (default: the node's cores "
+                          "/ ranks per node - 1, from 1 to 8)")
+    own.add_argument("--skip-broken", action="store_true",
+                     help="train without images that do not decode (each replaced by the next sample; counted and "
+                          "named in the log) instead of stopping at the first")
+    own.add_argument("--cache-gb", type=float, default=20.0, metavar="GB",
+                     help="decode a set that fits in this many GB once per node into --cache-dir, else stream it "
+                          "(default: %(default)s)")
+    own.add_argument("--shard-cache-gb", type=float, default=10.0, metavar="GB",
+                     help="the most a node keeps of shards from a --data-dir URL while streaming; the least recently "
+                          "used are deleted beyond it (default: %(default)s)")
     add("--model", default=None, help=f"one of {', '.join(MODELS)}; torchvision:NAME, a torchvision classification "
                                       "model, untrained; or MODULE:FUNCTION, your FUNCTION(channels, size, classes) "
                                       "returning an nn.Module, from PYTHONPATH or the current directory "
@@ -236,6 +263,7 @@ def world_size_from_env() -> int:
 def _validate(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int) -> None:
     if a.dataset not in DATASETS:
         p.error(f"--dataset {a.dataset!r} is unknown; choose one of {', '.join(DATASETS)}")
+    _validate_own_data(p, a)
     if problem := model_problem(a.model):
         p.error(f"--model {a.model!r} {problem}")
     if a.batch_size < 1:
@@ -259,6 +287,19 @@ def _validate(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int
         p.error("--check-equivalence and --check-replicas take a step count >= 0")
     _validate_recipes(p, a, world_size)
     _validate_storage(p, a)
+
+
+def _validate_own_data(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    own = a.dataset in OWN_DATASETS
+    if a.image_size and not own:
+        p.error(f"--image-size applies to --dataset {' or '.join(OWN_DATASETS)}; the built-in sets have one size")
+    if own and a.data_dir == "./data":
+        p.error(f"--dataset {a.dataset} needs --data-dir: the folder (or, for shards, the URL) of your images")
+    if own and a.dataset == "imagefolder" and "://" in a.data_dir:
+        p.error("--dataset imagefolder reads a local folder; for a store, convert it to shards "
+                "(python -m common.shards FOLDER URL) and pass --dataset shards")
+    if a.image_size < 0 or (a.workers is not None and a.workers < 0) or a.cache_gb < 0 or a.shard_cache_gb <= 0:
+        p.error("--image-size, --workers and --cache-gb must be >= 0 and --shard-cache-gb > 0")
 
 
 def _validate_recipes(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int) -> None:

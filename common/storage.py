@@ -278,6 +278,15 @@ class FsspecStorage:
     def get(self, name: str, local: Path) -> None:
         self._do(name, lambda path: self.fs.get_file(path, str(local)))
 
+    def versions(self) -> dict[str, str]:
+        """Name -> version (size and ETag) of each object directly under the URL, in one listing."""
+        def listing(path: str) -> dict[str, str]:
+            self.fs.invalidate_cache(path)
+            return {entry["name"].rstrip("/").rsplit("/", 1)[-1]:
+                    f"{int(entry.get('size') or 0)}-{entry.get('ETag') or entry.get('etag') or entry.get('mtime') or ''}"
+                    for entry in self.fs.ls(path, detail=True) if entry.get("type") != "directory"}
+        return self._do("", listing)
+
     def list(self, prefix: str) -> list[str]:
         def names(path: str) -> list[str]:
             try:

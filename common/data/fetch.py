@@ -14,27 +14,23 @@ for a complete file.
 """
 from __future__ import annotations
 
-import fcntl
 import hashlib
 import http.client
 import json
-import math
 import os
 import shutil
 import tarfile
 import time
 import urllib.error
 import urllib.request
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable
 
-import torch
-
-from common.data import formats
+from common.data import formats, own
+from common.data.cache import META, cache_folder, default_cache_dir, file_lock, map_tensors, write_tensors
 from common.config import STORAGE_TIMEOUT_S
 from common.data.loader import Dataset, Split, make_synthetic
-from common.dist.context import (DEADLINE_FLAG, POLL_S, PROGRESS_EVERY_S, DeadlinePassed, DistContext, Unanswered,
+from common.dist.context import (DEADLINE_FLAG, PROGRESS_EVERY_S, DeadlinePassed, DistContext, Unanswered,
                                 run_with_heartbeat, wait_for_keys)
 from common.errors import UserError, WaitExpired
 from common.storage import StorageError, is_url, storage_for
@@ -46,24 +42,27 @@ DOWNLOAD_TIMEOUT_S = 60.0  # a stalled connection (no byte for this long) fails 
 
 def load_dataset(name: str, data_dir: str, *, ctx: DistContext, say: Say, allow_download: bool = True,
                  download_from: str = "", cache_dir: str = "", storage_options: dict[str, Any] | None = None,
-                 synthetic_shape: str = "cifar", deadline_s: float = STORAGE_TIMEOUT_S) -> Dataset:
+                 synthetic_shape: str = "cifar", deadline_s: float = STORAGE_TIMEOUT_S,
+                 own_data: own.OwnData | None = None) -> Dataset:
     """The data set. Its node's local rank 0 makes the files present and decodes them once into a
-    cache of raw tensors, within deadline_s; every rank of the node maps that cache (shared pages,
-    no copy)."""
+    cache of raw tensors (your own images: or indexes them for streaming, common/data/own.py),
+    within deadline_s; every rank of the node maps that cache (shared pages, no copy)."""
     if name == "synthetic":
         return make_synthetic(synthetic_shape)
     root = cache_folder(cache_dir, data_dir) if is_url(data_dir) else Path(data_dir)
 
-    def prepare() -> Path:
+    def prepare() -> Any:
+        if own_data is not None:
+            return own.prepare(own_data, say)
         if is_url(data_dir):
             fetch_remote(name, data_dir, root, storage_options or {}, say)
         else:
             ensure_local(name, root, allow_download, download_from, say)
-        return decode_once(name, root, cache_dir)
+        return str(decode_once(name, root, cache_dir))
     if ctx.is_node_primary:
         try:
-            report = {"error": None, "decoded": str(run_with_heartbeat(ctx.store, node_key(ctx.node_rank), prepare,
-                                                                       deadline_s))}
+            report = {"error": None, "prepared": run_with_heartbeat(ctx.store, node_key(ctx.node_rank), prepare,
+                                                                    deadline_s)}
         except DeadlinePassed:
             report = {"error": f"preparing the data did not finish within {deadline_s:g} s ({DEADLINE_FLAG}); "
                                f"pass a larger {DEADLINE_FLAG} for a slow download"}
@@ -71,8 +70,10 @@ def load_dataset(name: str, data_dir: str, *, ctx: DistContext, say: Say, allow_
             report = {"error": str(e)}
         ctx.store.set(node_key(ctx.node_rank), json.dumps(report))
     wait_for_nodes(ctx, say, deadline_s)
-    decoded = Path(json.loads(ctx.store.get(node_key(ctx.node_rank)))["decoded"])
-    return ctx.together(lambda: map_decoded(name, decoded))
+    prepared = json.loads(ctx.store.get(node_key(ctx.node_rank)))["prepared"]
+    if own_data is not None:
+        return ctx.together(lambda: own.open_prepared(prepared, own_data))
+    return ctx.together(lambda: map_decoded(name, Path(prepared)))
 
 
 def node_key(node: int) -> str:
@@ -82,6 +83,7 @@ def node_key(node: int) -> str:
 
 # ---------------------------------------------------------------- decoded once per node
 
+CACHE_FORMAT = 2  # part of a cache folder's key: a later layout of its files is never read as an earlier one
 SPLITS = ("train_images", "train_labels", "test_images", "test_labels")
 
 
@@ -90,33 +92,28 @@ def decode_once(name: str, root: Path, cache_dir: str) -> Path:
     (paths, sizes, modification times): decoded the first time, found again by later runs."""
     sources = sorted(p for folder in formats.layout_folders(name) for p in (root / folder).glob("*")
                      if p.is_file() and not p.name.startswith("."))
-    key = hashlib.sha256(json.dumps([name, str(root.resolve()), *[(str(p), p.stat().st_size, p.stat().st_mtime_ns)
+    key = hashlib.sha256(json.dumps([name, CACHE_FORMAT, str(root.resolve()), *[(str(p), p.stat().st_size, p.stat().st_mtime_ns)
                                                                     for p in sources]]).encode()).hexdigest()[:16]
     folder = Path(cache_dir or default_cache_dir()) / "decoded" / f"{name}-{key}"
-    if (folder / "meta.json").is_file():
+    if (folder / META).is_file():
         return folder
     data = formats.read_dataset(name, root)
     staging = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
     try:
         staging.mkdir(parents=True, exist_ok=True)
-        tensors = dict(zip(SPLITS, (data.train.images, data.train.labels, data.test.images, data.test.labels)))
-        for split, tensor in tensors.items():
-            tensor.contiguous().numpy().tofile(staging / split)
-        (staging / "meta.json").write_text(json.dumps({split: list(t.shape) for split, t in tensors.items()}))
+        write_tensors(staging, dict(zip(SPLITS, (data.train.images, data.train.labels, data.test.images,
+                                                 data.test.labels))))
         os.replace(staging, folder)
     except OSError as e:
         shutil.rmtree(staging, ignore_errors=True)
-        if not (folder / "meta.json").is_file():  # another process may have won the race
+        if not (folder / META).is_file():  # another process may have won the race
             raise UserError(f"--cache-dir {folder.parent}: {_brief(e)}; pass a writable --cache-dir") from None
     return folder
 
 
 def map_decoded(name: str, folder: Path) -> Dataset:
     """Every rank maps the same files: the pages are shared, not copied per rank."""
-    shapes = json.loads((folder / "meta.json").read_text())
-    tensors = [torch.from_file(str(folder / split), shared=False, size=math.prod(shapes[split]),
-                               dtype=torch.uint8 if split.endswith("images") else torch.int64).view(shapes[split])
-               for split in SPLITS]
+    tensors = [map_tensors(folder)[split] for split in SPLITS]
     spec = formats.CIFAR_SPEC if name == "cifar10" else formats.MNIST_SPEC
     return Dataset(name, spec, Split(*tensors[:2]), Split(*tensors[2:]))
 
@@ -239,38 +236,7 @@ def remove_partials(root: Path) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
-@contextmanager
-def file_lock(path: Path, say: Say) -> Iterator[None]:
-    """An exclusive lock across processes and, on shared volumes that support it (NFS), nodes."""
-    with open(path, "a") as handle:
-        started = last = time.monotonic()
-        while True:
-            try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() - last >= PROGRESS_EVERY_S:
-                    say(f"waiting for another process fetching into {path.parent} "
-                        f"({time.monotonic() - started:.0f} s)")
-                    last = time.monotonic()
-                time.sleep(POLL_S)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
-
-
 # ---------------------------------------------------------------- object stores, through a cache
-
-def cache_folder(cache_dir: str, url: str) -> Path:
-    """One local folder per data URL: s3://bucket/prefix -> CACHE/s3/bucket/prefix."""
-    protocol, _, rest = url.partition("://")
-    return Path(cache_dir or default_cache_dir()) / protocol / rest.strip("/")
-
-
-def default_cache_dir() -> str:
-    return os.path.join(os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "dp-suite")
-
 
 def fetch_remote(name: str, url: str, root: Path, options: dict[str, Any], say: Say) -> None:
     """Copy the data set's files from the store into `root` unless the cached copy is of the same

@@ -7,11 +7,11 @@ gets the files onto each node.
 from __future__ import annotations
 
 import hashlib
+import math
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
-from torch.utils.data.distributed import DistributedSampler
 
 from common.errors import UserError
 
@@ -23,20 +23,33 @@ class DataSpec:
     classes: int
     mean: tuple[float, ...]
     std: tuple[float, ...]
-    augment: bool  # random 4-px-padded crop + horizontal flip
+    augment: str  # none | pad-crop-flip (random 4-px-padded crop) | resized-crop-flip (random-resized crop)
 
 
-CIFAR_SPEC = DataSpec(3, 32, 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), augment=True)
-MNIST_SPEC = DataSpec(1, 28, 10, (0.1307,), (0.3081,), augment=False)
+CIFAR_SPEC = DataSpec(3, 32, 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), augment="pad-crop-flip")
+MNIST_SPEC = DataSpec(1, 28, 10, (0.1307,), (0.3081,), augment="none")
+SHUFFLE_WINDOW = 4  # shards: each epoch shuffles the shards, then the samples within each window of this many
 
 
 @dataclass(frozen=True)
 class Split:
     images: torch.Tensor  # uint8, (N, C, H, W)
     labels: torch.Tensor  # int64, (N,)
+    groups: torch.Tensor | None = None  # int64 shard of each sample, for sets read from shards
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    def batches(self, indices: list[torch.Tensor], device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """uint8 images and labels of each index batch, on `device`."""
+        for index in indices:
+            index = index.to(self.images.device)
+            yield to_device(self.images[index], device), to_device(self.labels[index], device)
+
+    def take_counts(self) -> tuple[dict[str, float], list[str]]:
+        """What the loader met since the last call (a streamed split counts shard cache hits and
+        skipped files): nothing here, the set is held whole."""
+        return {}, []
 
 
 @dataclass(frozen=True)
@@ -45,6 +58,7 @@ class Dataset:
     spec: DataSpec
     train: Split
     test: Split
+    held: str = "in memory"  # how the banner describes where the images are kept
 
 
 # ---------------------------------------------------------------- synthetic
@@ -96,13 +110,29 @@ def crop_and_flip(images: torch.Tensor, shifts: torch.Tensor, flips: torch.Tenso
 
 
 def on_device(split: Split, device: torch.device) -> Split:
-    """The split where its batches are used. On a GPU the whole set (uint8: 47 MB for MNIST, 150 MB
-    for CIFAR-10) is copied over once, from pinned memory without blocking, so no batch crosses the
-    bus; on the CPU it stays where it is."""
-    if device.type != "cuda":
+    """The split where its batches are used. On a GPU a set that takes at most a quarter of its free
+    memory (uint8: 47 MB for MNIST, 150 MB for CIFAR-10) is copied over once, from pinned memory
+    without blocking, so no batch crosses the bus; a larger one, and every set on the CPU, stays
+    where it is (a node's cache maps it) and each batch is copied."""
+    if device.type != "cuda" or not isinstance(split, Split) or \
+            split.images.nbytes > torch.cuda.mem_get_info(device)[0] // 4:
         return split
     return Split(split.images.pin_memory().to(device, non_blocking=True),
-                 split.labels.pin_memory().to(device, non_blocking=True))
+                 split.labels.pin_memory().to(device, non_blocking=True), split.groups)
+
+
+def global_order(size: int, seed: int, epoch: int, groups: torch.Tensor | None = None) -> torch.Tensor:
+    """The epoch's order of all samples, the same at every world size: DistributedSampler's
+    permutation; for shards, shuffled shards with their samples shuffled within windows of
+    SHUFFLE_WINDOW shards, so a bounded cache of shards serves the reads."""
+    g = torch.Generator().manual_seed(seed + epoch)  # DistributedSampler's seeding
+    if groups is None:
+        return torch.randperm(size, generator=g)
+    by_group = torch.argsort(groups, stable=True).split(torch.bincount(groups).tolist())
+    shards = torch.randperm(len(by_group), generator=g).tolist()
+    windows = [torch.cat([by_group[s] for s in shards[w:w + SHUFFLE_WINDOW]])
+               for w in range(0, len(shards), SHUFFLE_WINDOW)]
+    return torch.cat([window[torch.randperm(len(window), generator=g)] for window in windows])
 
 
 class Normalizer:
@@ -134,26 +164,54 @@ class TrainLoader:
             raise UserError(f"--batch-size {global_batch} is larger than the training set ({len(split)} images)")
         self.split, self.spec, self.device = on_device(split, device), spec, device
         self.global_batch, self.rank, self.world_size, self.seed = global_batch, rank, world_size, seed
-        self.per_rank = global_batch // world_size
-        self.sampler = DistributedSampler(range(len(split)), num_replicas=world_size, rank=rank,
-                                          shuffle=True, seed=seed, drop_last=True)
         self.steps_per_epoch = min(full_steps, max_steps) if max_steps else full_steps
         self.normalize = Normalizer(spec, device, memory_format)
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        self.sampler.set_epoch(epoch)  # without it every epoch repeats the same shuffle
-        order = torch.tensor(list(self.sampler), dtype=torch.int64).to(self.device)
-        for step in range(start_step, self.steps_per_epoch):
-            index = order[step * self.per_rank:(step + 1) * self.per_rank]
-            yield self._transform(self.split.images[index], epoch, step), self.split.labels[index]
+        """Global batch k is order[k*B:(k+1)*B]; this rank takes every W-th sample of it, from its rank."""
+        order = global_order(len(self.split), self.seed, epoch, self.split.groups)
+        b = self.global_batch
+        indices = [order[step * b + self.rank:(step + 1) * b:self.world_size]
+                   for step in range(start_step, self.steps_per_epoch)]
+        for step, (images, labels) in enumerate(self.split.batches(indices, self.device), start=start_step):
+            yield self._transform(images, epoch, step), labels
 
     def _transform(self, images: torch.Tensor, epoch: int, step: int) -> torch.Tensor:
-        if self.spec.augment:
-            g = _batch_generator(self.seed, epoch, step)
-            shifts = torch.randint(0, 9, (self.global_batch, 2), generator=g)[self.rank::self.world_size]
-            flips = (torch.rand(self.global_batch, generator=g) < 0.5)[self.rank::self.world_size]
-            images = crop_and_flip(images, to_device(shifts, images.device), to_device(flips, images.device))
-        return self.normalize(images)
+        """Augmentation drawn for the whole global batch from (seed, epoch, step), then this rank's rows."""
+        if self.spec.augment == "none":
+            return self.normalize(images)
+        g = _batch_generator(self.seed, epoch, step)
+        mine = slice(self.rank, None, self.world_size)
+        if self.spec.augment == "pad-crop-flip":
+            shifts = torch.randint(0, 9, (self.global_batch, 2), generator=g)[mine]
+            flips = (torch.rand(self.global_batch, generator=g) < 0.5)[mine]
+            return self.normalize(crop_and_flip(images, to_device(shifts, images.device),
+                                                to_device(flips, images.device)))
+        boxes = random_resized_boxes(self.global_batch, g)[mine]
+        return self.normalize(resized_crop(images.float(), to_device(boxes, images.device), self.spec.size))
+
+
+def random_resized_boxes(n: int, g: torch.Generator, scale: tuple[float, float] = (0.08, 1.0),
+                         ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> torch.Tensor:
+    """torchvision's RandomResizedCrop parameters for n images, as affine boxes in [-1, 1]
+    coordinates: (x scale, y scale, x centre, y centre); a negative x scale mirrors (the flip).
+    An area fraction and an aspect ratio are drawn once; a box that would leave the image is
+    shrunk to fit (torchvision retries, then falls back to a centre crop)."""
+    area = torch.empty(n).uniform_(*scale, generator=g)
+    aspect = torch.exp(torch.empty(n).uniform_(math.log(ratio[0]), math.log(ratio[1]), generator=g))
+    width, height = (area * aspect).sqrt().clamp(max=1.0), (area / aspect).sqrt().clamp(max=1.0)
+    cx = (torch.rand(n, generator=g) * 2 - 1) * (1 - width)
+    cy = (torch.rand(n, generator=g) * 2 - 1) * (1 - height)
+    flip = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    return torch.stack([width * flip, height, cx, cy], dim=1)
+
+
+def resized_crop(images: torch.Tensor, boxes: torch.Tensor, size: int) -> torch.Tensor:
+    """Each image's box, resized (bilinear) to size x size: the whole batch in one grid_sample."""
+    theta = torch.zeros(len(images), 2, 3, device=images.device, dtype=images.dtype)
+    theta[:, 0, 0], theta[:, 1, 1], theta[:, 0, 2], theta[:, 1, 2] = boxes.to(images.dtype).unbind(1)
+    grid = torch.nn.functional.affine_grid(theta, [len(images), images.shape[1], size, size], align_corners=False)
+    return torch.nn.functional.grid_sample(images, grid, mode="bilinear", padding_mode="border", align_corners=False)
 
 
 def eval_shard(size: int, rank: int, world_size: int) -> torch.Tensor:
@@ -172,8 +230,8 @@ def eval_batches(split: Split, spec: DataSpec, rank: int, world_size: int, batch
     if equal_counts:
         most = -(-len(eval_shard(len(split), 0, world_size)) // batch)  # shard 0 is never the smaller one
         indices += [torch.zeros(0, dtype=torch.int64)] * (most - len(indices))
-    for index in indices:
-        yield normalize(to_device(split.images[index], device)), to_device(split.labels[index], device)
+    for images, labels in split.batches(indices, device):
+        yield normalize(images), labels
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -108,6 +108,9 @@ class NullLogger:
     def saved(self, path: str, step: int, seconds: float) -> None:
         pass
 
+    def loader(self, step: int, counts: dict[str, float], skipped: list[str]) -> None:
+        pass
+
     def save_stall(self, step: int, seconds: float) -> None:
         pass
 
@@ -192,6 +195,14 @@ class Logger(RankEcho):
             scalars["time/epoch_s"] = r.epoch_s
         for tag, value in scalars.items():
             self.writer.add_scalar(tag, value, r.global_step)
+
+    def loader(self, step: int, counts: dict[str, float], skipped: list[str]) -> None:
+        """A streamed set's epoch, over all ranks: shard cache hits and misses, skipped files (named)."""
+        for key, value in counts.items():
+            self.writer.add_scalar(f"data/{key}", value, step)
+        if skipped:
+            self.warn(f"skipped {len(skipped)} unreadable image(s) this epoch, each replaced by its next sample: "
+                      f"{', '.join(skipped[:10])}{', ...' if len(skipped) > 10 else ''}")
 
     def startup(self, seconds: float, step: int) -> None:
         self.info(f"start-up: {seconds:.1f} s from process start to the first step")

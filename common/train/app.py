@@ -11,7 +11,9 @@ import torch
 
 from common.train.checkpoint import Checkpoints, Resumed
 from common.collector import ended_cleanly, pause_during_set_up, resume_for_training
-from common.config import Config, default_log_dir, parse_args, world_size_from_env
+from common.config import OWN_DATASETS, Config, default_log_dir, parse_args, world_size_from_env
+from common.data.images import default_workers
+from common.data.own import OwnData
 from common.data.loader import TrainLoader
 from common.dist.context import DistContext, check_same_flags, distributed
 from common.train.equivalence import check_equivalence
@@ -102,7 +104,7 @@ def build_run(cfg: Config, ctx: DistContext, strategy: Strategy) -> Run:
     data = load_dataset(cfg.dataset, cfg.data_dir, ctx=ctx, say=node_console(ctx), allow_download=cfg.download,
                         download_from=cfg.download_from, cache_dir=cfg.cache_dir,
                         storage_options=cfg.storage_options, synthetic_shape=cfg.synthetic_shape,
-                        deadline_s=cfg.storage_timeout_s)
+                        deadline_s=cfg.storage_timeout_s, own_data=own_data(cfg, ctx))
     loader = ctx.together(lambda: TrainLoader(data.train, data.spec, cfg.batch_size, ctx.rank, ctx.world_size,
                                               cfg.seed, ctx.device, cfg.max_steps, memory_format))
     model = ctx.together(lambda: build_model(cfg.model, data.spec.channels, data.spec.size, data.spec.classes,
@@ -116,6 +118,15 @@ def build_run(cfg: Config, ctx: DistContext, strategy: Strategy) -> Run:
     compiled = torch.compile(wrapped) if cfg.compile else None  # for DDP, compile sees DDP and splits at buckets
     return Run(cfg, ctx, strategy, data, loader, wrapped, optimizer, scheduler, Precision(cfg.precision, ctx.device),
                compiled)
+
+
+def own_data(cfg: Config, ctx: DistContext) -> OwnData | None:
+    """How to read --dataset imagefolder | shards; None for the built-in sets."""
+    if cfg.dataset not in OWN_DATASETS:
+        return None
+    workers = default_workers(ctx.local_world_size) if cfg.workers is None else cfg.workers
+    return OwnData(cfg.dataset, cfg.data_dir, cfg.cache_dir, cfg.storage_options, cfg.image_size, workers,
+                   default_workers(1) + 1, cfg.skip_broken, cfg.cache_gb, cfg.shard_cache_gb)
 
 
 def process_age_s() -> float:
@@ -158,7 +169,10 @@ def describe(run: Run, checkpoints: Checkpoints, log: NullLogger) -> None:
     log.info(f"{run.strategy.describe()}: world {ctx.world_size} = {ctx.nodes} node(s) x {ctx.local_world_size}, "
              f"backend {ctx.backend}, gradients via {wire}{note}, master {master}, device {ctx.device} (rank 0), "
              f"{torch.get_num_threads()} thread(s) per rank")
-    log.info(f"{run.data.name}: {len(run.data.train)} train / {len(run.data.test)} test images; model {cfg.model}; "
+    log.info(f"{run.data.name}: {len(run.data.train)} train / {len(run.data.test)} test images "
+             f"({run.data.spec.channels}x{run.data.spec.size}x{run.data.spec.size}, {run.data.spec.classes} classes), "
+             f"{run.data.held}")
+    log.info(f"model {cfg.model}; "
              f"global batch {cfg.batch_size} = {cfg.batch_size // ctx.world_size} per rank x {ctx.world_size}"
              f"{f' in {cfg.accumulate} micro-batches' if cfg.accumulate > 1 else ''}; peak lr {cfg.lr:g}; "
              f"{cfg.epochs} epoch(s); {cfg.precision}, {cfg.memory_format}{', compiled' if cfg.compile else ''}")

@@ -150,6 +150,7 @@ class Trainer:
         start = time.perf_counter()
         train, times = self.train_epoch(epoch, first_step)
         train_s = time.perf_counter() - start
+        self.log_loader(Position(epoch + 1, 0))
         run.strategy.consolidate(run.model)  # rank 0's BatchNorm statistics everywhere before they are read
         try:
             test = evaluate(run.plain, run.data, run.ctx, run.eval_batch_size, run.precision, run.memory_format,
@@ -192,6 +193,16 @@ class Trainer:
             clock.restart()  # logging, checks and saves are no step's data, compute or sync
         self.steps.flush(self.log, run)
         return self.steps.take_epoch()
+
+    def log_loader(self, at: Position) -> None:
+        """What the loader met this epoch, summed over ranks (a collective, on every rank)."""
+        counts, skipped = self.run.data.train.take_counts()
+        if not counts:  # the same on every rank: the set is held whole
+            return
+        totals = self.run.ctx.all_reduce_sum(torch.tensor(list(counts.values()), dtype=torch.float64,
+                                                          device=self.run.ctx.comm_device))
+        names = sorted({name for names in self.run.ctx.all_gather_json(skipped) for name in names})
+        self.log.loader(self.run.global_step(at), dict(zip(counts, totals.tolist())), names)
 
     def after_step(self, done: Position) -> None:
         """Every rank runs the same collectives here, in the same order. A stop, a mid-epoch save or

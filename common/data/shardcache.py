@@ -1,0 +1,132 @@
+"""Shards from an object store through a bounded node-local cache.
+
+Each shard is fetched once per node into --cache-dir (under a per-shard file lock, to a temp name,
+then renamed: every rank and worker of the node shares the copy, and a cut download never passes
+for a shard) and kept while the cache holds at most its budget: beyond it, the least recently used
+shards are deleted (a reader that has one open keeps reading it: Linux frees it on close). A
+thread fetches the shards the coming batches need ahead of the workers that read them.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from common.data.cache import file_lock
+from common.errors import UserError
+from common.storage import StorageError, storage_for
+
+MIN_SHARDS = 4  # a budget must hold this many of the largest shard: those being read and those fetched ahead
+
+
+class ShardCache:
+    """Picklable (DataLoader workers each build their own store client on first use)."""
+
+    def __init__(self, url: str, options: dict[str, Any], folder: Path, budget_bytes: int,
+                 versions: dict[str, str]) -> None:
+        self.url, self.options, self.folder, self.budget = url.rstrip("/"), options, folder, budget_bytes
+        self.versions = versions  # shard name -> its version (size and ETag) in the store
+        self.hits = self.misses = 0
+        self._store = None
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_store": None}
+
+    def local(self, name: str) -> Path:
+        """The version-named local file a shard is cached as."""
+        tag = hashlib.sha256(self.versions[name].encode()).hexdigest()[:12]
+        return self.folder / f"{name.removesuffix('.tar')}.{tag}.tar"
+
+    def path(self, name: str) -> Path:
+        """A local copy of shard `name`, fetched if the cache lacks it; marks it recently used."""
+        target = self.local(name)
+        if target.is_file():
+            self.hits += 1
+            os.utime(target)
+            return target
+        self.folder.mkdir(parents=True, exist_ok=True)
+        with file_lock(self.folder / f".{target.name}.lock"):
+            if target.is_file():  # another rank or worker fetched it meanwhile
+                self.hits += 1
+                return target
+            self._fetch(name, target)
+            self.misses += 1
+        self.evict(keep=target)
+        return target
+
+    def _fetch(self, name: str, target: Path) -> None:
+        part = target.with_name(f".{target.name}.part-{os.getpid()}")
+        try:
+            if self._store is None:
+                self._store = storage_for(self.url, self.options)
+            self._store.get(name, part)
+            os.replace(part, target)
+        except StorageError as e:
+            raise UserError(f"--data-dir {e}; check the URL and the credentials") from None
+        except OSError as e:
+            raise UserError(f"--cache-dir {self.folder}: {e.strerror or e}; pass a --cache-dir with room for "
+                            f"--shard-cache-gb") from None
+        finally:
+            part.unlink(missing_ok=True)
+
+    def evict(self, keep: Path) -> None:
+        """Delete the least recently used shards until the cache is within its budget."""
+        with file_lock(self.folder / ".evict.lock"):
+            cached = sorted(((p.stat().st_mtime, p) for p in self.folder.glob("*.tar") if p.is_file()),
+                            key=lambda pair: pair[0])
+            total = sum(p.stat().st_size for _, p in cached)
+            for _, path in cached:
+                if total <= self.budget:
+                    break
+                if path != keep:
+                    total -= path.stat().st_size
+                    path.unlink(missing_ok=True)
+
+    def held_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.folder.glob("*.tar")) if self.folder.is_dir() else 0
+
+
+def check_budget(budget_bytes: int, largest: int, flag: str) -> None:
+    if budget_bytes < MIN_SHARDS * largest:
+        need = MIN_SHARDS * largest / 2**30
+        raise UserError(f"{flag} {budget_bytes / 2**30:g} holds fewer than {MIN_SHARDS} of the largest shard "
+                        f"({largest / 2**20:.1f} MB); pass {flag} {need:.2f} or more, or write smaller shards "
+                        "(python -m common.shards --shard-mb)")
+
+
+class Prefetcher:
+    """Fetches shards in the order the coming batches first need them, at most `ahead` shards
+    beyond the one being read, on a thread (fetching is I/O: it does not compete for a core)."""
+
+    def __init__(self, cache: ShardCache, names: list[str], ahead: int) -> None:
+        self.cache, self.names, self.ahead = cache, names, ahead
+        self.reading = 0
+        self.error: UserError | None = None
+        self.done = threading.Event()
+        self.moved = threading.Condition()
+        threading.Thread(target=self._run, name="shard-prefetch", daemon=True).start()
+
+    def _run(self) -> None:
+        for position, name in enumerate(self.names):
+            with self.moved:
+                while position > self.reading + self.ahead and not self.done.is_set():
+                    self.moved.wait(timeout=1.0)
+            if self.done.is_set():
+                return
+            try:
+                self.cache.path(name)
+            except UserError as e:  # the reader meets the same error, and reports it
+                self.error = e
+                return
+
+    def reached(self, position: int) -> None:
+        with self.moved:
+            self.reading = max(self.reading, position)
+            self.moved.notify()
+
+    def close(self) -> None:
+        self.done.set()
+        with self.moved:
+            self.moved.notify()
