@@ -75,10 +75,13 @@ def probe(script: str) -> None:
     runpy.run_path(script, run_name="__main__")
 
 
-def one_run(tree: Path, script: str, data: Path, epochs: int, seed: int, tmp: Path) -> dict[str, float]:
+def mnist_flags(data: Path) -> list[str]:
+    return ["--dataset", "mnist", "--data-dir", str(data), "--no-download"]
+
+
+def one_run(tree: Path, script: str, data_flags: list[str], epochs: int, seed: int, tmp: Path) -> dict[str, float]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(ROOT / "bench" / "wall.py"), "--probe", script, "--dataset", "mnist", "--data-dir", str(data),
-               "--no-download", "--model", "convnet", "--batch-size", "64", "--epochs", str(epochs), "--seed", str(seed),
+               str(ROOT / "bench" / "wall.py"), "--probe", script, *data_flags, "--model", "convnet", "--batch-size", "64", "--epochs", str(epochs), "--seed", str(seed),
                "--log-dir", str(tmp / "tb"), "--checkpoint-dir", str(tmp / "ck")]
     started = time.perf_counter()
     done = subprocess.run(command, cwd=tree, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
@@ -107,7 +110,8 @@ def main() -> None:
         for repeat in range(a.repeats):
             for label, tree in (("before", a.before.resolve()), ("after", ROOT)):
                 with tempfile.TemporaryDirectory() as run_tmp:
-                    rows.append((label, repeat + 1, one_run(tree, a.script, data, a.epochs, repeat, Path(run_tmp))))
+                    rows.append((label, repeat + 1, one_run(tree, a.script, mnist_flags(data), a.epochs, repeat,
+                                                             Path(run_tmp))))
     print(f"{a.script}, W=2, convnet, global batch 64, {a.epochs} epochs, 4,000/1,000 MNIST-format images\n")
     print("| tree, run (seed) | total wall s | epochs s | outside the epochs s | start-up s (first step) | final test acc |\n"
           "|---|---|---|---|---|---|")

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import gzip
 import pickle
+import random
 import struct
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from common.data.loader import make_synthetic
+from common.data.loader import Dataset, make_synthetic
 from common.data.formats import CIFAR_DIR, CIFAR_TEST, CIFAR_TRAIN, MNIST_DIR, MNIST_PROCESSED, MNIST_PROCESSED_DIR
 
 CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -77,6 +78,42 @@ def write_mnist_processed(root: Path, train_size: int = 1200, test_size: int = 3
     for name, split in zip(MNIST_PROCESSED, (data.train, data.test)):
         torch.save((split.images.squeeze(1).contiguous(), split.labels), folder / name)
     return root
+
+
+def write_image_tree(dataset: Dataset, root: Path, formats: tuple[str, ...] = ("png", "jpg"),
+                     sizes: tuple[int, int] | None = None, seed: int = 0) -> Path:
+    """`dataset` as an ImageFolder tree root/{train,val}/<class>/<n>.<format>, the formats taken in
+    turn image by image (JPEG at quality 95); grayscale images stay mode L. sizes (low, high): each
+    image resized to a random width and height in that range, for the --image-size tests."""
+    from PIL import Image
+
+    rnd = random.Random(seed)
+    for split, part in (("train", dataset.train), ("val", dataset.test)):
+        for n, (image, label) in enumerate(zip(part.images, part.labels)):
+            folder = root / split / str(int(label))
+            folder.mkdir(parents=True, exist_ok=True)
+            pixels = image.permute(1, 2, 0).squeeze(2).numpy()
+            picture = Image.fromarray(pixels, "L" if pixels.ndim == 2 else "RGB")
+            if sizes:
+                picture = picture.resize((rnd.randint(*sizes), rnd.randint(*sizes)), Image.BILINEAR)
+            picture.save(folder / f"{n:05d}.{formats[n % len(formats)]}", quality=95)
+    return root
+
+
+def write_imagefolder(root: Path, train_size: int = 240, test_size: int = 61, shape: str = "mnist",
+                      vary_size: bool = False) -> Path:
+    """A learnable generated set as an ImageFolder tree: PNG and JPEG in turn; vary_size: each
+    image between 20 and 36 pixels a side."""
+    data = make_synthetic(shape, train_size=train_size, test_size=test_size)
+    return write_image_tree(data, root, sizes=(20, 36) if vary_size else None)
+
+
+def write_shards(folder: Path, dest: Path, shard_mb: float = 1.0) -> Path:
+    """The ImageFolder tree `folder` as WebDataset shards, by the suite's converter."""
+    from common.shards import convert
+
+    convert(folder, str(dest), shard_mb=shard_mb)
+    return dest
 
 
 def main() -> None:

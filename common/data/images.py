@@ -3,9 +3,9 @@ at one geometry by DataLoader workers.
 
 An index lists each split's samples (where the encoded bytes are, and the class) and surveys the
 images' sizes and modes, which fix the geometry: a set whose images share one square size trains
-at that size (pad-crop + flip, as CIFAR-10); --image-size S resizes (the torchvision reference
+at that size (colour: pad-crop + flip, as CIFAR-10); --image-size S resizes (the torchvision reference
 recipe: random-resized crop + flip for training, resize + centre crop for evaluation). Grayscale
-sets train with one channel, all others as RGB.
+sets train with one channel, all others as RGB. Same-size grayscale sets train unaugmented, as MNIST.
 """
 from __future__ import annotations
 
@@ -125,7 +125,9 @@ def choose_geometry(index: SetIndex, image_size: int) -> Geometry:
     if width != height:
         raise UserError(f"the images of --data-dir {index.root} are {dims}, not square (e.g. {example}); pass "
                         f"--image-size S to train at S x S (random-resized crops)")
-    return Geometry(channels, Stored(width), Stored(width), width, "pad-crop-flip")
+    # Today's recipes at that size: CIFAR-10's pad-crop + flip for colour images; none for grayscale
+    # ones, as for MNIST (a mirrored digit or letter is another symbol).
+    return Geometry(channels, Stored(width), Stored(width), width, "none" if channels == 1 else "pad-crop-flip")
 
 
 def stored_bytes(index: SetIndex, geometry: Geometry) -> int:
@@ -231,17 +233,25 @@ class Reader(torch.utils.data.Dataset):
     def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
         return self.image(i), int(self.table.labels[i])
 
-    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[str], int, int]:
+    def __getitems__(self, indices: list[int]) -> tuple[torch.Tensor, torch.Tensor, list[str], int, int, str]:
+        """The batch, with its error as a value (a worker's exception would reach the rank as a
+        multi-line traceback): "" or one line naming the file."""
         hits, misses = (self.cache.hits, self.cache.misses) if self.cache else (0, 0)
-        images, labels, skipped = [], [], []
-        for i in indices:
-            j, image = self.decodable_from(i, skipped)
-            images.append(image)
-            labels.append(int(self.table.labels[j]))
+        images, labels, skipped, error = [], [], [], ""
+        try:
+            for i in indices:
+                j, image = self.decodable_from(i, skipped)
+                images.append(image)
+                labels.append(int(self.table.labels[j]))
+        except UserError as e:
+            error = str(e)
+        except OSError as e:  # a file gone or unreadable since the set was indexed
+            error = f"{self.name(i)}: {e.strerror or e}; the data changed while it was read: restore it and run again"
         side = self.stored.side
-        batch = torch.stack(images) if images else torch.empty(0, self.channels, side, side, dtype=torch.uint8)
-        return (batch, torch.tensor(labels, dtype=torch.int64), skipped,
-                *((self.cache.hits - hits, self.cache.misses - misses) if self.cache else (0, 0)))
+        batch = torch.stack(images) if images and not error else \
+            torch.empty(0, self.channels, side, side, dtype=torch.uint8)
+        return (batch, torch.tensor(labels if not error else [], dtype=torch.int64), skipped,
+                *((self.cache.hits - hits, self.cache.misses - misses) if self.cache else (0, 0)), error)
 
     def decodable_from(self, i: int, skipped: list[str]) -> tuple[int, torch.Tensor]:
         """Sample i and its image, or with skip the first sample from i on (in index order) that decodes."""

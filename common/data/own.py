@@ -24,13 +24,14 @@ from common.data.cache import META, cache_folder, default_cache_dir, file_lock, 
 from common.data.images import (STATS_SAMPLES, Geometry, Reader, SetIndex, Stored, as_is, check_classes,
                                 choose_geometry, index_folder, parallel, read_shard, shard_table, stored_bytes)
 from common.data.loader import DataSpec, Dataset, Split, to_device
-from common.data.shardcache import ShardCache, check_budget
+from common.data.shardcache import Prefetcher, ShardCache, check_budget
 from common.errors import UserError
 from common.storage import StorageError, is_url, storage_for
 
 Say = Callable[[str], None]
 INDEX_FORMAT = 1  # in each index's key: a later index layout is never read as an earlier one
 DECODE_CHUNK = 256  # images per worker task while decoding into the cache
+LOADER_TIMEOUT_S = 600.0  # a worker may fetch a shard (bounded by the store's own timeouts) and decode a batch
 
 
 @dataclass(frozen=True)
@@ -176,7 +177,10 @@ def statistics(index: SetIndex, geometry: Geometry, opts: OwnData) -> tuple[tupl
         mean, std = json.loads(path.read_text())
         return tuple(mean), tuple(std)
     picks = torch.linspace(0, len(index.train) - 1, min(STATS_SAMPLES, len(index.train))).long().unique().tolist()
-    images = next(batches_of(reader(index, "train", geometry, opts), [picks], opts.prepare_workers))[0].double() / 255
+    images, _, _, _, _, error = next(batches_of(reader(index, "train", geometry, opts), [picks], opts.prepare_workers))
+    if error:
+        raise UserError(error)
+    images = images.double() / 255
     mean, std = images.mean(dim=(0, 2, 3)).tolist(), images.std(dim=(0, 2, 3)).clamp(min=1e-3).tolist()
     path.write_text(json.dumps([mean, std]))
     return tuple(mean), tuple(std)
@@ -187,9 +191,18 @@ def geometry_key(geometry: Geometry) -> str:
 
 
 def batches_of(source: Reader, indices: list[list[int]], workers: int, pin: bool = False) -> Iterator:
-    """The reader's collated batches of `indices`, in order, decoded by `workers` processes."""
-    return iter(torch.utils.data.DataLoader(source, batch_sampler=indices, num_workers=workers, collate_fn=as_is,
-                                            pin_memory=pin, prefetch_factor=4 if workers else None))
+    """The reader's collated batches of `indices`, in order, decoded by `workers` processes. A
+    worker that delivers nothing for LOADER_TIMEOUT_S (a hung file system) ends the rank."""
+    loader = torch.utils.data.DataLoader(source, batch_sampler=indices, num_workers=workers, collate_fn=as_is,
+                                         pin_memory=pin, prefetch_factor=4 if workers else None,
+                                         timeout=LOADER_TIMEOUT_S if workers else 0)
+    try:
+        yield from loader
+    except RuntimeError as e:
+        if "timed out" not in str(e):
+            raise
+        raise UserError(f"a DataLoader worker delivered no batch of {source.root} in {LOADER_TIMEOUT_S:g} s: its "
+                        "files or store hang; check them (a streamed set is read during training)") from None
 
 
 def decode_into_cache(index: SetIndex, geometry: Geometry, spec: DataSpec, opts: OwnData, say: Say) -> Path:
@@ -226,7 +239,9 @@ def decode_split(source: Reader, folder: Path, split: str, opts: OwnData, say: S
     chunks = [list(range(i, min(i + DECODE_CHUNK, len(source)))) for i in range(0, len(source), DECODE_CHUNK)]
     skipped = []
     with open(folder / f"{split}_images", "wb") as images, open(folder / f"{split}_labels", "wb") as labels:
-        for batch, batch_labels, missed, _, _ in batches_of(source, chunks, opts.prepare_workers):
+        for batch, batch_labels, missed, _, _, error in batches_of(source, chunks, opts.prepare_workers):
+            if error:
+                raise UserError(error)
             images.write(batch.numpy().tobytes())
             labels.write(batch_labels.numpy().tobytes())
             skipped += missed
@@ -293,11 +308,35 @@ class Streamed:
         plan = [index.tolist() for index in indices]
         if not plan:
             return
-        for images, labels, skipped, hits, misses in batches_of(self.source, plan, self.workers,
-                                                                pin=device.type == "cuda"):
-            self.hits, self.misses = self.hits + hits, self.misses + misses
-            self.skipped += skipped
-            yield to_device(images, device), to_device(labels, device)
+        prefetch, reached = self.prefetch(indices)
+        try:
+            batches = batches_of(self.source, plan, self.workers, pin=device.type == "cuda")
+            for step, (images, labels, skipped, hits, misses, error) in enumerate(batches):
+                if error:
+                    raise UserError(error)
+                if prefetch:
+                    prefetch.reached(reached[step])
+                self.hits, self.misses = self.hits + hits, self.misses + misses
+                self.skipped += skipped
+                yield to_device(images, device), to_device(labels, device)
+        finally:
+            if prefetch:
+                prefetch.close()
+
+    def prefetch(self, indices: list[torch.Tensor]) -> tuple[Prefetcher | None, list[int]]:
+        """For shards from a URL: a prefetcher of the shards in the order the batches first need
+        them, and per batch the furthest position in that order it reads."""
+        cache = self.source.cache
+        if cache is None:
+            return None, []
+        first_use: dict[int, int] = {}
+        reached = []
+        for index in indices:
+            for shard in self.groups[index].tolist():
+                first_use.setdefault(shard, len(first_use))
+            reached.append(max((first_use[s] for s in set(self.groups[index].tolist())), default=0))
+        names = [self.source.table.names[shard] for shard in first_use]
+        return Prefetcher(cache, names, cache.ahead()), reached
 
     def take_counts(self) -> tuple[dict[str, float], list[str]]:
         counts = {"shard_cache_hits": self.hits, "shard_cache_misses": self.misses, "skipped_files": len(self.skipped)}

@@ -15,10 +15,13 @@ from pathlib import Path
 from typing import Any
 
 from common.data.cache import file_lock
+from common.data.loader import SHUFFLE_WINDOW
 from common.errors import UserError
 from common.storage import StorageError, storage_for
 
-MIN_SHARDS = 4  # a budget must hold this many of the largest shard: those being read and those fetched ahead
+# A budget must hold this many of the largest shard: the window being read, and the next one that
+# workers already read from while the first one's last batches are still in flight.
+MIN_SHARDS = 2 * SHUFFLE_WINDOW
 
 
 class ShardCache:
@@ -83,6 +86,12 @@ class ShardCache:
                 if path != keep:
                     total -= path.stat().st_size
                     path.unlink(missing_ok=True)
+
+    def ahead(self) -> int:
+        """How many shards the prefetcher may fetch beyond the one being read without evicting a
+        shard that workers still read."""
+        largest = max(int(version.split("-")[0]) for version in self.versions.values())
+        return max(1, self.budget // max(largest, 1) - MIN_SHARDS)
 
     def held_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.folder.glob("*.tar")) if self.folder.is_dir() else 0

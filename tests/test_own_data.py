@@ -1,0 +1,294 @@
+"""Your own images: ImageFolder trees and WebDataset shards, written in the real formats (PIL's PNG
+and JPEG, tarfile's shards), read by the real loading code; in-process where the behaviour is the
+loader's, under torchrun where it is the job's."""
+from __future__ import annotations
+
+import io
+import shutil
+import tarfile
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.data import own
+from common.data.images import Reader
+from common.data.loader import TrainLoader, global_order
+from common.errors import UserError
+from tests.conftest import child_env, error_lines, free_port, latest_state, read_scalars, run_script, stop_after
+from tests.datagen import write_imagefolder, write_shards
+from tests.s3server import S3Server
+
+CPU = torch.device("cpu")
+RUN = ["--model", "lenet", "--batch-size", "24", "--eval-batch-size", "16", "--lr", "0.05"]
+
+
+@pytest.fixture(scope="module")
+def sets(tmp_path_factory) -> dict[str, Path]:
+    """A learnable 28-px grayscale set as an ImageFolder tree (PNG and JPEG mixed), its shards
+    (uneven: 37 samples each, the last shorter), and an RGB set of varying sizes."""
+    root = tmp_path_factory.mktemp("sets")
+    folder = write_imagefolder(root / "folder", train_size=240, test_size=61)
+    return {"folder": folder, "shards": write_shards(folder, root / "shards", shard_mb=0.02),
+            "varying": write_imagefolder(root / "varying", train_size=96, test_size=20, shape="cifar", vary_size=True)}
+
+
+def options(data_dir: Path | str, cache: Path, kind: str = "imagefolder", **changes) -> own.OwnData:
+    base = own.OwnData(kind, str(data_dir), str(cache), {}, image_size=0, workers=0, prepare_workers=0,
+                       skip_broken=False, cache_gb=20.0, shard_cache_gb=1.0)
+    return replace(base, **changes)
+
+
+def dataset(opts: own.OwnData):
+    return own.open_prepared(own.prepare(opts, lambda line: None), opts)
+
+
+def global_batches(data, world: int, epoch: int = 1) -> list[torch.Tensor]:
+    """Each step's global batch as the ranks of a world hold it, put back in global order."""
+    loaders = [TrainLoader(data.train, data.spec, 24, rank, world, seed=3, device=CPU) for rank in range(world)]
+    steps = zip(*(loader.epoch(epoch) for loader in loaders))
+    out = []
+    for per_rank in steps:
+        batch = torch.empty(24, *per_rank[0][0].shape[1:])
+        for rank, (images, _) in enumerate(per_rank):
+            batch[rank::world] = images
+        out.append(batch)
+    return out
+
+
+# ---------------------------------------------------------------- the sample stream
+
+@pytest.mark.parametrize("kind", ["imagefolder", "shards"])
+def test_the_sample_stream_is_the_same_at_every_world_size_worker_count_and_holding(kind, sets, tmp_path):
+    """Decoded into the cache or streamed by 0 or 2 workers, at world 1, 2 and 4: the same global
+    batches, bit for bit (the augmentation too: drawn per global batch)."""
+    source = sets["folder" if kind == "imagefolder" else "shards"]
+    cached = dataset(options(source, tmp_path, kind))
+    reference = global_batches(cached, 1)
+    assert len(reference) == 240 // 24
+    holdings = {"cached": (cached, (2, 4))}
+    for workers, worlds in ((0, (1, 2, 4)), (2, (2, 4))):
+        streamed = dataset(options(source, tmp_path, kind, cache_gb=0.0, workers=workers))
+        assert streamed.held.startswith("streamed")
+        holdings[f"streamed by {workers} workers"] = (streamed, worlds)
+    for holding, (data, worlds) in holdings.items():
+        for world in worlds:
+            got = global_batches(data, world)
+            assert len(got) == len(reference) and all(torch.equal(a, b) for a, b in zip(got, reference)), \
+                (holding, world)
+
+
+def test_an_epoch_takes_each_sample_once_and_equal_steps_on_uneven_shards(sets, tmp_path):
+    data = dataset(options(sets["shards"], tmp_path, "shards"))
+    sizes = torch.bincount(data.train.groups).tolist()
+    assert len(set(sizes)) > 1, sizes  # uneven shards
+    order = global_order(len(data.train), 5, 2, data.train.groups)
+    assert sorted(order.tolist()) == list(range(len(data.train)))
+    loaders = [TrainLoader(data.train, data.spec, 24, rank, 4, 5, CPU) for rank in range(4)]
+    assert len({sum(1 for _ in loader.epoch(2)) for loader in loaders}) == 1
+
+
+def test_normalization_is_measured_on_the_set(sets, tmp_path):
+    data = dataset(options(sets["folder"], tmp_path))
+    pixels = data.train.images.double() / 255
+    assert data.spec.channels == 1 and data.spec.size == 28 and data.spec.augment == "none"
+    assert abs(data.spec.mean[0] - pixels.mean().item()) < 0.01
+    assert abs(data.spec.std[0] - pixels.std().item()) < 0.01
+
+
+def test_varying_sizes_need_image_size_and_then_train_as_the_reference_recipe(sets, tmp_path):
+    with pytest.raises(UserError, match="differ in size.*--image-size"):
+        own.prepare(options(sets["varying"], tmp_path), lambda line: None)
+    data = dataset(options(sets["varying"], tmp_path, image_size=24))
+    assert (data.spec.channels, data.spec.size, data.spec.augment) == (3, 24, "resized-crop-flip")
+    assert data.train.images.shape[1:] == (3, 27, 27) and data.test.images.shape[1:] == (3, 24, 24)
+    images, _ = next(TrainLoader(data.train, data.spec, 24, 0, 1, 0, CPU).epoch(0))
+    assert images.shape == (24, 3, 24, 24) and torch.isfinite(images).all()
+
+
+# ---------------------------------------------------------------- bad input: one line naming the file
+
+def _truncate(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:60])
+
+
+def _first(folder: Path, split: str, ext: str) -> Path:
+    return sorted((folder / split).rglob(f"*.{ext}"))[0]
+
+
+def _tamper_shard(shard: Path, change) -> None:
+    """Rewrite a shard with change(name, data) -> (name, data) or None per member."""
+    with tarfile.open(shard) as tar:
+        members = [(m.name, tar.extractfile(m).read()) for m in tar if m.isfile()]
+    with tarfile.open(shard, "w") as tar:
+        for name, data in filter(None, (change(n, d) for n, d in members)):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            tar.addfile(info, io.BytesIO(data))
+
+
+FOLDER_DAMAGE = {
+    "not an image": (lambda f: _first(f, "train", "png").write_bytes(b"<html>not found</html>"),
+                     r"\.png is not a readable image .*--skip-broken"),
+    "truncated image": (lambda f: _truncate(_first(f, "val", "png")), r"\.png is not a readable image"),
+    "empty class folder": (lambda f: [p.unlink() for p in (f / "val" / "3").iterdir()], r"val/3 holds no image"),
+    "val class train lacks": (lambda f: (f / "val" / "extra").mkdir(), r"val/extra is a class that .*train lacks"),
+    "no train folder": (lambda f: (f / "train").rename(f / "training"), r"has no train/ folder"),
+    "no val folder": (lambda f: (f / "val").rename(f / "validation"), r"has no val/ folder"),
+}
+
+
+@pytest.mark.parametrize("case", FOLDER_DAMAGE)
+def test_a_damaged_image_folder_is_one_line_naming_the_file(case, sets, tmp_path):
+    folder = Path(shutil.copytree(sets["folder"], tmp_path / "copy"))
+    damage, message = FOLDER_DAMAGE[case]
+    damage(folder)
+    with pytest.raises(UserError, match=message) as error:
+        dataset(options(folder, tmp_path / "cache"))
+    assert "\n" not in str(error.value)
+
+
+SHARD_DAMAGE = {
+    "image without .cls": (lambda n, d: None if n == "00000001.cls" else (n, d), r"00000001 has .* but no 00000001\.cls"),
+    ".cls out of range": (lambda n, d: (n, b"10") if n.endswith(".cls") and n.startswith("00000002") else (n, d),
+                          r"has class 10, outside the 10 classes"),
+    ".cls not a number": (lambda n, d: (n, b"cat") if n == "00000003.cls" else (n, d), r"holds 'cat', not a class index"),
+}
+
+
+@pytest.mark.parametrize("case", SHARD_DAMAGE)
+def test_a_damaged_shard_is_one_line_naming_the_shard_and_sample(case, sets, tmp_path):
+    shards = Path(shutil.copytree(sets["shards"], tmp_path / "copy"))
+    change, message = SHARD_DAMAGE[case]
+    target = shards / "val-000000.tar" if case == ".cls out of range" else shards / "train-000000.tar"
+    _tamper_shard(target, change)
+    with pytest.raises(UserError, match=message) as error:
+        dataset(options(shards, tmp_path / "cache", "shards"))
+    assert target.name in str(error.value) and "\n" not in str(error.value)
+
+
+def test_skip_broken_trains_without_the_files_and_names_them(sets, tmp_path):
+    folder = Path(shutil.copytree(sets["folder"], tmp_path / "copy"))
+    garbage, truncated = _first(folder, "train", "png"), _first(folder, "train", "jpg")
+    garbage.write_bytes(b"\x00" * 100)
+    _truncate(truncated)
+    lines: list[str] = []
+    opts = options(folder, tmp_path / "cache", skip_broken=True)
+    data = own.open_prepared(own.prepare(opts, lines.append), opts)
+    assert any(str(garbage) in line and "skipped 1" in line for line in lines), lines  # header unreadable
+    assert len(data.train) == 239
+    assert str(truncated) in data.held and "1 unreadable" in data.held  # decoded: replaced by its next sample
+    streamed = dataset(replace(opts, cache_gb=0.0))
+    reader: Reader = streamed.train.source
+    position = reader.table.names.index(str(truncated.relative_to(folder)))
+    images, labels, skipped, _, _, error = reader.__getitems__([position])
+    assert not error and skipped == [str(truncated)] and torch.equal(images[0], reader.image(position + 1))
+
+
+# ---------------------------------------------------------------- whole jobs
+
+def train(data: Path | str, tmp_path: Path, *flags: str, nproc: int | None = 2,
+          script: tuple[str, ...] = ("train_ddp.py",), torchrun: tuple[str, ...] = (),
+          env: dict[str, str] | None = None, name: str = "run"):
+    args = [*script, "--data-dir", str(data), "--cache-dir", str(tmp_path / "cache"), *RUN,
+            "--checkpoint-dir", str(tmp_path / name), "--log-dir", str(tmp_path / f"tb-{name}"), *flags]
+    return run_script(args, nproc=nproc, torchrun=torchrun, env=env, timeout=300)
+
+
+def ok(result) -> None:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
+
+
+def test_an_image_folder_learns_evaluates_exactly_and_is_decoded_once(sets, tmp_path):
+    first = train(sets["folder"], tmp_path, "--dataset", "imagefolder", "--epochs", "4")
+    ok(first)
+    assert "decoded 240 train images" in first.stdout + first.stderr
+    assert "decoded once into the node's cache" in first.stdout and "(61 images)" in first.stdout
+    acc = read_scalars(tmp_path / "tb-run")[1]["test/acc"][-1][1]
+    assert acc > 0.6, first.stdout[-2000:]
+    again = train(sets["folder"], tmp_path, "--dataset", "imagefolder", "--epochs", "1", "--resume", "none",
+                  name="again")
+    ok(again)
+    assert "decoded" not in again.stderr and "indexing" not in again.stderr  # the node's cache, reused
+
+
+@pytest.mark.parametrize("kind, flags", [("shards", ["--cache-gb", "0", "--workers", "2"]),
+                                         ("imagefolder", ["--image-size", "20", "--model", "torchvision:resnet18"])])
+def test_check_equivalence_holds_on_own_images(kind, flags, sets, tmp_path):
+    data = sets["shards"] if kind == "shards" else sets["varying"]
+    result = train(data, tmp_path, "--dataset", kind, "--check-equivalence", "3", *flags)
+    ok(result)
+    assert "equivalence: max |dw|" in result.stdout
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(sets, tmp_path_factory) -> dict:
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    ok(train(sets["shards"], folder, *STREAM, "--epochs", "2"))
+    return latest_state(folder / "run")["model"]
+
+
+STREAM = ["--dataset", "shards", "--cache-gb", "0", "--workers", "2", "--save-every-steps", "3"]
+
+
+@pytest.mark.parametrize("fault", ["sigkill", "sigterm"])
+def test_a_streamed_run_cut_mid_epoch_resumes_to_the_same_weights(fault, uninterrupted, sets, tmp_path):
+    """10 steps per epoch; the fault at step 13: SIGKILL restarts from step 12's checkpoint, SIGTERM
+    stops after step 15's save (epoch 2, step 5); both continue mid-epoch with 2 workers per rank."""
+    torchrun = ("--max-restarts=1",) if fault == "sigkill" else ()
+    cut = train(sets["shards"], tmp_path, *STREAM, "--epochs", "2", script=("tests/faults.py", "ddp", fault, "13"),
+                torchrun=torchrun)
+    if fault == "sigterm":
+        assert cut.returncode != 0 and f"stopped by SIGTERM after step {stop_after(13, 10, 3)} " in cut.stderr, \
+            cut.stderr[-2000:]
+        resumed = train(sets["shards"], tmp_path, *STREAM, "--epochs", "2")
+        ok(resumed)
+        assert "epoch 2, step 5" in resumed.stdout
+    else:
+        ok(cut)
+        assert "resumed from" in cut.stdout
+    state = latest_state(tmp_path / "run")
+    assert state["epoch"] == 2
+    dw = max((state["model"][k] - uninterrupted[k]).abs().max().item() for k in uninterrupted)
+    print(f"\n{fault} mid-epoch with 2 workers per rank, resumed: max |dw| = {dw:.3g}")
+    assert dw <= 1e-5
+
+
+def test_a_broken_image_met_while_streaming_ends_every_rank_with_one_line(sets, tmp_path):
+    folder = Path(shutil.copytree(sets["folder"], tmp_path / "copy"))
+    broken = _first(folder, "train", "jpg")
+    _truncate(broken)  # its header still reads: only decoding it, at its step, fails
+    result = train(folder, tmp_path, "--dataset", "imagefolder", "--cache-gb", "0", "--workers", "1", "--epochs", "1")
+    assert result.returncode != 0
+    lines = error_lines(result.stderr)
+    assert len(lines) == 1 and str(broken) in lines[0], result.stderr[-3000:]
+
+
+@pytest.fixture(scope="module")
+def s3(sets) -> S3Server:
+    server = S3Server(free_port())
+    server.start()
+    server.client().create_bucket(Bucket="data")
+    server.upload_tree("data", "shards", sets["shards"])
+    yield server
+    server.stop()
+
+
+def test_shards_from_the_store_are_fetched_once_and_a_small_cache_still_completes(s3, sets, tmp_path):
+    shards = len(list(sets["shards"].glob("*.tar")))
+    largest = max(p.stat().st_size for p in sets["shards"].glob("*.tar"))
+    env = {**child_env(), **s3.env()}
+    s3.log.clear()
+    ok(train("s3://data/shards", tmp_path, "--dataset", "shards", "--cache-gb", "0", "--epochs", "2", env=env))
+    assert s3.log.gets("/data/shards/") - 1 == shards  # each shard once (and classes.txt): epoch 2 made no GET
+    s3.log.clear()
+    budget = 8 * largest  # the least a cache may hold: fewer shards than the set
+    result = train("s3://data/shards", tmp_path, "--dataset", "shards", "--cache-gb", "0", "--epochs", "2",
+                   "--shard-cache-gb", f"{budget / 2**30:.9f}", "--resume", "none", env=env, name="small")
+    ok(result)
+    held = sum(p.stat().st_size for p in (tmp_path / "cache").rglob("*.tar"))
+    rss = max(value for _, value in read_scalars(tmp_path / "tb-small")[1]["mem/rss_mb"])
+    print(f"\nshard cache of {budget / 1024:.0f} KiB for {shards} shards: {s3.log.gets('/data/shards/')} GETs, "
+          f"{held / 1024:.0f} KiB held at the end, peak RSS per rank {rss:.0f} MB")
+    assert s3.log.gets("/data/shards/") > shards and held <= budget
