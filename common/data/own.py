@@ -31,6 +31,7 @@ from common.storage import StorageError, is_url, storage_for
 Say = Callable[[str], None]
 INDEX_FORMAT = 1  # in each index's key: a later index layout is never read as an earlier one
 DECODE_CHUNK = 256  # images per worker task while decoding into the cache
+STATS_SHARDS = 8  # shards the statistics are measured on
 LOADER_TIMEOUT_S = 600.0  # a worker may fetch a shard (bounded by the store's own timeouts) and decode a batch
 
 
@@ -176,7 +177,7 @@ def statistics(index: SetIndex, geometry: Geometry, opts: OwnData) -> tuple[tupl
     if path.is_file():
         mean, std = json.loads(path.read_text())
         return tuple(mean), tuple(std)
-    picks = torch.linspace(0, len(index.train) - 1, min(STATS_SAMPLES, len(index.train))).long().unique().tolist()
+    picks = stats_picks(index.train)
     images, _, _, _, _, error = next(batches_of(reader(index, "train", geometry, opts), [picks], opts.prepare_workers))
     if error:
         raise UserError(error)
@@ -184,6 +185,18 @@ def statistics(index: SetIndex, geometry: Geometry, opts: OwnData) -> tuple[tupl
     mean, std = images.mean(dim=(0, 2, 3)).tolist(), images.std(dim=(0, 2, 3)).clamp(min=1e-3).tolist()
     path.write_text(json.dumps([mean, std]))
     return tuple(mean), tuple(std)
+
+
+def stats_picks(train) -> list[int]:
+    """STATS_SAMPLES training samples, evenly spaced; in a sharded set, over STATS_SHARDS shards
+    evenly spaced (the converter shuffles before sharding): a set streamed from a store is not
+    read whole for its statistics."""
+    candidates = torch.arange(len(train))
+    if train.sharded:
+        shards = torch.linspace(0, len(train.names) - 1, min(STATS_SHARDS, len(train.names))).long().unique()
+        candidates = torch.isin(train.group, shards).nonzero().flatten()
+    spaced = torch.linspace(0, len(candidates) - 1, min(STATS_SAMPLES, len(candidates))).long().unique()
+    return candidates[spaced].tolist()
 
 
 def geometry_key(geometry: Geometry) -> str:

@@ -32,10 +32,10 @@ class ShardCache:
         self.url, self.options, self.folder, self.budget = url.rstrip("/"), options, folder, budget_bytes
         self.versions = versions  # shard name -> its version (size and ETag) in the store
         self.hits = self.misses = 0
-        self._store = None
+        self._store, self._store_pid = None, 0
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_store": None}
+        return {**self.__dict__, "_store": None, "_store_pid": 0}
 
     def local(self, name: str) -> Path:
         """The version-named local file a shard is cached as."""
@@ -62,8 +62,8 @@ class ShardCache:
     def _fetch(self, name: str, target: Path) -> None:
         part = target.with_name(f".{target.name}.part-{os.getpid()}")
         try:
-            if self._store is None:
-                self._store = storage_for(self.url, self.options)
+            if self._store_pid != os.getpid():  # a forked worker holds its parent's client: s3fs refuses it
+                self._store, self._store_pid = storage_for(self.url, self.options), os.getpid()
             self._store.get(name, part)
             os.replace(part, target)
         except StorageError as e:
