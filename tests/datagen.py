@@ -108,6 +108,25 @@ def write_imagefolder(root: Path, train_size: int = 240, test_size: int = 61, sh
     return write_image_tree(data, root, sizes=(20, 36) if vary_size else None)
 
 
+def write_photos(root: Path, train_size: int = 64, test_size: int = 16, classes: int = 4, seed: int = 0) -> Path:
+    """Photo-sized JPEGs (about 500 x 375, quality 90) as an ImageFolder tree: smooth random colour
+    fields, one tint per class, for the decoding and data-share benchmarks."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    for split, count in (("train", train_size), ("val", test_size)):
+        for n in range(count):
+            label = n % classes
+            coarse = torch.rand(3, 12, 16, generator=g) * 0.6 + torch.linspace(0, 0.4, classes)[label]
+            width, height = 480 + int(torch.randint(0, 64, (1,), generator=g)), 360 + int(torch.randint(0, 32, (1,), generator=g))
+            pixels = torch.nn.functional.interpolate(coarse[None], size=(height, width), mode="bicubic")[0]
+            folder = root / split / f"class{label}"
+            folder.mkdir(parents=True, exist_ok=True)
+            image = pixels.clamp(0, 1).mul(255).byte().permute(1, 2, 0).numpy()
+            Image.fromarray(image, "RGB").save(folder / f"{n:05d}.jpg", quality=90)
+    return root
+
+
 def write_shards(folder: Path, dest: Path, shard_mb: float = 1.0) -> Path:
     """The ImageFolder tree `folder` as WebDataset shards, by the suite's converter."""
     from common.shards import convert
