@@ -4,6 +4,8 @@ CIFAR-10: cifar-10-batches-py/ with data_batch_1..5, test_batch and batches.meta
 dict {'batch_label', 'labels', 'data' (N x 3072 uint8, channel-major rows), 'filenames'}.
 MNIST: MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte as big-endian IDX, plain or .gz;
 or torchvision's older MNIST/processed/{training,test}.pt, each a torch.save'd (uint8 N x 28 x 28, int64 N).
+Your own images: an ImageFolder tree (train/<class>/<image>, val/...) of PNG/JPEG files, and the
+WebDataset shards common.shards converts it to.
 The pixels come from the synthetic generator, so the files are learnable.
 """
 from __future__ import annotations
@@ -12,13 +14,16 @@ import gzip
 import pickle
 import random
 import struct
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import torch
+from PIL import Image
 
 from common.data.loader import Dataset, make_synthetic
 from common.data.formats import CIFAR_DIR, CIFAR_TEST, CIFAR_TRAIN, MNIST_DIR, MNIST_PROCESSED, MNIST_PROCESSED_DIR
+from common.shards import TRAIN, VAL, convert
 
 CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
 
@@ -85,10 +90,8 @@ def write_image_tree(dataset: Dataset, root: Path, formats: tuple[str, ...] = ("
     """`dataset` as an ImageFolder tree root/{train,val}/<class>/<n>.<format>, the formats taken in
     turn image by image (JPEG at quality 95); grayscale images stay mode L. sizes (low, high): each
     image resized to a random width and height in that range, for the --image-size tests."""
-    from PIL import Image
-
     rnd = random.Random(seed)
-    for split, part in (("train", dataset.train), ("val", dataset.test)):
+    for split, part in ((TRAIN, dataset.train), (VAL, dataset.test)):
         for n, (image, label) in enumerate(zip(part.images, part.labels)):
             folder = root / split / str(int(label))
             folder.mkdir(parents=True, exist_ok=True)
@@ -100,21 +103,22 @@ def write_image_tree(dataset: Dataset, root: Path, formats: tuple[str, ...] = ("
     return root
 
 
-def write_imagefolder(root: Path, train_size: int = 240, test_size: int = 61, shape: str = "mnist",
-                      vary_size: bool = False) -> Path:
-    """A learnable generated set as an ImageFolder tree: PNG and JPEG in turn; vary_size: each
-    image between 20 and 36 pixels a side."""
+def write_imagefolder(root: Path, train_size: int = 200, test_size: int = 50, shape: str = "mnist",
+                      formats: tuple[str, ...] = ("png", "jpg"), sizes: tuple[int, int] | None = None,
+                      seed: int = 0) -> Path:
+    """The synthetic set as an ImageFolder tree (classes "0".."9"; grayscale for mnist's shape, RGB
+    for cifar's), by write_image_tree."""
     data = make_synthetic(shape, train_size=train_size, test_size=test_size)
-    return write_image_tree(data, root, sizes=(20, 36) if vary_size else None)
+    if len(data.train.labels.unique()) < data.spec.classes:
+        raise ValueError(f"train_size {train_size} leaves a class without an image; write more")
+    return write_image_tree(data, root, formats, sizes, seed)
 
 
 def write_photos(root: Path, train_size: int = 64, test_size: int = 16, classes: int = 4, seed: int = 0) -> Path:
     """Photo-sized JPEGs (about 500 x 375, quality 90) as an ImageFolder tree: smooth random colour
     fields, one tint per class, for the decoding and data-share benchmarks."""
-    from PIL import Image
-
     g = torch.Generator().manual_seed(seed)
-    for split, count in (("train", train_size), ("val", test_size)):
+    for split, count in ((TRAIN, train_size), (VAL, test_size)):
         for n in range(count):
             label = n % classes
             coarse = torch.rand(3, 12, 16, generator=g) * 0.6 + torch.linspace(0, 0.4, classes)[label]
@@ -127,11 +131,9 @@ def write_photos(root: Path, train_size: int = 64, test_size: int = 16, classes:
     return root
 
 
-def write_shards(folder: Path, dest: Path, shard_mb: float = 1.0) -> Path:
-    """The ImageFolder tree `folder` as WebDataset shards, by the suite's converter."""
-    from common.shards import convert
-
-    convert(folder, str(dest), shard_mb=shard_mb)
+def write_shards(folder_root: Path, dest: Path, shard_mb: float = 64, seed: int = 0) -> Path:
+    """The converter's shards of an ImageFolder tree, written in-process."""
+    convert(folder_root, str(dest), shard_mb=shard_mb, seed=seed)
     return dest
 
 
@@ -139,15 +141,22 @@ def main() -> None:
     import argparse
 
     p = argparse.ArgumentParser(description="Write a generated data set in the real on-disk format, for offline runs.")
-    p.add_argument("dataset", choices=("cifar10", "mnist"))
+    p.add_argument("dataset", choices=("cifar10", "mnist", "imagefolder", "shards"))
     p.add_argument("root", type=Path, help="the --data-dir to train from")
     p.add_argument("--train", type=int, default=None, help="training images (default: the real set's 50000 / 60000)")
     p.add_argument("--test", type=int, default=10000, help="test images (default: %(default)s)")
+    p.add_argument("--shape", choices=("mnist", "cifar"), default="mnist",
+                   help="imagefolder and shards: grayscale 28x28 or RGB 32x32 images (default: %(default)s)")
     a = p.parse_args()
     if a.dataset == "cifar10":
         write_cifar10(a.root, per_batch=(a.train or 50000) // len(CIFAR_TRAIN), test_size=a.test)
-    else:
+    elif a.dataset == "mnist":
         write_mnist(a.root, train_size=a.train or 60000, test_size=a.test, gz=True)
+    elif a.dataset == "imagefolder":
+        write_imagefolder(a.root, train_size=a.train or 60000, test_size=a.test, shape=a.shape)
+    else:
+        with tempfile.TemporaryDirectory() as folder:
+            write_shards(write_imagefolder(Path(folder), a.train or 60000, a.test, a.shape), a.root)
     print(f"wrote generated {a.dataset} under {a.root}")
 
 

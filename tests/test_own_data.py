@@ -31,7 +31,7 @@ def sets(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("sets")
     folder = write_imagefolder(root / "folder", train_size=240, test_size=61)
     return {"folder": folder, "shards": write_shards(folder, root / "shards", shard_mb=0.02),
-            "varying": write_imagefolder(root / "varying", train_size=96, test_size=20, shape="cifar", vary_size=True)}
+            "varying": write_imagefolder(root / "varying", train_size=96, test_size=20, shape="cifar", sizes=(20, 36))}
 
 
 def options(data_dir: Path | str, cache: Path, kind: str = "imagefolder", **changes) -> own.OwnData:

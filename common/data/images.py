@@ -15,7 +15,7 @@ import tarfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import BinaryIO, Callable, Iterator
 
 import torch
 
@@ -218,7 +218,7 @@ class Reader(torch.utils.data.Dataset):
         if not t.sharded:
             return (Path(self.root) / t.names[i]).read_bytes()
         shard = t.names[int(t.group[i])]
-        with open(self.cache.path(shard) if self.cache else Path(self.root) / shard, "rb") as f:
+        with self.cache.open(shard) if self.cache else open(Path(self.root) / shard, "rb") as f:
             f.seek(int(t.offset[i]))
             return f.read(int(t.size[i]))
 
@@ -348,10 +348,10 @@ class ShardSamples:
     skipped: list[str] = field(default_factory=list)
 
 
-def read_shard(path: Path, name: str, skip: bool) -> ShardSamples:
-    """One pass over a tar shard: each KEY.<image> with its KEY.cls. The file is opened once: a
-    cache short of room may delete it meanwhile, and an open file stays readable."""
-    with open(path, "rb") as f:
+def read_shard(opened: BinaryIO, name: str, skip: bool) -> ShardSamples:
+    """One pass over an open tar shard: each KEY.<image> with its KEY.cls. Opened once: a cache
+    short of room may delete the file meanwhile, and an open file stays readable."""
+    with opened as f:
         images, labels = _members(f, name)
         return _samples(f, name, images, labels, skip)
 

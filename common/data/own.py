@@ -22,7 +22,7 @@ import torch
 from common import shards as layout
 from common.data.cache import META, cache_folder, default_cache_dir, file_lock, map_tensors, read_meta, write_tensors
 from common.data.images import (STATS_SAMPLES, Geometry, Reader, SetIndex, Stored, as_is, check_classes,
-                                choose_geometry, index_folder, parallel, read_shard, shard_table, stored_bytes)
+                                ShardSamples, choose_geometry, index_folder, parallel, read_shard, shard_table, stored_bytes)
 from common.data.loader import DataSpec, Dataset, Split, to_device
 from common.data.shardcache import Prefetcher, ShardCache, check_budget
 from common.errors import UserError
@@ -135,9 +135,10 @@ def index_shards(opts: OwnData, versions: dict[str, str]) -> SetIndex:
         if cache:
             check_budget(cache.budget, max(int(versions[n].split("-")[0]) for n in names), "--shard-cache-gb")
         root = opts.data_dir.rstrip("/")
-        found = list(parallel(names, lambda name: read_shard(cache.path(name) if cache else Path(root) / name,
-                                                             f"{root}/{name}", opts.skip_broken),
-                              opts.prepare_workers))
+        def read(name: str) -> ShardSamples:
+            opened = cache.open(name) if cache else open(Path(root) / name, "rb")
+            return read_shard(opened, f"{root}/{name}", opts.skip_broken)
+        found = list(parallel(names, read, opts.prepare_workers))
         for shard in found:
             dims.update({k: v for k, v in shard.dims.items() if k not in dims})
             modes |= shard.modes

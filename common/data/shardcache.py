@@ -12,7 +12,7 @@ import hashlib
 import os
 import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from common.data.cache import file_lock
 from common.data.loader import SHUFFLE_WINDOW
@@ -22,6 +22,9 @@ from common.storage import StorageError, storage_for
 # A budget must hold this many of the largest shard: the window being read, and the next one that
 # workers already read from while the first one's last batches are still in flight.
 MIN_SHARDS = 2 * SHUFFLE_WINDOW
+
+
+OPEN_TRIES = 3
 
 
 class ShardCache:
@@ -58,6 +61,16 @@ class ShardCache:
             self.misses += 1
         self.evict(keep=target)
         return target
+
+    def open(self, name: str) -> BinaryIO:
+        """Shard `name` open for reading. Another process may evict it between the fetch and the
+        open (the cache is short of room): then it is fetched again; once open it stays readable."""
+        for _ in range(OPEN_TRIES - 1):
+            try:
+                return open(self.path(name), "rb")
+            except FileNotFoundError:
+                continue
+        return open(self.path(name), "rb")
 
     def _fetch(self, name: str, target: Path) -> None:
         part = target.with_name(f".{target.name}.part-{os.getpid()}")
