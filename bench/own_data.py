@@ -6,11 +6,13 @@
    turn) and the shards the converter writes from that copy. Cold: a fresh --cache-dir (indexing
    and decoding included); warm: the same command again. Test accuracy and wall time, each against
    the MNIST reader's.
-2. The data share of a step: ResNet-18 on 224-pixel JPEGs (about 500 x 375, as photos), 32 images
+2. The loader against the step: decoding per process, the streamed loader's images/s with 0 and the
+   default workers, and the images/s a training step consumes (convnet at 28 px, ResNet-18 at 224).
+3. The data share of a step: ResNet-18 on 224-pixel JPEGs (about 500 x 375, as photos), 32 images
    per rank, world 2, --image-size 224, streamed (--cache-gb 0) by the default workers: the
    `data` share of the step time (TensorBoard's time/data_ms over the step), after a warm-up.
 
-    python -m bench own_data                 # both, 2 seeds for 1
+    python -m bench own_data                 # all three, 2 seeds for 1
     python -m bench own_data --only readers --repeats 3
 """
 from __future__ import annotations
@@ -19,11 +21,17 @@ import argparse
 import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
+
+import torch
 
 from bench.strategies import run, timing
 from bench.wall import ROOT, one_run
+from common.data import own
 from common.data.formats import read_mnist
+from common.data.images import default_workers
+from common.models import build_model
 
 
 def data_flags(reader: str, data: Path, cache: Path) -> list[str]:
@@ -40,21 +48,26 @@ def readers(epochs: int, repeats: int, tmp: Path) -> None:
     rows: dict[tuple[str, str], list[dict[str, float]]] = {}
     for seed in range(repeats):
         for reader, data in sources.items():
-            cache = tmp / f"cache-{reader}-{seed}"
-            for temperature in ("cold", "warm"):
+            for temperature in ("cold", "warm") if seed == 0 else ("warm",):  # the cache does not depend on the seed
                 with tempfile.TemporaryDirectory() as run_tmp:
-                    result = one_run(ROOT, "train_ddp.py", data_flags(reader, data, cache), epochs, seed, Path(run_tmp))
+                    result = one_run(ROOT, "train_ddp.py", data_flags(reader, data, tmp / f"cache-{reader}"), epochs,
+                                     seed, Path(run_tmp))
                 rows.setdefault((reader, temperature), []).append(result)
-    print(f"train_ddp.py, W=2, convnet, global batch 64, {epochs} epochs, 4,000 / 1,000 MNIST-format images, "
-          f"{repeats} seed(s)\n")
-    print("| reader | run | wall s (mean) | wall / MNIST reader's | final test acc (mean) | acc - MNIST reader's |\n"
-          "|---|---|---|---|---|---|")
+    print(f"train_ddp.py, W=2, convnet, global batch 64, {epochs} epochs, 4,000 / 1,000 MNIST-format images; cold: "
+          f"seed 0, a fresh --cache-dir; warm: seeds 0-{repeats - 1}, the cache reused\n")
+    print("| reader | run | wall s (mean) | wall / MNIST reader's | test acc per seed | mean | mean - MNIST reader's |\n"
+          "|---|---|---|---|---|---|---|")
     for (reader, temperature), results in rows.items():
         base = rows[("mnist", temperature)]
         wall = statistics.mean(r["wall"] for r in results)
         acc = statistics.mean(r["acc"] for r in results)
         print(f"| {reader} | {temperature} | {wall:.1f} | {wall / statistics.mean(r['wall'] for r in base):.2f} | "
-              f"{acc:.2f}% | {acc - statistics.mean(r['acc'] for r in base):+.2f} |")
+              f"{per_seed(results)} | {acc:.2f}% | "
+              f"{acc - statistics.mean(r['acc'] for r in base):+.2f} |")
+
+
+def per_seed(results: list[dict[str, float]]) -> str:
+    return ", ".join(f"{r['acc']:.2f}" for r in results)
 
 
 def jpeg_share(images: int, steps: int, tmp: Path) -> None:
@@ -71,9 +84,68 @@ def jpeg_share(images: int, steps: int, tmp: Path) -> None:
     print(f"| {t.step_ms:.0f} | {t.data_ms:.1f} | {t.data_ms / t.step_ms:.1%} |")
 
 
+def loader_rates(tmp: Path, images: int) -> None:
+    """Decoding per worker process, and the loader's images/s against what a step consumes."""
+    from tests.datagen import write_imagefolder, write_photos
+
+    sets = {"28-px PNG/JPEG, convnet, batch 128": (write_imagefolder(tmp / "small", train_size=images * 4,
+                                                                      test_size=20), 0, "convnet", 128),
+            "224-px JPEG, resnet18, batch 32": (write_photos(tmp / "photos", train_size=images, test_size=8), 224,
+                                                "resnet18", 32)}
+    print("\nThe loader (streamed, --cache-gb 0) against a step's demand, one process per row; a step: "
+          "forward, backward, SGD, 1 thread\n")
+    print("| set | decode, 1 process: img/s | loader, 0 workers: img/s | loader, "
+          f"{default_workers(1)} workers: img/s | step demand: img/s | data share, 0 / {default_workers(1)} workers |")
+    print("|---|---|---|---|---|---|")
+    for label, (folder, size, model, batch) in sets.items():
+        opts = own.OwnData("imagefolder", str(folder), str(tmp / "cache"), {}, size, 0, 0, False, 0.0, 1.0)
+        data = own.open_prepared(own.prepare(opts, lambda line: None), opts)
+        source = data.train.source
+        started = time.perf_counter()
+        for i in range(min(len(source), 200)):
+            source.image(i)
+        decode = min(len(source), 200) / (time.perf_counter() - started)
+        rates = [loader_rate(data.train, workers, batch) for workers in (0, default_workers(1))]
+        demand = step_rate(model, data.spec.channels, data.spec.size, batch)
+        shares = f"{data_share(rates[0], demand, overlapped=False):.0%} / {data_share(rates[1], demand, True):.0%}"
+        print(f"| {label} | {decode:,.0f} | {rates[0]:,.0f} | {rates[1]:,.0f} | {demand:,.0f} | {shares} |")
+
+
+def data_share(rate: float, demand: float, overlapped: bool) -> float:
+    """The share of a step spent waiting for data: the whole decode time when the rank decodes
+    (0 workers), only what the workers fall behind the step when they decode meanwhile."""
+    wait = 1 / rate - (1 / demand if overlapped else 0.0)
+    return max(wait, 0.0) / (1 / demand + max(wait, 0.0))
+
+
+def loader_rate(split: own.Streamed, workers: int, batch: int) -> float:
+    """Images/s the loader delivers, counted after its first batch (the workers' start)."""
+    split.workers = workers
+    plan = [torch.arange(i, i + batch) for i in range(0, len(split) - batch + 1, batch)]
+    batches = split.batches(plan, torch.device("cpu"))
+    next(batches)
+    started = time.perf_counter()
+    count = sum(len(labels) for _, labels in batches)
+    return count / (time.perf_counter() - started)
+
+
+def step_rate(model: str, channels: int, size: int, batch: int, steps: int = 3) -> float:
+    net = build_model(model, channels, size, 10, 0).to(memory_format=torch.channels_last)
+    optimizer = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    x = torch.randn(batch, channels, size, size).contiguous(memory_format=torch.channels_last)
+    y = torch.randint(0, 10, (batch,))
+    for step in range(steps + 1):
+        if step == 1:
+            started = time.perf_counter()
+        optimizer.zero_grad()
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        optimizer.step()
+    return steps * batch / (time.perf_counter() - started)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=("readers", "jpeg"), default=None)
+    p.add_argument("--only", choices=("readers", "jpeg", "loader"), default=None)
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--images", type=int, default=512, help="training JPEGs for the data share (default: %(default)s)")
@@ -83,6 +155,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if a.only in (None, "readers"):
             readers(a.epochs, a.repeats, Path(tmp))
+        if a.only in (None, "loader"):
+            loader_rates(Path(tmp), a.images // 2)
         if a.only in (None, "jpeg"):
             jpeg_share(a.images, a.steps, Path(tmp))
 

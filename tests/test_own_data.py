@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from common.config import parse_args
 from common.data import own
 from common.data.images import Reader
 from common.data.loader import TrainLoader, global_order
@@ -291,7 +292,32 @@ def test_shards_from_the_store_are_fetched_once_and_a_small_cache_still_complete
     ok(train("s3://data/shards", small, "--dataset", "shards", "--cache-gb", "0", "--epochs", "2",
              "--shard-cache-gb", f"{budget / 2**30:.9f}", env=env))
     held = sum(p.stat().st_size for p in (small / "cache").rglob("*.tar"))
-    rss = max(value for _, value in read_scalars(small / "tb-run")[1]["mem/rss_mb"])
+    scalars = read_scalars(small / "tb-run")[1]
+    rss = max(value for _, value in scalars["mem/rss_mb"])
+    assert [step for step, _ in scalars["data/shard_cache_hits"]] == [10, 20]  # once per epoch, over ranks
+    assert sum(value for _, value in scalars["data/shard_cache_hits"]) > 0
     print(f"\nshard cache of {budget / 1024:.0f} KiB for {shards} shards: {s3.log.gets('/data/shards/')} GETs, "
           f"{held / 1024:.0f} KiB held at the end, peak RSS per rank {rss:.0f} MB")
     assert s3.log.gets("/data/shards/") > shards and held <= budget
+
+
+# ---------------------------------------------------------------- flags
+
+@pytest.mark.parametrize("argv, message", [
+    (["--dataset", "mnist", "--image-size", "32"], "--image-size applies to --dataset imagefolder or shards"),
+    (["--dataset", "imagefolder"], "--dataset imagefolder needs --data-dir"),
+    (["--dataset", "imagefolder", "--data-dir", "s3://b/x"], "convert it to shards"),
+    (["--dataset", "shards", "--data-dir", "d", "--shard-cache-gb", "0"], "--shard-cache-gb > 0"),
+])
+def test_own_data_flags_are_checked_before_any_process_group(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        parse_args(argv, strategy="ddp", default_dataset="cifar10", world_size=1)
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_data_folder_and_image_size_are_part_of_a_runs_identity():
+    def run_id(*argv: str) -> str:
+        return parse_args(["--dataset", "imagefolder", *argv], strategy="ddp", default_dataset="cifar10",
+                          world_size=1).run_id
+    assert run_id("--data-dir", "a") != run_id("--data-dir", "b") != run_id("--data-dir", "b", "--image-size", "64")
+    assert run_id("--data-dir", "a", "--workers", "3", "--cache-gb", "0") == run_id("--data-dir", "a")
