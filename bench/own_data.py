@@ -11,13 +11,17 @@
 3. The data share of a step: ResNet-18 on 224-pixel JPEGs (about 500 x 375, as photos), 32 images
    per rank, world 2, --image-size 224, streamed (--cache-gb 0) by the default workers: the
    `data` share of the step time (TensorBoard's time/data_ms over the step), after a warm-up.
+4. The store: streamed shards from local disk and from the local S3 server, the first (cold) epoch
+   against the second, with the GETs of shard objects counted on the server.
 
-    python -m bench own_data                 # all three, 2 seeds for 1
+    python -m bench own_data                 # all four, 2 seeds for 1
     python -m bench own_data --only readers --repeats 3
 """
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import statistics
 import sys
 import tempfile
@@ -31,6 +35,7 @@ from bench.wall import ROOT, one_run
 from common.data import own
 from common.data.formats import read_mnist
 from common.data.images import default_workers
+from common.data.loader import global_order
 from common.models import build_model
 
 
@@ -143,9 +148,61 @@ def step_rate(model: str, channels: int, size: int, batch: int, steps: int = 3) 
     return steps * batch / (time.perf_counter() - started)
 
 
+def store_epochs(tmp: Path, images: int, workers: int) -> None:
+    """Streamed shards read from local disk and from the local S3 server (moto, 127.0.0.1): the
+    index (which reads every shard once), the first epoch and the second, in one process, with the
+    GETs of shard objects counted on the server; the store once with a cache that holds the set and
+    once with the least cache allowed (8 of the largest shard)."""
+    from tests.conftest import free_port
+    from tests.datagen import write_imagefolder, write_shards
+    from tests.s3server import S3Server
+
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # moto's per-request lines
+    shards = write_shards(write_imagefolder(tmp / "store-set", train_size=images, test_size=20), tmp / "store-shards",
+                          shard_mb=0.25)
+    small_gb = 8 * max(p.stat().st_size for p in shards.glob("*.tar")) / 2**30
+    server = S3Server(free_port())
+    server.start()
+    try:
+        server.client().create_bucket(Bucket="bench")
+        server.upload_tree("bench", "shards", shards)
+        os.environ.update(server.env())  # the workers inherit them
+        print(f"\nStreamed shards ({len(list(shards.glob('train-*.tar')))} of 0.25 MB, {images} 28-px images), "
+              f"{workers} worker(s), batch 128, one process; in brackets the GETs of shard objects\n")
+        print("| source | shard cache | index: s | epoch 1: img/s | epoch 2: img/s | epoch 2 / epoch 1 |\n"
+              "|---|---|---|---|---|---|")
+        for label, source, cache_gb in (("local disk", str(shards), 4.0), ("local S3 server", "s3://bench/shards", 4.0),
+                                        ("local S3 server", "s3://bench/shards", small_gb)):
+            opts = own.OwnData("shards", source, str(tmp / f"cache-{label}-{cache_gb}"), {}, 0, workers, 0, False,
+                               0.0, cache_gb)
+            server.log.clear()
+            started = time.perf_counter()
+            data = own.open_prepared(own.prepare(opts, lambda line: None), opts)
+            index = f"{time.perf_counter() - started:.1f} ({server.log.gets('/bench/shards/')})"
+            rates, gets = [], []
+            for epoch in (1, 2):
+                server.log.clear()
+                rates.append(epoch_rate(data.train, epoch))
+                gets.append(server.log.gets("/bench/shards/"))
+            held = ("-" if "://" not in source else "the set" if cache_gb > small_gb
+                    else f"8 shards, {small_gb * 2**20:,.0f} KiB")
+            print(f"| {label} | {held} | {index} | {rates[0]:,.0f} ({gets[0]}) | {rates[1]:,.0f} ({gets[1]}) | "
+                  f"{rates[1] / rates[0]:.2f} |")
+    finally:
+        server.stop()
+
+
+def epoch_rate(split: own.Streamed, epoch: int, batch: int = 128) -> float:
+    """Images/s of one epoch in the training order, the workers' start included."""
+    order = global_order(len(split), 0, epoch, split.groups)
+    started = time.perf_counter()
+    count = sum(len(labels) for _, labels in split.batches(list(order.split(batch)), torch.device("cpu")))
+    return count / (time.perf_counter() - started)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=("readers", "jpeg", "loader"), default=None)
+    p.add_argument("--only", choices=("readers", "loader", "store", "jpeg"), default=None)
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--images", type=int, default=512, help="training JPEGs for the data share (default: %(default)s)")
@@ -157,6 +214,8 @@ def main() -> None:
             readers(a.epochs, a.repeats, Path(tmp))
         if a.only in (None, "loader"):
             loader_rates(Path(tmp), a.images // 2)
+        if a.only in (None, "store"):
+            store_epochs(Path(tmp), a.images * 8, default_workers(1))
         if a.only in (None, "jpeg"):
             jpeg_share(a.images, a.steps, Path(tmp))
 

@@ -26,6 +26,9 @@ def test_same_seed_same_weights():
     assert all(torch.equal(x, y) for x, y in zip(a.state_dict().values(), b.state_dict().values()))
 
 
-def test_resnet18_keeps_resolution_for_small_images():
-    model = build_model("resnet18", 3, 32, 10, seed=0)
-    assert model.conv1.stride == (1, 1) and isinstance(model.maxpool, torch.nn.Identity)
+def test_resnet18_keeps_resolution_for_small_images_and_imagenets_stem_for_large_ones():
+    """A 3x3 stride-1 stem suits CIFAR's 32 px; at 224 px it would cost 16x the reference's compute."""
+    for size, first_block in ((32, 32), (64, 64), (224, 56)):
+        model = build_model("resnet18", 3, size, 10, seed=0)
+        features = model.maxpool(model.relu(model.bn1(model.conv1(torch.zeros(1, 3, size, size)))))
+        assert features.shape[-1] == first_block, size

@@ -90,12 +90,15 @@ def test_killed_worker_is_restarted_and_ends_with_the_uninterrupted_weights(refe
 
 
 # 2 -------------------------------------------------------------------------------------------
+KILLS = 12  # each at a random point of a save: mid-write, before the rename, before the pointer, pruning
+
+
 def test_sigkill_during_saves_never_costs_the_newest_complete_checkpoint(tmp_path):
     rng = random.Random(0)
     folder = CheckpointFolder(LocalStorage(str(tmp_path)), keep=3)
     last_done = 0
     leftovers_seen = 0
-    for attempt in range(20):
+    for attempt in range(KILLS):
         proc = subprocess.Popen([sys.executable, "tests/save_loop.py", str(tmp_path), "run", str(last_done)], cwd=ROOT,
                                 env=child_env(), stdout=subprocess.PIPE, text=True)
         first = proc.stdout.readline()  # the writer is up and saving
@@ -113,7 +116,7 @@ def test_sigkill_during_saves_never_costs_the_newest_complete_checkpoint(tmp_pat
         assert not list(tmp_path.glob("*/.*.tmp-*")), "temp files survived the next start"
         last_done = choice.state["global_step"]
     assert len(list(tmp_path.glob("run/step-*.pt"))) <= 3 + 1  # --keep 3, plus one if a kill beat the pruning
-    print(f"\n20 SIGKILLs during saves: newest complete checkpoint loaded every time; "
+    print(f"\n{KILLS} SIGKILLs during saves: newest complete checkpoint loaded every time; "
           f"{leftovers_seen} temp files left by the kills, all removed at the next start")
 
 
@@ -203,7 +206,9 @@ def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
                  "To continue that run, rerun with its settings (", "--model lenet", "pass --resume none"):
         assert part in errors[0]
     print(f"\nmismatched checkpoint: exit {result.returncode} after {seconds:.1f} s (process start included)")
-    assert seconds < 10
+    # Found before the first step: a mismatch met in a collective would wait out its timeout (minutes);
+    # the two processes' start alone takes 5-20 s on a loaded 2-core host.
+    assert seconds < 60
 
 
 def test_model_mismatches_name_keys_and_shapes():

@@ -29,8 +29,12 @@ def check_equivalence(script: list[str], world: int | None, model: str, tmp_path
     return result.returncode, result.stderr, float(found.group(1))
 
 
-@pytest.mark.parametrize("world", [2, 4])  # world 1 runs no collective to get wrong: resume tests cover it
-@pytest.mark.parametrize("name", list(STRATEGIES))
+# World 1 runs no collective to get wrong: resume tests cover it. World 2 of the averaging strategies:
+# test_recipes' accumulate rows (W=2, float32, <= 1e-5), one launch fewer each.
+WORLDS = [(name, world) for name in STRATEGIES for world in (2, 4) if world == 4 or name not in AVERAGING]
+
+
+@pytest.mark.parametrize("name, world", WORLDS)
 def test_strategy_equals_one_process(name, world, tmp_path):
     model = "lenet" if world != 2 else "cifar_net"
     code, stderr, max_dw = check_equivalence(STRATEGIES[name], world, model, tmp_path)
