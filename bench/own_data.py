@@ -171,8 +171,9 @@ def store_epochs(tmp: Path, images: int, workers: int) -> None:
               f"{workers} worker(s), batch 128, one process; in brackets the GETs of shard objects\n")
         print("| source | shard cache | index: s | epoch 1: img/s | epoch 2: img/s | epoch 2 / epoch 1 |\n"
               "|---|---|---|---|---|---|")
-        for label, source, cache_gb in (("local disk", str(shards), 4.0), ("local S3 server", "s3://bench/shards", 4.0),
-                                        ("local S3 server", "s3://bench/shards", small_gb)):
+        rows = (("local disk", str(shards), 4.0, "-"), ("local S3 server", "s3://bench/shards", 4.0, "the set"),
+                ("local S3 server", "s3://bench/shards", small_gb, f"8 shards, {small_gb * 2**20:,.0f} KiB"))
+        for label, source, cache_gb, held in rows:
             opts = own.OwnData("shards", source, str(tmp / f"cache-{label}-{cache_gb}"), {}, 0, workers, 0, False,
                                0.0, cache_gb)
             server.log.clear()
@@ -184,8 +185,6 @@ def store_epochs(tmp: Path, images: int, workers: int) -> None:
                 server.log.clear()
                 rates.append(epoch_rate(data.train, epoch))
                 gets.append(server.log.gets("/bench/shards/"))
-            held = ("-" if "://" not in source else "the set" if cache_gb > small_gb
-                    else f"8 shards, {small_gb * 2**20:,.0f} KiB")
             print(f"| {label} | {held} | {index} | {rates[0]:,.0f} ({gets[0]}) | {rates[1]:,.0f} ({gets[1]}) | "
                   f"{rates[1] / rates[0]:.2f} |")
     finally:

@@ -90,10 +90,11 @@ def resnet18(channels: int, size: int, classes: int) -> nn.Module:
     from torchvision.models import resnet18 as tv_resnet18
 
     model = tv_resnet18(num_classes=classes)
-    stride, kernel = (1, 3) if size <= SMALL_IMAGE else (2, 7)
-    model.conv1 = nn.Conv2d(channels, 64, kernel_size=kernel, stride=stride, padding=kernel // 2, bias=False)
     if size <= SMALL_IMAGE:
+        model.conv1 = nn.Conv2d(channels, 64, kernel_size=3, stride=1, padding=1, bias=False)
         model.maxpool = nn.Identity()
+    else:  # ImageNet's stem, for any number of channels
+        model.conv1 = nn.Conv2d(channels, 64, kernel_size=7, stride=2, padding=3, bias=False)
     return model
 
 
