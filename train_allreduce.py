@@ -8,8 +8,8 @@ from __future__ import annotations
 from common.train.app import main as run
 from common.train.strategy import HandWrittenSync
 from common.config import Config
-from common.dist.comm import GradientBuckets, PerParameterAllReduce, float_buffers, launch_all_reduce
-from common.dist.context import DistContext
+from common.parallel.comm import GradientBuckets, PerParameterAllReduce, float_buffers, launch_all_reduce
+from common.parallel.context import DistContext
 from common.errors import ConfigError
 
 import argparse

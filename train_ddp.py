@@ -7,9 +7,9 @@ from __future__ import annotations
 from common.train.app import main as run
 from common.train.strategy import WIRE_DTYPES, Strategy
 from common.config import Config
-from common.dist.comm import broadcast_coalesced, flatten, unflatten
-from common.dist.context import DistContext
-from common.dist.transport import ProcessGroupTransport, Transport
+from common.parallel.comm import broadcast_coalesced, flatten, unflatten
+from common.parallel.context import DistContext
+from common.parallel.transport import ProcessGroupTransport, Transport
 
 import inspect
 from typing import Any

@@ -8,7 +8,7 @@ from __future__ import annotations
 from common.train.app import main as run
 from common.train.strategy import Strategy
 from common.config import Config
-from common.dist.context import DistContext
+from common.parallel.context import DistContext
 from common.errors import ConfigError
 
 import argparse
@@ -19,7 +19,7 @@ from torch import nn
 
 from common.train.app import main as run
 from common.config import Config
-from common.dist.context import DistContext
+from common.parallel.context import DistContext
 from common.errors import ConfigError
 from common.train.precision import PRECISIONS
 from common.train.strategy import Strategy

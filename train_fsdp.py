@@ -16,8 +16,8 @@ from __future__ import annotations
 from common.train.app import main as run
 from common.train.strategy import Strategy
 from common.config import Config
-from common.dist.comm import broadcast_coalesced, replicate_from_rank0
-from common.dist.context import DistContext
+from common.parallel.comm import broadcast_coalesced, replicate_from_rank0
+from common.parallel.context import DistContext
 from common.errors import ConfigError
 from common.train.optim import make_optimizer
 

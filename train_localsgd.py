@@ -15,8 +15,8 @@ from __future__ import annotations
 from common.train.app import main as run
 from common.train.strategy import Strategy
 from common.config import Config
-from common.dist.comm import flatten, float_buffers, replicate_from_rank0, unflatten
-from common.dist.context import DistContext
+from common.parallel.comm import flatten, float_buffers, replicate_from_rank0, unflatten
+from common.parallel.context import DistContext
 from common.errors import ConfigError
 
 import argparse

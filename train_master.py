@@ -11,9 +11,9 @@ from __future__ import annotations
 from common.train.app import main as run
 from common.train.strategy import HandWrittenSync
 from common.config import Config
-from common.dist.comm import Bucket, GradientBuckets, broadcast_coalesced, float_buffers
-from common.dist.context import DistContext
-from common.dist.transport import Handle
+from common.parallel.comm import Bucket, GradientBuckets, broadcast_coalesced, float_buffers
+from common.parallel.context import DistContext
+from common.parallel.transport import Handle
 from common.train.precision import Precision
 
 import argparse

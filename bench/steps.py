@@ -127,7 +127,7 @@ def items_one_process() -> None:
 def items_collectives() -> None:
     import torch.distributed as dist
 
-    from common.dist.context import DistContext, open_transport
+    from common.parallel.context import DistContext, open_transport
 
     dist.init_process_group("gloo")
     torch.set_num_threads(1)

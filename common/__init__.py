@@ -5,7 +5,7 @@ Grouped by concern, in layers; a module imports only from its own layer and the 
 
     train/    the training loop, checkpoints, the seam to the strategies     (top)
     data/     reading data              output/  what a run reports           (side by side)
-    dist/     processes and communication
+    parallel/ processes and communication
     the base, here at the top: errors, config (the flags), storage (local folders and object
               stores), models (the networks by name), collector (the garbage collector)
 

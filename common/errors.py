@@ -60,7 +60,7 @@ class WaitExpired(UserError):
 
 class PeerVanished(UserError):
     """A peer process ended without a word (killed by a signal, a crash in native code) while this
-    rank waited for it. common/dist/failures.py words it (who, on which host, during what, at which
+    rank waited for it. common/parallel/failures.py words it (who, on which host, during what, at which
     step); the lowest surviving rank of each host prints it, unless the launcher names the failure
     itself (launch/quiet_torchrun.py: it knows how the peer ended and joins that to this line)."""
 

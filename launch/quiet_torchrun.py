@@ -23,7 +23,7 @@ import os
 import sys
 
 from common.collector import pause_during_set_up, resume_for_training
-from common.dist.failures import LAUNCHER_NAMES_FAILURES, host, how_it_ended
+from common.parallel.failures import LAUNCHER_NAMES_FAILURES, host, how_it_ended
 
 if __name__ == "__main__":
     pause_during_set_up()  # torch's import below without full collections, and no final one at exit (see there)
@@ -87,7 +87,7 @@ def signal_lines(error: ChildFailedError, stopped: set[int]) -> list[str] | None
 
 def survivor_saw(failure: ProcessFailure) -> str:
     """What a survivor was doing as its peer vanished ("during the gradient exchange at step 180"),
-    from its error file (common/dist/failures.py, report_to_torchrun)."""
+    from its error file (common/parallel/failures.py, report_to_torchrun)."""
     return failure.error_file_data["message"]["extraInfo"].get("where", "")
 
 

@@ -13,9 +13,9 @@ import torch.distributed as dist
 from torch import nn
 
 from common.models import build_model
-from common.dist.comm import GatherSum, GradientBuckets, float_buffers, launch_all_reduce, ring_all_reduce
-from common.dist.context import DistContext, open_transport
-from common.dist.transport import SHM_FOLDER, SLOT_BYTES, ProcessGroupTransport, Transport
+from common.parallel.comm import GatherSum, GradientBuckets, float_buffers, launch_all_reduce, ring_all_reduce
+from common.parallel.context import DistContext, open_transport
+from common.parallel.transport import SHM_FOLDER, SLOT_BYTES, ProcessGroupTransport, Transport
 
 SIZES = (1, 7, 1000, 2**20 + 3)
 

@@ -12,6 +12,8 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+pytest_plugins = ["tests.launches"]
+
 from tests.datagen import write_cifar10, write_mnist
 
 ROOT = Path(__file__).resolve().parent.parent

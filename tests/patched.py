@@ -11,7 +11,7 @@ Patches:
   cifar-md5=HEX          the CIFAR-10 archive's checksum is HEX (a generated archive, not the real one)
   cifar-batch-md5=DIR    the CIFAR-10 batches' checksums are those of the files in DIR (generated ones)
   no-module=NAME         `import NAME` fails, as if the package were not installed
-  stale-after=S          a heartbeat that has not moved for S seconds is stale (common.dist.context.STALE_AFTER_S)
+  stale-after=S          a heartbeat that has not moved for S seconds is stale (common.parallel.context.STALE_AFTER_S)
   hang-preparing=PATH    on node 1, the node's data preparation writes its pid into PATH and never ends
   slow-storage=S@K       the K-th read or write of a local checkpoint folder by this process sleeps S seconds
                          first, saying so on stderr ("storage op K (write NAME) sleeps S s at UNIX_TIME in pid P")
@@ -114,7 +114,7 @@ def apply(patch: str) -> None:
     elif patch.startswith("no-module="):
         sys.modules[patch.removeprefix("no-module=")] = None  # import raises ImportError
     elif patch.startswith("stale-after="):
-        from common.dist import context as distributed
+        from common.parallel import context as distributed
 
         distributed.STALE_AFTER_S = float(patch.removeprefix("stale-after="))
     elif patch.startswith("hang-preparing="):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from common.config import RECIPES, parse_args
-from common.dist.context import resolve_backend, resolve_device
+from common.parallel.context import resolve_backend, resolve_device
 from common.errors import ConfigError
 from common.train.run import Run
 from tests.conftest import run_script

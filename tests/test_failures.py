@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from common.dist.transport import SHM_FOLDER, create_region
+from common.parallel.transport import SHM_FOLDER, create_region
 from tests.conftest import ROOT, child_env, error_lines, script_command
 
 FLAGS = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
@@ -65,7 +65,7 @@ def test_a_rank_that_dies_is_named_in_one_line(launcher, transport, fault, tmp_p
 
 def _hold_region() -> subprocess.Popen:
     """A process that creates a region as rank 0's set-up does, prints its path and waits."""
-    code = ("import sys, time; from common.dist.transport import create_region; "
+    code = ("import sys, time; from common.parallel.transport import create_region; "
             "region, _ = create_region(2); print(region.path, flush=True); time.sleep(60)")
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, text=True)
 

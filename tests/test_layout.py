@@ -13,7 +13,7 @@ from tests.conftest import ROOT
 # Lowest first. A module may import modules of its own package and of lower layers; packages that
 # share a layer do not import each other. BASE: the modules at the top of common/.
 BASE = "base"
-LAYERS = ((BASE,), ("dist",), ("data", "output"), ("train",))
+LAYERS = ((BASE,), ("parallel",), ("data", "output"), ("train",))
 PROGRAMS = ("tests", "bench", "launch")  # with the train_*.py scripts, they stand above common/: it never imports them
 
 
@@ -125,6 +125,20 @@ def root_path_edits(path: Path) -> list[int]:
             and any(isinstance(n, ast.Name) and n.id == "__file__" for arg in node.args for n in ast.walk(arg))]
 
 
+# Folders that the standard Python .gitignore template (github/gitignore Python.gitignore) ignores as
+# build output or environments: a package of ours with one of these names vanishes from the commits of
+# a contributor who adds that template (common/dist/ did, until it became common/parallel/).
+BUILD_OUTPUT_NAMES = {"build", "develop-eggs", "dist", "downloads", "eggs", ".eggs", "lib", "lib64", "parts",
+                      "sdist", "var", "wheels", "share", "env", "venv", "ENV", "htmlcov", "site", "target"}
+
+
+def test_no_folder_of_ours_has_a_name_that_gitignore_templates_drop():
+    folders = [p for top in ("common", "tests", "bench", "launch", "docs") for p in (ROOT / top).rglob("*")
+               if p.is_dir() and "__pycache__" not in p.parts]
+    assert [str(p.relative_to(ROOT)) for p in folders if p.name in BUILD_OUTPUT_NAMES] == []
+    assert (ROOT / "common" / "parallel" / "context.py").exists()
+
+
 def test_tests_launchers_and_scripts_find_the_package_without_editing_sys_path():
     """pytest.ini's pythonpath, PYTHONPATH for the processes the tests start, launch/single_node.sh's
     PYTHONPATH, or `pip install -e .`: never a sys.path edit in the code."""
@@ -139,15 +153,15 @@ def test_tests_launchers_and_scripts_find_the_package_without_editing_sys_path()
      "common.data.loader (data) imports common.train.loop (train), a higher layer"),
     ("output/log.py", "import common.data.loader",
      "common.output.log (output) imports common.data.loader (data), the same layer"),
-    ("config.py", "from common.dist import net",
-     "common.config (base) imports common.dist.net (dist), a higher layer"),
-    ("dist/net.py", "from common.extra import thing",
-     "common.dist.net imports common.extra.thing: common/extra/ is in no layer"),
-    ("dist/net.py", "import train_ddp",
-     "common.dist.net imports the program train_ddp"),
+    ("config.py", "from common.parallel import net",
+     "common.config (base) imports common.parallel.net (parallel), a higher layer"),
+    ("parallel/net.py", "from common.extra import thing",
+     "common.parallel.net imports common.extra.thing: common/extra/ is in no layer"),
+    ("parallel/net.py", "import train_ddp",
+     "common.parallel.net imports the program train_ddp"),
 ], ids=["upward", "sideways", "base-upward", "unplaced-package", "program"])
 def test_the_check_finds_a_wrong_import(tmp_path, module, line, expected):
-    for name in ("config.py", "data/loader.py", "output/log.py", "dist/net.py", "train/loop.py", "extra/thing.py"):
+    for name in ("config.py", "data/loader.py", "output/log.py", "parallel/net.py", "train/loop.py", "extra/thing.py"):
         (tmp_path / "common" / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / "common" / name).touch()
     (tmp_path / "common" / module).write_text(line + "\n")

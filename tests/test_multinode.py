@@ -14,7 +14,7 @@ import pytest
 import torch
 import yaml
 
-from common.dist.context import device_list, resolve_backend, resolve_device
+from common.parallel.context import device_list, resolve_backend, resolve_device
 from common.errors import ConfigError
 from tests.conftest import ROOT, child_env, free_port, latest_state, run_script
 

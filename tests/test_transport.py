@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from common.errors import PeerVanished
-from common.dist.transport import FLAG_STRIDE, SharedMemoryTimeout, SharedMemoryTransport
+from common.parallel.transport import FLAG_STRIDE, SharedMemoryTimeout, SharedMemoryTransport
 from tests.conftest import child_env, error_lines, script_command
 
 SMOKE = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",

@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from common.dist import context as distributed
-from common.dist.context import DeadlinePassed, Heartbeat, Unanswered, run_with_heartbeat, wait_for_keys
+from common.parallel import context as distributed
+from common.parallel.context import DeadlinePassed, Heartbeat, Unanswered, run_with_heartbeat, wait_for_keys
 from tests.conftest import ROOT, child_env, error_lines, script_command
 
 SMALL = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",

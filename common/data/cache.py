@@ -14,7 +14,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from common.dist.context import POLL_S, PROGRESS_EVERY_S
+from common.parallel.context import POLL_S, PROGRESS_EVERY_S
 
 META = "meta.json"
 

@@ -3,7 +3,7 @@ an object store into a local cache, once per node; then every rank reads the sam
 
 One process per node (its local rank 0) does the work; the others wait on the job's key-value
 store, not inside a collective, so a download is not bounded by --timeout-s. The worker bumps a
-heartbeat in the store while it works (common/dist/context.py): every rank ends, with one line naming
+heartbeat in the store while it works (common/parallel/context.py): every rank ends, with one line naming
 the node(s), when a node reports that it failed, when a node's heartbeat stops for STALE_AFTER_S
 (its preparing process was killed, e.g. by the OOM killer), or when a node's preparation overruns
 --storage-timeout-s (that node reports it; the others give up STALE_AFTER_S later).
@@ -30,7 +30,7 @@ from common.data import formats, own
 from common.data.cache import META, cache_folder, default_cache_dir, file_lock, map_tensors, write_tensors
 from common.config import STORAGE_TIMEOUT_S
 from common.data.loader import Dataset, Split, make_synthetic
-from common.dist.context import (DEADLINE_FLAG, PROGRESS_EVERY_S, DeadlinePassed, DistContext, Unanswered,
+from common.parallel.context import (DEADLINE_FLAG, PROGRESS_EVERY_S, DeadlinePassed, DistContext, Unanswered,
                                 run_with_heartbeat, wait_for_keys)
 from common.errors import UserError, WaitExpired
 from common.storage import StorageError, is_url, storage_for

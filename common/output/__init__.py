@@ -3,6 +3,6 @@ traces (profiling), Python warnings from every rank printed once (warnings_relay
 comparison of finished runs (report: `python -m common.output.report RUN_DIR ...`). Checkpoints
 are not here: they save and restore a whole run, so they live with the loop in train/.
 
-May import: the base at the top of common/ and dist/ (the warning relay gathers from every rank).
+May import: the base at the top of common/ and parallel/ (the warning relay gathers from every rank).
 Never data/ or train/: the loop hands output what to write.
 """

@@ -9,7 +9,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from common.dist.context import DistContext
+from common.parallel.context import DistContext
 from common.output.logger import NullLogger
 
 

@@ -4,6 +4,6 @@ optimizer step (step), the optimizer and schedule (optim), the loop and exact ev
 (trainer), checkpoints and resume (checkpoint), stops on a signal (preemption), and
 --check-equivalence (equivalence).
 
-May import: every layer below it, the base at the top of common/, dist/, data/ and output/.
+May import: every layer below it, the base at the top of common/, parallel/, data/ and output/.
 Nothing under common/ imports it; the train_*.py scripts do.
 """

@@ -15,10 +15,10 @@ from common.config import OWN_DATASETS, Config, default_log_dir, parse_args, wor
 from common.data.images import default_workers
 from common.data.own import OwnData
 from common.data.loader import TrainLoader
-from common.dist.context import DistContext, check_same_flags, distributed
+from common.parallel.context import DistContext, check_same_flags, distributed
 from common.train.equivalence import check_equivalence
 from common.data.fetch import load_dataset
-from common.dist.failures import is_handled, told
+from common.parallel.failures import is_handled, told
 from common.output.logger import NullLogger, make_logger, node_console
 from common.models import build_model
 from common.train.optim import make_scheduler
@@ -27,7 +27,7 @@ from common.output.profiling import NoProfiler, StepProfiler, trace_folder
 from common.train.run import Position, Run
 from common.train.precision import Precision
 from common.train.strategy import Strategy
-from common.dist.sync_batchnorm import convert_batchnorm
+from common.parallel.sync_batchnorm import convert_batchnorm
 from common.train.trainer import Trainer
 from common.output.warnings_relay import WarningRelay
 

@@ -67,7 +67,7 @@ import torch
 
 from common import __version__
 from common.config import STORAGE_TIMEOUT_S
-from common.dist.context import DistContext
+from common.parallel.context import DistContext
 from common.errors import UserError
 from common.train.run import Position, Run
 from common.storage import MISSING, Storage, StorageError, split, storage_for

@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from common.dist.context import DistContext
+from common.parallel.context import DistContext
 from common.errors import UserError
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)

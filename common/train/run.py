@@ -8,7 +8,7 @@ from torch import nn
 
 from common.config import Config
 from common.data.loader import Dataset, TrainLoader
-from common.dist.context import DistContext
+from common.parallel.context import DistContext
 from common.train.precision import Precision
 from common.train.strategy import Strategy
 

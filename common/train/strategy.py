@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from common.config import Config
-from common.dist.context import DistContext
+from common.parallel.context import DistContext
 from common.errors import ConfigError
 from common.train.precision import Precision
 
@@ -157,7 +157,7 @@ class HandWrittenSync(Strategy):
         return "PowerSGD needs DDP's communication hooks: use train_ddp.py --grad-compression powersgd"
 
     def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module:
-        from common.dist.comm import replicate_from_rank0
+        from common.parallel.comm import replicate_from_rank0
 
         replicate_from_rank0(model, ctx.comm_device)
         self.sync = self.make_sync(model, ctx)

@@ -14,11 +14,11 @@ from torch import nn
 
 from common.train.checkpoint import Checkpoints
 from common.data.loader import Dataset, eval_batches, eval_shard
-from common.dist.context import DistContext
+from common.parallel.context import DistContext
 from common.output.logger import EpochResult, NullLogger, StepRecord, StepTimes
 from common.train.preemption import SAVE_FAILED, Preempted, StopRequest
 from common.output.profiling import NoProfiler, StepProfiler
-from common.dist.replicas import check_replicas
+from common.parallel.replicas import check_replicas
 from common.train.run import Position, Run
 from common.train.step import DATA, SYNC, StepClock, reseed, train_step, uses_randomness
 from common.train.precision import Precision

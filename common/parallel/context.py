@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from common.config import Config
 from common.errors import ConfigError, PeerFailed, UserError, WaitExpired, first_line
-from common.dist.transport import (LocalTransport, ProcessGroupTransport, SharedMemoryTransport, Transport, create_region,
+from common.parallel.transport import (LocalTransport, ProcessGroupTransport, SharedMemoryTransport, Transport, create_region,
                               map_region, shared_memory_problem)
 
 T = TypeVar("T")
@@ -53,13 +53,13 @@ class DistContext:
     device: torch.device
     backend: str
     store: Any = field(default=None, repr=False, compare=False)  # the job's key-value store, once joined
-    # How the strategies' gradient collectives travel (common/dist/transport.py), and why not through
+    # How the strategies' gradient collectives travel (common/parallel/transport.py), and why not through
     # shared memory where --transport auto chose the process group.
     transport: Transport = field(default=None, repr=False, compare=False)  # type: ignore[assignment]
     transport_note: str = ""
     # Numbers the after_primary waits: every rank makes them in the same order, as for collectives.
     waits: Iterator[int] = field(default_factory=itertools.count, repr=False, compare=False)
-    # Every rank's (host, pid), in rank order: a survivor names the rank that vanished (common/dist/failures.py).
+    # Every rank's (host, pid), in rank order: a survivor names the rank that vanished (common/parallel/failures.py).
     peers: tuple[tuple[str, int], ...] = field(default=(), repr=False, compare=False)
 
     @property

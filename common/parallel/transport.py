@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from common.errors import PeerVanished, UserError
-from common.dist.procs import running
+from common.parallel.procs import running
 
 SHM_FOLDER = "/dev/shm"
 SLOT_BYTES = 1 << 20  # one rank's share of a round; larger tensors go through in chunks of this
@@ -194,7 +194,7 @@ class SharedMemoryTransport:
     def _check_late_peers(self, round_: int, waited_s: float) -> None:
         late = [r for r in range(self.world) if self.flags[r * FLAG_STRIDE] < round_]
         gone = tuple(r for r in late if not running(self.flags[r * FLAG_STRIDE + 1]))
-        if gone:  # common/dist/failures.py names it, with the step and the phase, as the line the job ends with
+        if gone:  # common/parallel/failures.py names it, with the step and the phase, as the line the job ends with
             raise PeerVanished(f"rank(s) {','.join(map(str, gone))} ended during shared-memory exchange {round_}", gone)
         if waited_s > self.timeout_s:
             raise SharedMemoryTimeout(

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from common.dist.context import DistContext
+from common.parallel.context import DistContext
 
 RELATIVE_TOLERANCE = 1e-6  # ranks on different device types (CPU + CUDA) differ in the last bits
 

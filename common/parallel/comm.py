@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from common.dist.transport import Done, Handle, Transport
+from common.parallel.transport import Done, Handle, Transport
 
 # A collective started on a flat bucket: returns a handle to wait on before reading the bucket.
 Launch = Callable[[torch.Tensor], Handle]

@@ -23,11 +23,11 @@ import traceback
 from types import TracebackType
 from typing import TYPE_CHECKING, Iterator
 
-from common.dist.procs import exit_code, running
+from common.parallel.procs import exit_code, running
 from common.errors import Crashed, PeerVanished, UserError
 
 if TYPE_CHECKING:
-    from common.dist.context import DistContext
+    from common.parallel.context import DistContext
 
 Peers = tuple[tuple[str, int], ...]  # every rank's (host, pid), in rank order
 LAUNCHER_NAMES_FAILURES = "DP_SUITE_LAUNCHER_NAMES_FAILURES"  # set by launch/quiet_torchrun.py for its workers

@@ -1,0 +1,124 @@
+"""A pytest plugin that counts every process a test launches (torchrun, Python, anything else) and
+its seconds, and prints at the end of the run the totals, the launches per file and the ten most
+expensive tests. Launches are the suite's cost (each one imports torch, about 3-9 s), so this is
+the table to read before adding a test: a new behaviour should ride on an existing launch.
+
+Works under pytest-xdist too: each worker sends its records to the controller."""
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from collections import defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import pytest
+
+_current_test = "(collection)"
+_launches: list["Launch"] = []
+_test_seconds: dict[str, float] = defaultdict(float)
+
+
+@dataclass
+class Launch:
+    test: str
+    kind: str
+    start: float
+    end: float | None = None
+    argv: list[str] = field(default_factory=list)
+
+    @property
+    def seconds(self) -> float:
+        return (self.end or time.monotonic()) - self.start
+
+
+def launch_kind(argv: list[str]) -> str:
+    """torchrun (the agent and its ranks are one launch), a launcher script, python, or other."""
+    text = " ".join(argv)
+    if "torch.distributed.run" in text or Path(argv[0]).name == "torchrun":
+        return "torchrun"
+    if any(part.startswith(str(Path("launch"))) or "/launch/" in part for part in argv[:2]):
+        return "launcher"
+    if "python" in Path(argv[0]).name:
+        return "python"
+    return "other"
+
+
+def _argv(args) -> list[str]:
+    if isinstance(args, (str, bytes)):
+        return [args.decode() if isinstance(args, bytes) else args]
+    return [str(a) for a in args]
+
+
+_original_init = subprocess.Popen.__init__
+_original_exit = subprocess.Popen._handle_exitstatus
+
+
+def _recording_init(self, args, *rest, **kwargs):
+    argv = _argv(args)
+    self._launch = Launch(_current_test, launch_kind(argv), time.monotonic(), argv=argv[:6])
+    _launches.append(self._launch)
+    _original_init(self, args, *rest, **kwargs)
+
+
+def _recording_exit(self, *args, **kwargs):
+    launch = getattr(self, "_launch", None)
+    if launch is not None and launch.end is None:
+        launch.end = time.monotonic()
+    return _original_exit(self, *args, **kwargs)
+
+
+def pytest_configure(config) -> None:
+    subprocess.Popen.__init__ = _recording_init
+    subprocess.Popen._handle_exitstatus = _recording_exit
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    global _current_test
+    _current_test = item.nodeid
+    yield
+    for launch in _launches:  # a process never waited on counts until its test ends
+        if launch.test == item.nodeid and launch.end is None:
+            launch.end = time.monotonic()
+    _current_test = "(between tests)"
+
+
+def pytest_runtest_logreport(report) -> None:
+    _test_seconds[report.nodeid] += report.duration
+
+
+def pytest_sessionfinish(session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)
+    if workeroutput is not None:  # an xdist worker: hand the records to the controller
+        workeroutput["launches"] = json.dumps([{**asdict(l), "end": l.end or time.monotonic()} for l in _launches])
+
+
+def pytest_testnodedown(node, error) -> None:
+    for record in json.loads(getattr(node, "workeroutput", {}).get("launches", "[]")):
+        _launches.append(Launch(**record))
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    if getattr(terminalreporter.config, "workerinput", None) is not None or not _launches:
+        return
+    write = terminalreporter.write_line
+    terminalreporter.section("launches")
+    by_kind: dict[str, list[Launch]] = defaultdict(list)
+    by_file: dict[str, list[Launch]] = defaultdict(list)
+    by_test: dict[str, list[Launch]] = defaultdict(list)
+    for launch in _launches:
+        by_kind[launch.kind].append(launch)
+        by_file[launch.test.split("::")[0]].append(launch)
+        by_test[launch.test].append(launch)
+    total = sum(l.seconds for l in _launches)
+    write(f"total: {len(_launches)} launches, {total:.0f} s of process time "
+          + ", ".join(f"{k} {len(v)} ({sum(l.seconds for l in v):.0f} s)" for k, v in sorted(by_kind.items())))
+    write("per file (launches, seconds):")
+    for name, group in sorted(by_file.items(), key=lambda kv: -sum(l.seconds for l in kv[1])):
+        write(f"  {len(group):4d} {sum(l.seconds for l in group):7.0f} s  {name}")
+    write("ten most expensive tests (launches, launch seconds, test seconds):")
+    ranked = sorted(by_test.items(), key=lambda kv: -sum(l.seconds for l in kv[1]))[:10]
+    for name, group in ranked:
+        write(f"  {len(group):4d} {sum(l.seconds for l in group):7.0f} s {_test_seconds.get(name, 0):7.0f} s  {name}")
