@@ -16,7 +16,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from common.train.checkpoint import CheckpointFolder, InvalidCheckpoint, model_mismatches, parse_checkpoint
 from common.errors import UserError
 from common.train.preemption import FORCE_AFTER_S
-from common.storage import LocalStorage, StorageError
+from common.storage import TRANSIENT, LocalStorage, StorageError
 from tests.conftest import (ROOT, child_env, error_lines, latest_checkpoint, latest_state, run_script, saved_position,
                             stop_after)
 from tests.save_loop import IDENTITY, state as loop_state
@@ -171,6 +171,29 @@ def test_a_save_cut_before_its_pointer_names_the_checkpoint_it_resumes_from(tmp_
     assert str(cut.value).startswith(f"saving checkpoint {newest} failed at the run's pointer (the store is unreachable)")
     assert "the checkpoint file itself is whole and the same command resumes from it" in str(cut.value)
     assert folder.choose("auto", IDENTITY).checkpoint == str(newest)
+
+
+class GoneAfterThePointer(LocalStorage):
+    """A store that goes away right after a save's pointer: the prune's listing finds it gone."""
+
+    def __init__(self, root: str) -> None:
+        super().__init__(root)
+        self.listings = 0
+
+    def list(self, prefix: str) -> list[str]:
+        self.listings += 1
+        raise StorageError(self.url(prefix), "the store is unreachable", TRANSIENT)
+
+
+def test_a_store_gone_during_the_prune_is_left_to_the_next_save(tmp_path):
+    """The flake of test_object_storage's outage test, at its root: the prune listed the folder with
+    the start's patience, waited a minute and ended the job with the start's words ("nothing was
+    started"). It asks once and leaves the store's absence to the next save, whose error is right."""
+    _three_checkpoints(CheckpointFolder(LocalStorage(str(tmp_path)), keep=3))
+    gone = GoneAfterThePointer(str(tmp_path))
+    saved = CheckpointFolder(gone, keep=3).write("run", loop_state(12, torch.zeros(4)))
+    assert saved == str(tmp_path / "run" / "step-00000012.pt") and gone.listings == 1
+    assert CheckpointFolder(LocalStorage(str(tmp_path)), keep=3).choose("auto", IDENTITY).state["global_step"] == 12
 
 
 def test_damaged_checkpoint_warning_in_a_real_resume(reference, tmp_path):

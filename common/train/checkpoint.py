@@ -87,6 +87,11 @@ REQUIRED = ("model", "optimizer", "scheduler", "epoch", "step_in_epoch", "global
             "identity")
 
 
+def _step_files(run: str, names: list[str]) -> list[str]:
+    """The run's step files among a listing of its folder, oldest first."""
+    return sorted((f"{run}/{n}" for n in names if STEP_FILE.match(n)), key=_step_number)
+
+
 def step_name(run: str, global_step: int) -> str:
     return f"{run}/step-{global_step:08d}.pt"
 
@@ -339,8 +344,7 @@ class CheckpointFolder:
         return sorted({*self._steps(run.name), run.checkpoint}, key=_step_number, reverse=True)
 
     def _steps(self, run: str) -> list[str]:
-        names = self.patience.call(lambda: self.storage.list(run))
-        return sorted((f"{run}/{n}" for n in names if STEP_FILE.match(n)), key=_step_number)
+        return _step_files(run, self.patience.call(lambda: self.storage.list(run)))
 
     def check_writable(self, run: str, expected_bytes: int) -> None:
         """Find out now, not after an epoch, that the folder is read-only, unreachable or full."""
@@ -381,9 +385,11 @@ class CheckpointFolder:
         return self.storage.url(name)
 
     def _prune(self, run: str) -> None:
-        """Best effort: the new checkpoint is committed; an old file that stays is pruned next time."""
+        """Best effort: the new checkpoint is committed; an old file that stays is pruned next time.
+        Asked once, without the start's patience: a store that went away mid-run is met by the next
+        save, whose error says what was saved (the start's error would say nothing was started)."""
         try:
-            for old in self._steps(run)[:-self.keep]:
+            for old in _step_files(run, self.storage.list(run))[:-self.keep]:
                 self.storage.delete(old)
         except StorageError:
             pass
