@@ -12,9 +12,10 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-pytest_plugins = ["tests.launches"]
-
 from tests.datagen import write_cifar10, write_mnist
+
+# Every launch counted per test, the totals printed at the end; the quick tier kept free of torchrun.
+pytest_plugins = ["tests.launches"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -27,6 +28,13 @@ AVERAGING = {
     "master": ["train_master.py"],
     "master-update": ["train_master.py", "--master-update"],
 }
+
+
+# A deadline in a test separates "ends by itself" from "hangs", never a performance figure (those are
+# printed, and measured in bench/): on a loaded slow host a launch's start-up alone takes 20 s or more.
+# Two minutes is well under what a hang waits for: a collective's --timeout-s (default 300 s), a
+# store's --storage-timeout-s (1800 s), torchrun's rendezvous (600 s).
+ENDS_PROMPTLY_S = 120
 
 
 def child_env() -> dict[str, str]:

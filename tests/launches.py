@@ -69,6 +69,10 @@ def _recording_exit(self, *args, **kwargs):
     return _original_exit(self, *args, **kwargs)
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--launches-json", metavar="PATH", help="also write every launch (test, kind, seconds, argv) to PATH")
+
+
 def pytest_configure(config) -> None:
     subprocess.Popen.__init__ = _recording_init
     subprocess.Popen._handle_exitstatus = _recording_exit
@@ -83,6 +87,18 @@ def pytest_runtest_protocol(item, nextitem):
         if launch.test == item.nodeid and launch.end is None:
             launch.end = time.monotonic()
     _current_test = "(between tests)"
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item):
+    """The quick tier stays quick: a test marked `quick` may start Python processes, never torchrun."""
+    result = yield
+    if item.get_closest_marker("quick"):
+        launched = [l for l in _launches if l.test == item.nodeid and l.kind in ("torchrun", "launcher")]
+        if launched:
+            pytest.fail(f"a quick test launched {' '.join(launched[0].argv)}: take the quick mark off, "
+                        "or test it in-process", pytrace=False)
+    return result
 
 
 def pytest_runtest_logreport(report) -> None:
@@ -103,6 +119,8 @@ def pytest_testnodedown(node, error) -> None:
 def pytest_terminal_summary(terminalreporter) -> None:
     if getattr(terminalreporter.config, "workerinput", None) is not None or not _launches:
         return
+    if path := terminalreporter.config.getoption("--launches-json"):
+        Path(path).write_text(json.dumps([{**asdict(l), "seconds": round(l.seconds, 2)} for l in _launches], indent=0))
     write = terminalreporter.write_line
     terminalreporter.section("launches")
     by_kind: dict[str, list[Launch]] = defaultdict(list)

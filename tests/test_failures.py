@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from common.parallel.transport import SHM_FOLDER, create_region
-from tests.conftest import ROOT, child_env, error_lines, script_command
+from tests.conftest import ENDS_PROMPTLY_S, ROOT, child_env, error_lines, script_command
 
 FLAGS = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
          "--epochs", "1", "--max-steps", "40"]
@@ -32,7 +32,8 @@ def run_with_fault(launcher: str, transport: str, fault: str, tmp_path: Path) ->
     stamp = tmp_path / "fault_at"
     env = {**child_env(), "FAULT_AT_FILE": str(stamp), "NPROC": "2"}
     command = ["bash", "launch/single_node.sh", *args] if launcher == "single_node" else script_command(args, nproc=2)
-    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=2 * ENDS_PROMPTLY_S)
     ended = time.time()
     assert stamp.exists(), result.stderr[-3000:]
     at, pid = stamp.read_text().split()
@@ -60,7 +61,7 @@ def test_a_rank_that_dies_is_named_in_one_line(launcher, transport, fault, tmp_p
         assert result.stderr.count("RuntimeError: injected failure on rank 1") == 1, result.stderr[-3000:]
     else:  # no rank printed a traceback (plain torchrun's report is its own)
         assert "common/" not in result.stderr, result.stderr[-3000:]
-    assert seconds < 15
+    assert seconds < ENDS_PROMPTLY_S  # not the 300 s a survivor blocked in a collective would wait
 
 
 def _hold_region() -> subprocess.Popen:

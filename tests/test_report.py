@@ -21,20 +21,38 @@ FLAGS = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "len
          "--epochs", "2", "--max-steps", "10", "--log-every", "5"]
 
 
+RUNS = {"ddp": ["train_ddp.py"], "allreduce": ["train_allreduce.py", "--log-all-ranks"]}
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    """Two strategies' runs under one --log-dir parent, as the comparison run leaves them."""
+def launched(tmp_path_factory) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
+    """Two strategies' runs under one --log-dir parent, as the comparison run leaves them; the
+    allreduce one asks for every rank's console (which changes nothing else), and their outputs."""
     parent = tmp_path_factory.mktemp("runs")
-    for name, script in (("ddp", "train_ddp.py"), ("allreduce", "train_allreduce.py")):
-        result = run_script([script, *FLAGS, "--log-dir", str(parent / name), "--checkpoint-dir",
-                             str(parent.parent / f"ckpt-{name}")], nproc=2)
-        assert result.returncode == 0, result.stderr[-3000:]
-    return parent
+    results = {}
+    for name, (script, *extra) in RUNS.items():
+        results[name] = run_script([script, *FLAGS, *extra, "--log-dir", str(parent / name), "--checkpoint-dir",
+                                    str(parent.parent / f"ckpt-{name}")], nproc=2)
+        assert results[name].returncode == 0, results[name].stderr[-3000:]
+    return parent, results
 
 
-def test_only_rank_0_writes_events(runs):
-    for name in ("ddp", "allreduce"):
+@pytest.fixture(scope="module")
+def runs(launched) -> Path:
+    return launched[0]
+
+
+def test_only_rank_0_writes_events_and_the_console_unless_asked(launched):
+    """Covers: one event file per run (--log-all-ranks included: it is the console's flag only); the
+    console is rank 0's (one epoch line), every rank's with --log-all-ranks (one per rank, prefixed);
+    the sync share is on the epoch line."""
+    runs, results = launched
+    for name in RUNS:
         assert len(list((runs / name).glob("events.out.tfevents.*"))) == 1
+    quiet, loud = results["ddp"].stdout, results["allreduce"].stdout
+    assert quiet.count("epoch 1/2") == 1 and "[rank 1]" not in quiet
+    assert loud.count("epoch 1/2") == 2 and "[rank 1] epoch 1/2" in loud
+    assert "sync)" in quiet
 
 
 def test_step_points_carry_the_time_of_their_step_not_of_the_batched_write(runs):
@@ -53,16 +71,19 @@ def test_step_points_carry_the_time_of_their_step_not_of_the_batched_write(runs)
         assert gap >= 0.8 * 5 * step_ms[i] / 1000, (gap, step_ms[i])
 
 
-def test_a_short_run_with_the_default_interval_logs_a_curve_and_its_start_up(tmp_path):
-    """31 steps, --log-every left at its default: at least 10 step-level points, said in the banner,
-    and the start-up time in TensorBoard."""
+def test_a_short_run_with_the_default_interval_logs_a_curve_its_start_up_and_a_ranks_warning_once(tmp_path):
+    """Covers: 31 steps, --log-every left at its default: at least 10 step-level points, said in the
+    banner, and the start-up time in TensorBoard; a Python warning raised on rank 1 only (at step 3)
+    reaches the console once, through rank 0, named as rank 1's."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     log_dir = tmp_path / "tb"
-    result = run_script(["train_ddp.py", "--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet",
-                         "--batch-size", "64", "--epochs", "1", "--max-steps", "31", "--log-dir", str(log_dir),
-                         "--checkpoint-dir", str(tmp_path / "ckpt")], nproc=2)
+    result = run_script(["tests/faults.py", "ddp", "warn", "3", "--dataset", "synthetic", "--synthetic-shape", "mnist",
+                         "--model", "lenet", "--batch-size", "64", "--epochs", "1", "--max-steps", "31", "--log-dir",
+                         str(log_dir), "--checkpoint-dir", str(tmp_path / "ckpt")], nproc=2)
     assert result.returncode == 0, result.stderr[-3000:]
+    lines = [line for line in result.stderr.splitlines() if "injected warning on rank 1" in line]
+    assert len(lines) == 1 and lines[0].startswith("warning (rank 1): UserWarning"), lines
     assert "step-level points every 3 step(s)" in result.stdout, result.stdout
     acc = EventAccumulator(str(log_dir))
     acc.Reload()
@@ -135,21 +156,3 @@ def test_report_command_line(runs, tmp_path):
                             cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
     assert result.returncode == 0, result.stderr
     assert "wrote" in result.stdout and "| run | strategy | world |" in result.stdout
-
-
-def test_warning_on_one_rank_reaches_the_console_once(tmp_path):
-    result = run_script(["tests/faults.py", "ddp", "warn", "3", *FLAGS, "--epochs", "1", "--log-dir",
-                         str(tmp_path / "tb"), "--checkpoint-dir", str(tmp_path / "ckpt")], nproc=2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    lines = [line for line in result.stderr.splitlines() if "injected warning on rank 1" in line]
-    assert len(lines) == 1 and lines[0].startswith("warning (rank 1): UserWarning"), lines
-
-
-def test_console_is_rank_0_only_unless_asked(tmp_path):
-    quiet = run_script(["train_ddp.py", *FLAGS, "--epochs", "1", "--log-dir", str(tmp_path / "a"),
-                        "--checkpoint-dir", str(tmp_path / "ca")], nproc=2)
-    loud = run_script(["train_ddp.py", *FLAGS, "--epochs", "1", "--log-all-ranks", "--log-dir", str(tmp_path / "b"),
-                       "--checkpoint-dir", str(tmp_path / "cb")], nproc=2)
-    assert quiet.stdout.count("epoch 1/1") == 1 and "[rank 1]" not in quiet.stdout
-    assert loud.stdout.count("epoch 1/1") == 2 and "[rank 1] epoch 1/1" in loud.stdout
-    assert "sync)" in quiet.stdout  # the sync share is on the epoch line

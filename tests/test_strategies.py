@@ -7,7 +7,7 @@ import time
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import AVERAGING, error_lines, latest_state, run_script
+from tests.conftest import AVERAGING, ENDS_PROMPTLY_S, error_lines, latest_state, run_script
 
 STRATEGIES = {
     **AVERAGING,
@@ -132,8 +132,8 @@ def test_script_end_to_end(script, dataset, nproc, cifar_root, mnist_root, tmp_p
 
 def test_data_parallel_under_torchrun_fails_cleanly_and_quickly(tmp_path):
     start = time.monotonic()
-    result = run_script(["train_dp.py", "--dataset", "synthetic", "--log-dir", str(tmp_path / "tb")], nproc=2, timeout=60)
+    result = run_script(["train_dp.py", "--dataset", "synthetic", "--log-dir", str(tmp_path / "tb")], nproc=2)
     assert result.returncode != 0
     errors = error_lines(result.stderr)
     assert len(errors) == 1 and "run `python train_dp.py`" in errors[0], result.stderr  # every rank hits it: once
-    assert time.monotonic() - start < 30
+    assert time.monotonic() - start < ENDS_PROMPTLY_S
