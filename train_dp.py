@@ -17,12 +17,7 @@ import os
 import torch
 from torch import nn
 
-from common.train.app import main as run
-from common.config import Config
-from common.parallel.context import DistContext
-from common.errors import ConfigError
 from common.train.precision import PRECISIONS
-from common.train.strategy import Strategy
 
 
 class DataParallelStrategy(Strategy):

@@ -1,10 +1,14 @@
 from __future__ import annotations
 
+import gc
+import importlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -13,6 +17,7 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.datagen import write_cifar10, write_mnist
+from tests.runs import arguments as one_launch, split_runs
 
 # Every launch counted per test, the totals printed at the end; the quick tier kept free of torchrun.
 pytest_plugins = ["tests.launches"]
@@ -61,6 +66,49 @@ def run_script(args: list[str], nproc: int | None = None, timeout: float = 240, 
                env: dict[str, str] | None = None, torchrun: Sequence[str] = ()) -> subprocess.CompletedProcess:
     return subprocess.run(script_command(args, nproc, torchrun), cwd=cwd, env=env or child_env(),
                           capture_output=True, text=True, timeout=timeout)
+
+
+def refusal_in_process(args: list[str], capsys) -> tuple[int, str]:
+    """`python SCRIPT ARGS` refusing its flags before any process group, as the script's own main()
+    in this process (world 1): its exit status and what it printed to stderr, without a process's
+    start (a second of torch's import each). A command it does not refuse would train here: give
+    such checks a small --max-steps."""
+    script = importlib.import_module(Path(args[0]).stem)
+    collecting = gc.isenabled()  # main() pauses the collector during set-up, as in a training process
+    try:
+        with pytest.raises(SystemExit) as exit_:
+            script.main(args[1:])
+    finally:
+        if collecting:
+            gc.enable()
+    return exit_.value.code, capsys.readouterr().err
+
+
+EQUIVALENCE = re.compile(r"equivalence: max \|dw\| = (\S+) after (\d+) steps \(([\w/+-]+), world (\d+), tolerance (\S+)\)")
+
+
+@dataclass(frozen=True)
+class Equivalence:
+    """One `--check-equivalence` verdict, as the run printed it."""
+    max_dw: float
+    steps: int
+    label: str
+    world: int
+    tolerance: float
+
+
+def equivalences(runs: list[list[str]], world: int | None, tmp_path: Path, timeout: float = 500) -> list[Equivalence]:
+    """Each run's `--check-equivalence` verdict (a run: SCRIPT and its flags), the runs made one after
+    another in one launch (tests/runs.py: torch is imported once, not once a run). Asserts that the
+    launch succeeded and that every run printed its verdict at this world size."""
+    runs = [[*run, "--log-dir", str(tmp_path / f"tb-{index}")] for index, run in enumerate(runs)]
+    result = run_script(one_launch(runs), nproc=world, timeout=timeout)
+    found = [EQUIVALENCE.search(output) for output in split_runs(result.stdout)]
+    assert result.returncode == 0 and len(found) == len(runs) and all(found), \
+        f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-3000:]}"
+    verdicts = [Equivalence(float(m[1]), int(m[2]), m[3], int(m[4]), float(m[5])) for m in found]
+    assert all(v.world == (world or 1) for v in verdicts), verdicts
+    return verdicts
 
 
 def read_scalars(log_dir: Path) -> tuple[EventAccumulator, dict[str, list[tuple[int, float]]]]:

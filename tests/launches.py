@@ -51,14 +51,16 @@ def _argv(args) -> list[str]:
     return [str(a) for a in args]
 
 
+XDIST_WORKER = "exec(eval(sys.stdin.readline()))"  # how execnet starts a pytest-xdist worker
 _original_init = subprocess.Popen.__init__
 _original_exit = subprocess.Popen._handle_exitstatus
 
 
 def _recording_init(self, args, *rest, **kwargs):
     argv = _argv(args)
-    self._launch = Launch(_current_test, launch_kind(argv), time.monotonic(), argv=argv[:6])
-    _launches.append(self._launch)
+    if not any(XDIST_WORKER in a for a in argv):  # pytest-xdist's own workers are not the tests' launches
+        self._launch = Launch(_current_test, launch_kind(argv), time.monotonic(), argv=argv[:6])
+        _launches.append(self._launch)
     _original_init(self, args, *rest, **kwargs)
 
 

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from common.data.formats import CIFAR_DIR, MNIST_DIR
-from tests.conftest import ENDS_PROMPTLY_S, ROOT, child_env, error_lines, free_port, run_script, script_command, stop_after
+from tests.conftest import (ENDS_PROMPTLY_S, ROOT, child_env, error_lines, free_port, one_launch, run_script, script_command,
+                            split_runs, stop_after)
 from tests.datagen import write_cifar10, write_mnist, write_mnist_processed
 from tests.s3server import S3Server
 
@@ -83,15 +84,22 @@ def md5_patch(folder: Path) -> str:
 
 # ---------------------------------------------------------------- training from and into the store
 
-@pytest.mark.parametrize("layout", ["mnist-raw", "mnist-gz", "mnist-processed"])
-def test_train_from_the_store_and_checkpoint_into_it(layout, s3, tmp_path):
-    result = train(s3, tmp_path, *MNIST, "--epochs", "1", "--max-steps", "3", "--data-dir", f"s3://data/{layout}",
-                   "--checkpoint-dir", f"s3://ckpt/{layout}")
+LAYOUTS = ["mnist-raw", "mnist-gz", "mnist-processed"]
+
+
+def test_train_from_the_store_and_checkpoint_into_it(s3, tmp_path):
+    """Covers, for each MNIST layout in the store (one launch, a run each): the data fetched from the
+    store, the test set counted once, a checkpoint saved into the store and named on the console."""
+    runs = [["train_ddp.py", *MNIST, "--epochs", "1", "--max-steps", "3", "--data-dir", f"s3://data/{layout}",
+             "--checkpoint-dir", f"s3://ckpt/{layout}", "--cache-dir", str(tmp_path / "cache"), "--log-dir",
+             str(tmp_path / f"tb-{layout}")] for layout in LAYOUTS]
+    result = run_script(one_launch(runs), nproc=2, env=env(s3), timeout=400)
     ok(result)
-    assert "(301 images)" in result.stdout and f"s3://data/{layout}: fetched" in result.stderr
-    key, state = latest_in_store(s3, "ckpt", layout)
-    assert key.endswith("step-00000003.pt") and state["epoch"] == 1
-    assert f"saved s3://ckpt/{layout}/" in result.stdout
+    for layout, stdout in zip(LAYOUTS, split_runs(result.stdout)):
+        assert "(301 images)" in stdout and f"s3://data/{layout}: fetched" in result.stderr
+        key, state = latest_in_store(s3, "ckpt", layout)
+        assert key.endswith("step-00000003.pt") and state["epoch"] == 1
+        assert f"saved s3://ckpt/{layout}/" in stdout
 
 
 def test_cifar_batches_from_the_store_keep_their_md5_check(s3, tmp_path):

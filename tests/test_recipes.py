@@ -3,62 +3,61 @@ torch.compile, the profiler. Real torchrun processes (gloo, CPU), checked agains
 from __future__ import annotations
 
 import json
-import re
 import sys
 from pathlib import Path
 
 import pytest
 
 from common.train.equivalence import TOLERANCE, tolerance
-from tests.conftest import AVERAGING, child_env, error_lines, latest_state, run_script, stop_after
+from tests.conftest import (AVERAGING, equivalences, error_lines, latest_state, one_launch, refusal_in_process, run_script,
+                            stop_after)
 
 STRATEGIES = {**AVERAGING, "dp": ["train_dp.py"]}
-EQUIVALENCE = re.compile(r"equivalence: max \|dw\| = (\S+) after 4 steps \(([\w/+-]+), world (\d), tolerance (\S+)\)")
 RECIPES = {  # the recipe's flags for the multi-process strategies, and for DataParallel (no wire)
     "accumulate": (["--accumulate", "2"], ["--accumulate", "2"]),
     "bf16": (["--precision", "bf16", "--grad-compression", "bf16", "--accumulate", "2"], ["--precision", "bf16"]),
     "fp16": (["--precision", "fp16", "--grad-compression", "fp16"], ["--precision", "fp16"]),
 }
+SYNTHETIC = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--batch-size", "48", "--check-equivalence", "4"]
+LENET = [*SYNTHETIC, "--model", "lenet"]
 
 
-def equivalence(name: str, tmp_path: Path, *flags: str) -> tuple[float, float]:
-    world = None if name == "dp" else 2
-    result = run_script([*STRATEGIES[name], "--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet",
-                         "--batch-size", "48", "--check-equivalence", "4", "--log-dir", str(tmp_path / "tb"), *flags],
-                        nproc=world, timeout=400)
-    found = EQUIVALENCE.search(result.stdout)
-    assert found and result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}"
-    return float(found.group(1)), float(found.group(4))
+def world(name: str) -> int | None:
+    return None if name == "dp" else 2
 
 
-@pytest.mark.parametrize("recipe", list(RECIPES))
+@pytest.mark.timeout(600)
 @pytest.mark.parametrize("name", list(STRATEGIES))
-def test_recipe_trains_what_one_process_trains(name, recipe, tmp_path):
-    """accumulate in float32: W=2 x 2 micro-batches equals one process with one batch (<= 1e-5).
+def test_recipes_train_what_one_process_trains(name, tmp_path):
+    """Covers, for the strategy, each recipe against one process (one launch for the three):
+    accumulate in float32: W=2 x 2 micro-batches equals one process with one batch (<= 1e-5).
     bf16 and fp16 (autocast, scaled loss, compressed gradients): within the stated tolerance."""
-    flags = RECIPES[recipe][name == "dp"]
-    max_dw, bound = equivalence(name, tmp_path, *flags)
-    if recipe == "accumulate":
-        assert bound == TOLERANCE
-    print(f"\n{name} {' '.join(flags)}: max |dw| = {max_dw:.3g} (tolerance {bound:g})")
+    flags = {recipe: both[name == "dp"] for recipe, both in RECIPES.items()}
+    verdicts = equivalences([[*STRATEGIES[name], *LENET, *f] for f in flags.values()], world(name), tmp_path)
+    for (recipe, f), verdict in zip(flags.items(), verdicts):
+        print(f"\n{name} {' '.join(f)}: max |dw| = {verdict.max_dw:.3g} (tolerance {verdict.tolerance:g})")
+        assert verdict.max_dw <= verdict.tolerance
+        if recipe == "accumulate":
+            assert verdict.tolerance == TOLERANCE
 
 
-@pytest.mark.parametrize("script", [["train_ddp.py"], ["train_fsdp.py", "--shard", "full"]])
-def test_bf16_batchnorm_nets_train_what_one_process_trains(script, tmp_path):
-    """bf16 with --sync-bn: the global statistics are computed in float32 from bf16 activations. FSDP2
-    also wraps each BatchNorm on its own with a float32 policy, then the blocks around it."""
-    result = run_script([*script, "--dataset", "synthetic", "--synthetic-shape", "mnist",
-                         "--model", "convnet", "--sync-bn", "--batch-size", "48", "--precision", "bf16",
-                         "--check-equivalence", "4", "--log-dir", str(tmp_path / "tb")], nproc=2, timeout=300)
-    found = EQUIVALENCE.search(result.stdout)
-    assert found and result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}"
-    print(f"\n{script[0]}, bf16, convnet with --sync-bn: max |dw| = {found.group(1)} (tolerance {found.group(4)})")
+def test_bf16_batchnorm_nets_train_what_one_process_trains(tmp_path):
+    """Covers, for DDP and FSDP2 (one launch): bf16 with --sync-bn, the global statistics computed in
+    float32 from bf16 activations. FSDP2 also wraps each BatchNorm on its own with a float32 policy,
+    then the blocks around it."""
+    scripts = [["train_ddp.py"], ["train_fsdp.py", "--shard", "full"]]
+    runs = [[*script, *SYNTHETIC, "--model", "convnet", "--sync-bn", "--precision", "bf16"] for script in scripts]
+    for script, verdict in zip(scripts, equivalences(runs, 2, tmp_path)):
+        print(f"\n{script[0]}, bf16, convnet with --sync-bn: max |dw| = {verdict.max_dw:.3g} "
+              f"(tolerance {verdict.tolerance:g})")
+        assert verdict.max_dw <= verdict.tolerance
 
 
 @pytest.mark.parametrize("name", ["ddp", "allreduce", "master-update", "dp"])
 def test_compiled_model_trains_what_the_eager_one_trains(name, tmp_path):
-    max_dw, bound = equivalence(name, tmp_path, "--compile")
-    print(f"\n{name} --compile against eager: max |dw| = {max_dw:.3g} (tolerance {bound:g})")
+    verdict, = equivalences([[*STRATEGIES[name], *LENET, "--compile"]], world(name), tmp_path)
+    print(f"\n{name} --compile against eager: max |dw| = {verdict.max_dw:.3g} (tolerance {verdict.tolerance:g})")
+    assert verdict.max_dw <= verdict.tolerance
 
 
 def test_tolerances_loosen_only_where_rounding_differs():
@@ -72,18 +71,21 @@ def test_tolerances_loosen_only_where_rounding_differs():
 
 # ---------------------------------------------------------------- fp16: every rank, the same decisions
 
-@pytest.mark.parametrize("name", ["allreduce", "master-update"])
-def test_fp16_keeps_replicas_equal_through_skipped_steps(name, tmp_path):
-    """A high learning rate overflows fp16 now and then: the scaler skips steps and lowers its scale,
-    and every rank must do the same (checked after every step)."""
-    result = run_script([*STRATEGIES[name], "--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "convnet",
-                         "--batch-size", "32", "--epochs", "1", "--max-steps", "12", "--precision", "fp16",
-                         "--check-replicas", "1", "--log-dir", str(tmp_path / "tb"),
-                         "--checkpoint-dir", str(tmp_path / "ckpt")], nproc=2, timeout=400)
+def test_fp16_keeps_replicas_equal_through_skipped_steps(tmp_path):
+    """Covers, for the hand-written all-reduce and master/worker's --master-update (one launch): a high
+    learning rate overflows fp16 now and then: the scaler skips steps and lowers its scale, and every
+    rank must do the same (checked after every step)."""
+    names = ["allreduce", "master-update"]
+    runs = [[*STRATEGIES[name], "--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "convnet",
+             "--batch-size", "32", "--epochs", "1", "--max-steps", "12", "--precision", "fp16", "--check-replicas", "1",
+             "--log-dir", str(tmp_path / f"tb-{name}"), "--checkpoint-dir", str(tmp_path / f"ckpt-{name}")]
+            for name in names]
+    result = run_script(one_launch(runs), nproc=2, timeout=400)
     assert result.returncode == 0, result.stderr[-3000:]
-    scaler = latest_state(tmp_path / "ckpt")["scaler"]
-    assert scaler["scale"] < 65536.0, scaler  # the first steps overflowed and were skipped
-    print(f"\n{name} fp16: replicas equal after every step; loss scale {scaler['scale']:g} after 12 steps")
+    for name in names:
+        scaler = latest_state(tmp_path / f"ckpt-{name}")["scaler"]
+        assert scaler["scale"] < 65536.0, scaler  # the first steps overflowed and were skipped
+        print(f"\n{name} fp16: replicas equal after every step; loss scale {scaler['scale']:g} after 12 steps")
 
 
 # ---------------------------------------------------------------- exact resume with recipe state
@@ -161,22 +163,27 @@ WORLD_DEPENDENT = {"accumulate not dividing"}  # checked under torchrun; the oth
 
 
 @pytest.mark.parametrize("case", list(BAD))
-def test_bad_combinations_exit_2_before_any_process_group(case, tmp_path):
+def test_bad_combinations_exit_2_before_any_process_group(case, tmp_path, capsys):
     args, expected = BAD[case]
-    result = run_script([*args, "--dataset", "synthetic", "--log-dir", str(tmp_path / "tb"),
-                         "--checkpoint-dir", str(tmp_path / "ckpt")], nproc=2 if case in WORLD_DEPENDENT else None,
-                        timeout=60)
-    lines = [line for line in result.stderr.splitlines() if expected in line]
-    assert result.returncode != 0 and len(lines) == 1, result.stderr[-3000:]
-    assert "/common/" not in result.stderr and not (tmp_path / "ckpt").exists()  # no traceback, nothing started
+    args = [*args, "--dataset", "synthetic", "--max-steps", "1", "--log-dir", str(tmp_path / "tb"),
+            "--checkpoint-dir", str(tmp_path / "ckpt")]
+    if case in WORLD_DEPENDENT:  # under torchrun: two ranks, one line
+        result = run_script(args, nproc=2)
+        code, stderr = result.returncode, result.stderr
+    else:
+        code, stderr = refusal_in_process(args, capsys)
+    lines = [line for line in stderr.splitlines() if expected in line]
+    assert code == 2 and len(lines) == 1, stderr[-3000:]
+    assert "/common/" not in stderr and not (tmp_path / "ckpt").exists()  # no traceback, nothing started
 
 
-def test_compression_with_dataparallel_and_compile_without_a_compiler_are_refused(tmp_path):
-    dp = run_script(["train_dp.py", "--dataset", "synthetic", "--grad-compression", "fp16"], timeout=60)
-    assert dp.returncode == 2 and "nn.DataParallel sums gradients inside one process" in error_lines(dp.stderr)[0]
-    env = {**child_env(), "PATH": str(Path(sys.executable).parent), "CXX": ""}  # no g++, c++ or clang++ there
-    compiled = run_script(["train_ddp.py", "--dataset", "synthetic", "--compile"], env=env, timeout=60)
-    assert compiled.returncode == 2 and "--compile on the CPU needs a C++ compiler" in compiled.stderr
+def test_compression_with_dataparallel_and_compile_without_a_compiler_are_refused(capsys, monkeypatch):
+    code, stderr = refusal_in_process(["train_dp.py", "--dataset", "synthetic", "--grad-compression", "fp16"], capsys)
+    assert code == 2 and "nn.DataParallel sums gradients inside one process" in error_lines(stderr)[0]
+    monkeypatch.setenv("PATH", str(Path(sys.executable).parent))  # no g++, c++ or clang++ there
+    monkeypatch.setenv("CXX", "")
+    code, stderr = refusal_in_process(["train_ddp.py", "--dataset", "synthetic", "--compile"], capsys)
+    assert code == 2 and "--compile on the CPU needs a C++ compiler" in stderr
 
 
 # ---------------------------------------------------------------- the profiler

@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from common.output.report import write_report
-from tests.conftest import ROOT, child_env, free_port, run_script
+from tests.conftest import ROOT, child_env, free_port, one_launch, run_script, split_runs
 
 STEP_TAGS = {"train/loss", "train/acc", "lr", "train/images_per_s", "time/data_ms", "time/compute_ms",
              "time/sync_ms", "train/grad_norm", "mem/rss_mb"}
@@ -25,16 +25,16 @@ RUNS = {"ddp": ["train_ddp.py"], "allreduce": ["train_allreduce.py", "--log-all-
 
 
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> tuple[Path, dict[str, subprocess.CompletedProcess]]:
-    """Two strategies' runs under one --log-dir parent, as the comparison run leaves them; the
-    allreduce one asks for every rank's console (which changes nothing else), and their outputs."""
+def launched(tmp_path_factory) -> tuple[Path, dict[str, str]]:
+    """Two strategies' runs under one --log-dir parent, as the comparison run leaves them (one launch,
+    tests/runs.py); the allreduce one asks for every rank's console (which changes nothing else).
+    Returns the parent and each run's console."""
     parent = tmp_path_factory.mktemp("runs")
-    results = {}
-    for name, (script, *extra) in RUNS.items():
-        results[name] = run_script([script, *FLAGS, *extra, "--log-dir", str(parent / name), "--checkpoint-dir",
-                                    str(parent.parent / f"ckpt-{name}")], nproc=2)
-        assert results[name].returncode == 0, results[name].stderr[-3000:]
-    return parent, results
+    runs = [[script, *FLAGS, *extra, "--log-dir", str(parent / name), "--checkpoint-dir",
+             str(parent.parent / f"ckpt-{name}")] for name, (script, *extra) in RUNS.items()]
+    result = run_script(one_launch(runs), nproc=2)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return parent, dict(zip(RUNS, split_runs(result.stdout)))
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_only_rank_0_writes_events_and_the_console_unless_asked(launched):
     runs, results = launched
     for name in RUNS:
         assert len(list((runs / name).glob("events.out.tfevents.*"))) == 1
-    quiet, loud = results["ddp"].stdout, results["allreduce"].stdout
+    quiet, loud = results["ddp"], results["allreduce"]
     assert quiet.count("epoch 1/2") == 1 and "[rank 1]" not in quiet
     assert loud.count("epoch 1/2") == 2 and "[rank 1] epoch 1/2" in loud
     assert "sync)" in quiet

@@ -17,8 +17,8 @@ from common.train.checkpoint import CheckpointFolder, InvalidCheckpoint, model_m
 from common.errors import UserError
 from common.train.preemption import FORCE_AFTER_S
 from common.storage import TRANSIENT, LocalStorage, StorageError
-from tests.conftest import (ENDS_PROMPTLY_S, ROOT, child_env, error_lines, latest_checkpoint, latest_state, run_script, saved_position,
-                            stop_after)
+from tests.conftest import (ENDS_PROMPTLY_S, ROOT, child_env, error_lines, latest_checkpoint, latest_state, one_launch,
+                            run_script, saved_position, stop_after)
 from tests.save_loop import IDENTITY, state as loop_state
 
 # 8 steps per epoch, 3 epochs: small enough for CI, long enough to cut mid-epoch.
@@ -32,8 +32,12 @@ SCRIPTS = {"ddp": ["train_ddp.py"], "allreduce": ["train_allreduce.py"], "master
 FAULT_NAME = {"master-update": "master"}
 
 
+def folders(ckpt: Path) -> list[str]:
+    return ["--checkpoint-dir", str(ckpt), "--log-dir", str(ckpt.parent / f"tb-{ckpt.name}")]
+
+
 def train(script: list[str], ckpt: Path, *extra: str, nproc: int | None = 2, torchrun: list[str] = ()):
-    flags = [*RUN, "--checkpoint-dir", str(ckpt), "--log-dir", str(ckpt.parent / f"tb-{ckpt.name}"), *extra]
+    flags = [*RUN, *folders(ckpt), *extra]
     if torchrun:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
                *torchrun, *script, *flags]
@@ -66,14 +70,17 @@ def ok(result) -> None:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """Uninterrupted runs, one per strategy, computed once."""
+    """Uninterrupted runs, one per strategy, made once at the first test that asks: those at world 2
+    one after another in one launch (tests/runs.py), DataParallel's (one process) on its own."""
+    folder = tmp_path_factory.mktemp("reference")
     cache: dict[str, dict[str, torch.Tensor]] = {}
 
     def weights(name: str) -> dict[str, torch.Tensor]:
-        if name not in cache:
-            ckpt = tmp_path_factory.mktemp(f"ref-{name}") / "ckpt"
-            ok(train(SCRIPTS[name], ckpt, nproc=None if name == "dp" else 2))
-            cache[name] = final_weights(ckpt)
+        if not cache:
+            runs = [[*SCRIPTS[n], *RUN, *folders(folder / n)] for n in SCRIPTS if n != "dp"]
+            ok(run_script(one_launch(runs), nproc=2, timeout=600))
+            ok(train(SCRIPTS["dp"], folder / "dp", nproc=None))
+            cache.update({n: final_weights(folder / n) for n in SCRIPTS})
         return cache[name]
     return weights
 
@@ -323,53 +330,43 @@ def test_one_rank_raising_ends_every_process(tmp_path):
 
 
 # 9 -------------------------------------------------------------------------------------------
+# How each strategy's run is stopped: the rows under torchrun also carry the ways a cluster or a
+# terminal signals a whole job (Slurm's proctrack/cgroup, systemd, a Ctrl-C: torchrun and every
+# worker get the signal, and torchrun forwards its own copy, so each worker gets it twice, in
+# either order), at step 17 (mid-epoch 3); the others at step 13 (the stop comes at epoch 2's evaluation).
+STOPS = {"ddp": ("sigterm-job", 17, "SIGTERM"), "allreduce": ("sigterm-workers-first", 17, "SIGTERM"),
+         "master": ("sigint-job", 17, "SIGINT")}
+
+
 @pytest.mark.parametrize("name", list(SCRIPTS))
 def test_every_strategy_resumes_exactly(name, reference, tmp_path):
+    """Covers, per strategy: a stop saves at the step the ranks agreed on and the resume ends with the
+    uninterrupted run's weights (<= 1e-6), resuming at the saved epoch and step; one process (dp)
+    ends with 128 + SIGTERM. ddp and allreduce: SIGTERM to torchrun and every worker, in both
+    orders, is one request. master: a Ctrl-C reaching torchrun and every worker is one request, and
+    local rank 0 alone says how to force the exit."""
     ckpt = tmp_path / "ckpt"
     nproc = None if name == "dp" else 2
-    cut = train(faulty(name, "sigterm", 13), ckpt, nproc=nproc)
-    stop = stop_after(13, STEPS)  # at epoch 2's evaluation
+    fault, at, signame = STOPS.get(name, ("sigterm", 13, "SIGTERM"))
+    cut = train(faulty(name, fault, at), ckpt, nproc=nproc)
+    stop = stop_after(at, STEPS)
     if name == "localsgd":  # a stop waits for the next averaging (every 2 steps here): nothing is saved unaveraged
         stop += stop % 2
-    preempted(cut, stop)
+    assert cut.returncode != 0 and f"stopped by {signame} after step {stop} " in cut.stderr, cut.stderr[-3000:]
+    assert latest_state(ckpt)["global_step"] == stop
     if nproc is None:  # no torchrun in between: the process's own status, 128 + SIGTERM
         assert cut.returncode == 128 + signal.SIGTERM
+    if signame == "SIGINT":
+        assert cut.stderr.count(f"Ctrl-C again, {FORCE_AFTER_S:g} s or more from now") == 1  # local rank 0 says how
+        assert "second Ctrl-C" not in cut.stderr
     resumed = train(SCRIPTS[name], ckpt, nproc=nproc)
     ok(resumed)
     epoch, step = saved_position(stop, STEPS)
-    assert "resumed from" in resumed.stdout and f"epoch {epoch + 1}, step {step}" in resumed.stdout
+    assert "resumed from" in resumed.stdout and f"epoch {epoch + 1}, step {step} (saved at world {nproc or 1})" \
+        in resumed.stdout, resumed.stdout
     dw = max_dw(final_weights(ckpt), reference(name))
-    print(f"\n{name}: stopped after step {stop}, resumed: max |dw| = {dw:.3g}")
+    print(f"\n{name} ({fault} at step {at}): stopped after step {stop}, resumed: max |dw| = {dw:.3g}")
     assert dw <= 1e-6
-
-
-# 10 ------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("fault", ["sigterm-job", "sigterm-workers-first"])
-def test_sigterm_to_torchrun_and_every_worker_saves_and_resumes_losing_nothing(fault, reference, tmp_path):
-    """Slurm (proctrack/cgroup: scancel, the time limit, preemption) and systemd signal every process
-    of the job, and torchrun forwards its own copy: each worker gets SIGTERM twice, in either order."""
-    ckpt = tmp_path / "ckpt"
-    stop = stop_after(17, STEPS)  # mid-epoch 3
-    preempted(train(faulty("ddp", fault, 17), ckpt), stop)
-    assert latest_state(ckpt)["global_step"] == stop
-    resumed = train(SCRIPTS["ddp"], ckpt)
-    ok(resumed)
-    epoch, step = saved_position(stop, STEPS)
-    assert f"epoch {epoch + 1}, step {step} (saved at world 2)" in resumed.stdout
-    dw = max_dw(final_weights(ckpt), reference("ddp"))
-    print(f"\n{fault}: stopped after step {stop}, resumed: max |dw| = {dw:.3g}")
-    assert dw <= 1e-6
-
-
-def test_a_ctrl_c_reaching_torchrun_and_every_worker_is_one_request(tmp_path):
-    """A terminal's Ctrl-C reaches torchrun and every worker, and torchrun forwards its own SIGINT."""
-    ckpt = tmp_path / "ckpt"
-    result = train(faulty("ddp", "sigint-job", 17), ckpt)
-    stop = stop_after(17, STEPS)
-    assert result.returncode != 0 and f"stopped by SIGINT after step {stop} " in result.stderr, result.stderr[-3000:]
-    assert result.stderr.count(f"Ctrl-C again, {FORCE_AFTER_S:g} s or more from now") == 1  # local rank 0 says how
-    assert "second Ctrl-C" not in result.stderr
-    assert latest_state(ckpt)["global_step"] == stop
 
 
 @pytest.mark.parametrize("nproc", [2, None])

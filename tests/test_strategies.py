@@ -1,13 +1,14 @@
 """Every strategy trains the same model as one process, end to end under torchrun."""
 from __future__ import annotations
 
-import re
 import time
+from pathlib import Path
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import AVERAGING, ENDS_PROMPTLY_S, error_lines, latest_state, run_script
+from tests.conftest import (AVERAGING, ENDS_PROMPTLY_S, EQUIVALENCE, equivalences, error_lines, latest_state, one_launch,
+                            run_script, split_runs)
 
 STRATEGIES = {
     **AVERAGING,
@@ -15,37 +16,57 @@ STRATEGIES = {
     "fsdp-optimizer": ["train_fsdp.py", "--shard", "optimizer"],
     "localsgd-every-step": ["train_localsgd.py", "--sync-every", "1"],
 }
-EQUIVALENCE = re.compile(r"equivalence: max \|dw\| = (\S+) after 4 steps \(([\w/+-]+), world (\d), tolerance \S+\)")
+SYNTHETIC = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--batch-size", "48", "--check-equivalence", "4"]
 
 
 def check_equivalence(script: list[str], world: int | None, model: str, tmp_path,
                       *flags: str) -> tuple[int, str, float]:
-    result = run_script([*script, "--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", model,
-                         "--batch-size", "48", "--check-equivalence", "4", "--log-dir", str(tmp_path / "tb"), *flags],
+    result = run_script([*script, *SYNTHETIC, "--model", model, "--log-dir", str(tmp_path / "tb"), *flags],
                         nproc=world, timeout=240)
     found = EQUIVALENCE.search(result.stdout)
     assert found, f"exit {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}"
-    assert found.group(3) == str(world or 1)
+    assert found.group(4) == str(world or 1)
     return result.returncode, result.stderr, float(found.group(1))
 
 
-# World 1 runs no collective to get wrong: resume tests cover it. World 2 of the averaging strategies:
-# test_recipes' accumulate rows (W=2, float32, <= 1e-5), one launch fewer each.
-WORLDS = [(name, world) for name in STRATEGIES for world in (2, 4) if world == 4 or name not in AVERAGING]
+# Each row proves what it can at once, and the rows of one world size share one launch. World 1
+# runs no collective to get wrong: resume tests cover it. World 2 of the averaging strategies:
+# test_recipes' accumulate rows (W=2, float32, <= 1e-5). --sync-bn rows: BatchNorm over the global
+# batch (convnet) equals one process's. --transport gloo rows: the collectives through the process
+# group, as on several nodes (the others use shared memory between the CPU ranks of one node).
+ROWS = [  # (strategy, world, model, flags)
+    ("ddp", 4, "convnet", ["--sync-bn", "--transport", "gloo"]),
+    ("allreduce", 4, "convnet", ["--sync-bn"]),
+    ("allreduce-ring", 4, "lenet", []),
+    ("master", 4, "lenet", ["--transport", "gloo"]),
+    ("master-update", 4, "convnet", ["--sync-bn"]),
+    ("fsdp-full", 2, "cifar_net", []),
+    ("fsdp-full", 4, "lenet", []),
+    ("fsdp-optimizer", 2, "convnet", ["--sync-bn"]),
+    ("fsdp-optimizer", 4, "lenet", []),
+    ("localsgd-every-step", 2, "cifar_net", []),
+    ("localsgd-every-step", 4, "lenet", []),
+]
 
 
-@pytest.mark.parametrize("name, world", WORLDS)
-def test_strategy_equals_one_process(name, world, tmp_path):
-    model = "lenet" if world != 2 else "cifar_net"
-    code, stderr, max_dw = check_equivalence(STRATEGIES[name], world, model, tmp_path)
-    assert code == 0 and max_dw <= 1e-5, stderr[-2000:]
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("world", sorted({world for _, world, _, _ in ROWS}))
+def test_strategy_equals_one_process(world, tmp_path):
+    """Covers, for each row at this world size (one launch for all of them): the strategy trains
+    what one process trains (<= 1e-5); with --sync-bn, BatchNorm over the global batch too; with
+    --transport gloo, over the process group."""
+    rows = [(name, model, flags) for name, w, model, flags in ROWS if w == world]
+    verdicts = equivalences([[*STRATEGIES[name], *SYNTHETIC, "--model", model, *flags] for name, model, flags in rows],
+                            world, tmp_path)
+    for (name, model, flags), verdict in zip(rows, verdicts):
+        print(f"\n{name} {model} {' '.join(flags)} at world {world}: max |dw| = {verdict.max_dw:.3g}")
+        assert verdict.max_dw <= 1e-5 and verdict.steps == 4, (name, model, flags, verdict)
 
 
-@pytest.mark.parametrize("name", ["ddp", "master"])
-def test_process_group_transport_equals_one_process(name, tmp_path):
-    """--transport gloo: the collectives through the process group, as on several nodes."""
-    code, stderr, max_dw = check_equivalence(STRATEGIES[name], 2, "cifar_net", tmp_path, "--transport", "gloo")
-    assert code == 0 and max_dw <= 1e-5, stderr[-2000:]
+def test_every_strategy_has_a_row():
+    assert {name for name, *_ in ROWS} == set(STRATEGIES)
+    assert {name for name, _, _, flags in ROWS if "--sync-bn" in flags} >= {"ddp", "allreduce", "master-update",
+                                                                         "fsdp-optimizer"}
 
 
 def test_data_parallel_equals_one_process(tmp_path):
@@ -65,12 +86,6 @@ def test_batchnorm_models_differ_from_one_process_by_design(tmp_path):
     assert code != 0 and max_dw > 1e-5
 
 
-@pytest.mark.parametrize("name", ["ddp", "allreduce", "master-update", "fsdp-optimizer"])
-def test_sync_batchnorm_matches_one_process(name, tmp_path):
-    code, stderr, max_dw = check_equivalence(STRATEGIES[name], 2, "convnet", tmp_path, "--sync-bn")
-    assert code == 0 and max_dw <= 1e-5, stderr[-2000:]
-
-
 def test_replica_check_names_the_drifting_tensor(tmp_path):
     result = run_script(["tests/faults.py", "allreduce", "drift", "3", "--dataset", "synthetic", "--model", "lenet",
                          "--batch-size", "32", "--epochs", "1", "--max-steps", "8", "--check-replicas", "2",
@@ -80,29 +95,47 @@ def test_replica_check_names_the_drifting_tensor(tmp_path):
     assert len(errors) == 1 and "replica check at step 4" in errors[0] and "differs across ranks" in errors[0], result.stderr[-2000:]
 
 
-@pytest.mark.parametrize("script, every", [
-    (["train_master.py"], 1),
+# Plain training runs at world 2 that the tests below only read, made in one launch (tests/runs.py).
+CONVNET = ["--dataset", "synthetic", "--model", "convnet", "--batch-size", "32", "--epochs", "1"]
+READERS = ["--model", "lenet", "--batch-size", "100", "--epochs", "1", "--log-every", "2", "--no-download"]
+TRAINED = {  # name: (script and flags, data set read from files or None)
     # local steps drift apart on purpose; right after each averaging (parameters AND BatchNorm buffers) they agree
-    (["train_localsgd.py", "--sync-every", "2", "--outer-optimizer", "nesterov"], 2),
-])
-def test_replica_check_passes_for_a_correct_strategy(script, every, tmp_path):
-    result = run_script([*script, "--dataset", "synthetic", "--model", "convnet", "--batch-size", "32",
-                         "--epochs", "1", "--max-steps", "6", "--check-replicas", str(every), "--log-dir",
-                         str(tmp_path / "tb"), "--checkpoint-dir", str(tmp_path / "ckpt")], nproc=2, timeout=120)
-    assert result.returncode == 0, result.stderr[-2000:]
+    "replicas-master": (["train_master.py", *CONVNET, "--max-steps", "6", "--check-replicas", "1"], None),
+    "replicas-localsgd": (["train_localsgd.py", "--sync-every", "2", "--outer-optimizer", "nesterov", *CONVNET,
+                           "--max-steps", "6", "--check-replicas", "2"], None),
+    **{f"state-{name}": ([*STRATEGIES[name], *CONVNET, "--max-steps", "2", "--log-every", "1"], None)
+       for name in ("ddp", "fsdp-optimizer", "fsdp-full")},
+    "e2e-ring": (["train_allreduce.py", "--allreduce", "ring", "--dataset", "mnist", *READERS], "mnist"),
+    "e2e-master-update": (["train_master.py", "--master-update", "--dataset", "cifar10", *READERS], "cifar10"),
+}
 
 
-def test_sharding_holds_less_training_state_per_rank_than_ddp(tmp_path):
+@pytest.fixture(scope="module")
+def trained(cifar_root, mnist_root, tmp_path_factory) -> dict[str, tuple[str, Path, Path]]:
+    """Each TRAINED run's console, TensorBoard folder and checkpoint folder."""
+    parent = tmp_path_factory.mktemp("trained")
+    roots = {"mnist": mnist_root, "cifar10": cifar_root}
+    runs = [[*args, *(["--data-dir", str(roots[data])] if data else []), "--log-dir", str(parent / f"tb-{name}"),
+             "--checkpoint-dir", str(parent / f"ckpt-{name}")] for name, (args, data) in TRAINED.items()]
+    result = run_script(one_launch(runs), nproc=2, timeout=500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return {name: (out, parent / f"tb-{name}", parent / f"ckpt-{name}")
+            for name, out in zip(TRAINED, split_runs(result.stdout))}
+
+
+def test_replica_check_passes_for_a_correct_strategy(trained):
+    """Covers: --check-replicas 1 for master/worker, and right after each averaging for local SGD
+    (--sync-every 2): the runs end cleanly (a drift would end them with the replica check's error)."""
+    for name in ("replicas-master", "replicas-localsgd"):
+        assert "epoch 1/1" in trained[name][0], trained[name][0]
+
+
+def test_sharding_holds_less_training_state_per_rank_than_ddp(trained):
     """SGD with momentum: DDP holds parameters + gradients + momentum (3P) on every rank; ZeRO-1 keeps
     1/W of the momentum (2.5P at W=2); FSDP2 keeps 1/W of all three (1.5P)."""
     state_mb = {}
     for name in ("ddp", "fsdp-optimizer", "fsdp-full"):
-        log_dir = tmp_path / name
-        result = run_script([*STRATEGIES[name], "--dataset", "synthetic", "--model", "convnet", "--batch-size", "32",
-                             "--epochs", "1", "--max-steps", "2", "--log-every", "1", "--log-dir", str(log_dir),
-                             "--checkpoint-dir", str(tmp_path / "ckpt" / name)], nproc=2, timeout=120)
-        assert result.returncode == 0, result.stderr[-2000:]
-        acc = EventAccumulator(str(log_dir))
+        acc = EventAccumulator(str(trained[f"state-{name}"][1]))
         acc.Reload()
         state_mb[name] = acc.Scalars("mem/state_mb")[-1].value
     ddp = state_mb["ddp"]
@@ -110,19 +143,20 @@ def test_sharding_holds_less_training_state_per_rank_than_ddp(tmp_path):
     assert state_mb["fsdp-full"] / ddp == pytest.approx(1.5 / 3, rel=0.02), state_mb
 
 
-@pytest.mark.parametrize("script, dataset, nproc", [
-    (["train_allreduce.py", "--allreduce", "ring"], "mnist", 2),
-    (["train_master.py", "--master-update"], "cifar10", 2),
-    (["train_dp.py"], "mnist", None),
-])
-def test_script_end_to_end(script, dataset, nproc, cifar_root, mnist_root, tmp_path):
-    root = cifar_root if dataset == "cifar10" else mnist_root
-    log_dir, ckpt = tmp_path / "tb", tmp_path / "ckpt"
-    result = run_script([*script, "--dataset", dataset, "--data-dir", str(root), "--no-download", "--model", "lenet",
-                         "--batch-size", "100", "--epochs", "1", "--log-every", "2", "--log-dir", str(log_dir),
-                         "--checkpoint-dir", str(ckpt)], nproc=nproc, timeout=240)
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "(301 images)" in result.stdout
+@pytest.mark.parametrize("name", ["e2e-ring", "e2e-master-update", "e2e-dp"])
+def test_script_end_to_end(name, trained, mnist_root, tmp_path):
+    """Covers: the ring all-reduce on MNIST files, master/worker's --master-update on CIFAR-10 batches
+    (both from the shared launch) and DataParallel on MNIST (a process of its own): the test set
+    counted once, the step split and accuracy in TensorBoard, an unprefixed checkpoint."""
+    if name == "e2e-dp":
+        log_dir, ckpt = tmp_path / "tb", tmp_path / "ckpt"
+        result = run_script(["train_dp.py", "--dataset", "mnist", "--data-dir", str(mnist_root), *READERS,
+                             "--log-dir", str(log_dir), "--checkpoint-dir", str(ckpt)], timeout=240)
+        assert result.returncode == 0, result.stderr[-3000:]
+        stdout = result.stdout
+    else:
+        stdout, log_dir, ckpt = trained[name]
+    assert "(301 images)" in stdout
     acc = EventAccumulator(str(log_dir))
     acc.Reload()
     assert {"time/data_ms", "time/compute_ms", "time/sync_ms", "test/acc"} <= set(acc.Tags()["scalars"])
