@@ -16,6 +16,7 @@ def bench(*args: str, **env: str) -> subprocess.CompletedProcess:
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.quick
 def test_the_list_names_every_benchmark_with_what_it_measures():
     listed = bench()
     assert listed.returncode == 0, listed.stderr
@@ -33,6 +34,7 @@ def test_each_benchmark_runs_by_name(name):
     assert helped.stdout.startswith(f"usage: python -m bench {name}")
 
 
+@pytest.mark.quick
 def test_an_unknown_benchmark_is_one_line_and_exit_2():
     refused = bench("no-such-bench")
     assert refused.returncode == 2
@@ -40,6 +42,7 @@ def test_an_unknown_benchmark_is_one_line_and_exit_2():
     assert "no-such-bench" in refused.stderr and "strategies" in refused.stderr
 
 
+@pytest.mark.quick
 def test_the_gpu_check_without_cuda_says_so_in_one_line():
     refused = bench("gpu", CUDA_VISIBLE_DEVICES="")
     assert refused.returncode == 1

@@ -19,6 +19,7 @@ def parse(*argv: str, world_size: int = 1):
     return parse_args(list(argv), strategy="ddp", default_dataset="cifar10", world_size=world_size)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("argv, flag", [
     (["--dataset", "imagenet"], "--dataset"),
     (["--model", "vgg"], "--model"),
@@ -37,6 +38,7 @@ def test_bad_flag_exits_2_naming_it(argv, flag, capsys):
     assert flag in err.splitlines()[-1]
 
 
+@pytest.mark.quick
 def test_batch_not_divisible_by_world(capsys):
     with pytest.raises(SystemExit) as exc:
         parse("--batch-size", "100", world_size=3)
@@ -45,6 +47,7 @@ def test_batch_not_divisible_by_world(capsys):
     assert "--batch-size 100" in err and "multiple of 3" in err
 
 
+@pytest.mark.quick
 def test_defaults_follow_the_dataset_and_scale_lr_with_batch():
     cfg = parse("--dataset", "mnist")
     assert (cfg.model, cfg.epochs, cfg.batch_size, cfg.lr) == ("convnet", 4, 128, RECIPES["mnist"].lr)
@@ -53,6 +56,7 @@ def test_defaults_follow_the_dataset_and_scale_lr_with_batch():
     assert parse("--lr", "0.3").lr == 0.3
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("argv, device, collective_forward, batch", [
     ((), "cpu", False, 64), ((), "cuda", False, 1000), ((), "cpu", True, 1000),
     (("--eval-batch-size", "300"), "cpu", False, 300)])
@@ -62,11 +66,13 @@ def test_the_evaluation_batch_is_cache_sized_on_a_cpu_unless_given(argv, device,
     assert Run.eval_batch_size.fget(run) == batch
 
 
+@pytest.mark.quick
 def test_config_is_plain_types_only():
     values = parse().as_plain_dict().values()
     assert all(isinstance(v, (str, int, float, bool, type(None))) for v in values)
 
 
+@pytest.mark.quick
 def test_device_and_backend_resolution():
     assert resolve_device("cpu", 0, 2) == torch.device("cpu")
     assert resolve_backend("auto", "cpu", torch.device("cpu")) == "gloo"
@@ -87,6 +93,7 @@ def test_script_rejects_bad_flag_before_process_group():
     assert time.monotonic() - start < ENDS_PROMPTLY_S
 
 
+@pytest.mark.quick
 def test_nccl_without_gpu_is_a_clear_error():
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")
@@ -101,6 +108,7 @@ SECRET = "s3cr3t-value-never-shown"
 GOOD = json.dumps({"endpoint_url": "http://127.0.0.1:9000", "key": "AKIAEXAMPLE", "secret": SECRET})
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("form", ["file", "env"])
 def test_storage_options_from_a_file_or_a_variable(form, tmp_path, monkeypatch):
     path = tmp_path / "store.json"
@@ -111,6 +119,7 @@ def test_storage_options_from_a_file_or_a_variable(form, tmp_path, monkeypatch):
     assert SECRET not in repr(cfg) and "storage_options" not in cfg.as_plain_dict()
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("value, content, expected", [
     ("@{tmp}/missing.json", None, "--storage-options @{tmp}/missing.json: cannot read the file (No such file"),
     ("@{tmp}/store.json", '{"secret": "' + SECRET + '",}', "--storage-options @{tmp}/store.json: the file is not "

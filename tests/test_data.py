@@ -22,6 +22,8 @@ from common.data.formats import CIFAR_DIR, MNIST_DIR, MNIST_PROCESSED_DIR, read_
 from tests.conftest import free_port
 from tests.datagen import write_mnist, write_mnist_processed
 
+pytestmark = pytest.mark.quick  # no launch: the quick tier (pytest -m quick)
+
 
 def quiet(message: str) -> None:
     pass

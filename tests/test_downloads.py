@@ -71,6 +71,7 @@ def test_two_nodes_sharing_one_data_folder_download_once(mirror, tmp_path):
     assert complete(tmp_path / "shared") and not leftovers(tmp_path / "shared")
 
 
+@pytest.mark.quick
 def test_a_cut_download_leaves_nothing_that_passes_for_complete(mirror, tmp_path, monkeypatch):
     folder, md5 = mirror
     monkeypatch.setattr("common.data.formats.CIFAR_MD5", md5)

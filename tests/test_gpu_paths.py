@@ -3,10 +3,13 @@ from __future__ import annotations
 
 import threading
 
+import pytest
 import torch
 from torch import nn
 
 from train_dp import ReplicaAutocast
+
+pytestmark = pytest.mark.quick  # no launch: the quick tier (pytest -m quick)
 
 
 def test_a_dataparallel_replica_thread_autocasts_in_the_runs_dtype():

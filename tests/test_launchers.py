@@ -384,12 +384,14 @@ def test_launchers_raise_torchruns_grace_for_the_stop(script, program, grace, tm
     assert (tmp_path / f"{program}.got").read_text().splitlines()[0] == f"grace={grace or 120}"
 
 
+@pytest.mark.quick
 def test_slurm_signals_the_stop_early_enough_for_torchruns_grace():
     """--signal's lead over the time limit covers torchrun's grace and 30 s for torchrun to end."""
     lead = re.search(r"^#SBATCH --signal=TERM@(\d+)$", (LAUNCH / "slurm.sbatch").read_text(), re.M)
     assert lead and int(lead.group(1)) >= 120 + 30
 
 
+@pytest.mark.quick
 def test_quiet_torchrun_gives_the_workers_120_s_to_stop(monkeypatch):
     """The value torchrun's own configuration takes from what launch/quiet_torchrun.py sets."""
     from torch.distributed.run import config_from_args, parse_args
@@ -406,6 +408,7 @@ def test_quiet_torchrun_gives_the_workers_120_s_to_stop(monkeypatch):
     assert config_from_args(parse_args(["--standalone", "--nproc_per_node=1", "train_ddp.py"]))[0].shutdown_timeout == 45
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("submitted_from", ["repository", "elsewhere"])
 def test_slurm_finds_its_redaction_when_run_from_slurms_copy(submitted_from, tmp_path):
     """sbatch runs a copy of the script from its spool folder: redact.sh is then found through the

@@ -10,6 +10,8 @@ import pytest
 
 from tests.conftest import ROOT
 
+pytestmark = pytest.mark.quick  # no launch: the quick tier (pytest -m quick)
+
 # Lowest first. A module may import modules of its own package and of lower layers; packages that
 # share a layer do not import each other. BASE: the modules at the top of common/.
 BASE = "base"

@@ -8,6 +8,8 @@ import torch.nn.functional as F
 from common.data.loader import CIFAR_SPEC, MNIST_SPEC
 from common.models import MODELS, build_model
 
+pytestmark = pytest.mark.quick  # no launch: the quick tier (pytest -m quick)
+
 
 @pytest.mark.parametrize("spec", [CIFAR_SPEC, MNIST_SPEC], ids=["cifar", "mnist"])
 @pytest.mark.parametrize("name", sorted(MODELS))

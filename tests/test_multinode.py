@@ -208,6 +208,7 @@ def test_launchers_print_the_torchrun_command():
             for role, n in (("Master", 1), ("Worker", 3))}}}
 
 
+@pytest.mark.quick
 def test_launchers_are_valid_shell():
     scripts = sorted((ROOT / "launch").glob("*.sh")) + [ROOT / "launch" / "slurm.sbatch"]
     for script in scripts:
@@ -223,6 +224,7 @@ def test_launchers_refuse_missing_parameters():
 
 
 # 6 -------------------------------------------------------------------------------------------
+@pytest.mark.quick
 def test_device_lists_and_backend_resolution():
     assert device_list("cpu,cpu", 2) == ["cpu", "cpu"]
     assert device_list("cpu", 3) == ["cpu"] * 3

@@ -297,6 +297,7 @@ BACK_ENDS = {
 }
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("back_end", list(BACK_ENDS))
 def test_store_errors_are_scrubbed_of_every_credential_option(back_end):
     from common.storage import FsspecStorage

@@ -60,6 +60,7 @@ def global_batches(data, world: int, epoch: int = 1) -> list[torch.Tensor]:
 
 # ---------------------------------------------------------------- the sample stream
 
+@pytest.mark.quick
 @pytest.mark.parametrize("kind", ["imagefolder", "shards"])
 def test_the_sample_stream_is_the_same_at_every_world_size_worker_count_and_holding(kind, sets, tmp_path):
     """Decoded into the cache or streamed by 0 or 2 workers, at world 1, 2 and 4: the same global
@@ -80,6 +81,7 @@ def test_the_sample_stream_is_the_same_at_every_world_size_worker_count_and_hold
                 (holding, world)
 
 
+@pytest.mark.quick
 def test_an_epoch_takes_each_sample_once_and_equal_steps_on_uneven_shards(sets, tmp_path):
     data = dataset(options(sets["shards"], tmp_path, "shards"))
     sizes = torch.bincount(data.train.groups).tolist()
@@ -90,6 +92,7 @@ def test_an_epoch_takes_each_sample_once_and_equal_steps_on_uneven_shards(sets, 
     assert len({sum(1 for _ in loader.epoch(2)) for loader in loaders}) == 1
 
 
+@pytest.mark.quick
 def test_normalization_is_measured_on_the_set(sets, tmp_path):
     data = dataset(options(sets["folder"], tmp_path))
     pixels = data.train.images.double() / 255
@@ -98,6 +101,7 @@ def test_normalization_is_measured_on_the_set(sets, tmp_path):
     assert abs(data.spec.std[0] - pixels.std().item()) < 0.01
 
 
+@pytest.mark.quick
 def test_varying_sizes_need_image_size_and_then_train_as_the_reference_recipe(sets, tmp_path):
     with pytest.raises(UserError, match="differ in size.*--image-size"):
         own.prepare(options(sets["varying"], tmp_path), lambda line: None)
@@ -141,6 +145,7 @@ FOLDER_DAMAGE = {
 }
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("case", FOLDER_DAMAGE)
 def test_a_damaged_image_folder_is_one_line_naming_the_file(case, sets, tmp_path):
     folder = Path(shutil.copytree(sets["folder"], tmp_path / "copy"))
@@ -159,6 +164,7 @@ SHARD_DAMAGE = {
 }
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("case", SHARD_DAMAGE)
 def test_a_damaged_shard_is_one_line_naming_the_shard_and_sample(case, sets, tmp_path):
     shards = Path(shutil.copytree(sets["shards"], tmp_path / "copy"))
@@ -170,6 +176,7 @@ def test_a_damaged_shard_is_one_line_naming_the_shard_and_sample(case, sets, tmp
     assert target.name in str(error.value) and "\n" not in str(error.value)
 
 
+@pytest.mark.quick
 def test_skip_broken_trains_without_the_files_and_names_them(sets, tmp_path):
     folder = Path(shutil.copytree(sets["folder"], tmp_path / "copy"))
     garbage, truncated = _first(folder, "train", "jpg"), _first(folder, "train", "png")
@@ -305,6 +312,7 @@ def test_shards_from_the_store_are_fetched_once_and_a_small_cache_still_complete
 
 # ---------------------------------------------------------------- flags
 
+@pytest.mark.quick
 @pytest.mark.parametrize("argv, message", [
     (["--dataset", "mnist", "--image-size", "32"], "--image-size applies to --dataset imagefolder or shards"),
     (["--dataset", "imagefolder"], "--dataset imagefolder needs --data-dir"),
@@ -317,6 +325,7 @@ def test_own_data_flags_are_checked_before_any_process_group(argv, message, caps
     assert exit_.value.code == 2 and message in capsys.readouterr().err
 
 
+@pytest.mark.quick
 def test_the_data_folder_and_image_size_are_part_of_a_runs_identity():
     def run_id(*argv: str) -> str:
         return parse_args(["--dataset", "imagefolder", *argv], strategy="ddp", default_dataset="cifar10",

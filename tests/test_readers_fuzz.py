@@ -20,6 +20,8 @@ from common.data.formats import (CIFAR_DIR, CIFAR_TEST, CIFAR_TRAIN, MNIST_DIR, 
                                  MNIST_PROCESSED_DIR, read_cifar10, read_mnist)
 from tests.datagen import write_cifar10, write_mnist, write_mnist_processed
 
+pytestmark = pytest.mark.quick  # no launch: the quick tier (pytest -m quick)
+
 CASES = 200  # mutations per format
 SEED = 1234
 

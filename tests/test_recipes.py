@@ -60,6 +60,7 @@ def test_compiled_model_trains_what_the_eager_one_trains(name, tmp_path):
     assert verdict.max_dw <= verdict.tolerance
 
 
+@pytest.mark.quick
 def test_tolerances_loosen_only_where_rounding_differs():
     from common.config import parse_args
 
@@ -121,6 +122,7 @@ def test_powersgd_state_round_trips_for_an_exact_resume(tmp_path):
     assert dw == 0
 
 
+@pytest.mark.quick
 def test_powersgd_error_feedback_is_each_ranks_own_or_the_mean_at_another_world_size():
     import torch
 
@@ -141,7 +143,7 @@ def test_fp16_scaler_state_round_trips_for_an_exact_resume(tmp_path):
 
 BAD = {
     "accumulate not dividing": (["train_ddp.py", "--batch-size", "32", "--accumulate", "3"],
-                                "--accumulate 3: each rank's batch (--batch-size 32 / 2 rank(s) = 16) does not split"),
+                                "--accumulate 3: each rank's batch (--batch-size 32 / 1 rank(s) = 32) does not split"),
     "powersgd, hand-written": (["train_allreduce.py", "--grad-compression", "powersgd"],
                                "--grad-compression powersgd is not available with allreduce"),
     "powersgd, master": (["train_master.py", "--grad-compression", "powersgd"],
@@ -159,24 +161,28 @@ BAD = {
 }
 
 
-WORLD_DEPENDENT = {"accumulate not dividing"}  # checked under torchrun; the others are the same in one process
-
-
+@pytest.mark.quick
 @pytest.mark.parametrize("case", list(BAD))
 def test_bad_combinations_exit_2_before_any_process_group(case, tmp_path, capsys):
+    """In this process, as one process: every case but the world-dependent one is refused alike at any world size."""
     args, expected = BAD[case]
-    args = [*args, "--dataset", "synthetic", "--max-steps", "1", "--log-dir", str(tmp_path / "tb"),
-            "--checkpoint-dir", str(tmp_path / "ckpt")]
-    if case in WORLD_DEPENDENT:  # under torchrun: two ranks, one line
-        result = run_script(args, nproc=2)
-        code, stderr = result.returncode, result.stderr
-    else:
-        code, stderr = refusal_in_process(args, capsys)
+    code, stderr = refusal_in_process([*args, "--dataset", "synthetic", "--max-steps", "1", "--log-dir",
+                                       str(tmp_path / "tb"), "--checkpoint-dir", str(tmp_path / "ckpt")], capsys)
     lines = [line for line in stderr.splitlines() if expected in line]
     assert code == 2 and len(lines) == 1, stderr[-3000:]
     assert "/common/" not in stderr and not (tmp_path / "ckpt").exists()  # no traceback, nothing started
 
 
+def test_accumulation_that_does_not_split_a_ranks_batch_is_one_line_from_two_ranks(tmp_path):
+    result = run_script(["train_ddp.py", "--batch-size", "32", "--accumulate", "3", "--dataset", "synthetic",
+                         "--log-dir", str(tmp_path / "tb"), "--checkpoint-dir", str(tmp_path / "ckpt")], nproc=2)
+    expected = "--accumulate 3: each rank's batch (--batch-size 32 / 2 rank(s) = 16) does not split"
+    assert result.returncode != 0 and len([line for line in result.stderr.splitlines() if expected in line]) == 1, \
+        result.stderr[-3000:]
+    assert "/common/" not in result.stderr and not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.quick
 def test_compression_with_dataparallel_and_compile_without_a_compiler_are_refused(capsys, monkeypatch):
     code, stderr = refusal_in_process(["train_dp.py", "--dataset", "synthetic", "--grad-compression", "fp16"], capsys)
     assert code == 2 and "nn.DataParallel sums gradients inside one process" in error_lines(stderr)[0]

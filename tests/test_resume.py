@@ -133,6 +133,7 @@ def _three_checkpoints(folder: CheckpointFolder) -> None:
         folder.write("run", loop_state(step, torch.zeros(4)))
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("damage, why", [
     (lambda raw: raw[: len(raw) // 2], "is truncated or not a checkpoint"),
     (lambda raw: b"", "is empty"),
@@ -149,6 +150,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(damage, why, tmp_p
     assert all("\n" not in w for w in choice.warnings)
 
 
+@pytest.mark.quick
 def test_a_step_file_newer_than_the_pointer_is_found(tmp_path):
     """Killed between writing the step file and moving the pointer: the complete file still counts."""
     folder = CheckpointFolder(LocalStorage(str(tmp_path)), keep=3)
@@ -168,6 +170,7 @@ class PointerRefused(LocalStorage):
         super().write(name, data)
 
 
+@pytest.mark.quick
 def test_a_save_cut_before_its_pointer_names_the_checkpoint_it_resumes_from(tmp_path):
     folder = CheckpointFolder(LocalStorage(str(tmp_path)), keep=3)
     _three_checkpoints(folder)
@@ -192,6 +195,7 @@ class GoneAfterThePointer(LocalStorage):
         raise StorageError(self.url(prefix), "the store is unreachable", TRANSIENT)
 
 
+@pytest.mark.quick
 def test_a_store_gone_during_the_prune_is_left_to_the_next_save(tmp_path):
     """The flake of test_object_storage's outage test, at its root: the prune listed the folder with
     the start's patience, waited a minute and ended the job with the start's words ("nothing was
@@ -240,6 +244,7 @@ def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
     assert seconds < ENDS_PROMPTLY_S
 
 
+@pytest.mark.quick
 def test_model_mismatches_name_keys_and_shapes():
     saved = {"a.weight": torch.zeros(2, 3), "b.bias": torch.zeros(2)}
     expected = {"a.weight": torch.zeros(4, 3), "c.bias": torch.zeros(2)}

@@ -19,6 +19,8 @@ from common.shards import CLASSES_FILE, TRAIN, VAL, convert, folder_classes, fol
 from tests.conftest import ROOT, child_env
 from tests.datagen import write_imagefolder, write_shards
 
+pytestmark = pytest.mark.quick  # no launch: the quick tier (pytest -m quick)
+
 CLASSES = [str(digit) for digit in range(10)]
 
 

@@ -146,6 +146,7 @@ POINTERS = {  # damage -> what the warning says
 }
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("damage", list(POINTERS))
 def test_a_damaged_pointer_is_a_warning_and_the_run_resumes_from_its_newest_step_file(damage, tmp_path):
     folder = CheckpointFolder(LocalStorage(str(tmp_path)), keep=3)
@@ -161,6 +162,7 @@ def test_a_damaged_pointer_is_a_warning_and_the_run_resumes_from_its_newest_step
     assert any(f"the pointer {pointer} {why}" in w for w in choice.warnings), choice.warnings
 
 
+@pytest.mark.quick
 def test_a_run_none_of_whose_checkpoints_loads_is_an_error_not_a_fresh_start(tmp_path):
     folder = CheckpointFolder(LocalStorage(str(tmp_path)), keep=3)
     _three_checkpoints(folder)
@@ -184,6 +186,7 @@ class Unreachable(LocalStorage):
         return super().read(name)
 
 
+@pytest.mark.quick
 def test_a_pointer_read_that_times_out_is_retried_then_ends_the_start(tmp_path, monkeypatch):
     monkeypatch.setattr("common.train.checkpoint.RESUME_RETRY_S", 0.5)
     monkeypatch.setattr("common.train.checkpoint.FIRST_PAUSE_S", 0.1)
@@ -196,6 +199,7 @@ def test_a_pointer_read_that_times_out_is_retried_then_ends_the_start(tmp_path, 
 
 # ---------------------------------------------------------------- errors told apart
 
+@pytest.mark.quick
 @pytest.mark.parametrize("error, kind", [
     (FileNotFoundError(errno.ENOENT, "No such file"), MISSING),
     (PermissionError(errno.EACCES, "Permission denied"), DENIED),
@@ -211,6 +215,7 @@ def test_store_errors_are_told_apart(error, kind):
 
 # ---------------------------------------------------------------- jobs sharing a folder
 
+@pytest.mark.quick
 def test_run_names_of_parallel_starts_never_collide():
     names = [new_run_name() for _ in range(20000)]  # far more than start in one second
     assert len(set(names)) == len(names)
@@ -244,6 +249,7 @@ class Full(LocalStorage):
         raise StorageError(self.url(name), "No space left on device (ENOSPC)", FAILED)
 
 
+@pytest.mark.quick
 def test_the_end_of_a_job_names_a_failed_last_save(tmp_path, capsys):
     CheckpointFolder(LocalStorage(str(tmp_path)), keep=3).write("run", loop_state(3, torch.zeros(4)))
     writer = BackgroundWriter()

@@ -63,6 +63,7 @@ def test_strategy_equals_one_process(world, tmp_path):
         assert verdict.max_dw <= 1e-5 and verdict.steps == 4, (name, model, flags, verdict)
 
 
+@pytest.mark.quick
 def test_every_strategy_has_a_row():
     assert {name for name, *_ in ROWS} == set(STRATEGIES)
     assert {name for name, _, _, flags in ROWS if "--sync-bn" in flags} >= {"ddp", "allreduce", "master-update",

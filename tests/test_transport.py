@@ -18,6 +18,7 @@ SMOKE = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "len
          "--epochs", "1", "--max-steps", "3"]
 
 
+@pytest.mark.quick
 def test_a_peer_that_never_arrives_ends_the_wait():
     """Rank 0 of a two-rank region whose rank 1 never posts: one clear error after --timeout-s."""
     region = mmap.mmap(-1, SharedMemoryTransport.size(2))
@@ -26,6 +27,7 @@ def test_a_peer_that_never_arrives_ends_the_wait():
         transport.all_reduce(torch.ones(10))  # a wait without the deadline would hang: pytest-timeout ends it
 
 
+@pytest.mark.quick
 def test_a_peer_that_exited_ends_the_wait_at_once():
     """Shared memory does not close like a socket: the waiting rank sees the late peer's pid gone."""
     region = mmap.mmap(-1, SharedMemoryTransport.size(2))

@@ -60,6 +60,7 @@ def saved(cfg, step: int = 4) -> dict:
             "config": cfg.as_plain_dict(), "world_size": 1, "identity": cfg.identity()}
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("row", list(IDENTITY_ROWS))
 def test_every_identity_row_resumes_unchanged_and_refuses_changed(row, tmp_path):
     base, changed = config(), config(*IDENTITY_ROWS[row])
@@ -77,11 +78,13 @@ def test_every_identity_row_resumes_unchanged_and_refuses_changed(row, tmp_path)
     assert "\n" not in message
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("flags", NOT_IDENTITY, ids=lambda f: f[0])
 def test_restart_settings_are_not_part_of_the_identity(flags):
     assert config(*flags).identity() == config().identity()
 
 
+@pytest.mark.quick
 def test_world_size_and_the_way_gradients_travel_are_not_part_of_the_identity():
     assert config(world_size=2).identity() == config().identity()
     allreduce = AllReduceStrategy()
@@ -91,6 +94,7 @@ def test_world_size_and_the_way_gradients_travel_are_not_part_of_the_identity():
     assert config("--master-update", strategy=master).run_id == config(strategy=master).run_id
 
 
+@pytest.mark.quick
 def test_runs_in_one_folder_never_prune_each_other(tmp_path):
     folder = CheckpointFolder(LocalStorage(str(tmp_path)), keep=2)
     cfg = config()
@@ -259,6 +263,7 @@ def test_an_error_every_rank_hits_is_printed_once(cifar_root, tmp_path):
     assert "/common/" not in result.stderr  # no rank's traceback
 
 
+@pytest.mark.quick
 def test_a_background_write_commits_or_fails_with_one_line(tmp_path):
     """Rank 0's writer thread: a committed save becomes the run's last checkpoint and is reported once;
     a save that cannot even be serialized (here an object torch.save cannot pickle) is one line naming

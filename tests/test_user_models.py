@@ -64,6 +64,7 @@ def build_error(model: str, channels: int = 1, size: int = 28) -> str:
     return message
 
 
+@pytest.mark.quick
 def test_a_user_function_from_the_current_directory(in_user_folder):
     model = build_model(f"{in_user_folder}:tiny", 1, 28, 10, seed=0)
     assert model.training and model[1].num_batches_tracked.item() == 0  # the build-time check left no trace
@@ -71,6 +72,7 @@ def test_a_user_function_from_the_current_directory(in_user_folder):
     assert model(torch.zeros(3, 1, 28, 28)).shape == (3, 10)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("function, expected", [
     ("too_few_classes", "in training mode it returned shape (2, 9); it must return logits of shape (batch, classes) = "
                         "(2, 10)"),
@@ -83,6 +85,7 @@ def test_a_bad_user_function_is_one_line(in_user_folder, function, expected):
     assert expected in build_error(f"{in_user_folder}:{function}")
 
 
+@pytest.mark.quick
 def test_a_missing_or_broken_user_module_is_one_line(in_user_folder, tmp_path):
     assert f"no module 'absent' in the current directory ({tmp_path}) or on PYTHONPATH" in build_error("absent:tiny")
     write_module(tmp_path, "needs_dependency", "import not_installed_anywhere\n")
@@ -101,6 +104,7 @@ def test_torchvision_names_and_their_errors():
     assert "fails on a batch of shape (2, 3, 32, 32)" in too_small and "it runs on 64x64 images" in too_small
 
 
+@pytest.mark.quick
 def test_the_first_conv_of_a_grey_model_sees_the_rgb_weights_summed():
     """Adapting an RGB model to one channel starts it where the RGB model would be on a grey image."""
     rgb, grey = (build_model("torchvision:resnet18", channels, 32, 10, seed=3).eval() for channels in (3, 1))
@@ -109,6 +113,7 @@ def test_the_first_conv_of_a_grey_model_sees_the_rgb_weights_summed():
         assert torch.allclose(grey(image), rgb(image.expand(-1, 3, -1, -1)), atol=1e-5)
 
 
+@pytest.mark.quick
 @pytest.mark.parametrize("model", ["a b", "torchvision:", "my-nets:build", "nets:build:x"])
 def test_a_malformed_model_flag_exits_2(model, capsys):
     with pytest.raises(SystemExit) as caught:
@@ -116,6 +121,7 @@ def test_a_malformed_model_flag_exits_2(model, capsys):
     assert caught.value.code == 2 and "torchvision:NAME" in capsys.readouterr().err
 
 
+@pytest.mark.quick
 def test_run_folders_hold_no_colon():
     cfg = parse_args(["--model", "torchvision:resnet18"], strategy="ddp", default_dataset="synthetic", world_size=1)
     assert Path(cfg.checkpoint_dir).name.startswith("ddp-synthetic-torchvision-resnet18-")
