@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import atexit
 import gc
 import importlib
 import json
@@ -40,13 +41,17 @@ AVERAGING = {
 # Two minutes is well under what a hang waits for: a collective's --timeout-s (default 300 s), a
 # store's --storage-timeout-s (1800 s), torchrun's rendezvous (600 s).
 ENDS_PROMPTLY_S = 120
+# torchrun's agent SIGKILLs workers this long after passing a stop on: a bound below it tells a rank that
+# ended by itself from one that was killed.
+TORCHRUN_GRACE_S = 30
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
 
 
 def child_env() -> dict[str, str]:
     """One thread per rank: several ranks share 2 cores. No torchrun variables leak in. PYTHONPATH:
     the scripts a test starts (tests/faults.py, a train_*.py run from elsewhere) import the
     checkout's package, installed or not."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")}
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES}
     env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", PYTHONPATH=str(ROOT),
                PATH=f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}")  # torchrun of this venv
     return env
@@ -68,17 +73,26 @@ def run_script(args: list[str], nproc: int | None = None, timeout: float = 240, 
                           capture_output=True, text=True, timeout=timeout)
 
 
-def refusal_in_process(args: list[str], capsys) -> tuple[int, str]:
+def refusal_in_process(args: list[str], capsys, monkeypatch) -> tuple[int, str]:
     """`python SCRIPT ARGS` refusing its flags before any process group, as the script's own main()
     in this process (world 1): its exit status and what it printed to stderr, without a process's
-    start (a second of torch's import each). A command it does not refuse would train here: give
-    such checks a small --max-steps."""
+    start (a second of torch's import each). A command that reaches the process group fails the test
+    there (it would train in this process otherwise)."""
+    from common import collector
+    from common.train import app
+
+    def not_refused(cfg):
+        raise AssertionError(f"{' '.join(args)} was not refused before the process group")
+    for name in TORCHRUN_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(app, "distributed", not_refused)
     script = importlib.import_module(Path(args[0]).stem)
     collecting = gc.isenabled()  # main() pauses the collector during set-up, as in a training process
     try:
         with pytest.raises(SystemExit) as exit_:
             script.main(args[1:])
     finally:
+        atexit.unregister(collector._at_exit)
         if collecting:
             gc.enable()
     return exit_.value.code, capsys.readouterr().err
@@ -95,18 +109,22 @@ class Equivalence:
     label: str
     world: int
     tolerance: float
+    console: str  # the run's rank-0 console
 
 
 def equivalences(runs: list[list[str]], world: int | None, tmp_path: Path, timeout: float = 500) -> list[Equivalence]:
     """Each run's `--check-equivalence` verdict (a run: SCRIPT and its flags), the runs made one after
     another in one launch (tests/runs.py: torch is imported once, not once a run). Asserts that the
     launch succeeded and that every run printed its verdict at this world size."""
-    runs = [[*run, "--log-dir", str(tmp_path / f"tb-{index}")] for index, run in enumerate(runs)]
+    runs = [[*run, "--log-dir", str(tmp_path / f"tb-{index}"), "--checkpoint-dir", str(tmp_path / f"ckpt-{index}")]
+            for index, run in enumerate(runs)]
     result = run_script(one_launch(runs), nproc=world, timeout=timeout)
-    found = [EQUIVALENCE.search(output) for output in split_runs(result.stdout)]
+    consoles = split_runs(result.stdout)
+    found = [EQUIVALENCE.search(console) for console in consoles]
     assert result.returncode == 0 and len(found) == len(runs) and all(found), \
         f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-3000:]}"
-    verdicts = [Equivalence(float(m[1]), int(m[2]), m[3], int(m[4]), float(m[5])) for m in found]
+    verdicts = [Equivalence(float(m[1]), int(m[2]), m[3], int(m[4]), float(m[5]), console)
+                for m, console in zip(found, consoles)]
     assert all(v.world == (world or 1) for v in verdicts), verdicts
     return verdicts
 

@@ -7,6 +7,7 @@ Works under pytest-xdist too: each worker sends its records to the controller.""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from collections import defaultdict
@@ -18,6 +19,7 @@ import pytest
 _current_test = "(collection)"
 _launches: list["Launch"] = []
 _test_seconds: dict[str, float] = defaultdict(float)
+_running: dict[int, subprocess.Popen] = {}  # launches not yet seen to end, by id of their record
 
 
 @dataclass
@@ -27,28 +29,34 @@ class Launch:
     start: float
     end: float | None = None
     argv: list[str] = field(default_factory=list)
+    left_running: bool = False  # still running when its test ended
 
     @property
     def seconds(self) -> float:
         return (self.end or time.monotonic()) - self.start
 
 
+LAUNCH_FOLDER = str(Path(__file__).resolve().parent.parent / "launch") + os.sep
+
+
 def launch_kind(argv: list[str]) -> str:
-    """torchrun (the agent and its ranks are one launch), a launcher script, python, or other."""
-    text = " ".join(argv)
-    if "torch.distributed.run" in text or Path(argv[0]).name == "torchrun":
+    """torchrun (the agent and its ranks are one launch), a launcher script of launch/, python, or
+    other. Every argument is looked at, so `bash -c "torchrun ..."` or `ip netns exec NS bash
+    launch/x.sh` count as what they start."""
+    words = " ".join(argv).split()
+    if any("torch.distributed.run" in w or Path(w).name == "torchrun" for w in words):
         return "torchrun"
-    if any(part.startswith(str(Path("launch"))) or "/launch/" in part for part in argv[:2]):
+    if any(w.startswith(("launch/", LAUNCH_FOLDER)) for w in words):
         return "launcher"
-    if "python" in Path(argv[0]).name:
+    if words and "python" in Path(words[0]).name:
         return "python"
     return "other"
 
 
 def _argv(args) -> list[str]:
-    if isinstance(args, (str, bytes)):
-        return [args.decode() if isinstance(args, bytes) else args]
-    return [str(a) for a in args]
+    if isinstance(args, (str, bytes, os.PathLike)):
+        args = [args]
+    return [os.fsdecode(a) for a in args]
 
 
 XDIST_WORKER = "exec(eval(sys.stdin.readline()))"  # how execnet starts a pytest-xdist worker
@@ -57,10 +65,14 @@ _original_exit = subprocess.Popen._handle_exitstatus
 
 
 def _recording_init(self, args, *rest, **kwargs):
-    argv = _argv(args)
-    if not any(XDIST_WORKER in a for a in argv):  # pytest-xdist's own workers are not the tests' launches
-        self._launch = Launch(_current_test, launch_kind(argv), time.monotonic(), argv=argv[:6])
-        _launches.append(self._launch)
+    try:
+        argv = _argv(args)
+        if not any(XDIST_WORKER in a for a in argv):  # pytest-xdist's own workers are not the tests' launches
+            self._launch = Launch(_current_test, launch_kind(argv), time.monotonic(), argv=argv[:6])
+            _launches.append(self._launch)
+            _running[id(self._launch)] = self
+    except Exception:  # counting must never change what Popen does
+        pass
     _original_init(self, args, *rest, **kwargs)
 
 
@@ -68,6 +80,7 @@ def _recording_exit(self, *args, **kwargs):
     launch = getattr(self, "_launch", None)
     if launch is not None and launch.end is None:
         launch.end = time.monotonic()
+        _running.pop(id(launch), None)
     return _original_exit(self, *args, **kwargs)
 
 
@@ -87,7 +100,10 @@ def pytest_runtest_protocol(item, nextitem):
     yield
     for launch in _launches:  # a process never waited on counts until its test ends
         if launch.test == item.nodeid and launch.end is None:
-            launch.end = time.monotonic()
+            process = _running.pop(id(launch), None)
+            if process is not None and process.poll() is None:
+                launch.left_running = True  # another test (another worker's too) may meet it
+            launch.end = launch.end or time.monotonic()
     _current_test = "(between tests)"
 
 
@@ -119,10 +135,12 @@ def pytest_testnodedown(node, error) -> None:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    if getattr(terminalreporter.config, "workerinput", None) is not None or not _launches:
+    if getattr(terminalreporter.config, "workerinput", None) is not None:
         return
     if path := terminalreporter.config.getoption("--launches-json"):
         Path(path).write_text(json.dumps([{**asdict(l), "seconds": round(l.seconds, 2)} for l in _launches], indent=0))
+    if not _launches:
+        return
     write = terminalreporter.write_line
     terminalreporter.section("launches")
     by_kind: dict[str, list[Launch]] = defaultdict(list)
@@ -138,6 +156,8 @@ def pytest_terminal_summary(terminalreporter) -> None:
     write("per file (launches, seconds):")
     for name, group in sorted(by_file.items(), key=lambda kv: -sum(l.seconds for l in kv[1])):
         write(f"  {len(group):4d} {sum(l.seconds for l in group):7.0f} s  {name}")
+    for launch in (l for l in _launches if l.left_running):
+        write(f"left running when its test ended: {' '.join(launch.argv)} ({launch.test})")
     write("ten most expensive tests (launches, launch seconds, test seconds):")
     ranked = sorted(by_test.items(), key=lambda kv: -sum(l.seconds for l in kv[1]))[:10]
     for name, group in ranked:

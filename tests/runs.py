@@ -6,16 +6,24 @@ every rank, several times what a short run costs.
 
 SCRIPT names a train_*.py (with its own strategy flags, e.g. train_fsdp.py --shard full). Each run is
 that script's own main(), joining and leaving its own process group as a launch of its own does (its
-store keys under a prefix of its own, as torchrun gives a restarted attempt). Before each run every
+store keys under a prefix of its own, as torchrun gives a restarted attempt), and what a run leaves
+in the process that a fresh one would not have is put back before the next (`on_its_own`: the
+environment, the stop's signal handlers, the warnings already shown). Before each run every
 rank's stdout gets the line `=== run K: SCRIPT FLAGS` (split_runs cuts the output there). A run that
 exits non-zero ends the launch with its status: the runs after it are not started.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib
 import os
+import signal
 import sys
+import warnings
 from pathlib import Path
+from typing import Iterator
+
+from common import collector
 
 SEPARATOR = "--then"
 MARK = "=== run "
@@ -42,18 +50,37 @@ def split_runs(stdout: str) -> list[str]:
     return [part.split("\n", 1)[1] if "\n" in part else "" for part in stdout.split(MARK)[1:]]
 
 
+@contextlib.contextmanager
+def on_its_own() -> Iterator[None]:
+    """What one run may leave in its process, put back for the next as a fresh process would have it:
+    the environment, the stop's signal handlers, the warnings already shown (a warning filter change
+    resets Python's registry of them), and the collector's verdict on how the last run ended."""
+    environ, handlers = dict(os.environ), {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        with warnings.catch_warnings():  # entering it invalidates every module's registry of warnings shown
+            yield
+    finally:
+        os.environ.clear()
+        os.environ.update(environ)
+        for signum, handler in handlers.items():
+            signal.signal(signum, handler)
+        collector._Exit.clean = False
+
+
 def main() -> None:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     for index, (script, *flags) in enumerate(planned_runs(sys.argv[1:])):
         if os.environ.get("RANK", "0") == "0":
             print(f"{MARK}{index}: {script} {' '.join(flags)}", flush=True)
-        os.environ["TORCHELASTIC_RESTART_COUNT"] = f"{attempt}.run{index}"
-        try:
-            importlib.import_module(Path(script).stem).main(flags)
-        except SystemExit as stop:
-            if stop.code:
-                raise
+        with on_its_own():
+            os.environ["TORCHELASTIC_RESTART_COUNT"] = f"{attempt}.run{index}"
+            try:
+                importlib.import_module(Path(script).stem).main(flags)
+            except SystemExit as stop:
+                if stop.code:
+                    raise
         sys.stdout.flush()
+    collector.ended_cleanly()  # every run did
 
 
 if __name__ == "__main__":

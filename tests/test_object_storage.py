@@ -91,7 +91,7 @@ def test_train_from_the_store_and_checkpoint_into_it(s3, tmp_path):
     """Covers, for each MNIST layout in the store (one launch, a run each): the data fetched from the
     store, the test set counted once, a checkpoint saved into the store and named on the console."""
     runs = [["train_ddp.py", *MNIST, "--epochs", "1", "--max-steps", "3", "--data-dir", f"s3://data/{layout}",
-             "--checkpoint-dir", f"s3://ckpt/{layout}", "--cache-dir", str(tmp_path / "cache"), "--log-dir",
+             "--checkpoint-dir", f"s3://ckpt/{layout}", "--cache-dir", str(tmp_path / f"cache-{layout}"), "--log-dir",
              str(tmp_path / f"tb-{layout}")] for layout in LAYOUTS]
     result = run_script(one_launch(runs), nproc=2, env=env(s3), timeout=400)
     ok(result)

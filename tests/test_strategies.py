@@ -21,8 +21,8 @@ SYNTHETIC = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--batch-si
 
 def check_equivalence(script: list[str], world: int | None, model: str, tmp_path,
                       *flags: str) -> tuple[int, str, float]:
-    result = run_script([*script, *SYNTHETIC, "--model", model, "--log-dir", str(tmp_path / "tb"), *flags],
-                        nproc=world, timeout=240)
+    result = run_script([*script, *SYNTHETIC, "--model", model, "--log-dir", str(tmp_path / "tb"), "--checkpoint-dir",
+                         str(tmp_path / "ckpt"), *flags], nproc=world, timeout=240)
     found = EQUIVALENCE.search(result.stdout)
     assert found, f"exit {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}"
     assert found.group(4) == str(world or 1)
@@ -33,12 +33,15 @@ def check_equivalence(script: list[str], world: int | None, model: str, tmp_path
 # runs no collective to get wrong: resume tests cover it. World 2 of the averaging strategies:
 # test_recipes' accumulate rows (W=2, float32, <= 1e-5). --sync-bn rows: BatchNorm over the global
 # batch (convnet) equals one process's. --transport gloo rows: the collectives through the process
-# group, as on several nodes (the others use shared memory between the CPU ranks of one node).
+# group, as on several nodes (the averaging strategies' others use shared memory between the CPU
+# ranks of one node: asserted, since --transport auto would fall back to gloo where it cannot).
 ROWS = [  # (strategy, world, model, flags)
+    ("ddp", 4, "lenet", []),
     ("ddp", 4, "convnet", ["--sync-bn", "--transport", "gloo"]),
     ("allreduce", 4, "convnet", ["--sync-bn"]),
     ("allreduce-ring", 4, "lenet", []),
-    ("master", 4, "lenet", ["--transport", "gloo"]),
+    ("master", 4, "lenet", []),
+    ("master", 4, "cifar_net", ["--transport", "gloo"]),
     ("master-update", 4, "convnet", ["--sync-bn"]),
     ("fsdp-full", 2, "cifar_net", []),
     ("fsdp-full", 4, "lenet", []),
@@ -49,7 +52,6 @@ ROWS = [  # (strategy, world, model, flags)
 ]
 
 
-@pytest.mark.timeout(600)
 @pytest.mark.parametrize("world", sorted({world for _, world, _, _ in ROWS}))
 def test_strategy_equals_one_process(world, tmp_path):
     """Covers, for each row at this world size (one launch for all of them): the strategy trains
@@ -61,6 +63,9 @@ def test_strategy_equals_one_process(world, tmp_path):
     for (name, model, flags), verdict in zip(rows, verdicts):
         print(f"\n{name} {model} {' '.join(flags)} at world {world}: max |dw| = {verdict.max_dw:.3g}")
         assert verdict.max_dw <= 1e-5 and verdict.steps == 4, (name, model, flags, verdict)
+        if name in AVERAGING:  # the ring is written on the process group, the others on the transport
+            wire = "gloo" if "--transport" in flags or name == "allreduce-ring" else "shm"
+            assert f"gradients via {wire}" in verdict.console, (name, flags, verdict.console[:600])
 
 
 @pytest.mark.quick

@@ -12,7 +12,7 @@ import torch
 
 from common.errors import PeerVanished
 from common.parallel.transport import FLAG_STRIDE, SharedMemoryTimeout, SharedMemoryTransport
-from tests.conftest import ENDS_PROMPTLY_S, child_env, error_lines, script_command
+from tests.conftest import child_env, error_lines, script_command
 
 SMOKE = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
          "--epochs", "1", "--max-steps", "3"]
@@ -24,7 +24,7 @@ def test_a_peer_that_never_arrives_ends_the_wait():
     region = mmap.mmap(-1, SharedMemoryTransport.size(2))
     transport = SharedMemoryTransport(region, rank=0, world=2, timeout_s=0.5)
     with pytest.raises(SharedMemoryTimeout, match=r"rank\(s\) 1 did not reach .* within 0.5 s \(--timeout-s\)"):
-        transport.all_reduce(torch.ones(10))  # a wait without the deadline would hang: pytest-timeout ends it
+        transport.all_reduce(torch.ones(10))  # a wait without the deadline would hang: pytest-timeout fails it
 
 
 @pytest.mark.quick
@@ -33,12 +33,12 @@ def test_a_peer_that_exited_ends_the_wait_at_once():
     region = mmap.mmap(-1, SharedMemoryTransport.size(2))
     exited = subprocess.Popen(["true"])
     exited.wait()
-    SharedMemoryTransport(region, rank=1, world=2, timeout_s=600).flags[1 * FLAG_STRIDE + 1] = exited.pid
-    transport = SharedMemoryTransport(region, rank=0, world=2, timeout_s=600)
+    SharedMemoryTransport(region, rank=1, world=2, timeout_s=60).flags[1 * FLAG_STRIDE + 1] = exited.pid
+    transport = SharedMemoryTransport(region, rank=0, world=2, timeout_s=60)
     started = time.monotonic()
     with pytest.raises(PeerVanished, match=r"rank\(s\) 1 ended during shared-memory exchange 1"):
         transport.all_reduce(torch.ones(10))
-    assert time.monotonic() - started < ENDS_PROMPTLY_S  # seen, not the 600 s deadline waited out
+    assert time.monotonic() - started < 30  # seen, well before the 60 s deadline (which raises another error)
 
 
 def _in_small_dev_shm(args: list[str], tmp_path) -> subprocess.CompletedProcess:

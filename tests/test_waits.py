@@ -104,9 +104,9 @@ def test_a_waiter_tells_a_slow_worker_from_a_dead_or_late_one(monkeypatch):
     assert store.get("slow") == b"7"
     started = time.monotonic()
     with pytest.raises(Unanswered, match="stopped responding") as dead:
-        wait_for_keys(store, ["never-started"], 600)
-    # Told by the heartbeat's absence (1.5 s), not by the 600 s deadline.
-    assert 1.5 <= time.monotonic() - started < ENDS_PROMPTLY_S and dead.value.pending == ["never-started"]
+        wait_for_keys(store, ["never-started"], 60)
+    # Told by the heartbeat's absence (1.5 s), well before the 60 s deadline.
+    assert 1.5 <= time.monotonic() - started < 30 and dead.value.pending == ["never-started"]
     with Heartbeat(store, "late"), pytest.raises(Unanswered, match=r"did not finish within 0.5 s") as late:
         wait_for_keys(store, ["late"], 0.5)  # alive, but silent past its deadline and the grace after it
     assert late.value.who == {"late": f" (host {os.uname().nodename}, pid {os.getpid()})"}
