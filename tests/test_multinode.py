@@ -208,7 +208,6 @@ def test_launchers_print_the_torchrun_command():
             for role, n in (("Master", 1), ("Worker", 3))}}}
 
 
-@pytest.mark.quick
 def test_launchers_are_valid_shell():
     scripts = sorted((ROOT / "launch").glob("*.sh")) + [ROOT / "launch" / "slurm.sbatch"]
     for script in scripts:
