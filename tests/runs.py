@@ -8,8 +8,8 @@ SCRIPT names a train_*.py (with its own strategy flags, e.g. train_fsdp.py --sha
 that script's own main(), joining and leaving its own process group as a launch of its own does (its
 store keys under a prefix of its own, as torchrun gives a restarted attempt), and what a run leaves
 in the process that a fresh one would not have is put back before the next (`on_its_own`: the
-environment, the stop's signal handlers, the warnings already shown). Before each run every
-rank's stdout gets the line `=== run K: SCRIPT FLAGS` (split_runs cuts the output there). A run that
+environment, the stop's signal handlers, the warnings already shown). Before each run rank 0
+prints the line `=== run K: SCRIPT FLAGS` (split_runs cuts the output there; the console is rank 0's). A run that
 exits non-zero ends the launch with its status: the runs after it are not started.
 """
 from __future__ import annotations
