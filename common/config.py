@@ -59,6 +59,7 @@ class Config:
     skip_broken: bool
     cache_gb: float
     shard_cache_gb: float
+    verify_data: bool
     model: str
     epochs: int
     batch_size: int
@@ -180,6 +181,9 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
     own.add_argument("--shard-cache-gb", type=float, default=10.0, metavar="GB",
                      help="the most a node keeps of shards from a --data-dir URL while streaming; the least recently "
                           "used are deleted beyond it (default: %(default)s)")
+    own.add_argument("--verify-data", action="store_true",
+                     help="tell the set's files apart by their bytes, not their names, sizes and dates (which "
+                          "cp -p and rsync -a keep): reads the whole set at every start")
     add("--model", default=None, help=f"one of {', '.join(MODELS)}; torchvision:NAME, a torchvision classification "
                                       "model, untrained; or MODULE:FUNCTION, your FUNCTION(channels, size, classes) "
                                       "returning an nn.Module, from PYTHONPATH or the current directory "
@@ -291,6 +295,8 @@ def _validate(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int
 
 def _validate_own_data(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     own = a.dataset in OWN_DATASETS
+    if own and a.data_dir.startswith("file://"):
+        a.data_dir = a.data_dir.removeprefix("file://")  # a local folder, read as one (the converter takes both)
     if a.image_size and not own:
         p.error(f"--image-size applies to --dataset {' or '.join(OWN_DATASETS)}; the built-in sets have one size")
     if own and a.data_dir == "./data":

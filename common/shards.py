@@ -1,24 +1,39 @@
 """Your own images on disk: the two layouts the suite reads, and the converter between them.
 
 An ImageFolder tree (torchvision's layout): DIR/train/<class>/<image> and DIR/val/<class>/<image>;
-the classes are the sorted folder names of train/.
+the classes are the sorted folder names of train/, an image is a file with one of FOLDER_EXTENSIONS
+(jpg jpeg png webp gif bmp tif tiff ppm pgm, any case).
 
-WebDataset shards: DIR/train-NNNNNN.tar and DIR/val-NNNNNN.tar, each sample two members,
-KEY.<jpg|jpeg|png|webp> (the encoded image) and KEY.cls (its class index, as decimal text).
-DIR/classes.txt, when present (the converter writes it), names the classes, one per line, and so
-fixes their number.
+WebDataset shards: DIR/train-*.tar and DIR/val-*.tar, each sample two members, KEY.<ext> (the
+encoded image, ext one of SHARD_EXTENSIONS) and KEY.cls (its class index, as decimal text). The
+converter names a run's shards train-GEN-NNNNNN.tar and val-GEN-NNNNNN.tar, GEN the run's
+generation (12 hex digits, new each run), and writes DIR/manifest.json last:
+
+    {"format": 1, "generation": GEN, "classes": [NAME, ...],
+     "splits": {"train": [{"name": SHARD, "bytes": SIZE, "samples": COUNT}, ...], "val": [...]}}
+
+A set with a manifest is exactly the manifest's shards, in its order; a shard missing or of another
+size is refused (resolve). A set without one is made by other tools: its shards are named like
+train-000000.tar and read by the globs, sorted; generation-named shards without a manifest are an
+interrupted conversion, refused. DIR/classes.txt names the classes, one per line (for people and
+other tools; the converter writes it too).
 
     python -m common.shards SRC_IMAGEFOLDER DEST_DIR_OR_URL [--shard-mb 64] [--seed 0]
                             [--storage-options JSON|@FILE|env:VAR]
 
-The converter writes KEY = the sample's 8-digit running index within its split (00000042). An image
-keeps its file's bytes (not re-encoded: no loss, no time spent); one whose format a shard does not
-hold (.bmp, .tif, .ppm, .pgm) is re-encoded losslessly as PNG. The training samples are shuffled
-(--seed) before writing, since readers shuffle only within a window of shards: each shard then
-holds a mix of classes. val/ keeps ImageFolder's order. A shard ends before it would pass
---shard-mb MiB (it holds at least one sample). Every tar member is a plain file with mode 0644,
-mtime 0 and owner 0, so the same tree and seed give the same bytes. DEST is a folder (created) or
-any fsspec URL (s3://bucket/prefix); shards of an earlier run that this one did not rewrite are deleted.
+The converter checks the whole tree before it writes anything: every image must decode (a JPEG at
+1/8 scale, which is cheap) and have at most MAX_PIXELS pixels, or it stops naming the file. Each
+image is then copied into its shard verbatim, as KEY.<its suffix, lowercased>: no re-encoding, no
+loss (16-bit PNGs and TIFFs, float TIFFs included), no time spent. KEY is the sample's 8-digit running
+index within its split (00000042). The training samples are shuffled (--seed) before writing, since
+readers shuffle only within a window of shards: each shard then holds a mix of classes. val/ keeps
+ImageFolder's order. A shard ends before it would pass --shard-mb MiB (it holds at least one
+sample). Every tar member is a plain file with mode 0644, mtime 0 and owner 0, so the same tree and
+seed give the same shard bytes (under a new generation's names). DEST is a folder (created) or any
+fsspec URL (s3://bucket/prefix). Only once the manifest is written are DEST's other train-*.tar and
+val-*.tar deleted (an earlier generation's, an interrupted run's, hand-named ones), with the temp
+files of a local write killed midway: a run killed midway leaves the earlier set whole, and its
+readers keep reading it.
 
 This module is the layouts' single definition: the readers in common/data/ import it.
 """
@@ -27,24 +42,34 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import io
+import json
+import os
 import random
+import re
 import sys
 import tarfile
+import warnings
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, NoReturn
+from typing import Any, BinaryIO, Callable, Iterator, NoReturn
 
-from PIL import Image, UnidentifiedImageError
+from PIL import Image
 
 from common.credentials import URL_PASSWORD, read_storage_options
 from common.errors import UserError, first_line
-from common.storage import Storage, StorageError, storage_for
+from common.storage import Storage, StorageError, os_cause, storage_for
 
 SPLITS = {"train": "train", "val": "test"}  # folder or shard prefix -> the suite's split
 # What PIL reads and torchvision's ImageFolder accepts; other files in a class folder are ignored.
-FOLDER_EXTENSIONS = (".jpg", ".jpeg", ".png", ".ppm", ".bmp", ".pgm", ".tif", ".tiff", ".webp")
-SHARD_EXTENSIONS = ("jpg", "jpeg", "png", "webp")  # an image member's extension in a shard
+FOLDER_EXTENSIONS = (".jpg", ".jpeg", ".png", ".webp", ".gif", ".bmp", ".tif", ".tiff", ".ppm", ".pgm")
+SHARD_EXTENSIONS = tuple(ext[1:] for ext in FOLDER_EXTENSIONS)  # a shard holds the source file verbatim
 CLASSES_FILE = "classes.txt"
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = 1
+MAX_PIXELS = 89_478_485  # PIL's decompression-bomb threshold: past it, PIL warns, and past twice it refuses
 TRAIN, VAL = "train", "val"
+GENERATION_DIGITS = 12  # hex digits of a conversion's id
+GENERATION_SHARD = re.compile(rf"(?:{TRAIN}|{VAL})-[0-9a-f]{{{GENERATION_DIGITS}}}-[0-9]{{6}}\.tar")
 
 
 def shard_pattern(split: str) -> str:
@@ -52,10 +77,108 @@ def shard_pattern(split: str) -> str:
     return f"{split}-*.tar"
 
 
-def shard_name(split: str, index: int) -> str:
-    """The name of a split's index-th shard: train-000042.tar."""
-    return f"{split}-{index:06d}.tar"
+def shard_name(split: str, generation: str, index: int) -> str:
+    """The name of a conversion's index-th shard of a split: train-GEN-000042.tar."""
+    return f"{split}-{generation}-{index:06d}.tar"
 
+
+def new_generation() -> str:
+    """A conversion's id: random, so that no run writes over another run's shards."""
+    return os.urandom(GENERATION_DIGITS // 2).hex()
+
+
+@dataclass(frozen=True)
+class ShardSet:
+    """The shards of each split a reader reads, in order; the classes and each shard's sample count
+    where a manifest gives them."""
+    train: list[str]
+    val: list[str]
+    classes: list[str] | None = None
+    samples: dict[str, int] = field(default_factory=dict)
+    manifest: bool = False
+
+
+def resolve(listing: dict[str, str], read: Callable[[str], bytes], where: str) -> ShardSet:
+    """The shards of DEST, from its listing (file name -> "SIZE-TAG") and `read` (a file's bytes):
+    exactly its manifest's, each checked against the listing; without a manifest, the hand-named
+    shards by glob, sorted (a split may come back empty: the caller refuses). `where` is DEST as
+    the user wrote it, for messages."""
+    where = where.rstrip("/")
+    if MANIFEST in listing:
+        return _manifest_set(_read_manifest(read, where), listing, where)
+    started = sorted(name for name in listing if GENERATION_SHARD.fullmatch(name))
+    if started:
+        raise UserError(f"{where} holds {started[0]} but no {MANIFEST}: a conversion into {where} was interrupted "
+                        f"before it finished; {_rerun(where)}")
+    train, val = ([name for name in sorted(listing) if fnmatch.fnmatchcase(name, shard_pattern(split))]
+                  for split in (TRAIN, VAL))
+    return ShardSet(train, val)
+
+
+def _rerun(where: str) -> str:
+    return f"run python -m common.shards SRC {where} again"
+
+
+def _read_manifest(read: Callable[[str], bytes], where: str) -> dict[str, Any]:
+    name = f"{where}/{MANIFEST}"
+    try:
+        manifest = json.loads(read(MANIFEST))
+    except (StorageError, OSError) as e:
+        cause = e.cause if isinstance(e, StorageError) else os_cause(e)
+        raise UserError(f"{name} cannot be read ({cause}); check its access, or {_rerun(where)}") from None
+    except ValueError as e:  # not UTF-8, not JSON
+        problem = f"not JSON: {first_line(e)}"
+    else:
+        problem = _manifest_problem(manifest)
+    if problem:
+        raise UserError(f"{name} is not a valid shard manifest ({problem}); {_rerun(where)}")
+    return manifest
+
+
+def _manifest_problem(manifest: Any) -> str | None:
+    """What makes a parsed manifest unusable, or None: readers open the names it gives."""
+    if not isinstance(manifest, dict):
+        return "not a JSON object"
+    if manifest.get("format") != MANIFEST_FORMAT:
+        return f"format {manifest.get('format')!r}; this version reads format {MANIFEST_FORMAT}"
+    classes, splits = manifest.get("classes"), manifest.get("splits")
+    if not isinstance(classes, list) or not all(isinstance(name, str) for name in classes):
+        return "its classes are not a list of names"
+    if not isinstance(splits, dict) or not all(isinstance(splits.get(split), list) for split in (TRAIN, VAL)):
+        return f"its splits lack a {TRAIN} or {VAL} list"
+    for split in (TRAIN, VAL):
+        for entry in splits[split]:
+            if not _is_shard_entry(entry, split):
+                return f"{split} lists {str(entry)[:80]}, not a {{name, bytes, samples}} of a {shard_pattern(split)}"
+    return None
+
+
+def _is_shard_entry(entry: Any, split: str) -> bool:
+    return (isinstance(entry, dict) and isinstance(entry.get("name"), str) and "/" not in entry["name"]
+            and fnmatch.fnmatchcase(entry["name"], shard_pattern(split))
+            and all(type(entry.get(key)) is int and entry[key] >= 0 for key in ("bytes", "samples")))
+
+
+def _manifest_set(manifest: dict[str, Any], listing: dict[str, str], where: str) -> ShardSet:
+    splits = manifest["splits"]
+    for entry in splits[TRAIN] + splits[VAL]:
+        _check_listed(entry["name"], entry["bytes"], listing, where)
+    return ShardSet([entry["name"] for entry in splits[TRAIN]], [entry["name"] for entry in splits[VAL]],
+                    manifest["classes"], {entry["name"]: entry["samples"] for entry in splits[TRAIN] + splits[VAL]},
+                    manifest=True)
+
+
+def _check_listed(name: str, size: int, listing: dict[str, str], where: str) -> None:
+    way_out = f"copy it again from where the shards were converted, or {_rerun(where)}"
+    if name not in listing:
+        raise UserError(f"{where}/{name} is missing ({MANIFEST} lists it, {size} bytes); {way_out}")
+    found = int(listing[name].split("-", 1)[0])
+    if found != size:
+        raise UserError(f"{where}/{name} is {found} bytes but {MANIFEST} says {size}: it was cut short or changed; "
+                        f"{way_out}")
+
+
+# ---------------------------------------------------------------- the ImageFolder tree
 
 def folder_classes(root: Path) -> list[str]:
     """The classes of an ImageFolder tree: the sorted folder names of its train/."""
@@ -67,26 +190,48 @@ def folder_classes(root: Path) -> list[str]:
 
 
 def folder_images(root: Path, split: str, classes: list[str]) -> list[tuple[str, int]]:
-    """(path relative to root, class index) of every image of a split, in ImageFolder's order
-    (class, then file name). val/ may lack a class; a class folder without an image is an error: a typo'd or half-copied
-    tree would otherwise train on fewer classes than it names."""
+    """(path relative to root, class index) of every image of a split, in class_images' order."""
+    return [(rel, label) for label, paths in class_images(root, split, classes, lambda names: None) for rel in paths]
+
+
+def class_images(root: Path, split: str, classes: list[str],
+                 ignore: Callable[[list[str]], None]) -> Iterator[tuple[int, list[str]]]:
+    """Per class (in order), its images' paths relative to root: every file with an image extension
+    in the class folder and its subfolders, symlinked ones included (torchvision's ImageFolder rule),
+    by walk_files' order. Other files go to `ignore` (by path), hidden ones nowhere. val/ may lack
+    a class; a class folder without an image is an error: a typo'd or half-copied tree would
+    otherwise train on fewer classes than it names."""
     folder = _split_folder(root, split)
     extra = sorted(p.name for p in folder.iterdir() if p.is_dir() and not p.name.startswith(".")
                    and p.name not in classes)
     if extra:
         raise UserError(f"{folder}/{extra[0]} is a class that {root / TRAIN} lacks; add it to {root / TRAIN} "
                         f"or remove it from {folder}")
-    samples = []
     for label, name in enumerate(classes):
         if not (folder / name).is_dir():  # a validation set may lack a class; train/ defines them
             continue
-        files = sorted(p for p in (folder / name).glob("*") if p.is_file() and not p.name.startswith(".")
-                       and p.suffix.lower() in FOLDER_EXTENSIONS)
-        if not files:
-            raise UserError(f"{folder / name} holds no image ({', '.join(FOLDER_EXTENSIONS)}); add its images or "
-                            f"remove the class from {root / TRAIN}")
-        samples += [(str(p.relative_to(root)), label) for p in files]
-    return samples
+        images, others = [], []
+        for path in walk_files(folder / name):
+            (images if path.suffix.lower() in FOLDER_EXTENSIONS else others).append(str(path.relative_to(root)))
+        ignore(others)
+        if not images:
+            fix = f"remove the class folder from {root / TRAIN}" if split == TRAIN else \
+                "delete the empty folder (val/ may lack a class)"
+            raise UserError(f"{folder / name} holds no image ({', '.join(FOLDER_EXTENSIONS)}); add its images or {fix}")
+        yield label, images
+
+
+def walk_files(folder: Path, _above: frozenset = frozenset()) -> Iterator[Path]:
+    """Every file under `folder` that is not hidden, following symlinks: its files by name, then
+    each subfolder's by name. A link back to a folder above it is not followed (no endless loop);
+    memory is one folder's listing per level."""
+    here = folder.stat()
+    above = _above | {(here.st_dev, here.st_ino)}
+    entries = sorted((entry for entry in os.scandir(folder) if not entry.name.startswith(".")), key=lambda e: e.name)
+    yield from (Path(entry.path) for entry in entries if entry.is_file())
+    for entry in entries:
+        if entry.is_dir() and (entry.stat().st_dev, entry.stat().st_ino) not in above:
+            yield from walk_files(Path(entry.path), above)
 
 
 def _split_folder(root: Path, split: str) -> Path:
@@ -98,43 +243,89 @@ def _split_folder(root: Path, split: str) -> Path:
     return folder
 
 
+def pixels_problem(width: int, height: int) -> str | None:
+    """Why an image of this size is refused (to follow its name), or None: decoding one larger than
+    PIL's decompression-bomb threshold takes gigabytes, and PIL refuses twice that."""
+    if width * height <= MAX_PIXELS:
+        return None
+    return (f"is {width} x {height} = {width * height} pixels, more than the {MAX_PIXELS} an image may have "
+            "(PIL's decompression-bomb limit); shrink it")
+
+
+def verify(path: Path) -> None:
+    """Refuses, in one line naming `path`, an image that does not fully decode or has more than
+    MAX_PIXELS pixels. A JPEG decodes at 1/8 scale (draft mode): every pixel's data is still read."""
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # refused below, in one line
+            with Image.open(path) as image:
+                problem = pixels_problem(*image.size)
+                if problem is None:
+                    image.draft(None, (1, 1))  # a no-op for formats other than JPEG
+                    image.load()
+    except Image.DecompressionBombError as e:  # past twice the limit: PIL's open refuses, size unread
+        problem = f"is too large to decode ({first_line(e)}); shrink it to at most {MAX_PIXELS} pixels"
+    except Exception as e:  # noqa: BLE001 - PIL's decoders raise OSError, SyntaxError, ValueError, struct.error...
+        problem = f"does not decode as an image ({first_line(e)}); replace or remove it"
+    if problem:
+        raise UserError(f"{path} {problem}")
+
+
 # ---------------------------------------------------------------- the converter
 
-PNG_MODES = ("1", "L", "LA", "I", "I;16", "P", "RGB", "RGBA")  # what PIL writes as PNG without conversion
 END_OF_ARCHIVE = 2 * tarfile.BLOCKSIZE
 
 
 def convert(src: Path, dest: str, shard_mb: float = 64, seed: int = 0,
             storage_options: dict[str, Any] | None = None) -> dict[str, tuple[int, int, int]]:
-    """Writes SRC's ImageFolder tree as shards and classes.txt to DEST; split -> (samples, shards, bytes).
-    The whole tree is checked before anything is written."""
+    """Writes SRC's ImageFolder tree to DEST as a new generation's shards, classes.txt and, last,
+    manifest.json, then deletes DEST's other shards; split -> (samples, shards, bytes). The whole
+    tree is checked before anything is written."""
     classes = folder_classes(src)
     splits = {split: folder_images(src, split, classes) for split in (TRAIN, VAL)}
+    for path, _ in splits[TRAIN] + splits[VAL]:
+        verify(src / path)
     random.Random(seed).shuffle(splits[TRAIN])
     storage = storage_for(dest, storage_options)
-    written = {split: _write_split(storage, src, split, samples, int(shard_mb * 2**20))
-               for split, samples in splits.items()}
+    generation = new_generation()
+    shards = {split: _write_split(storage, src, split, generation, samples, int(shard_mb * 2**20))
+              for split, samples in splits.items()}
     storage.write(CLASSES_FILE, "".join(f"{name}\n" for name in classes).encode())
-    return written
+    manifest = {"format": MANIFEST_FORMAT, "generation": generation, "classes": classes, "splits": shards}
+    storage.write(MANIFEST, json.dumps(manifest, indent=1).encode())
+    _delete_other_shards(storage, {entry["name"] for entries in shards.values() for entry in entries})
+    return {split: (len(splits[split]), len(entries), sum(entry["bytes"] for entry in entries))
+            for split, entries in shards.items()}
 
 
-def _write_split(storage: Storage, src: Path, split: str, samples: list[tuple[str, int]],
-                 limit: int) -> tuple[int, int, int]:
-    shards = _plan(src, samples, limit)
+def _write_split(storage: Storage, src: Path, split: str, generation: str, samples: list[tuple[str, int]],
+                 limit: int) -> list[dict[str, Any]]:
+    """Writes a split's shards; returns the manifest's entry of each: name, bytes, samples."""
+    entries: list[dict[str, Any]] = []
     start = 0
-    for index, (count, _) in enumerate(shards):
-        def produce(f: BinaryIO, start: int = start, count: int = count) -> None:  # called again on a retry
-            _write_shard(f, src, samples, start, count)
-        storage.write_from(shard_name(split, index), produce)
+    for index, count in enumerate(_plan(src, samples, limit)):
+        entry = {"name": shard_name(split, generation, index), "bytes": 0, "samples": count}
+
+        def produce(f: BinaryIO, start: int = start, entry: dict[str, Any] = entry) -> None:  # called again on a retry
+            _write_shard(f, src, samples, start, entry["samples"])
+            entry["bytes"] = f.tell()  # what was written: a reader's copy must have that size
+        storage.write_from(entry["name"], produce)
+        entries.append(entry)
         start += count
-    names = {shard_name(split, index) for index in range(len(shards))}
-    for stale in (n for n in storage.list("") if fnmatch.fnmatch(n, shard_pattern(split)) and n not in names):
-        storage.delete(stale)  # a reader globs the split's shards: an older, longer run's tail would join in
-    return len(samples), len(shards), sum(size for _, size in shards)
+    return entries
 
 
-def _plan(src: Path, samples: list[tuple[str, int]], limit: int) -> list[tuple[int, int]]:
-    """(samples, bytes) of each shard, from the tar format's sizes: a header block per member, its
+def _delete_other_shards(storage: Storage, keep: set[str]) -> None:
+    """Only once the manifest names the new set: a reader that globs would mix the two sets, and a
+    run killed before this point must leave the earlier set whole."""
+    for name in storage.list(""):
+        if name not in keep and any(fnmatch.fnmatchcase(name, shard_pattern(split)) for split in (TRAIN, VAL)):
+            storage.delete(name)
+    storage.remove_leftovers("")  # the temp files of a run killed mid-write (a local DEST)
+
+
+def _plan(src: Path, samples: list[tuple[str, int]], limit: int) -> list[int]:
+    """The sample count of each shard, from the tar format's sizes: a header block per member, its
     data padded to whole blocks, two end blocks, and the whole padded to tarfile's record size."""
     def archive(content: int) -> int:
         return -(-(content + END_OF_ARCHIVE) // tarfile.RECORDSIZE) * tarfile.RECORDSIZE
@@ -142,46 +333,26 @@ def _plan(src: Path, samples: list[tuple[str, int]], limit: int) -> list[tuple[i
     def member(size: int) -> int:
         return tarfile.BLOCKSIZE + -(-size // tarfile.BLOCKSIZE) * tarfile.BLOCKSIZE
 
-    shards: list[tuple[int, int]] = []
+    shards: list[int] = []
     count = content = 0
     for path, label in samples:
-        grow = member(_image_size(src / path)) + member(len(str(label)))
+        grow = member((src / path).stat().st_size) + member(len(str(label)))
         if count and archive(content + grow) > limit:
-            shards.append((count, archive(content)))
+            shards.append(count)
             count = content = 0
         count, content = count + 1, content + grow
-    return shards + [(count, archive(content))] if count else shards
+    return shards + [count] if count else shards
 
 
 def _write_shard(f: BinaryIO, src: Path, samples: list[tuple[str, int]], start: int, count: int) -> None:
     with tarfile.open(fileobj=f, mode="w", format=tarfile.USTAR_FORMAT) as tar:
         for index in range(start, start + count):
             path, label = samples[index]
-            ext, data = _image_member(src / path)
-            for name, payload in ((f"{index:08d}.{ext}", data), (f"{index:08d}.cls", str(label).encode())):
+            image = (f"{index:08d}.{Path(path).suffix.lower()[1:]}", (src / path).read_bytes())  # verbatim
+            for name, payload in (image, (f"{index:08d}.cls", str(label).encode())):
                 info = tarfile.TarInfo(name)  # mode 0644, mtime 0, owner 0 and "": tarfile's defaults
                 info.size = len(payload)
                 tar.addfile(info, io.BytesIO(payload))
-
-
-def _image_member(path: Path) -> tuple[str, bytes]:
-    """(extension, bytes) of an image's member: the file itself, or a lossless PNG of it."""
-    ext = path.suffix.lower()[1:]
-    if ext in SHARD_EXTENSIONS:
-        return ext, path.read_bytes()
-    try:
-        with Image.open(path) as image:
-            out = io.BytesIO()
-            (image if image.mode in PNG_MODES else image.convert("RGB")).save(out, format="PNG")
-    except (UnidentifiedImageError, OSError) as e:
-        raise UserError(f"{path} cannot be read as an image ({first_line(e)}); replace or remove it") from None
-    return "png", out.getvalue()
-
-
-def _image_size(path: Path) -> int:
-    if path.suffix.lower()[1:] in SHARD_EXTENSIONS:
-        return path.stat().st_size
-    return len(_image_member(path)[1])  # encoded twice (to plan, to write): such files are rare
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,8 +1,11 @@
-"""The ImageFolder layout's checks and the converter to WebDataset shards (common/shards.py)."""
+"""The ImageFolder layout's checks, the converter to WebDataset shards and the readers' view of a
+shard folder (common/shards.py)."""
 from __future__ import annotations
 
 import io
+import json
 import shutil
+import struct
 import subprocess
 import sys
 import tarfile
@@ -15,7 +18,9 @@ import pytest
 from PIL import Image
 
 from common.errors import UserError
-from common.shards import CLASSES_FILE, TRAIN, VAL, convert, folder_classes, folder_images, main, shard_pattern
+from common.shards import (CLASSES_FILE, GENERATION_SHARD, MANIFEST, TRAIN, VAL, ShardSet, convert, folder_classes,
+                           folder_images, main, pixels_problem, resolve, shard_pattern)
+from common.storage import DENIED, FsspecStorage, LocalStorage, StorageError
 from tests.conftest import ROOT, child_env
 from tests.datagen import write_imagefolder, write_shards
 
@@ -31,15 +36,26 @@ def tree(tmp_path_factory) -> Path:
                              formats=("png", "jpg", "jpeg"), sizes=(24, 40))
 
 
+def listing(folder: Path) -> dict[str, str]:
+    """A local folder as readers list it for resolve: file name -> "SIZE-MTIME"."""
+    return {p.name: f"{p.stat().st_size}-{p.stat().st_mtime_ns}" for p in folder.iterdir() if p.is_file()}
+
+
+def shard_set(dest: Path) -> ShardSet:
+    return resolve(listing(dest), lambda name: (dest / name).read_bytes(), str(dest))
+
+
 def read_split(dest: Path, split: str) -> list[tuple[str, str, bytes, int]]:
-    """(key, image extension, image bytes, class) of every sample, in shard and member order; checks
-    that each sample is its two members, plain files owned by no one at time 0."""
-    samples = []
-    for shard in sorted(dest.glob(shard_pattern(split))):
-        with tarfile.open(shard) as tar:
+    """(key, image extension, image bytes, class) of every sample, in the order resolve gives the
+    shards and in member order; checks that each sample is its two members, plain files owned by
+    no one at time 0, and each shard's sample count against the manifest's."""
+    shards, samples = shard_set(dest), []
+    for shard in shards.train if split == TRAIN else shards.val:
+        with tarfile.open(dest / shard) as tar:
             members = tar.getmembers()
             assert all(m.isreg() and (m.mode, m.mtime, m.uid, m.gid, m.uname, m.gname) == (0o644, 0, 0, 0, "", "")
                        for m in members)
+            assert len(members) == 2 * shards.samples[shard]
             for image, label in zip(members[::2], members[1::2]):
                 key, ext = image.name.split(".")
                 assert label.name == f"{key}.cls"
@@ -52,9 +68,19 @@ def source_samples(tree: Path, split: str) -> list[tuple[str, bytes, int]]:
             for path in sorted((tree / split).glob("*/*"), key=lambda p: (p.parent.name, p.name))]
 
 
+def shard_bytes(dest: Path) -> list[bytes]:
+    """Every shard's bytes, train's then val's, in the manifest's order."""
+    shards = shard_set(dest)
+    return [(dest / name).read_bytes() for name in shards.train + shards.val]
+
+
 def test_shards_hold_every_image_once_with_its_class(tree, tmp_path):
     write_shards(tree, tmp_path)
     assert (tmp_path / CLASSES_FILE).read_text() == "".join(f"{name}\n" for name in CLASSES)
+    shards = shard_set(tmp_path)
+    assert shards.manifest and shards.classes == CLASSES and len(shards.train) == len(shards.val) == 1
+    assert all(GENERATION_SHARD.fullmatch(name) for name in shards.train + shards.val)
+    assert sorted(listing(tmp_path)) == sorted([CLASSES_FILE, MANIFEST, *shards.train, *shards.val])
     for split in (TRAIN, VAL):
         written, source = read_split(tmp_path, split), source_samples(tree, split)
         assert [key for key, *_ in written] == [f"{i:08d}" for i in range(len(source))]
@@ -63,6 +89,19 @@ def test_shards_hold_every_image_once_with_its_class(tree, tmp_path):
     assert [tuple(sample) for _, *sample in read_split(tmp_path, VAL)] == source_samples(tree, VAL)  # ImageFolder order
     train = [label for *_, label in read_split(tmp_path, TRAIN)]
     assert train != sorted(train) and len(set(train[:10])) > 3  # shuffled: a shard mixes the classes
+
+
+def test_the_manifest_names_the_generation_the_classes_and_each_shards_size_and_samples(tree, tmp_path):
+    written = convert(tree, str(tmp_path), shard_mb=0.02)
+    manifest = json.loads((tmp_path / MANIFEST).read_text())
+    assert set(manifest) == {"format", "generation", "classes", "splits"} and manifest["classes"] == CLASSES
+    for split in (TRAIN, VAL):
+        entries = manifest["splits"][split]
+        assert [entry["name"] for entry in entries] == [f"{split}-{manifest['generation']}-{i:06d}.tar"
+                                                        for i in range(len(entries))]
+        assert [entry["bytes"] for entry in entries] == [(tmp_path / entry["name"]).stat().st_size for entry in entries]
+        assert written[split] == (sum(entry["samples"] for entry in entries), len(entries),
+                                  sum(entry["bytes"] for entry in entries))
 
 
 def test_a_shard_ends_before_it_passes_shard_mb(tree, tmp_path):
@@ -77,29 +116,158 @@ def test_a_shard_ends_before_it_passes_shard_mb(tree, tmp_path):
     assert tiny == {TRAIN: (80, 80, tiny[TRAIN][2]), VAL: (20, 20, tiny[VAL][2])}
 
 
-def test_a_rerun_writes_the_same_bytes_and_drops_shards_it_did_not_rewrite(tree, tmp_path):
+def test_a_rerun_writes_the_same_bytes_under_new_names_and_deletes_every_other_shard(tree, tmp_path):
     convert(tree, str(tmp_path / "a"), shard_mb=0.02)
     convert(tree, str(tmp_path / "b"), shard_mb=0.02)
-    files = sorted(p.name for p in (tmp_path / "a").iterdir())
-    assert files == sorted(p.name for p in (tmp_path / "b").iterdir()) and len(files) > 5
-    assert all((tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes() for name in files)
+    assert shard_bytes(tmp_path / "a") == shard_bytes(tmp_path / "b") and len(shard_bytes(tmp_path / "a")) > 5
+    assert set(shard_set(tmp_path / "a").train).isdisjoint(shard_set(tmp_path / "b").train)  # a new generation
     convert(tree, str(tmp_path / "b"), shard_mb=0.02, seed=1)
-    assert (tmp_path / "a" / "train-000000.tar").read_bytes() != (tmp_path / "b" / "train-000000.tar").read_bytes()
+    assert shard_bytes(tmp_path / "a")[0] != shard_bytes(tmp_path / "b")[0]
 
-    convert(tree, str(tmp_path / "a"))  # one shard per split now: the earlier tail must not stay
-    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [CLASSES_FILE, "train-000000.tar", "val-000000.tar"]
+    for hand_named in ("train-000000.tar", "val-000007.tar"):
+        (tmp_path / "a" / hand_named).write_bytes(b"another tool's")
+    (tmp_path / "a" / "notes.txt").write_text("kept: not a shard")
+    convert(tree, str(tmp_path / "a"))  # one shard per split now: the earlier ones must not stay
+    shards = shard_set(tmp_path / "a")
+    assert sorted(listing(tmp_path / "a")) == sorted([CLASSES_FILE, MANIFEST, "notes.txt", *shards.train, *shards.val])
+    assert len(shards.train) == len(shards.val) == 1
 
 
-def test_formats_a_shard_does_not_hold_become_lossless_png(tmp_path):
-    tree = write_imagefolder(tmp_path / "tree", train_size=60, test_size=4, shape="cifar", formats=("bmp", "tif"))
+class Killed(Exception):
+    """The converter's process dying at a chosen write."""
+
+
+@pytest.mark.parametrize("dies_at", [lambda name, writes: writes == 3, lambda name, writes: name == MANIFEST],
+                         ids=["after-three-shards", "at-the-manifest"])
+def test_an_interrupted_reconversion_leaves_the_earlier_set_whole(tree, tmp_path, monkeypatch, dies_at):
+    dest, other = tmp_path / "dest", write_imagefolder(tmp_path / "other", train_size=40, test_size=10, shape="cifar")
+    convert(tree, str(dest), shard_mb=0.02)
+    earlier = {split: read_split(dest, split) for split in (TRAIN, VAL)}
+    assert [tuple(sample) for _, *sample in earlier[VAL]] == source_samples(tree, VAL)
+    write_from, written = LocalStorage.write_from, []
+
+    def dying_write_from(self, name, produce):
+        if dies_at(name, len(written)):
+            raise Killed
+        write_from(self, name, produce)
+        written.append(name)
+    monkeypatch.setattr(LocalStorage, "write_from", dying_write_from)
+    with pytest.raises(Killed):
+        convert(other, str(dest), shard_mb=0.02)
+    monkeypatch.undo()
+    assert len(written) >= 3 and all(GENERATION_SHARD.fullmatch(name) for name in written[:3])
+    assert set(written[:3]) <= set(listing(dest)) - set(shard_set(dest).train)  # the new shards are there, unread
+    assert {split: read_split(dest, split) for split in (TRAIN, VAL)} == earlier
+
+    convert(other, str(dest), shard_mb=0.02)
+    shards = shard_set(dest)
+    assert sorted(listing(dest)) == sorted([CLASSES_FILE, MANIFEST, *shards.train, *shards.val])
+    assert [tuple(sample) for _, *sample in read_split(dest, VAL)] == source_samples(other, VAL)
+
+
+def test_generation_named_shards_without_a_manifest_are_an_interrupted_conversion(tree, tmp_path):
+    convert(tree, str(tmp_path))
+    (tmp_path / MANIFEST).unlink()
+    with pytest.raises(UserError, match=f"^{tmp_path} holds train-[0-9a-f]{{12}}-000000.tar but no {MANIFEST}: a "
+                                        f"conversion into {tmp_path} was interrupted before it finished; run "
+                                        f"python -m common.shards SRC {tmp_path} again$"):
+        shard_set(tmp_path)
+
+
+def test_without_a_manifest_hand_named_shards_are_read_by_glob_in_order():
+    def no_read(name: str) -> bytes:
+        raise AssertionError(f"read {name}")
+    found = resolve({"train-000001.tar": "10-b", "train-000000.tar": "10-a", "val-000000.tar": "10-c",
+                     CLASSES_FILE: "4-d", "train-000002.tar.part": "3-e", "notes.txt": "1-f"}, no_read, "s3://b/p/")
+    assert found == ShardSet(["train-000000.tar", "train-000001.tar"], ["val-000000.tar"], None, {}, False)
+    assert resolve({"train-000000.tar": "10-a"}, no_read, "s3://b/p").val == []  # the caller refuses an empty split
+
+
+def truncate_a_shard(dest: Path) -> str:
+    name = shard_set(dest).val[0]
+    size = (dest / name).stat().st_size
+    (dest / name).write_bytes((dest / name).read_bytes()[:1024])
+    return (f"{dest}/{name} is 1024 bytes but {MANIFEST} says {size}: it was cut short or changed; copy it again "
+            f"from where the shards were converted, or run python -m common.shards SRC {dest} again")
+
+
+def delete_a_shard(dest: Path) -> str:
+    name = shard_set(dest).train[-1]
+    size = (dest / name).stat().st_size
+    (dest / name).unlink()
+    return f"{dest}/{name} is missing ({MANIFEST} lists it, {size} bytes); copy it again"
+
+
+def garble_the_manifest(dest: Path) -> str:
+    (dest / MANIFEST).write_text("{")
+    return f"{dest}/{MANIFEST} is not a valid shard manifest (not JSON: "
+
+
+def edit_manifest(dest: Path, **changes) -> None:
+    (dest / MANIFEST).write_text(json.dumps({**json.loads((dest / MANIFEST).read_text()), **changes}))
+
+
+def give_a_newer_format(dest: Path) -> str:
+    edit_manifest(dest, format=2)
+    return (f"{dest}/{MANIFEST} is not a valid shard manifest (format 2; this version reads format 1); run "
+            f"python -m common.shards SRC {dest} again")
+
+
+def name_a_file_outside(dest: Path) -> str:
+    edit_manifest(dest, splits={TRAIN: [{"name": "../train-x.tar", "bytes": 1, "samples": 1}], VAL: []})
+    return f"{dest}/{MANIFEST} is not a valid shard manifest (train lists {{'name': '../train-x.tar'"
+
+
+@pytest.mark.parametrize("damage", [truncate_a_shard, delete_a_shard, garble_the_manifest, give_a_newer_format,
+                                    name_a_file_outside])
+def test_a_set_that_differs_from_its_manifest_is_refused_naming_the_file(tree, tmp_path, damage):
+    convert(tree, str(tmp_path), shard_mb=0.02)
+    message = damage(tmp_path)
+    with pytest.raises(UserError) as error:
+        shard_set(tmp_path)
+    assert str(error.value).startswith(message) and "\n" not in str(error.value)
+
+
+def test_an_unreadable_manifest_is_named():
+    def denied(name: str) -> bytes:
+        raise StorageError(f"s3://b/p/{name}", "access denied, wrong or missing credentials", DENIED)
+    with pytest.raises(UserError, match=r"^s3://b/p/manifest.json cannot be read \(access denied, wrong or missing "
+                                        r"credentials\); check its access, or run python -m common.shards SRC "
+                                        r"s3://b/p again$"):
+        resolve({MANIFEST: "300-etag"}, denied, "s3://b/p/")
+
+
+def write_tree(root: Path, files: dict[str, bytes]) -> Path:
+    """An ImageFolder tree of the given files (path -> bytes)."""
+    for name, data in files.items():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        (root / name).write_bytes(data)
+    return root
+
+
+def encoded(image: Image.Image, format: str) -> bytes:
+    out = io.BytesIO()
+    image.save(out, format=format)
+    return out.getvalue()
+
+
+def test_every_format_is_copied_verbatim_16_bit_and_float_included(tmp_path):
+    gray = np.arange(12 * 16).reshape(12, 16)
+    deep, real = Image.fromarray((gray * 300).astype(np.uint16)), Image.fromarray((gray / 7).astype(np.float32))
+    assert (deep.mode, real.mode) == ("I;16", "F")
+    rgb = Image.fromarray(np.random.default_rng(0).integers(0, 255, (12, 16, 3), dtype=np.uint8))
+    tree = write_tree(tmp_path / "tree", {
+        "train/a/deep.png": encoded(deep, "PNG"), "train/a/real.TIF": encoded(real, "TIFF"),
+        "train/b/pic.gif": encoded(rgb, "GIF"), "train/b/pic.bmp": encoded(rgb, "BMP"),
+        "train/b/pic.ppm": encoded(rgb, "PPM"), "train/b/pic.webp": encoded(rgb, "WEBP"),
+        "val/a/gray.pgm": encoded(rgb.convert("L"), "PPM"), "val/b/pic.tiff": encoded(rgb, "TIFF")})
     convert(tree, str(tmp_path / "out"))
-    source = sorted((tree / VAL).glob("*/*"), key=lambda p: (p.parent.name, p.name))
-    written = read_split(tmp_path / "out", VAL)
-    assert [ext for _, ext, _, _ in written] == ["png"] * 4 and {p.suffix for p in source} == {".bmp", ".tif"}
-    for path, (_, _, data, _) in zip(source, written):
-        image = Image.open(io.BytesIO(data))
-        assert image.format == "PNG" and image.mode == "RGB"
-        assert np.array_equal(np.asarray(image), np.asarray(Image.open(path)))
+    for split in (TRAIN, VAL):
+        source = sorted((path.suffix.lower()[1:], path.read_bytes(), "ab".index(path.parent.name))
+                        for path in (tree / split).glob("*/*"))
+        assert sorted((ext, data, label) for _, ext, data, label in read_split(tmp_path / "out", split)) == source
+    with Image.open(tree / "train/a/deep.png") as image:
+        assert image.mode == "I;16"  # the PNG encoder kept 16 bits: the shard holds them, byte for byte
 
 
 def test_a_url_destination_goes_through_fsspec(tree, tmp_path):
@@ -107,9 +275,11 @@ def test_a_url_destination_goes_through_fsspec(tree, tmp_path):
     try:
         convert(tree, "memory://shards-test/out", shard_mb=0.02)
         convert(tree, str(tmp_path), shard_mb=0.02)
-        names = sorted(path.rsplit("/", 1)[-1] for path in memory.ls("/shards-test/out", detail=False))
-        assert names == sorted(p.name for p in tmp_path.iterdir())
-        assert all(memory.cat_file(f"/shards-test/out/{name}") == (tmp_path / name).read_bytes() for name in names)
+        store = FsspecStorage("memory://shards-test/out", {})
+        shards = resolve(store.versions(), store.read, "memory://shards-test/out")
+        assert sorted(store.versions()) == sorted([CLASSES_FILE, MANIFEST, *shards.train, *shards.val])
+        assert [store.read(name) for name in shards.train + shards.val] == shard_bytes(tmp_path)
+        assert store.read(CLASSES_FILE) == (tmp_path / CLASSES_FILE).read_bytes()
     finally:
         memory.rm("/shards-test", recursive=True)
 
@@ -134,7 +304,7 @@ def test_the_command_line_converts(tree, tmp_path):
     assert result.returncode == 0 and result.stderr == ""
     assert result.stdout.startswith("common.shards: wrote train 80 samples in ") and result.stdout.count("\n") == 1
     convert(tree, str(tmp_path / "same"), shard_mb=0.02, seed=3)
-    assert (tmp_path / "out" / "train-000001.tar").read_bytes() == (tmp_path / "same" / "train-000001.tar").read_bytes()
+    assert shard_bytes(tmp_path / "out") == shard_bytes(tmp_path / "same")
 
 
 @pytest.mark.parametrize("break_tree, named", [
@@ -150,6 +320,41 @@ def test_a_broken_tree_is_one_line_and_exit_2(tree, tmp_path, break_tree, named)
     assert result.returncode == 2 and result.stdout == "" and not (tmp_path / "out").exists()  # nothing written
     assert result.stderr.startswith("common.shards: error: ") and result.stderr.count("\n") == 1
     assert f"{broken / named}" in result.stderr
+
+
+def bmp_claiming(width: int, height: int) -> bytes:
+    """A small 1-bit BMP whose header claims width x height: PIL reads the header, not the pixels."""
+    data = bytearray(encoded(Image.new("1", (8, 8)), "BMP"))
+    struct.pack_into("<ii", data, 18, width, height)  # BITMAPINFOHEADER's biWidth, biHeight
+    return bytes(data)
+
+
+PNG = encoded(Image.new("L", (16, 16), 128), "PNG")
+NOISE = encoded(Image.fromarray(np.random.default_rng(0).integers(0, 255, (32, 32), dtype=np.uint8)), "PNG")
+
+
+@pytest.mark.filterwarnings("error")  # PIL's DecompressionBombWarning included
+@pytest.mark.parametrize("name, data, says", [
+    ("train/b/cut.png", NOISE[:len(NOISE) // 2], "does not decode as an image (image file is truncated"),
+    ("val/a/text.jpg", b"not an image", "does not decode as an image (cannot identify image file"),
+    ("train/a/big.bmp", bmp_claiming(10000, 10000), "is 10000 x 10000 = 100000000 pixels, more than the 89478485 "
+                                                    "an image may have (PIL's decompression-bomb limit); shrink it"),
+    ("train/b/huge.bmp", bmp_claiming(20000, 20000), "is too large to decode (Image size (400000000 pixels) "),
+], ids=["truncated-png", "not-an-image-jpg", "bmp-past-the-limit", "bmp-past-twice-the-limit"])
+def test_an_image_that_does_not_decode_or_is_too_large_stops_the_converter_before_it_writes(
+        tmp_path, capsys, name, data, says):
+    tree = write_tree(tmp_path / "tree", {"train/a/0.png": PNG, "train/b/1.png": NOISE, "val/a/2.png": PNG,
+                                          name: data})
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tree), str(tmp_path / "out")])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == "" and not (tmp_path / "out").exists()  # nothing written
+    assert err.startswith(f"common.shards: error: {tree / name} {says}") and err.count("\n") == 1
+
+
+def test_pixels_problem_refuses_past_pils_limit():
+    assert pixels_problem(9459, 9459) is None and pixels_problem(89_478_485, 1) is None
+    assert pixels_problem(89_478_486, 1).startswith("is 89478486 x 1 = 89478486 pixels, more than the 89478485 ")
 
 
 def test_bad_storage_options_are_a_usage_error(tree, tmp_path, capsys):

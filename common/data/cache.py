@@ -7,6 +7,9 @@ import fcntl
 import json
 import math
 import os
+import secrets
+import shutil
+import socket
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -51,6 +54,43 @@ def file_lock(path: Path, say: Callable[[str], None] = lambda line: None) -> Ite
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def staging_path(target: Path) -> Path:
+    """A temp name beside `target`, unique across processes and hosts (two pods share a pid; a
+    --cache-dir on NFS is shared by nodes): .NAME.tmp-HOST-PID-RANDOM."""
+    return target.with_name(f".{target.name}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
+
+
+def sweep_staging(parent: Path, target: Path) -> None:
+    """Delete what builds killed mid-way left in `parent`: a staging .NAME.tmp-* whose lock
+    .NAME.lock no process holds (flock is released when its holder dies, on any node sharing the
+    volume). The caller holds `target`'s lock: its leftovers go too."""
+    for staging in parent.glob(".*.tmp-*"):
+        name = staging.name[1:].split(".tmp-")[0]
+        if name == target.name or _unlocked(parent / f".{name}.lock"):
+            shutil.rmtree(staging, ignore_errors=True) if staging.is_dir() else staging.unlink(missing_ok=True)
+
+
+def _unlocked(lock: Path) -> bool:
+    try:
+        with open(lock, "a") as handle:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(handle, fcntl.LOCK_UN)
+            return True
+    except BlockingIOError:
+        return False
+
+
+def write_atomically(path: Path, text: str) -> None:
+    """A small file under its final name only when whole: a full disk or a kill leaves the old file
+    or none, never a cut one that breaks every later run."""
+    tmp = staging_path(path)
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
 def write_tensors(folder: Path, tensors: dict[str, torch.Tensor], meta: dict | None = None) -> None:
     """Each tensor as a raw file, their shapes and dtypes (and `meta`) in meta.json, written last."""
     for name, tensor in tensors.items():
@@ -63,8 +103,14 @@ def read_meta(folder: Path) -> dict:
     return json.loads((folder / META).read_text())
 
 
-def map_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    """The tensors write_tensors wrote, memory-mapped: every rank maps the same pages."""
-    shapes = read_meta(folder)["tensors"]
-    return {name: torch.from_file(str(folder / name), shared=False, size=math.prod(s["shape"]),
-                                  dtype=getattr(torch, s["dtype"])).view(s["shape"]) for name, s in shapes.items()}
+def map_tensors(folder: Path, prefix: str = "") -> dict[str, torch.Tensor]:
+    """The tensors write_tensors wrote (those whose name starts with `prefix`), memory-mapped:
+    every rank maps the same pages."""
+    return {name: _mapped(folder / name, s["shape"], getattr(torch, s["dtype"]))
+            for name, s in read_meta(folder)["tensors"].items() if name.startswith(prefix)}
+
+
+def _mapped(path: Path, shape: list[int], dtype: torch.dtype) -> torch.Tensor:
+    if not math.prod(shape):
+        return torch.empty(shape, dtype=dtype)  # an empty file cannot be mapped
+    return torch.from_file(str(path), shared=False, size=math.prod(shape), dtype=dtype).view(shape)

@@ -17,14 +17,16 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import BinaryIO, Callable, Iterator
 
+import numpy as np
 import torch
 
 from common import shards as layout
+from common.data.index import SAMPLES_NAMED, SetIndex, Table, TableWriter
 from common.data.shardcache import ShardCache
 from common.errors import UserError
 
 EVAL_CROP = 0.875  # evaluation: resize the short side to S / 0.875, centre-crop S (224 of 256)
-GRAY_MODES = ("1", "L", "I;16", "I")  # modes whose images train with one channel
+GRAY_MODES = ("1", "L", "I", "F")  # modes (and I;16 and its kin) whose images train with one channel
 STATS_SAMPLES = 2048  # training images the normalization statistics are measured on (evenly spaced)
 SKIP_FLAG = "--skip-broken"
 
@@ -53,66 +55,10 @@ class Geometry:
                 f"{self.augment}")
 
 
-@dataclass
-class Table:
-    """One split's samples: where each image's bytes are and its class. ImageFolder: `names` are
-    image paths relative to the data folder. Shards: `names` are the shard files, and each sample
-    is bytes [offset, offset + size) of shard `group`."""
-
-    labels: torch.Tensor  # int64
-    names: list[str]
-    keys: list[str] = field(default_factory=list)  # shards: each sample's image member, for messages
-    group: torch.Tensor | None = None  # int64 shard of each sample
-    offset: torch.Tensor | None = None  # int64
-    size: torch.Tensor | None = None  # int64
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    @property
-    def sharded(self) -> bool:
-        return self.group is not None
-
-    def take(self, keep: torch.Tensor) -> "Table":
-        """The samples at `keep` (a bool mask or indices), in order."""
-        kept = keep.nonzero().flatten() if keep.dtype == torch.bool else keep
-        ids = kept.tolist()
-        if not self.sharded:
-            return Table(self.labels[kept], [self.names[i] for i in ids])
-        return Table(self.labels[kept], self.names, [self.keys[i] for i in ids], self.group[kept], self.offset[kept],
-                     self.size[kept])
-
-    def state(self) -> dict:
-        return {"labels": self.labels, "names": self.names, "keys": self.keys, "group": self.group,
-                "offset": self.offset, "size": self.size}
-
-
-@dataclass
-class SetIndex:
-    kind: str  # imagefolder | shards
-    root: str  # the data folder or URL
-    classes: int
-    train: Table
-    test: Table
-    sizes: dict[str, str]  # "WxH" -> an image of that size, for the message about mixed sizes
-    modes: list[str]
-    fingerprint: str
-    skipped: list[str] = field(default_factory=list)  # files whose header did not read (with --skip-broken)
-
-    def state(self) -> dict:
-        return {"kind": self.kind, "root": self.root, "classes": self.classes, "train": self.train.state(),
-                "test": self.test.state(), "sizes": self.sizes, "modes": self.modes,
-                "fingerprint": self.fingerprint, "skipped": self.skipped}
-
-    @staticmethod
-    def from_state(state: dict) -> "SetIndex":
-        return SetIndex(**{**state, "train": Table(**state["train"]), "test": Table(**state["test"])})
-
-
 # ---------------------------------------------------------------- geometry
 
 def choose_geometry(index: SetIndex, image_size: int) -> Geometry:
-    channels = 1 if all(mode in GRAY_MODES for mode in index.modes) else 3
+    channels = 1 if all(mode.split(";")[0] in GRAY_MODES for mode in index.modes) else 3
     if image_size:
         short = round(image_size / EVAL_CROP)
         return Geometry(channels, Stored(short, short), Stored(image_size, short), image_size, "resized-crop-flip")
@@ -144,7 +90,9 @@ class Undecodable(Exception):
 
 def decode(data: bytes, stored: Stored, channels: int) -> torch.Tensor:
     """Encoded bytes -> uint8 (channels, side, side). JPEGs decode at a reduced scale where the
-    resize would discard the detail anyway (PIL's draft mode: the DCT does the downscaling)."""
+    resize would discard the detail anyway (PIL's draft mode: the DCT does the downscaling).
+    Memory is bounded: an image above layout.MAX_PIXELS is refused before its pixels are read,
+    and the resize produces only the stored square (a 4000x1 image is not first made 1,024,000 x 256)."""
     from PIL import Image
 
     with warnings.catch_warnings():
@@ -152,7 +100,9 @@ def decode(data: bytes, stored: Stored, channels: int) -> torch.Tensor:
         with Image.open(io.BytesIO(data)) as image:
             if stored.short and image.format == "JPEG":
                 image.draft("L" if channels == 1 else "RGB", (stored.short, stored.short))
-            image = image.convert("L" if channels == 1 else "RGB")
+            if problem := layout.pixels_problem(*image.size):
+                raise ValueError(problem)
+            image = to_8_bits(image).convert("L" if channels == 1 else "RGB")
             if stored.short:
                 image = _resize_and_crop(image, stored)
     if image.size != (stored.side, stored.side):
@@ -161,25 +111,47 @@ def decode(data: bytes, stored: Stored, channels: int) -> torch.Tensor:
     return pixels.view(stored.side, stored.side, channels).permute(2, 0, 1).contiguous()
 
 
-def _resize_and_crop(image, stored: Stored):  # PIL images: PIL is imported where it is used
+def to_8_bits(image):  # a PIL image: PIL is imported where it is used
+    """16-bit grayscale (I;16*, and I as PIL opens 16-bit PNGs) scaled from 0..65535, and float
+    (F) from 0..1, to 0..255: PIL's convert clips them instead (a 16-bit scan turns white)."""
+    from PIL import Image
+
+    if image.mode == "F":
+        values = np.asarray(image, dtype=np.float32)
+        low, high = float(values.min(initial=0.0)), float(values.max(initial=0.0))
+        if low < 0 or high > 1:
+            raise ValueError(f"it is a float image with values from {low:g} to {high:g}; float images are read as "
+                             "0..1: rescale it, or save it as 8- or 16-bit")
+        return Image.fromarray((values * 255).round().astype(np.uint8), "L")
+    if image.mode.startswith("I"):
+        values = np.asarray(image).astype(np.int64).clip(0, 65535)
+        return Image.fromarray(((values * 255 + 32767) // 65535).astype(np.uint8), "L")
+    return image
+
+
+def _resize_and_crop(image, stored: Stored):
+    """Short side to stored.short, centre square of stored.side: only the source box that becomes
+    that square is resampled (PIL's resize box), so the output is side x side whatever the shape."""
     from PIL import Image
 
     width, height = image.size
-    scale = stored.short / min(width, height)
-    size = (max(stored.side, round(width * scale)), max(stored.side, round(height * scale)))
-    image = image.resize(size, Image.BILINEAR, reducing_gap=None)
-    left, top = (size[0] - stored.side) // 2, (size[1] - stored.side) // 2
-    return image.crop((left, top, left + stored.side, top + stored.side))
+    extent = stored.side * min(width, height) / stored.short  # the source pixels that become the side
+    left, top = (width - extent) / 2, (height - extent) / 2
+    return image.resize((stored.side, stored.side), Image.BILINEAR, box=(left, top, left + extent, top + extent),
+                        reducing_gap=None)
 
 
 def header(data_or_path: bytes | Path) -> tuple[tuple[int, int], str]:
-    """(width, height) and PIL mode, from the header alone."""
+    """(width, height) and PIL mode, from the header alone; an image above layout.MAX_PIXELS is
+    refused here, at indexing, before any run decodes it."""
     from PIL import Image
 
     source = io.BytesIO(data_or_path) if isinstance(data_or_path, bytes) else data_or_path
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         with Image.open(source) as image:
+            if problem := layout.pixels_problem(*image.size):
+                raise ValueError(problem)
             return image.size, image.mode
 
 
@@ -217,10 +189,12 @@ class Reader(torch.utils.data.Dataset):
         t = self.table
         if not t.sharded:
             return (Path(self.root) / t.names[i]).read_bytes()
-        shard = t.names[int(t.group[i])]
-        with self.cache.open(shard) if self.cache else open(Path(self.root) / shard, "rb") as f:
-            f.seek(int(t.offset[i]))
-            return f.read(int(t.size[i]))
+        shard, offset, size = t.names[int(t.group[i])], int(t.offset[i]), int(t.size[i])
+        if self.cache:
+            return self.cache.read(shard, offset, size)
+        with open(Path(self.root) / shard, "rb") as f:
+            f.seek(offset)
+            return f.read(size)
 
     def image(self, i: int) -> torch.Tensor:
         """The decoded image, or Undecodable naming its file."""
@@ -254,8 +228,9 @@ class Reader(torch.utils.data.Dataset):
                 *((self.cache.hits - hits, self.cache.misses - misses) if self.cache else (0, 0)), error)
 
     def decodable_from(self, i: int, skipped: list[str]) -> tuple[int, torch.Tensor]:
-        """Sample i and its image, or with skip the first sample from i on (in index order) that decodes."""
-        for j in [*range(i, len(self)), *range(i)]:
+        """Sample i and its image, or with skip the first sample from i on (in index order, wrapping
+        around) that decodes: each step costs one sample, whatever the set's size."""
+        for j in ((i + k) % len(self) for k in range(len(self))):
             try:
                 return j, self.image(j)
             except Undecodable as e:
@@ -296,40 +271,97 @@ def default_workers(local_world_size: int) -> int:
     return max(1, min(8, cores // max(local_world_size, 1) - 1))
 
 
+# ---------------------------------------------------------------- what indexing finds
+
+@dataclass
+class Survey:
+    """What an index pass saw besides the samples: image sizes and modes (they fix the geometry),
+    and the files left out: skipped (the header did not read, --skip-broken) and ignored (not an
+    image the suite reads). Bounded: names are kept for the first SAMPLES_NAMED of each."""
+
+    sizes: dict[str, str] = field(default_factory=dict)
+    modes: set[str] = field(default_factory=set)
+    skipped: list[str] = field(default_factory=list)
+    skipped_count: int = 0
+    ignored: list[str] = field(default_factory=list)
+    ignored_count: int = 0
+
+    def saw(self, dims: str, example: str, mode: str) -> None:
+        if len(self.sizes) < 2:  # two sizes are enough to say the set is mixed, and to name both
+            self.sizes.setdefault(dims, example)
+        self.modes.add(mode)
+
+    def skip(self, names: list[str], count: int | None = None) -> None:
+        self.skipped += names[:SAMPLES_NAMED - len(self.skipped)]
+        self.skipped_count += len(names) if count is None else count
+
+    def ignore(self, names: list[str], count: int | None = None) -> None:
+        self.ignored += names[:SAMPLES_NAMED - len(self.ignored)]
+        self.ignored_count += len(names) if count is None else count
+
+    def merge(self, other: "Survey") -> None:
+        for dims, example in other.sizes.items():
+            if len(self.sizes) < 2:
+                self.sizes.setdefault(dims, example)
+        self.modes |= other.modes
+        self.skip(other.skipped, other.skipped_count)
+        self.ignore(other.ignored, other.ignored_count)
+
+    def meta(self) -> dict:
+        return {"sizes": self.sizes, "modes": sorted(self.modes), "skipped": self.skipped,
+                "skipped_count": self.skipped_count, "ignored": self.ignored, "ignored_count": self.ignored_count}
+
+
 # ---------------------------------------------------------------- indexing an ImageFolder tree
 
-def index_folder(root: Path, workers: int, skip: bool) -> SetIndex:
+HEADER_CHUNK = 256  # images per worker task while reading headers
+HEADER_GROUP = 65536  # images listed at a time: the listing's memory is bounded, not the set's size
+
+
+def index_folder(root: Path, folder: Path, workers: int, skip: bool) -> tuple[int, Survey]:
+    """Writes the tree's tables into `folder`; its class count and what the pass saw."""
     classes = layout.folder_classes(root)
-    splits = {split: layout.folder_images(root, split, classes) for split in (layout.TRAIN, layout.VAL)}
-    sizes: dict[str, str] = {}
-    modes: set[str] = set()
-    tables, skipped = {}, []
-    for split, samples in splits.items():
-        paths = [rel for rel, _ in samples]
-        chunks = [paths[i:i + 256] for i in range(0, len(paths), 256)]
-        keep = []
-        for chunk_headers in parallel(chunks, lambda chunk: [_folder_header(root, rel, skip) for rel in chunk],
-                                      workers):
-            for rel, found in chunk_headers:
-                keep.append(found is not None)
-                if not found:
-                    skipped.append(str(root / rel))
-                else:
-                    (w, h), mode = found
-                    sizes.setdefault(f"{w}x{h}", str(root / rel))
-                    modes.add(mode)
-        table = Table(torch.tensor([label for _, label in samples], dtype=torch.int64), paths)
-        tables[split] = table.take(torch.tensor(keep, dtype=torch.bool)) if not all(keep) else table
-    return SetIndex("imagefolder", str(root), len(classes), tables[layout.TRAIN], tables[layout.VAL], sizes,
-                    sorted(modes), "", skipped)
+    survey = Survey()
+    for split in (layout.TRAIN, layout.VAL):
+        writer = TableWriter(folder, "train" if split == layout.TRAIN else "test", sharded=False)
+        for group in _groups(layout.class_images(root, split, classes, survey.ignore)):
+            chunks = [(label, paths[i:i + HEADER_CHUNK]) for label, paths in group
+                      for i in range(0, len(paths), HEADER_CHUNK)]
+            for label, found in parallel(chunks, lambda chunk: _folder_headers(root, *chunk, skip), workers):
+                kept = [rel for rel, seen in found if seen is not None]
+                writer.add_images(kept, [label] * len(kept))
+                survey.skip([str(root / rel) for rel, seen in found if seen is None])
+                for rel, seen in found:
+                    if seen is not None:
+                        (w, h), mode = seen
+                        survey.saw(f"{w}x{h}", str(root / rel), mode)
+        writer.close()
+    return len(classes), survey
 
 
-def _folder_header(root: Path, rel: str, skip: bool) -> tuple[str, tuple | None]:
+def _groups(classes: Iterator[tuple[int, list[str]]]) -> Iterator[list[tuple[int, list[str]]]]:
+    """Classes gathered into groups of about HEADER_GROUP images."""
+    group, count = [], 0
+    for label, paths in classes:
+        group.append((label, paths))
+        count += len(paths)
+        if count >= HEADER_GROUP:
+            yield group
+            group, count = [], 0
+    if group:
+        yield group
+
+
+def _folder_headers(root: Path, label: int, paths: list[str], skip: bool) -> tuple[int, list[tuple[str, tuple | None]]]:
+    return label, [(rel, _folder_header(root, rel, skip)) for rel in paths]
+
+
+def _folder_header(root: Path, rel: str, skip: bool) -> tuple | None:
     try:
-        return rel, header(root / rel)
+        return header(root / rel)
     except Exception as e:  # noqa: BLE001 - one line naming the file
         if skip:
-            return rel, None
+            return None
         raise UserError(broken_message(str(root / rel), e)) from None
 
 
@@ -343,21 +375,39 @@ class ShardSamples:
     sizes: list[int] = field(default_factory=list)
     keys: list[str] = field(default_factory=list)
     labels: list[int] = field(default_factory=list)
-    dims: dict[str, str] = field(default_factory=dict)
-    modes: set[str] = field(default_factory=set)
-    skipped: list[str] = field(default_factory=list)
+    survey: Survey = field(default_factory=Survey)
 
 
-def read_shard(opened: BinaryIO, name: str, skip: bool) -> ShardSamples:
+def index_shards(names: list[str], read: Callable[[str], ShardSamples], writer: TableWriter, workers: int,
+                 survey: Survey) -> tuple[int, str]:
+    """Each shard's samples, read by `workers` processes, appended to the split's table in order;
+    the largest class met, and where (-1 and "" for no sample)."""
+    top = (-1, "")
+    for group, (name, found) in enumerate(zip(names, parallel(names, read, workers))):
+        writer.add_shard(name, group, found.offsets, found.sizes, found.keys, found.labels)
+        survey.merge(found.survey)
+        if found.labels and max(found.labels) > top[0]:
+            top = (max(found.labels), f"{name}: {found.keys[found.labels.index(max(found.labels))]}")
+    writer.close()
+    return top
+
+
+def read_shard(opened: BinaryIO, name: str, skip: bool, expected: int | None) -> ShardSamples:
     """One pass over an open tar shard: each KEY.<image> with its KEY.cls. Opened once: a cache
-    short of room may delete the file meanwhile, and an open file stays readable."""
+    short of room may delete the file meanwhile, and an open file stays readable. `expected`: the
+    sample count the converter's manifest gives the shard."""
     with opened as f:
         images, labels = _members(f, name)
+        if expected is not None and len(images) != expected:
+            raise UserError(f"{name} holds {len(images)} samples, the manifest says {expected}: it was cut or changed "
+                        "since it was written; copy it again, or rerun python -m common.shards")
         return _samples(f, name, images, labels, skip)
 
 
 def _members(f, name: str) -> tuple[dict[str, tuple[int, int, str]], dict[str, str]]:
-    """key -> (offset, size, member name) of each image; key -> the text of each .cls."""
+    """key -> (offset, size, member name) of each image; key -> the text of each .cls. A shard must
+    end with tar's end-of-archive blocks: one cut at a member boundary would otherwise pass for a
+    shorter shard."""
     images: dict[str, tuple[int, int, str]] = {}
     labels: dict[str, str] = {}
     try:
@@ -370,9 +420,18 @@ def _members(f, name: str) -> tuple[dict[str, tuple[int, int, str]], dict[str, s
                     labels[key] = tar.extractfile(member).read(64).decode("ascii", "replace").strip()
                 elif ext in layout.SHARD_EXTENSIONS:
                     images[key] = (member.offset_data, member.size, member.name)
+            end = tar.offset
+        f.seek(end)
+        if f.read(tarfile.BLOCKSIZE) != bytes(tarfile.BLOCKSIZE):
+            raise UserError(f"{name} ends without tar's end-of-archive blocks: it was cut (a partial copy or "
+                            "download); copy it again")
     except (tarfile.TarError, OSError, EOFError) as e:
         raise UserError(f"{name} is not a readable tar shard ({first_words(e)}); replace it, or rewrite the shards "
                         "with python -m common.shards") from None
+    orphans = sorted(set(labels) - set(images))
+    if orphans:
+        raise UserError(f"{name}: sample {orphans[0]} has {orphans[0]}.cls but no image member ("
+                        f"{', '.join(layout.SHARD_EXTENSIONS)}); add it, or remove the sample")
     return images, labels
 
 
@@ -389,14 +448,13 @@ def _samples(f, name: str, images: dict[str, tuple[int, int, str]], labels: dict
         except Exception as e:  # noqa: BLE001
             if not skip:
                 raise UserError(broken_message(f"{name}:{member}", e)) from None
-            out.skipped.append(f"{name}:{member}")
+            out.survey.skip([f"{name}:{member}"])
             continue
         out.offsets.append(offset)
         out.sizes.append(size)
         out.keys.append(member)
         out.labels.append(_class_index(labels[key], name, key))
-        out.dims.setdefault(f"{w}x{h}", f"{name}:{member}")
-        out.modes.add(mode)
+        out.survey.saw(f"{w}x{h}", f"{name}:{member}", mode)
     return out
 
 
@@ -408,10 +466,13 @@ def split_member(name: str) -> tuple[str, str]:
     return (f"{folder}/{stem}" if folder else stem), ext.lower()
 
 
+MAX_CLASS = 2**31 - 1
+
+
 def _class_index(text: str, shard: str, key: str) -> int:
-    if not text.isdigit():
-        raise UserError(f"{shard}: {key}.cls holds {text[:20]!r}, not a class index (a whole number from 0); "
-                        "fix the shard, or rewrite the shards with python -m common.shards")
+    if not text.isdigit() or int(text) > MAX_CLASS:
+        raise UserError(f"{shard}: {key}.cls holds {text[:20]!r}, not a class index (a whole number from 0 to "
+                        f"{MAX_CLASS}); fix the shard, or rewrite the shards with python -m common.shards")
     return int(text)
 
 
@@ -419,16 +480,6 @@ def first_words(error: BaseException) -> str:
     return " ".join(str(error).split())[:160] or type(error).__name__
 
 
-def shard_table(names: list[str], found: list[ShardSamples]) -> Table:
-    group = [torch.full((len(s.offsets),), g, dtype=torch.int64) for g, s in enumerate(found)]
-    return Table(torch.tensor([label for s in found for label in s.labels], dtype=torch.int64), names,
-                 [key for s in found for key in s.keys], torch.cat(group) if group else torch.zeros(0, dtype=torch.int64),
-                 torch.tensor([o for s in found for o in s.offsets], dtype=torch.int64),
-                 torch.tensor([n for s in found for n in s.sizes], dtype=torch.int64))
-
-
-def check_classes(index_root: str, table: Table, classes: int, split: str, where: str) -> None:
-    if len(table) and int(table.labels.max()) >= classes:
-        i = int(table.labels.argmax())
-        raise UserError(f"{index_root.rstrip('/')}/{table.names[int(table.group[i])]}: {table.keys[i]} has class "
-                        f"{int(table.labels[i])}, outside the {classes} classes {where}; fix its .cls")
+def check_classes(top: tuple[int, str], classes: int, where: str) -> None:
+    if top[0] >= classes:
+        raise UserError(f"{top[1]} has class {top[0]}, outside the {classes} classes {where}; fix its .cls")

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import shutil
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -20,17 +22,21 @@ from typing import Any, Callable, Iterator
 import torch
 
 from common import shards as layout
-from common.data.cache import META, cache_folder, default_cache_dir, file_lock, map_tensors, read_meta, write_tensors
-from common.data.images import (STATS_SAMPLES, Geometry, Reader, SetIndex, Stored, as_is, check_classes,
-                                ShardSamples, choose_geometry, index_folder, parallel, read_shard, shard_table, stored_bytes)
+from common.data.cache import (META, cache_folder, default_cache_dir, file_lock, map_tensors, read_meta, sweep_staging,
+                               write_atomically, write_tensors)
+from common.data.images import (STATS_SAMPLES, Geometry, Reader, ShardSamples, Stored, Survey, as_is, check_classes,
+                                choose_geometry, index_folder, index_shards, read_shard, stored_bytes)
+from common.data.index import (INDEX_FORMAT, SAMPLES_NAMED, SetIndex, TableWriter, map_index, publish, shapes_of,
+                               staging_for)
 from common.data.loader import DataSpec, Dataset, Split, to_device
 from common.data.shardcache import Prefetcher, ShardCache, check_budget
 from common.errors import UserError
 from common.storage import StorageError, is_url, storage_for
 
 Say = Callable[[str], None]
-INDEX_FORMAT = 1  # in each index's key: a later index layout is never read as an earlier one
+DECODE_FORMAT = 2  # in each decoded set's key: what decode() produces (2: bounded resize, 16-bit and float scaled)
 DECODE_CHUNK = 256  # images per worker task while decoding into the cache
+STATS_CHUNK = 32  # images per worker task while measuring the statistics
 STATS_SHARDS = 8  # shards the statistics are measured on
 LOADER_TIMEOUT_S = 600.0  # a worker may fetch a shard (bounded by the store's own timeouts) and decode a batch
 
@@ -47,6 +53,7 @@ class OwnData:
     skip_broken: bool
     cache_gb: float
     shard_cache_gb: float
+    verify_data: bool = False  # fingerprint the files by their bytes, not their sizes and dates
 
     @property
     def cache_root(self) -> Path:
@@ -63,60 +70,131 @@ class OwnData:
 
 def prepare(opts: OwnData, say: Say) -> dict[str, Any]:
     """Index, geometry, statistics; then the decoded cache, or the index to stream from."""
-    index, index_path = load_index(opts, say)
+    index = load_index(opts, say)
+    check_not_empty(index)
     geometry = choose_geometry(index, opts.image_size)
+    cache = opts.shard_cache(index.versions)
+    if cache:  # every run: a budget lowered since the set was indexed holds, and trims the cache now
+        check_budget(cache.budget, max(int(v.split("-")[0]) for v in cache.versions.values()), "--shard-cache-gb")
+        cache.evict()
     mean, std = statistics(index, geometry, opts)
     spec = DataSpec(geometry.channels, geometry.size, index.classes, mean, std, geometry.augment)
-    report = {"index": str(index_path), "geometry": asdict(geometry), "spec": asdict(spec)}
+    report = {"index": str(index.folder), "geometry": asdict(geometry), "spec": asdict(spec)}
     if stored_bytes(index, geometry) <= opts.cache_gb * 2**30:
         report["decoded"] = str(decode_into_cache(index, geometry, spec, opts, say))
     return report
 
 
-def load_index(opts: OwnData, say: Say) -> tuple[SetIndex, Path]:
-    """The set's index: from the cache when its fingerprint still matches the files, else built."""
-    fingerprint, versions = fingerprint_of(opts)
+def load_index(opts: OwnData, say: Say) -> SetIndex:
+    """The set's index: mapped from the node's cache when one was built for the files as they are
+    now (the folder is named by their fingerprint), else built there."""
+    fingerprint, listing = fingerprint_of(opts)
     key = hashlib.sha256(json.dumps([INDEX_FORMAT, opts.kind, opts.data_dir, opts.skip_broken]).encode()).hexdigest()
-    path = opts.cache_root / "index" / f"{opts.kind}-{key[:16]}.pt"
-    if path.is_file():
-        state = torch.load(path, weights_only=True)
-        if state["fingerprint"] == fingerprint:
-            return SetIndex.from_state(state), path
+    parent = opts.cache_root / "index"
+    folder = parent / f"{opts.kind}-{key[:16]}-{fingerprint[:16]}"
+    if not (folder / META).is_file():
+        with writing_cache(parent, folder, say):
+            if not (folder / META).is_file():
+                build_index(opts, folder, listing, fingerprint, say)
+            for superseded in parent.glob(f"{opts.kind}-{key[:16]}-*"):  # the set's earlier content
+                if superseded != folder:
+                    shutil.rmtree(superseded, ignore_errors=True)
+    return map_index(folder)
+
+
+@contextmanager
+def writing_cache(parent: Path, target: Path, say: Say) -> Iterator[None]:
+    """Holding the lock of `target` in a cache folder: the leftovers of builds that were killed
+    (a staging folder whose lock no process holds) are deleted first; a full disk or a read-only
+    cache is one line naming --cache-dir."""
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        with file_lock(parent / f".{target.name}.lock", say):
+            sweep_staging(parent, target)
+            yield
+    except OSError as e:
+        raise UserError(f"--cache-dir {parent}: {e.strerror or e}; free space there or pass another --cache-dir"
+                        ) from None
+
+
+def build_index(opts: OwnData, folder: Path, listing: dict[str, str], fingerprint: str, say: Say) -> None:
     say(f"indexing {opts.data_dir} ...")
-    index = index_folder(Path(opts.data_dir), opts.prepare_workers, opts.skip_broken) \
-        if opts.kind == "imagefolder" else index_shards(opts, versions)
-    index.fingerprint = fingerprint
-    if index.skipped:
-        say(f"{opts.data_dir}: skipped {len(index.skipped)} unreadable file(s) ({', '.join(index.skipped[:5])}"
-            f"{', ...' if len(index.skipped) > 5 else ''})")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    torch.save(index.state(), path.with_suffix(f".tmp-{os.getpid()}"))
-    os.replace(path.with_suffix(f".tmp-{os.getpid()}"), path)
-    return index, path
+    staging = staging_for(folder)
+    try:
+        if opts.kind == "imagefolder":
+            classes, survey = index_folder(Path(opts.data_dir), staging, opts.prepare_workers, opts.skip_broken)
+            versions: dict[str, str] = {}
+        else:
+            classes, survey, versions = index_shards_into(opts, staging, listing)
+        publish(staging, folder, {"format": INDEX_FORMAT, "kind": opts.kind, "root": opts.data_dir, "classes": classes,
+                                  "fingerprint": fingerprint, "versions": versions, **survey.meta(),
+                                  "tensors": shapes_of(staging)})
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    for what, count, names in (("skipped", survey.skipped_count, survey.skipped),
+                               ("ignored", survey.ignored_count, survey.ignored)):
+        if count:
+            say(f"{opts.data_dir}: {what} {count} {REASONS[what]} ({', '.join(names[:5])}{', ...' * (count > 5)})")
+
+
+REASONS = {"skipped": "unreadable file(s)",
+           "ignored": f"file(s) that are not images the suite reads ({', '.join(layout.FOLDER_EXTENSIONS)})"}
+
+
+def check_not_empty(index: SetIndex) -> None:
+    """A split without a sample is refused before training: an empty val/ would otherwise train a
+    whole epoch and then divide by zero in the first evaluation."""
+    for split, table in (("train", index.train), ("val", index.test)):
+        if not len(table):
+            skipped = f" ({index.skipped_count} unreadable file(s) skipped)" if index.skipped_count else ""
+            where = f"{index.root}/{split}/<class>/" if index.kind == "imagefolder" else f"{index.root}/{split}-*.tar"
+            raise UserError(f"--data-dir {index.root}: its {split} split holds no image{skipped}; add images in "
+                            f"{where} (a set is trained on train and evaluated on val)")
 
 
 def fingerprint_of(opts: OwnData) -> tuple[str, dict[str, str]]:
-    """What identifies the set's content: each file's name, size and date (each object's ETag);
-    and, for shards, each shard's version."""
+    """What identifies the set's content: each file's name, size and date (each object's ETag), or
+    with --verify-data its bytes' hash; and, for shards, the listing (name -> version) of the folder."""
     if opts.kind == "imagefolder":
-        root = Path(opts.data_dir)
-        entries = {str(p.relative_to(root)): f"{p.stat().st_size}-{p.stat().st_mtime_ns}"
-                   for split in (layout.TRAIN, layout.VAL) for p in sorted((root / split).rglob("*")) if p.is_file()}
-    else:
-        entries = shard_versions(opts)
-    return hashlib.sha256(json.dumps(entries, sort_keys=True).encode()).hexdigest(), entries
+        return folder_fingerprint(Path(opts.data_dir), opts.verify_data), {}
+    listing = shard_listing(opts)
+    return hashlib.sha256(json.dumps(listing, sort_keys=True).encode()).hexdigest(), listing
 
 
-def shard_versions(opts: OwnData) -> dict[str, str]:
-    """Shard (and classes.txt) name -> version, from the folder or the store's listing."""
-    wanted = lambda name: name == layout.CLASSES_FILE or any(  # noqa: E731
+def folder_fingerprint(root: Path, contents: bool) -> str:
+    """Every file under train/ and val/, through symlinked folders too (what the index reads),
+    hashed one by one: memory does not grow with the set."""
+    layout.folder_classes(root)  # a tree without train/ or its class folders: that, in one line
+    digest = hashlib.sha256()
+    for split in (layout.TRAIN, layout.VAL):
+        for path in layout.walk_files(root / split) if (root / split).is_dir() else ():
+            digest.update(f"{path.relative_to(root)}\0{file_version(path, contents)}\0".encode())
+    return digest.hexdigest()
+
+
+def file_version(path: Path, contents: bool) -> str:
+    """size-mtime, or size-hash of the bytes: a file replaced by cp -p or rsync -a keeps its size
+    and date, and only its bytes tell."""
+    stat = path.stat()
+    if not contents:
+        return f"{stat.st_size}-{stat.st_mtime_ns}"
+    digest = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return f"{stat.st_size}-{digest.hexdigest()}"
+
+
+def shard_listing(opts: OwnData) -> dict[str, str]:
+    """The shards, classes.txt and manifest of the folder or store: name -> version."""
+    wanted = lambda name: name in (layout.CLASSES_FILE, layout.MANIFEST) or any(  # noqa: E731
         name.startswith(f"{split}-") and name.endswith(".tar") for split in (layout.TRAIN, layout.VAL))
     if not is_url(opts.data_dir):
         root = Path(opts.data_dir)
         if not root.is_dir():
             raise UserError(f"--data-dir {root} is not a folder; give the folder (or URL) that holds the "
                             "train-*.tar and val-*.tar shards")
-        return {p.name: f"{p.stat().st_size}-{p.stat().st_mtime_ns}" for p in sorted(root.iterdir()) if wanted(p.name)}
+        return {p.name: file_version(p, opts.verify_data) for p in sorted(root.iterdir()) if wanted(p.name)}
     try:
         return {name: version for name, version in storage_for(opts.data_dir, opts.storage_options).versions().items()
                 if wanted(name)}
@@ -124,67 +202,86 @@ def shard_versions(opts: OwnData) -> dict[str, str]:
         raise UserError(f"--data-dir {e}; check the URL and the credentials") from None
 
 
-def index_shards(opts: OwnData, versions: dict[str, str]) -> SetIndex:
+def read_from_data_dir(opts: OwnData, name: str) -> bytes:
+    if is_url(opts.data_dir):
+        return storage_for(opts.data_dir, opts.storage_options).read(name)
+    return (Path(opts.data_dir) / name).read_bytes()
+
+
+def index_shards_into(opts: OwnData, folder: Path, listing: dict[str, str]) -> tuple[int, Survey, dict[str, str]]:
+    """Both splits' shards indexed into `folder`: the class count, what the pass saw, and the
+    versions of the shards read (a streamed set's shard cache names its copies by them)."""
+    shard_set = layout.resolve(listing, lambda name: read_from_data_dir(opts, name), opts.data_dir)
+    names = {layout.TRAIN: shard_set.train, layout.VAL: shard_set.val}
+    versions = {name: listing[name] for split_names in names.values() for name in split_names}
     cache = opts.shard_cache(versions)
-    tables, dims, modes, skipped = {}, {}, set(), []
-    for split in (layout.TRAIN, layout.VAL):
-        names = sorted(n for n in versions if n.startswith(f"{split}-") and n.endswith(".tar"))
-        if not names:
+    root = opts.data_dir.rstrip("/")
+    survey, tops = Survey(), {}
+    for split, split_names in names.items():
+        if not split_names:
             raise UserError(f"--data-dir {opts.data_dir} holds no {layout.shard_pattern(split)}; write the shards "
                             "with python -m common.shards IMAGEFOLDER DEST")
         if cache:
-            check_budget(cache.budget, max(int(versions[n].split("-")[0]) for n in names), "--shard-cache-gb")
-        root = opts.data_dir.rstrip("/")
+            check_budget(cache.budget, max(int(versions[n].split("-")[0]) for n in split_names), "--shard-cache-gb")
+
         def read(name: str) -> ShardSamples:
             opened = cache.open(name) if cache else open(Path(root) / name, "rb")
-            return read_shard(opened, f"{root}/{name}", opts.skip_broken)
-        found = list(parallel(names, read, opts.prepare_workers))
-        for shard in found:
-            dims.update({k: v for k, v in shard.dims.items() if k not in dims})
-            modes |= shard.modes
-            skipped += shard.skipped
-        tables[split] = shard_table(names, found)
-    classes = class_count(opts, versions, tables[layout.TRAIN])
-    for split, where in ((layout.TRAIN, "of train-*.tar"), (layout.VAL, "of train-*.tar")):
-        check_classes(opts.data_dir, tables[split], classes, split,
-                      f"in {layout.CLASSES_FILE}" if layout.CLASSES_FILE in versions else where)
-    return SetIndex("shards", opts.data_dir, classes, tables[layout.TRAIN], tables[layout.VAL], dims,
-                    sorted(modes), "", skipped)
+            return read_shard(opened, f"{root}/{name}", opts.skip_broken, shard_set.samples.get(name))
+        writer = TableWriter(folder, "train" if split == layout.TRAIN else "test", sharded=True)
+        tops[split] = index_shards(split_names, read, writer, opts.prepare_workers, survey)
+    classes = class_count(opts, shard_set, listing, tops[layout.TRAIN][0])
+    where = "in the manifest" if shard_set.manifest else \
+        f"in {layout.CLASSES_FILE}" if layout.CLASSES_FILE in listing else "of train-*.tar"
+    for top in tops.values():
+        check_classes(top, classes, where)
+    return classes, survey, versions
 
 
-def class_count(opts: OwnData, versions: dict[str, str], train) -> int:
-    """classes.txt's line count where the set has one, else the largest training class + 1."""
-    if layout.CLASSES_FILE not in versions:
-        return int(train.labels.max()) + 1 if len(train) else 0
-    if is_url(opts.data_dir):
-        text = storage_for(opts.data_dir, opts.storage_options).read(layout.CLASSES_FILE).decode()
-    else:
-        text = (Path(opts.data_dir) / layout.CLASSES_FILE).read_text()
+def class_count(opts: OwnData, shard_set: layout.ShardSet, listing: dict[str, str], top_train: int) -> int:
+    """The manifest's classes; else classes.txt's line count; else the largest training class + 1."""
+    if shard_set.classes is not None:
+        return len(shard_set.classes)
+    if layout.CLASSES_FILE not in listing:
+        return top_train + 1
+    text = read_from_data_dir(opts, layout.CLASSES_FILE).decode()
     return len([line for line in text.splitlines() if line.strip()])
 
 
-def reader(index: SetIndex, split: str, geometry: Geometry, opts: OwnData, versions: dict[str, str] | None = None,
-           ) -> Reader:
+def reader(index: SetIndex, split: str, geometry: Geometry, opts: OwnData) -> Reader:
     table = index.train if split == "train" else index.test
     stored = geometry.train if split == "train" else geometry.test
-    cache = opts.shard_cache(versions or fingerprint_of(opts)[1]) if table.sharded else None
-    return Reader(table, index.root, stored, geometry.channels, opts.skip_broken, cache)
+    return Reader(table, index.root, stored, geometry.channels, opts.skip_broken, opts.shard_cache(index.versions))
 
 
 def statistics(index: SetIndex, geometry: Geometry, opts: OwnData) -> tuple[tuple[float, ...], tuple[float, ...]]:
     """Per-channel mean and std of the pixels (in [0, 1]) of STATS_SAMPLES training images, evenly
-    spaced over the set: measured once per set and geometry, then kept beside its index."""
-    path = opts.cache_root / "index" / f"stats-{index.fingerprint[:16]}-{geometry_key(geometry)}.json"
-    if path.is_file():
+    spaced over the set: measured once per set and geometry, then kept in its index's folder.
+    Summed exactly in integers, STATS_CHUNK images per worker task: memory and each task's time
+    stay those of a small batch, whatever the image size."""
+    path = index.folder / f"stats-{geometry_key(geometry)}.json"
+    try:
         mean, std = json.loads(path.read_text())
         return tuple(mean), tuple(std)
+    except (FileNotFoundError, ValueError):
+        pass  # not measured yet (or by a run killed mid-write before writes were atomic)
     picks = stats_picks(index.train)
-    images, _, _, _, _, error = next(batches_of(reader(index, "train", geometry, opts), [picks], opts.prepare_workers))
-    if error:
-        raise UserError(error)
-    images = images.double() / 255
-    mean, std = images.mean(dim=(0, 2, 3)).tolist(), images.std(dim=(0, 2, 3)).clamp(min=1e-3).tolist()
-    path.write_text(json.dumps([mean, std]))
+    chunks = [picks[i:i + STATS_CHUNK] for i in range(0, len(picks), STATS_CHUNK)]
+    sums = squares = torch.zeros(geometry.channels, dtype=torch.int64)
+    count = 0
+    for images, _, _, _, _, error in batches_of(reader(index, "train", geometry, opts), chunks, opts.prepare_workers):
+        if error:
+            raise UserError(error)
+        sums = sums + images.sum(dim=(0, 2, 3), dtype=torch.int64)
+        squares = squares + images.to(torch.int32).square().sum(dim=(0, 2, 3), dtype=torch.int64)
+        count += images[:, 0].numel()
+    mean = [s / count / 255 for s in sums.tolist()]
+    std = [max(math.sqrt(max(q - s * s / count, 0) / max(count - 1, 1)) / 255, 1e-3)
+           for s, q in zip(sums.tolist(), squares.tolist())]
+    try:
+        write_atomically(path, json.dumps([mean, std]))
+    except OSError as e:
+        raise UserError(f"--cache-dir {path.parent}: {e.strerror or e}; free space there or pass another "
+                        "--cache-dir") from None
     return tuple(mean), tuple(std)
 
 
@@ -221,31 +318,53 @@ def batches_of(source: Reader, indices: list[list[int]], workers: int, pin: bool
 
 def decode_into_cache(index: SetIndex, geometry: Geometry, spec: DataSpec, opts: OwnData, say: Say) -> Path:
     """Every image decoded once at its stored geometry into raw uint8 files, named after the set's
-    fingerprint and the geometry: found again by later runs, shared by every rank of the node."""
-    folder = opts.cache_root / "decoded" / f"{opts.kind}-{index.fingerprint[:16]}-{geometry_key(geometry)}"
-    if (folder / META).is_file():
-        return folder
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    with file_lock(folder.parent / f".{folder.name}.lock", say):
-        if (folder / META).is_file():
-            return folder
-        staging = folder.with_name(f".{folder.name}.tmp-{os.getpid()}")
-        staging.mkdir(exist_ok=True)
-        try:
-            skipped = {split: decode_split(reader(index, split, geometry, opts), staging, split, opts, say)
-                       for split in ("train", "test")}
-            if index.train.group is not None:
-                index.train.group.numpy().tofile(staging / "train_groups")
-            write_tensors(staging, {}, {"spec": asdict(spec), "skipped": skipped["train"] + skipped["test"],
-                                        "tensors": tensor_shapes(staging, index, geometry)})
-            os.replace(staging, folder)
-        except OSError as e:
-            raise UserError(f"--cache-dir {folder.parent}: {e.strerror or e}; pass a --cache-dir with room for "
-                            f"{stored_bytes(index, geometry) / 2**30:.2f} GB, or a smaller --cache-gb to stream "
-                            "the set instead") from None
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+    fingerprint, the geometry, the decoder's version and --skip-broken: found again by later runs,
+    shared by every rank of the node. The decoded folders together stay within --cache-gb: the
+    least recently used are deleted beyond it."""
+    key = hashlib.sha256(json.dumps([DECODE_FORMAT, asdict(geometry), opts.skip_broken]).encode()).hexdigest()[:12]
+    parent = opts.cache_root / "decoded"
+    folder = parent / f"{opts.kind}-{index.fingerprint[:16]}-{key}"
+    if not (folder / META).is_file():
+        with writing_cache(parent, folder, say):
+            if not (folder / META).is_file():
+                decode_all(index, geometry, spec, opts, folder, say)
+    os.utime(folder / META)  # when it was last used: what eviction goes by
+    evict_decoded(parent, int(opts.cache_gb * 2**30), keep=folder)
     return folder
+
+
+def decode_all(index: SetIndex, geometry: Geometry, spec: DataSpec, opts: OwnData, folder: Path, say: Say) -> None:
+    staging = staging_for(folder)
+    try:
+        skipped = [*decode_split(reader(index, "train", geometry, opts), staging, "train", opts, say),
+                   *decode_split(reader(index, "test", geometry, opts), staging, "test", opts, say)]
+        if index.train.group is not None:
+            index.train.group.numpy().tofile(staging / "train_groups")
+        write_tensors(staging, {}, {"spec": asdict(spec), "skipped": skipped[:SAMPLES_NAMED],
+                                    "skipped_count": len(skipped), "tensors": tensor_shapes(index, geometry)})
+        os.rename(staging, folder)
+    except OSError as e:
+        raise UserError(f"--cache-dir {folder.parent}: {e.strerror or e}; pass a --cache-dir with room for "
+                        f"{stored_bytes(index, geometry) / 2**30:.2f} GB, or a smaller --cache-gb to stream "
+                        "the set instead") from None
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+
+
+def evict_decoded(parent: Path, budget: int, keep: Path) -> None:
+    """The least recently used decoded sets deleted until the rest fit `budget` (a running job
+    that maps one keeps reading it: Linux frees the files when it unmaps them)."""
+    with file_lock(parent / ".evict.lock"):
+        folders = sorted((p for p in parent.iterdir() if p.is_dir() and (p / META).is_file()),
+                         key=lambda p: (p / META).stat().st_mtime)
+        sizes = {p: sum(f.stat().st_size for f in p.iterdir()) for p in folders}
+        total = sum(sizes.values())
+        for folder in folders:
+            if total <= budget:
+                break
+            if folder != keep:
+                shutil.rmtree(folder, ignore_errors=True)
+                total -= sizes[folder]
 
 
 def decode_split(source: Reader, folder: Path, split: str, opts: OwnData, say: Say) -> list[str]:
@@ -264,7 +383,7 @@ def decode_split(source: Reader, folder: Path, split: str, opts: OwnData, say: S
     return skipped
 
 
-def tensor_shapes(folder: Path, index: SetIndex, geometry: Geometry) -> dict[str, dict]:
+def tensor_shapes(index: SetIndex, geometry: Geometry) -> dict[str, dict]:
     c, shapes = geometry.channels, {}
     for split, table, stored in (("train", index.train, geometry.train), ("test", index.test, geometry.test)):
         shapes[f"{split}_images"] = {"shape": [len(table), c, stored.side, stored.side], "dtype": "uint8"}
@@ -283,22 +402,35 @@ def open_prepared(report: dict[str, Any], opts: OwnData) -> Dataset:
         tensors, meta = map_tensors(folder), read_meta(folder)
         spec = DataSpec(**{**meta["spec"], "mean": tuple(meta["spec"]["mean"]), "std": tuple(meta["spec"]["std"])})
         held = f"decoded once into the node's cache {folder} ({sum(t.nbytes for t in tensors.values()) / 2**20:.0f} MB)"
-        if meta["skipped"]:
-            held += f"; {len(meta['skipped'])} unreadable file(s) replaced by their next sample: " + \
-                ", ".join(meta["skipped"][:5]) + (", ..." if len(meta["skipped"]) > 5 else "")
+        if meta["skipped_count"]:
+            held += f"; {meta['skipped_count']} unreadable file(s) replaced by their next sample: " + \
+                ", ".join(meta["skipped"][:5]) + (", ..." if meta["skipped_count"] > 5 else "")
         return Dataset(name, spec, Split(tensors["train_images"], tensors["train_labels"], tensors.get("train_groups")),
                        Split(tensors["test_images"], tensors["test_labels"]), held)
-    index = SetIndex.from_state(torch.load(report["index"], weights_only=True))
+    index = map_index(Path(report["index"]))
     geometry = Geometry(report["geometry"]["channels"], Stored(**report["geometry"]["train"]),
                         Stored(**report["geometry"]["test"]), report["geometry"]["size"], report["geometry"]["augment"])
     spec = DataSpec(**{**report["spec"], "mean": tuple(report["spec"]["mean"]), "std": tuple(report["spec"]["std"])})
-    versions = fingerprint_of(opts)[1] if index.train.sharded else None
-    train, test = (Streamed(reader(index, split, geometry, opts, versions), opts.workers) for split in ("train", "test"))
+    train, test = (Streamed(reader(index, split, geometry, opts), opts.workers) for split in ("train", "test"))
     where = f", through the shard cache {train.source.cache.folder} (at most {opts.shard_cache_gb:g} GB)" \
         if train.source.cache else ""
     held = (f"streamed: {opts.workers} DataLoader worker(s) per rank decode each batch{where} "
             f"(decoded it would take {stored_bytes(index, geometry) / 2**30:.2f} GB, above --cache-gb {opts.cache_gb:g})")
     return Dataset(name, spec, train, test, held)
+
+
+class Plan:
+    """The batch sampler of an epoch: each batch's indices as a list when the loader asks for it
+    (a whole epoch as Python ints would cost ~36 bytes per sample in the rank)."""
+
+    def __init__(self, indices: list[torch.Tensor]) -> None:
+        self.indices = indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __iter__(self) -> Iterator[list[int]]:
+        return (index.tolist() for index in self.indices)
 
 
 class Streamed:
@@ -319,9 +451,9 @@ class Streamed:
         return self.source.table.labels
 
     def batches(self, indices: list[torch.Tensor], device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        plan = [index.tolist() for index in indices]
-        if not plan:
+        if not indices:
             return
+        plan = Plan(indices)
         prefetch, reached = self.prefetch(indices)
         try:
             batches = batches_of(self.source, plan, self.workers, pin=device.type == "cuda")

@@ -8,13 +8,14 @@ thread fetches the shards the coming batches need ahead of the workers that read
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 import threading
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, Callable, TypeVar
 
-from common.data.cache import file_lock
+from common.data.cache import file_lock, staging_path
 from common.data.loader import SHUFFLE_WINDOW
 from common.errors import UserError
 from common.storage import StorageError, storage_for
@@ -25,6 +26,8 @@ MIN_SHARDS = 2 * SHUFFLE_WINDOW
 
 
 OPEN_TRIES = 3
+GONE = (errno.ENOENT, errno.ESTALE)  # a cached shard deleted by another process (ESTALE: on NFS, by another node)
+T = TypeVar("T")
 
 
 class ShardCache:
@@ -57,6 +60,8 @@ class ShardCache:
             if target.is_file():  # another rank or worker fetched it meanwhile
                 self.hits += 1
                 return target
+            for leftover in self.folder.glob(f".{target.name}.tmp-*"):  # of a fetch killed while it held this lock
+                leftover.unlink(missing_ok=True)
             self._fetch(name, target)
             self.misses += 1
         self.evict(keep=target)
@@ -65,15 +70,29 @@ class ShardCache:
     def open(self, name: str) -> BinaryIO:
         """Shard `name` open for reading. Another process may evict it between the fetch and the
         open (the cache is short of room): then it is fetched again; once open it stays readable."""
+        return self._retrying(name, lambda path: open(path, "rb"))
+
+    def read(self, name: str, offset: int, size: int) -> bytes:
+        """Bytes [offset, offset + size) of shard `name`. On NFS, a file another node evicted
+        fails with ESTALE even while open here (NFS keeps no unlinked file for other clients):
+        the read is retried on a fresh copy."""
+        def read(path: Path) -> bytes:
+            with open(path, "rb") as f:
+                f.seek(offset)
+                return f.read(size)
+        return self._retrying(name, read)
+
+    def _retrying(self, name: str, use: Callable[[Path], T]) -> T:
         for _ in range(OPEN_TRIES - 1):
             try:
-                return open(self.path(name), "rb")
-            except FileNotFoundError:
-                continue
-        return open(self.path(name), "rb")
+                return use(self.path(name))
+            except OSError as e:
+                if e.errno not in GONE:
+                    raise
+        return use(self.path(name))
 
     def _fetch(self, name: str, target: Path) -> None:
-        part = target.with_name(f".{target.name}.part-{os.getpid()}")
+        part = staging_path(target)
         try:
             if self._store_pid != os.getpid():  # a forked worker holds its parent's client: s3fs refuses it
                 self._store, self._store_pid = storage_for(self.url, self.options), os.getpid()
@@ -87,8 +106,11 @@ class ShardCache:
         finally:
             part.unlink(missing_ok=True)
 
-    def evict(self, keep: Path) -> None:
-        """Delete the least recently used shards until the cache is within its budget."""
+    def evict(self, keep: Path | None = None) -> None:
+        """Delete the least recently used shards until the cache is within its budget (at start-up
+        too: a lowered --shard-cache-gb trims a cache that would otherwise only get hits)."""
+        if not self.folder.is_dir():
+            return
         with file_lock(self.folder / ".evict.lock"):
             cached = sorted(((p.stat().st_mtime, p) for p in self.folder.glob("*.tar") if p.is_file()),
                             key=lambda pair: pair[0])

@@ -126,7 +126,7 @@ def own_data(cfg: Config, ctx: DistContext) -> OwnData | None:
         return None
     workers = default_workers(ctx.local_world_size) if cfg.workers is None else cfg.workers
     return OwnData(cfg.dataset, cfg.data_dir, cfg.cache_dir, cfg.storage_options, cfg.image_size, workers,
-                   default_workers(1) + 1, cfg.skip_broken, cfg.cache_gb, cfg.shard_cache_gb)
+                   default_workers(1) + 1, cfg.skip_broken, cfg.cache_gb, cfg.shard_cache_gb, cfg.verify_data)
 
 
 def process_age_s() -> float:
