@@ -20,6 +20,8 @@ BENCHMARKS = {  # name (a module of this package) -> what it measures
     "wall": "the 10-epoch run's wall time, start-up and accuracy: this tree against another checkout",
     "own_data": "your own images: the MNIST reader against its ImageFolder and shard copies (10 epochs); "
                 "the data share of a 224-px JPEG ResNet-18 step",
+    "scale": "your own images at 1 M / 10 M samples: a streamed epoch's time per sample, the index's memory per "
+             "process, the statistics' and the decode's time and peak memory",
     "gpu": "the GPU paths in one command (nccl, CUDA equivalence, DataParallel, cpu,cuda, resume): pass/fail",
 }
 

@@ -17,7 +17,7 @@ import shutil
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterable, Iterator
 
 import torch
 
@@ -301,18 +301,23 @@ def geometry_key(geometry: Geometry) -> str:
     return hashlib.sha256(json.dumps(asdict(geometry)).encode()).hexdigest()[:12]
 
 
-def batches_of(source: Reader, indices: list[list[int]], workers: int, pin: bool = False) -> Iterator:
-    """The reader's collated batches of `indices`, in order, decoded by `workers` processes. A
-    worker that delivers nothing for LOADER_TIMEOUT_S (a hung file system) ends the rank."""
+def batches_of(source: Reader, indices: Iterable[list[int]], workers: int, pin: bool = False) -> Iterator:
+    """The reader's collated batches of `indices`, in order, decoded by `workers` processes, forked
+    now (before the caller starts a thread that could hold a lock at the fork). A worker that
+    delivers nothing for LOADER_TIMEOUT_S (a hung file system) ends the rank."""
     loader = torch.utils.data.DataLoader(source, batch_sampler=indices, num_workers=workers, collate_fn=as_is,
                                          pin_memory=pin, prefetch_factor=4 if workers else None,
                                          timeout=LOADER_TIMEOUT_S if workers else 0)
+    return _deadlined(iter(loader), source.root)
+
+
+def _deadlined(batches: Iterator, root: str) -> Iterator:
     try:
-        yield from loader
+        yield from batches
     except RuntimeError as e:
         if "timed out" not in str(e):
             raise
-        raise UserError(f"a DataLoader worker delivered no batch of {source.root} in {LOADER_TIMEOUT_S:g} s: its "
+        raise UserError(f"a DataLoader worker delivered no batch of {root} in {LOADER_TIMEOUT_S:g} s: its "
                         "files or store hang; check them (a streamed set is read during training)") from None
 
 
@@ -453,10 +458,11 @@ class Streamed:
     def batches(self, indices: list[torch.Tensor], device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         if not indices:
             return
-        plan = Plan(indices)
+        # The workers fork first: a fork while the prefetch thread holds a lock (fsspec's event-loop
+        # lock, mid-fetch) leaves the worker's copy of that lock held forever.
+        batches = batches_of(self.source, Plan(indices), self.workers, pin=device.type == "cuda")
         prefetch, reached = self.prefetch(indices)
         try:
-            batches = batches_of(self.source, plan, self.workers, pin=device.type == "cuda")
             for step, (images, labels, skipped, hits, misses, error) in enumerate(batches):
                 if error:
                     raise UserError(error)

@@ -150,7 +150,8 @@ class Prefetcher:
         self.error: UserError | None = None
         self.done = threading.Event()
         self.moved = threading.Condition()
-        threading.Thread(target=self._run, name="shard-prefetch", daemon=True).start()
+        self.thread = threading.Thread(target=self._run, name="shard-prefetch", daemon=True)
+        self.thread.start()
 
     def _run(self) -> None:
         for position, name in enumerate(self.names):
@@ -171,6 +172,9 @@ class Prefetcher:
             self.moved.notify()
 
     def close(self) -> None:
+        """Stops after the fetch in flight (bounded by the store's timeouts), and waits for it: the
+        next loader forks its workers, and a fork must not copy a lock this thread holds."""
         self.done.set()
         with self.moved:
             self.moved.notify()
+        self.thread.join()
