@@ -219,13 +219,27 @@ def test_a_build_killed_mid_way_leaves_staging_that_the_next_run_sweeps(small, t
     assert data.held.startswith("decoded") and not list(cache.rglob(".*.tmp-*"))
 
 
-def test_decoded_sets_together_stay_within_cache_gb(small, tmp_path):
+PREPARE = """
+import sys
+from common.data import own
+from tests.test_own_data import options
+own.prepare(options(sys.argv[1], sys.argv[2], image_size=int(sys.argv[3]), cache_gb=float(sys.argv[4])), print)
+"""
+
+
+def test_decoded_sets_together_stay_within_cache_gb_and_one_in_use_is_kept(tmp_path):
     varying = write_imagefolder(tmp_path / "varying", train_size=40, test_size=10, sizes=(20, 30))
-    budget = 1.5 * (40 * 23 ** 2 + 10 * 20 ** 2) / 2**30  # one decoded set at 20 px fits, not two
-    first = dataset(options(varying, tmp_path / "cache", image_size=20, cache_gb=budget))
-    second = dataset(options(varying, tmp_path / "cache", image_size=16, cache_gb=budget))
-    assert first.held.startswith("decoded") and second.held.startswith("decoded")
-    assert len([p for p in (tmp_path / "cache" / "decoded").iterdir() if not p.name.startswith(".")]) == 1
+    cache, budget = tmp_path / "cache", 1.5 * (40 * 23 ** 2 + 10 * 20 ** 2) / 2**30  # one set at 20 px fits, not two
+    earlier = subprocess.run([sys.executable, "-c", PREPARE, str(varying), str(cache), "20", str(budget)], cwd=ROOT,
+                             env=child_env(), capture_output=True, text=True, timeout=120)  # a job that has ended
+    assert earlier.returncode == 0, earlier.stderr
+    decoded = lambda: sorted(p.name for p in (cache / "decoded").iterdir() if not p.name.startswith("."))  # noqa: E731
+    (first,) = decoded()
+    now = dataset(options(varying, cache, image_size=16, cache_gb=budget))
+    assert now.held.startswith("decoded") and first not in decoded() and len(decoded()) == 1
+    (second,) = decoded()
+    dataset(options(varying, cache, image_size=20, cache_gb=budget))
+    assert second in decoded() and len(decoded()) == 2  # mapped by this process: never deleted under it
 
 
 def test_the_decoded_cache_key_includes_skip_broken(small, tmp_path):

@@ -60,24 +60,49 @@ def staging_path(target: Path) -> Path:
     return target.with_name(f".{target.name}.tmp-{socket.gethostname()}-{os.getpid()}-{secrets.token_hex(4)}")
 
 
+_HELD: dict[Path, object] = {}  # lock -> its handle: the cache folders this process maps, until it exits
+
+
+def hold_shared(lock: Path) -> None:
+    """Marks the cache folder of `lock` in use by this process for as long as it lives (a shared
+    flock, released by the kernel when the process ends, however it ends). Eviction, on any node
+    sharing the cache, skips a folder in use: on NFS, deleting a file another client maps makes
+    that client's next page fault a SIGBUS."""
+    if lock not in _HELD:
+        handle = open(lock, "a")
+        fcntl.flock(handle, fcntl.LOCK_SH)
+        _HELD[lock] = handle
+
+
+@contextmanager
+def unused(lock: Path) -> Iterator[bool]:
+    """Whether no process holds the folder of `lock` (exclusively locked meanwhile, so none starts to)."""
+    with open(lock, "a") as handle:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
 def sweep_staging(parent: Path, target: Path) -> None:
     """Delete what builds killed mid-way left in `parent`: a staging .NAME.tmp-* whose lock
     .NAME.lock no process holds (flock is released when its holder dies, on any node sharing the
     volume). The caller holds `target`'s lock: its leftovers go too."""
     for staging in parent.glob(".*.tmp-*"):
         name = staging.name[1:].split(".tmp-")[0]
-        if name == target.name or _unlocked(parent / f".{name}.lock"):
-            shutil.rmtree(staging, ignore_errors=True) if staging.is_dir() else staging.unlink(missing_ok=True)
+        with unused(parent / f".{name}.lock") as free:
+            if free or name == target.name:
+                shutil.rmtree(staging, ignore_errors=True) if staging.is_dir() else staging.unlink(missing_ok=True)
 
 
-def _unlocked(lock: Path) -> bool:
-    try:
-        with open(lock, "a") as handle:
-            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            fcntl.flock(handle, fcntl.LOCK_UN)
-            return True
-    except BlockingIOError:
-        return False
+def lock_of(folder: Path) -> Path:
+    """The lock file of a cache folder (or file): beside it, .NAME.lock."""
+    return folder.parent / f".{folder.name}.lock"
 
 
 def write_atomically(path: Path, text: str) -> None:

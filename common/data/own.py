@@ -22,8 +22,8 @@ from typing import Any, Callable, Iterable, Iterator
 import torch
 
 from common import shards as layout
-from common.data.cache import (META, cache_folder, default_cache_dir, file_lock, map_tensors, read_meta, sweep_staging,
-                               write_atomically, write_tensors)
+from common.data.cache import (META, cache_folder, default_cache_dir, file_lock, hold_shared, lock_of, map_tensors,
+                               read_meta, sweep_staging, unused, write_atomically, write_tensors)
 from common.data.images import (STATS_SAMPLES, Geometry, Reader, ShardSamples, Stored, Survey, as_is, check_classes,
                                 choose_geometry, index_folder, index_shards, read_shard, stored_bytes)
 from common.data.index import (INDEX_FORMAT, SAMPLES_NAMED, SetIndex, TableWriter, map_index, publish, shapes_of,
@@ -90,16 +90,26 @@ def load_index(opts: OwnData, say: Say) -> SetIndex:
     now (the folder is named by their fingerprint), else built there."""
     fingerprint, listing = fingerprint_of(opts)
     key = hashlib.sha256(json.dumps([INDEX_FORMAT, opts.kind, opts.data_dir, opts.skip_broken]).encode()).hexdigest()
-    parent = opts.cache_root / "index"
-    folder = parent / f"{opts.kind}-{key[:16]}-{fingerprint[:16]}"
-    if not (folder / META).is_file():
-        with writing_cache(parent, folder, say):
-            if not (folder / META).is_file():
-                build_index(opts, folder, listing, fingerprint, say)
-            for superseded in parent.glob(f"{opts.kind}-{key[:16]}-*"):  # the set's earlier content
-                if superseded != folder:
-                    shutil.rmtree(superseded, ignore_errors=True)
+    folder = opts.cache_root / "index" / f"{opts.kind}-{key[:16]}-{fingerprint[:16]}"
+    in_use(folder, lambda: build_index(opts, folder, listing, fingerprint, say), say)
+    for superseded in folder.parent.glob(f"{opts.kind}-{key[:16]}-*"):  # the set's earlier content
+        with unused(lock_of(superseded)) as free:
+            if free and superseded != folder:
+                shutil.rmtree(superseded, ignore_errors=True)
     return map_index(folder)
+
+
+def in_use(folder: Path, build: Callable[[], None], say: Say) -> None:
+    """A cache folder, built by `build` if missing, and held in use by this process from then on
+    (hold_shared: no eviction deletes it under a job that maps it)."""
+    while True:
+        if not (folder / META).is_file():
+            with writing_cache(folder.parent, folder, say):
+                if not (folder / META).is_file():
+                    build()
+        hold_shared(lock_of(folder))
+        if (folder / META).is_file():  # else evicted between the check and the hold: build it again
+            return
 
 
 @contextmanager
@@ -109,7 +119,7 @@ def writing_cache(parent: Path, target: Path, say: Say) -> Iterator[None]:
     cache is one line naming --cache-dir."""
     try:
         parent.mkdir(parents=True, exist_ok=True)
-        with file_lock(parent / f".{target.name}.lock", say):
+        with file_lock(lock_of(target), say):
             sweep_staging(parent, target)
             yield
     except OSError as e:
@@ -327,14 +337,10 @@ def decode_into_cache(index: SetIndex, geometry: Geometry, spec: DataSpec, opts:
     shared by every rank of the node. The decoded folders together stay within --cache-gb: the
     least recently used are deleted beyond it."""
     key = hashlib.sha256(json.dumps([DECODE_FORMAT, asdict(geometry), opts.skip_broken]).encode()).hexdigest()[:12]
-    parent = opts.cache_root / "decoded"
-    folder = parent / f"{opts.kind}-{index.fingerprint[:16]}-{key}"
-    if not (folder / META).is_file():
-        with writing_cache(parent, folder, say):
-            if not (folder / META).is_file():
-                decode_all(index, geometry, spec, opts, folder, say)
+    folder = opts.cache_root / "decoded" / f"{opts.kind}-{index.fingerprint[:16]}-{key}"
+    in_use(folder, lambda: decode_all(index, geometry, spec, opts, folder, say), say)
     os.utime(folder / META)  # when it was last used: what eviction goes by
-    evict_decoded(parent, int(opts.cache_gb * 2**30), keep=folder)
+    evict_decoded(folder.parent, int(opts.cache_gb * 2**30))
     return folder
 
 
@@ -356,9 +362,9 @@ def decode_all(index: SetIndex, geometry: Geometry, spec: DataSpec, opts: OwnDat
         shutil.rmtree(staging, ignore_errors=True)
 
 
-def evict_decoded(parent: Path, budget: int, keep: Path) -> None:
-    """The least recently used decoded sets deleted until the rest fit `budget` (a running job
-    that maps one keeps reading it: Linux frees the files when it unmaps them)."""
+def evict_decoded(parent: Path, budget: int) -> None:
+    """The least recently used decoded sets deleted until the rest fit `budget`; one a process
+    maps (this one's included) is never deleted, so the bound can be exceeded while jobs use them."""
     with file_lock(parent / ".evict.lock"):
         folders = sorted((p for p in parent.iterdir() if p.is_dir() and (p / META).is_file()),
                          key=lambda p: (p / META).stat().st_mtime)
@@ -367,9 +373,10 @@ def evict_decoded(parent: Path, budget: int, keep: Path) -> None:
         for folder in folders:
             if total <= budget:
                 break
-            if folder != keep:
-                shutil.rmtree(folder, ignore_errors=True)
-                total -= sizes[folder]
+            with unused(lock_of(folder)) as free:
+                if free:
+                    shutil.rmtree(folder, ignore_errors=True)
+                    total -= sizes[folder]
 
 
 def decode_split(source: Reader, folder: Path, split: str, opts: OwnData, say: Say) -> list[str]:
@@ -404,6 +411,7 @@ def open_prepared(report: dict[str, Any], opts: OwnData) -> Dataset:
     name = f"{opts.kind} {opts.data_dir}"
     if "decoded" in report:
         folder = Path(report["decoded"])
+        hold_shared(lock_of(folder))
         tensors, meta = map_tensors(folder), read_meta(folder)
         spec = DataSpec(**{**meta["spec"], "mean": tuple(meta["spec"]["mean"]), "std": tuple(meta["spec"]["std"])})
         held = f"decoded once into the node's cache {folder} ({sum(t.nbytes for t in tensors.values()) / 2**20:.0f} MB)"
@@ -412,6 +420,7 @@ def open_prepared(report: dict[str, Any], opts: OwnData) -> Dataset:
                 ", ".join(meta["skipped"][:5]) + (", ..." if meta["skipped_count"] > 5 else "")
         return Dataset(name, spec, Split(tensors["train_images"], tensors["train_labels"], tensors.get("train_groups")),
                        Split(tensors["test_images"], tensors["test_labels"]), held)
+    hold_shared(lock_of(Path(report["index"])))
     index = map_index(Path(report["index"]))
     geometry = Geometry(report["geometry"]["channels"], Stored(**report["geometry"]["train"]),
                         Stored(**report["geometry"]["test"]), report["geometry"]["size"], report["geometry"]["augment"])
