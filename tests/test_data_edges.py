@@ -106,6 +106,22 @@ def test_an_image_past_the_pixel_bound_is_one_line_at_indexing(small, tmp_path):
     assert str(huge) in one_line(error) and "12000 x 8000" in str(error.value)
 
 
+@pytest.mark.parametrize("kind", ["imagefolder", "shards"])
+def test_a_broken_file_met_by_an_indexing_worker_is_one_line(kind, small, tmp_path):
+    """Before: the DataLoader re-raised the worker's error with its traceback in the message."""
+    tree = copy(small, tmp_path)
+    if kind == "imagefolder":
+        sorted((tree / "train").rglob("*.png"))[0].write_bytes(b"garbage")
+        source, message = tree, "is not a readable image"
+    else:
+        source = handmade(write_shards(tree, tmp_path / "shards"))
+        _tamper_shard(source / "train-000000.tar", lambda n, d: (n, b"cat") if n.endswith(".cls") else (n, d))
+        message = "holds 'cat', not a class index"
+    with pytest.raises(UserError, match=message) as error:
+        dataset(options(source, tmp_path / "cache", kind, prepare_workers=2))
+    one_line(error)
+
+
 # ---------------------------------------------------------------- 1. empty validation
 
 @pytest.mark.parametrize("case", ["no class folder", "every image skipped"])

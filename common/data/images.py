@@ -119,12 +119,12 @@ def to_8_bits(image):  # a PIL image: PIL is imported where it is used
     if image.mode == "F":
         values = np.asarray(image, dtype=np.float32)
         low, high = float(values.min(initial=0.0)), float(values.max(initial=0.0))
-        if low < 0 or high > 1:
+        if not (0 <= low and high <= 1):  # NaN too
             raise ValueError(f"it is a float image with values from {low:g} to {high:g}; float images are read as "
                              "0..1: rescale it, or save it as 8- or 16-bit")
         return Image.fromarray((values * 255).round().astype(np.uint8), "L")
     if image.mode.startswith("I"):
-        values = np.asarray(image).astype(np.int64).clip(0, 65535)
+        values = np.asarray(image).clip(0, 65535).astype(np.uint32)  # 65535 * 255 fits: 4 bytes a pixel
         return Image.fromarray(((values * 255 + 32767) // 65535).astype(np.uint8), "L")
     return image
 
@@ -246,10 +246,20 @@ def as_is(batch: object) -> object:
 
 
 def parallel(items: list, work: Callable, workers: int) -> Iterator:
-    """work(item) for each item, in order, on `workers` DataLoader processes (0: here)."""
+    """work(item) for each item, in order, on `workers` DataLoader processes (0: here). A worker's
+    UserError or OSError comes back as a value and is raised here, as one line (the loader would
+    re-raise it with the worker's traceback in its message)."""
     loader = torch.utils.data.DataLoader(_Calls(items, work), batch_size=None, num_workers=workers,
                                          collate_fn=as_is, prefetch_factor=2 if workers else None)
-    return iter(loader)
+    for result in loader:
+        if isinstance(result, _Failed):
+            raise UserError(result.message)
+        yield result
+
+
+@dataclass(frozen=True)
+class _Failed:
+    message: str
 
 
 class _Calls(torch.utils.data.Dataset):
@@ -260,7 +270,13 @@ class _Calls(torch.utils.data.Dataset):
         return len(self.items)
 
     def __getitem__(self, i: int) -> object:
-        return self.work(self.items[i])
+        try:
+            return self.work(self.items[i])
+        except UserError as e:
+            return _Failed(str(e))
+        except OSError as e:  # a file gone or unreadable since it was listed
+            return _Failed(f"{e.filename or self.items[i]}: {e.strerror or e}; check that it is readable and that "
+                           "the data does not change while it is indexed")
 
 
 def default_workers(local_world_size: int) -> int:

@@ -123,6 +123,9 @@ def writing_cache(parent: Path, target: Path, say: Say) -> Iterator[None]:
             sweep_staging(parent, target)
             yield
     except OSError as e:
+        if e.filename and not str(e.filename).startswith(str(parent)):  # reading the data, not writing the cache
+            raise UserError(f"{e.filename}: {e.strerror or e}; check that it is readable and that the data does not "
+                            "change while it is indexed") from None
         raise UserError(f"--cache-dir {parent}: {e.strerror or e}; free space there or pass another --cache-dir"
                         ) from None
 
