@@ -277,12 +277,18 @@ END_OF_ARCHIVE = 2 * tarfile.BLOCKSIZE
 
 
 def convert(src: Path, dest: str, shard_mb: float = 64, seed: int = 0,
-            storage_options: dict[str, Any] | None = None) -> dict[str, tuple[int, int, int]]:
+            storage_options: dict[str, Any] | None = None,
+            say: Callable[[str], None] = lambda line: None) -> dict[str, tuple[int, int, int]]:
     """Writes SRC's ImageFolder tree to DEST as a new generation's shards, classes.txt and, last,
     manifest.json, then deletes DEST's other shards; split -> (samples, shards, bytes). The whole
-    tree is checked before anything is written."""
+    tree is checked before anything is written; files that are not images are named to `say`."""
     classes = folder_classes(src)
-    splits = {split: folder_images(src, split, classes) for split in (TRAIN, VAL)}
+    ignored: list[str] = []
+    splits = {split: [(rel, label) for label, paths in class_images(src, split, classes, ignored.extend)
+                      for rel in paths] for split in (TRAIN, VAL)}
+    if ignored:
+        say(f"common.shards: left out {len(ignored)} file(s) that are not images ({', '.join(FOLDER_EXTENSIONS)}): "
+            f"{', '.join(ignored[:5])}{', ...' * (len(ignored) > 5)}")
     for path, _ in splits[TRAIN] + splits[VAL]:
         verify(src / path)
     random.Random(seed).shuffle(splits[TRAIN])
@@ -372,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(f"--storage-options {e}")
     try:
-        written = convert(a.src, a.dest, a.shard_mb, a.seed, options)
+        written = convert(a.src, a.dest, a.shard_mb, a.seed, options, say=print)
     except UserError as e:
         _fail(str(e), 2)
     except StorageError as e:  # its message names the URL, credentials scrubbed

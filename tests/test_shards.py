@@ -307,6 +307,16 @@ def test_the_command_line_converts(tree, tmp_path):
     assert shard_bytes(tmp_path / "out") == shard_bytes(tmp_path / "same")
 
 
+def test_images_in_subfolders_are_converted_and_files_that_are_not_images_named(tree, tmp_path):
+    copy = Path(shutil.copytree(tree, tmp_path / "tree"))
+    (copy / TRAIN / "3" / "more").mkdir()
+    shutil.copy(next((copy / TRAIN / "3").glob("*.png")), copy / TRAIN / "3" / "more" / "nested.png")
+    (copy / TRAIN / "4" / "notes.txt").write_text("scanned 2024")
+    lines: list[str] = []
+    written = convert(copy, str(tmp_path / "out"), say=lines.append)
+    assert written[TRAIN][0] == 81 and len(lines) == 1 and "left out 1 file(s)" in lines[0] and "notes.txt" in lines[0]
+
+
 @pytest.mark.parametrize("break_tree, named", [
     (lambda tree: shutil.rmtree(tree / VAL), "val"),
     (lambda tree: (tree / TRAIN / "extra").mkdir(), "train/extra"),
