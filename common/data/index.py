@@ -29,13 +29,14 @@ class Strings:
 
     def __init__(self, blob: torch.Tensor, ends: torch.Tensor) -> None:
         self.blob, self.ends = blob, ends
+        self._blob, self._ends = blob.numpy(), ends.numpy()  # views: a lookup in numpy costs a tenth of torch's
 
     def __len__(self) -> int:
         return len(self.ends)
 
     def __getitem__(self, i: int) -> str:
-        start = int(self.ends[i - 1]) if i else 0
-        return self.blob[start:int(self.ends[i])].numpy().tobytes().decode()
+        start = int(self._ends[i - 1]) if i else 0
+        return self._blob[start:int(self._ends[i])].tobytes().decode()
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
