@@ -4,6 +4,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -304,8 +305,10 @@ def _validate_own_data(p: argparse.ArgumentParser, a: argparse.Namespace) -> Non
     if own and a.dataset == "imagefolder" and "://" in a.data_dir:
         p.error("--dataset imagefolder reads a local folder; for a store, convert it to shards "
                 "(python -m common.shards FOLDER URL) and pass --dataset shards")
-    if a.image_size < 0 or (a.workers is not None and a.workers < 0) or a.cache_gb < 0 or a.shard_cache_gb <= 0:
-        p.error("--image-size, --workers and --cache-gb must be >= 0 and --shard-cache-gb > 0")
+    if a.image_size < 0 or (a.workers is not None and a.workers < 0) or not 0 <= a.cache_gb < math.inf \
+            or not 0 < a.shard_cache_gb < math.inf:
+        p.error("--image-size, --workers and --cache-gb must be >= 0 and --shard-cache-gb > 0 (finite: for no bound, "
+                "give more than the disk holds)")
 
 
 def _validate_recipes(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int) -> None:

@@ -43,6 +43,7 @@ import argparse
 import fnmatch
 import io
 import json
+import math
 import os
 import random
 import re
@@ -150,6 +151,9 @@ def _manifest_problem(manifest: Any) -> str | None:
         for entry in splits[split]:
             if not _is_shard_entry(entry, split):
                 return f"{split} lists {str(entry)[:80]}, not a {{name, bytes, samples}} of a {shard_pattern(split)}"
+        names = [entry["name"] for entry in splits[split]]
+        if len(set(names)) != len(names):
+            return f"{split} lists a shard twice ({next(n for n in names if names.count(n) > 1)})"
     return None
 
 
@@ -183,15 +187,14 @@ def _check_listed(name: str, size: int, listing: dict[str, str], where: str) -> 
 def folder_classes(root: Path) -> list[str]:
     """The classes of an ImageFolder tree: the sorted folder names of its train/."""
     train = _split_folder(root, TRAIN)
+    dangling = sorted(p for p in train.iterdir() if p.is_symlink() and not p.exists())
+    if dangling:  # a class whose folder is on a volume that is not mounted: the classes would silently change
+        raise UserError(f"{dangling[0]} is a link to {os.readlink(dangling[0])}, which does not exist; mount or "
+                        "restore it, or remove the link")
     classes = sorted(p.name for p in train.iterdir() if p.is_dir() and not p.name.startswith("."))
     if not classes:
         raise UserError(f"{train} has no class folders; put each class's images in {train}/<class name>/")
     return classes
-
-
-def folder_images(root: Path, split: str, classes: list[str]) -> list[tuple[str, int]]:
-    """(path relative to root, class index) of every image of a split, in class_images' order."""
-    return [(rel, label) for label, paths in class_images(root, split, classes, lambda names: None) for rel in paths]
 
 
 def class_images(root: Path, split: str, classes: list[str],
@@ -207,12 +210,14 @@ def class_images(root: Path, split: str, classes: list[str],
     if extra:
         raise UserError(f"{folder}/{extra[0]} is a class that {root / TRAIN} lacks; add it to {root / TRAIN} "
                         f"or remove it from {folder}")
+    above = frozenset(_identity(path) for path in (root, folder))  # a link back up would add other classes' images
     for label, name in enumerate(classes):
         if not (folder / name).is_dir():  # a validation set may lack a class; train/ defines them
             continue
         images, others = [], []
-        for path in walk_files(folder / name):
-            (images if path.suffix.lower() in FOLDER_EXTENSIONS else others).append(str(path.relative_to(root)))
+        for path in walk_files(folder / name, above):
+            is_image = path.suffix.lower() in FOLDER_EXTENSIONS and path.is_file()
+            (images if is_image else others).append(str(path.relative_to(root)))
         ignore(others)
         if not images:
             fix = f"remove the class folder from {root / TRAIN}" if split == TRAIN else \
@@ -221,17 +226,22 @@ def class_images(root: Path, split: str, classes: list[str],
         yield label, images
 
 
-def walk_files(folder: Path, _above: frozenset = frozenset()) -> Iterator[Path]:
-    """Every file under `folder` that is not hidden, following symlinks: its files by name, then
-    each subfolder's by name. A link back to a folder above it is not followed (no endless loop);
-    memory is one folder's listing per level."""
-    here = folder.stat()
-    above = _above | {(here.st_dev, here.st_ino)}
+def walk_files(folder: Path, above: frozenset = frozenset()) -> Iterator[Path]:
+    """Every entry under `folder` that is neither hidden nor a folder (a file, or a link to a missing
+    one, a pipe...), following symlinks: its entries by name, then each subfolder's by name. A link
+    back to a folder above it, or in `above` (device, inode), is not followed (no loop); memory
+    is one folder's listing per level."""
+    above = above | {_identity(folder)}
     entries = sorted((entry for entry in os.scandir(folder) if not entry.name.startswith(".")), key=lambda e: e.name)
-    yield from (Path(entry.path) for entry in entries if entry.is_file())
+    yield from (Path(entry.path) for entry in entries if not entry.is_dir())
     for entry in entries:
-        if entry.is_dir() and (entry.stat().st_dev, entry.stat().st_ino) not in above:
+        if entry.is_dir() and _identity(Path(entry.path)) not in above:
             yield from walk_files(Path(entry.path), above)
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    stat = path.stat()
+    return stat.st_dev, stat.st_ino
 
 
 def _split_folder(root: Path, split: str) -> Path:
@@ -297,6 +307,7 @@ def convert(src: Path, dest: str, shard_mb: float = 64, seed: int = 0,
     shards = {split: _write_split(storage, src, split, generation, samples, int(shard_mb * 2**20))
               for split, samples in splits.items()}
     storage.write(CLASSES_FILE, "".join(f"{name}\n" for name in classes).encode())
+    _check_still_there(storage, [entry["name"] for entries in shards.values() for entry in entries], dest)
     manifest = {"format": MANIFEST_FORMAT, "generation": generation, "classes": classes, "splits": shards}
     storage.write(MANIFEST, json.dumps(manifest, indent=1).encode())
     _delete_other_shards(storage, {entry["name"] for entries in shards.values() for entry in entries})
@@ -319,6 +330,16 @@ def _write_split(storage: Storage, src: Path, split: str, generation: str, sampl
         entries.append(entry)
         start += count
     return entries
+
+
+def _check_still_there(storage: Storage, names: list[str], dest: str) -> None:
+    """A second converter into the same DEST deletes the first one's shards when it ends: the
+    manifest must not name shards that are gone (one converter per DEST at a time)."""
+    present = set(storage.list(""))
+    missing = [name for name in names if name not in present]
+    if missing:
+        raise UserError(f"{dest}/{missing[0]} was deleted while this conversion ran (another converter into "
+                        f"{dest}?); run one converter per destination at a time, then run this one again")
 
 
 def _delete_other_shards(storage: Storage, keep: set[str]) -> None:
@@ -371,8 +392,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--storage-options", default="{}", metavar="JSON|@FILE|env:VAR",
                    help="fsspec options for a URL DEST; put credentials in @FILE or env:VAR, not inline (ps shows it)")
     a = p.parse_args(argv)
-    if a.shard_mb <= 0:
-        p.error(f"--shard-mb must be > 0 (got {a.shard_mb})")
+    if not 0 < a.shard_mb < math.inf:
+        p.error(f"--shard-mb must be a number > 0 (got {a.shard_mb})")
     try:
         options = read_storage_options(a.storage_options)
     except ValueError as e:

@@ -10,6 +10,7 @@ MISSING says something about the folder's contents; the others say the store did
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import importlib.util
 import io
@@ -135,7 +136,8 @@ class LocalStorage:
                 _write_synced(path, produce)
             _fsync_dir(path.parent)
         except BaseException as e:  # serializing can fail too (out of memory)
-            tmp.unlink(missing_ok=True)  # never leave a partial file behind
+            with contextlib.suppress(OSError):  # e.g. the folder is a file: the first error is the one to tell
+                tmp.unlink(missing_ok=True)  # never leave a partial file behind
             if (os_error := _os_error_behind(e)) is not None:
                 raise StorageError(self.url(name), os_cause(os_error), error_kind(os_error)) from None
             raise

@@ -28,7 +28,6 @@ from common.data.cache import staging_path
 from common.data.images import Reader, Stored, decode
 from common.data.index import map_index
 from common.errors import UserError
-from common.shards import MANIFEST
 from tests.conftest import ROOT, child_env, free_port
 from tests.datagen import write_imagefolder, write_shards
 from tests.s3server import S3Server
@@ -418,3 +417,98 @@ def _pad_to(path: Path, size: int) -> None:
     data = path.read_bytes()
     assert len(data) <= size, (len(data), size)
     path.write_bytes(data + b"\0" * (size - len(data)))
+
+
+# ---------------------------------------------------------------- what a hostile reviewer found
+
+HOLD = """
+import sys, time
+from common.data import own
+from tests.test_own_data import options
+real = own.index_folder
+own.index_folder = lambda *args: time.sleep(8) or real(*args)  # a build that takes a while
+own.prepare(options(sys.argv[1], sys.argv[2]), lambda line: print(line, flush=True))
+print("prepared", flush=True)
+time.sleep(float(sys.argv[3]))  # a job training on the set: it maps the index and the decoded set
+"""
+
+
+def test_a_second_preparer_waits_for_a_live_first_ones_build_then_maps_it(small, tmp_path):
+    """Before: the builder went on to hold its build lock shared for its life, and a second
+    preparer waiting for that lock waited as long (two nodes sharing a cache: until
+    --storage-timeout-s)."""
+    run = lambda hold_s: subprocess.Popen([sys.executable, "-c", HOLD, str(small), str(tmp_path / "cache"),  # noqa: E731
+                                           str(hold_s)], cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, text=True)
+    processes = [run(120)]
+    try:
+        assert processes[0].stdout.readline().startswith("indexing")  # building, for 8 s: the second arrives meanwhile
+        processes.append(run(0))
+        out, _ = processes[1].communicate(timeout=60)
+        assert processes[1].returncode == 0 and "prepared" in out and "indexing" not in out, out
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+
+
+def test_a_run_of_undecodable_images_costs_one_decode_each_and_counts_once(small, tmp_path, monkeypatch):
+    """Before: each sample of a run of k rescanned the rest of it: k^2/2 decodes, k^2/2 counted."""
+    tree = copy(small, tmp_path)
+    opts = options(tree, tmp_path / "cache", skip_broken=True, cache_gb=0.0)
+    names = list(dataset(opts).train.source.table.names)
+    cut_png = sorted(tree.rglob("*.png"))[0].read_bytes()[:60]  # its header reads, its pixels do not
+    for name in names[10:22]:  # a run of 12 in the index's order
+        (tree / name).write_bytes(cut_png)
+    decoded = dataset(replace(opts, cache_gb=20.0))
+    assert "; 12 unreadable file(s) replaced" in decoded.held
+    reader: Reader = dataset(opts).train.source
+    decodes = []
+    real = Reader.image
+    monkeypatch.setattr(Reader, "image", lambda self, i: decodes.append(i) or real(self, i))
+    images, _, skipped, _, _, error = reader.__getitems__(list(range(len(reader))))
+    assert not error and len(images) == 40 and sorted(skipped) == sorted(str(tree / n) for n in names[10:22])
+    assert sorted(decodes) == sorted([*range(40), *[22] * 12])  # each once; sample 22 for each of the run too
+
+
+def test_a_file_name_that_is_not_utf8_is_indexed_and_read(small, tmp_path):
+    tree = copy(small, tmp_path)
+    source = sorted((tree / "train" / "3").iterdir())[0]
+    odd = Path(os.fsdecode(bytes(source.parent) + b"/\xff\xfe" + source.suffix.encode()))
+    source.rename(odd)
+    data = dataset(options(tree, tmp_path / "cache", cache_gb=0.0))
+    names = list(data.train.source.table.names)
+    assert str(odd.relative_to(tree)) in names and len(names) == 40
+
+
+def test_a_dangling_link_in_the_tree_is_one_line(small, tmp_path):
+    tree = copy(small, tmp_path)
+    (tree / "train" / "3" / "gone.png").symlink_to(tmp_path / "unmounted" / "x.png")
+    with pytest.raises(UserError, match=r"train/3/gone.png: No such file or directory; check that --data-dir is "
+                                        r"readable \(and mounted\)") as error:
+        dataset(options(tree, tmp_path / "cache"))
+    one_line(error)
+
+
+@pytest.mark.parametrize("argv", [["--cache-gb", "inf"], ["--cache-gb", "nan"], ["--shard-cache-gb", "inf"]])
+def test_cache_sizes_must_be_finite(argv, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--dataset", "imagefolder", "--data-dir", "d", *argv], strategy="ddp", default_dataset="cifar10",
+                   world_size=1)
+    assert "(finite: for no bound, give more than the disk holds)" in capsys.readouterr().err
+
+
+def test_a_shard_with_a_key_twice_is_one_line(small, tmp_path):
+    shards = handmade(write_shards(small, tmp_path / "shards"))
+    _tamper_shard(shards / "train-000000.tar",
+                  lambda name, data: (name.replace("00000001.", "00000000."), data) if name.startswith("00000001.")
+                  else (name, data))
+    with pytest.raises(UserError, match=r"sample 00000000 has two image members") as error:
+        dataset(options(shards, tmp_path / "cache", "shards"))
+    one_line(error)
+
+
+def test_a_32_bit_image_outside_16_bits_is_refused_not_clipped(tmp_path):
+    tiff = tmp_path / "wide.tif"
+    Image.fromarray(np.array([[0, 70000]], dtype=np.int32), "I").save(tiff)
+    with pytest.raises(ValueError, match=r"32-bit image with values from 0 to 70000; .* read as 16-bit"):
+        decode(tiff.read_bytes(), Stored(2), 1)

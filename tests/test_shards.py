@@ -19,7 +19,7 @@ from PIL import Image
 
 from common.errors import UserError
 from common.shards import (CLASSES_FILE, GENERATION_SHARD, MANIFEST, TRAIN, VAL, ShardSet, convert, folder_classes,
-                           folder_images, main, pixels_problem, resolve, shard_pattern)
+                           class_images, main, pixels_problem, resolve, shard_pattern)
 from common.storage import DENIED, FsspecStorage, LocalStorage, StorageError
 from tests.conftest import ROOT, child_env
 from tests.datagen import write_imagefolder, write_shards
@@ -376,7 +376,11 @@ def test_bad_storage_options_are_a_usage_error(tree, tmp_path, capsys):
                                        "rank starts (see --help)\n")
 
 
-def test_folder_images_reads_imagefolders_order_and_val_may_lack_a_class(tmp_path):
+def images_of(root: Path, split: str, classes: list[str], ignored: list[str] | None = None) -> list[tuple[str, int]]:
+    return [(rel, label) for label, paths in class_images(root, split, classes, [].extend if ignored is None else ignored.extend) for rel in paths]
+
+
+def test_class_images_reads_imagefolders_order_and_val_may_lack_a_class(tmp_path):
     for name in ("train/b/2.png", "train/b/1.JPG", "train/a/z.webp", "train/a/notes.txt", "train/a/.hidden.png",
                  "val/b/x.bmp"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
@@ -384,9 +388,25 @@ def test_folder_images_reads_imagefolders_order_and_val_may_lack_a_class(tmp_pat
     (tmp_path / "train" / ".cache").mkdir()
     classes = folder_classes(tmp_path)
     assert classes == ["a", "b"]
-    assert folder_images(tmp_path, TRAIN, classes) == [("train/a/z.webp", 0), ("train/b/1.JPG", 1),
-                                                       ("train/b/2.png", 1)]
-    assert folder_images(tmp_path, VAL, classes) == [("val/b/x.bmp", 1)]
+    ignored: list[str] = []
+    assert images_of(tmp_path, TRAIN, classes, ignored) == [("train/a/z.webp", 0), ("train/b/1.JPG", 1),
+                                                            ("train/b/2.png", 1)]
+    assert ignored == ["train/a/notes.txt"]
+    assert images_of(tmp_path, VAL, classes) == [("val/b/x.bmp", 1)]
+
+
+def test_links_up_the_tree_are_not_followed_and_dangling_ones_are_named(tmp_path):
+    for name in ("train/a/1.png", "train/b/2.png"):
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).touch()
+    (tmp_path / "train" / "a" / "up").symlink_to(tmp_path / "train")  # would add b's images to a, forever
+    (tmp_path / "train" / "a" / "gone.png").symlink_to(tmp_path / "nowhere.png")
+    ignored: list[str] = []
+    assert images_of(tmp_path, TRAIN, ["a", "b"], ignored) == [("train/a/1.png", 0), ("train/b/2.png", 1)]
+    assert ignored == ["train/a/gone.png"]
+    (tmp_path / "train" / "c").symlink_to(tmp_path / "unmounted", target_is_directory=True)
+    with pytest.raises(UserError, match=r"train/c is a link to .*unmounted, which does not exist"):
+        folder_classes(tmp_path)
 
 
 def test_folder_classes_needs_class_folders(tmp_path):

@@ -90,9 +90,9 @@ def unused(lock: Path) -> Iterator[bool]:
 
 
 def sweep_staging(parent: Path, target: Path) -> None:
-    """Delete what builds killed mid-way left in `parent`: a staging .NAME.tmp-* whose lock
+    """Delete what builds killed mid-way left in `parent`: a staging .NAME.tmp-* whose build lock
     .NAME.lock no process holds (flock is released when its holder dies, on any node sharing the
-    volume). The caller holds `target`'s lock: its leftovers go too."""
+    volume). The caller holds `target`'s build lock: its leftovers go too."""
     for staging in parent.glob(".*.tmp-*"):
         name = staging.name[1:].split(".tmp-")[0]
         with unused(parent / f".{name}.lock") as free:
@@ -101,8 +101,15 @@ def sweep_staging(parent: Path, target: Path) -> None:
 
 
 def lock_of(folder: Path) -> Path:
-    """The lock file of a cache folder (or file): beside it, .NAME.lock."""
+    """The lock a cache folder (or file) is built under: beside it, .NAME.lock."""
     return folder.parent / f".{folder.name}.lock"
+
+
+def use_lock_of(folder: Path) -> Path:
+    """The lock a cache folder's users hold shared, and eviction exclusive: beside it, .NAME.use.
+    Not the build lock: a builder that goes on to use its folder would otherwise hold the build
+    lock shared forever, and a second preparer waiting to build would wait as long."""
+    return folder.parent / f".{folder.name}.use"
 
 
 def write_atomically(path: Path, text: str) -> None:

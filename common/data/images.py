@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import os
+import re
 import tarfile
 import warnings
 from dataclasses import dataclass, field
@@ -112,8 +113,9 @@ def decode(data: bytes, stored: Stored, channels: int) -> torch.Tensor:
 
 
 def to_8_bits(image):  # a PIL image: PIL is imported where it is used
-    """16-bit grayscale (I;16*, and I as PIL opens 16-bit PNGs) scaled from 0..65535, and float
-    (F) from 0..1, to 0..255: PIL's convert clips them instead (a 16-bit scan turns white)."""
+    """16-bit grayscale (I;16*, and I: integer images are read as 16-bit) scaled from 0..65535, and
+    float (F) from 0..1, to 0..255: PIL's convert clips them instead (a 16-bit scan turns white).
+    Values outside those ranges are refused, not clipped."""
     from PIL import Image
 
     if image.mode == "F":
@@ -124,7 +126,11 @@ def to_8_bits(image):  # a PIL image: PIL is imported where it is used
                              "0..1: rescale it, or save it as 8- or 16-bit")
         return Image.fromarray((values * 255).round().astype(np.uint8), "L")
     if image.mode.startswith("I"):
-        values = np.asarray(image).clip(0, 65535).astype(np.uint32)  # 65535 * 255 fits: 4 bytes a pixel
+        values = np.asarray(image)
+        if values.size and not 0 <= values.min() <= values.max() <= 65535:
+            raise ValueError(f"it is a 32-bit image with values from {values.min()} to {values.max()}; integer "
+                             "images are read as 16-bit (0..65535): rescale it")
+        values = values.astype(np.uint32)  # 65535 * 255 fits: 4 bytes a pixel
         return Image.fromarray(((values * 255 + 32767) // 65535).astype(np.uint8), "L")
     return image
 
@@ -156,7 +162,8 @@ def header(data_or_path: bytes | Path) -> tuple[tuple[int, int], str]:
 
 
 def broken_message(name: str, error: BaseException, skip_hint: bool = True) -> str:
-    detail = " ".join(str(error).split())[:160] or type(error).__name__
+    detail = re.sub(r" ?<_io\.BytesIO object at 0x[0-9a-f]+>", "", " ".join(str(error).split()))[:160] \
+        or type(error).__name__  # PIL names the in-memory buffer; the file is named before
     return (f"{name} is not a readable image ({detail}); replace or delete it"
             + (f", or pass {SKIP_FLAG} to train without such files" if skip_hint else ""))
 
@@ -176,6 +183,7 @@ class Reader(torch.utils.data.Dataset):
                  cache: ShardCache | None = None) -> None:
         self.table, self.root, self.stored, self.channels, self.skip = table, root, stored, channels, skip
         self.cache = cache
+        self.after: dict[int, int] = {}  # an undecodable sample -> where the search for a decodable one goes on
 
     def __len__(self) -> int:
         return len(self.table)
@@ -228,16 +236,34 @@ class Reader(torch.utils.data.Dataset):
                 *((self.cache.hits - hits, self.cache.misses - misses) if self.cache else (0, 0)), error)
 
     def decodable_from(self, i: int, skipped: list[str]) -> tuple[int, torch.Tensor]:
-        """Sample i and its image, or with skip the first sample from i on (in index order, wrapping
-        around) that decodes: each step costs one sample, whatever the set's size."""
-        for j in ((i + k) % len(self) for k in range(len(self))):
-            try:
-                return j, self.image(j)
-            except Undecodable as e:
-                if not self.skip:
-                    raise UserError(str(e)) from None
-                skipped.append(self.name(j))
-        raise UserError(f"no image of {self.root} decodes")
+        """Sample i and its image; with skip, if i does not decode (it is named in `skipped`), the
+        first sample after it (in index order, wrapping around) that does. The undecodable samples
+        passed over are named when they are asked for themselves: each counts once an epoch. Each
+        is remembered with where the search went on, so a run of k of them costs k decodes, not k^2/2."""
+        image = self.try_image(i)
+        if image is not None:
+            return i, image
+        skipped.append(self.name(i))
+        passed, j = [i], self.after[i]
+        while (image := self.try_image(j)) is None:
+            if j == i:
+                raise UserError(f"no image of {self.root} decodes")
+            passed.append(j)
+            j = self.after[j]
+        self.after.update((k, j) for k in passed)  # the next search from any of them jumps straight to j
+        return j, image
+
+    def try_image(self, i: int) -> torch.Tensor | None:
+        """Sample i's image; None if it is known or found not to decode (with skip: else one line)."""
+        if i in self.after:
+            return None
+        try:
+            return self.image(i)
+        except Undecodable as e:
+            if not self.skip:
+                raise UserError(str(e)) from None
+            self.after[i] = (i + 1) % len(self)
+            return None
 
 
 def as_is(batch: object) -> object:
@@ -432,8 +458,12 @@ def _members(f, name: str) -> tuple[dict[str, tuple[int, int, str]], dict[str, s
                 if not member.isfile():
                     continue
                 key, ext = split_member(member.name)
+                if ext == "cls" or ext in layout.SHARD_EXTENSIONS:
+                    if key in (labels if ext == "cls" else images):  # else silently one sample, the last label
+                        raise UserError(f"{name}: sample {key} has two {'.cls' if ext == 'cls' else 'image'} members "
+                                        f"({member.name}); each key must be one sample: rewrite the shard")
                 if ext == "cls":
-                    labels[key] = tar.extractfile(member).read(64).decode("ascii", "replace").strip()
+                    labels[key] = tar.extractfile(member).read(64).decode("utf-8", "replace").strip()
                 elif ext in layout.SHARD_EXTENSIONS:
                     images[key] = (member.offset_data, member.size, member.name)
             end = tar.offset

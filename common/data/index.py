@@ -25,7 +25,8 @@ SAMPLES_NAMED = 100  # skipped or ignored files whose names the index keeps (all
 
 
 class Strings:
-    """Many strings as one utf-8 blob and the end offset of each."""
+    """Many strings as one utf-8 blob and the end offset of each (a name's bytes that are not
+    UTF-8 kept as they are, Python's file-name convention)."""
 
     def __init__(self, blob: torch.Tensor, ends: torch.Tensor) -> None:
         self.blob, self.ends = blob, ends
@@ -36,7 +37,7 @@ class Strings:
 
     def __getitem__(self, i: int) -> str:
         start = int(self._ends[i - 1]) if i else 0
-        return self._blob[start:int(self._ends[i])].tobytes().decode()
+        return self._blob[start:int(self._ends[i])].tobytes().decode("utf-8", "surrogateescape")
 
     def __iter__(self):
         return (self[i] for i in range(len(self)))
@@ -96,7 +97,7 @@ class _ArrayFile:
 
     def append(self, values: Sequence[int] | np.ndarray | bytes) -> None:
         array = np.frombuffer(values, np.uint8) if isinstance(values, bytes) else np.asarray(values, self.dtype)
-        array.tofile(self.handle)
+        self.handle.write(array.tobytes())  # not tofile: a full disk is then OSError(ENOSPC), not numpy's wording
 
     def close(self) -> None:
         self.handle.close()
@@ -108,7 +109,7 @@ class _StringsFile:
         self.length = 0
 
     def append(self, texts: Iterable[str]) -> None:
-        encoded = [text.encode() for text in texts]
+        encoded = [text.encode("utf-8", "surrogateescape") for text in texts]  # a file name need not be UTF-8
         self.blob.append(b"".join(encoded))
         self.ends.append(np.cumsum([len(e) for e in encoded], dtype=np.int64) + self.length)
         self.length += sum(len(e) for e in encoded)

@@ -9,6 +9,7 @@ Both ways give the same batches: the same order, the same decoded pixels, the sa
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import math
@@ -23,10 +24,10 @@ import torch
 
 from common import shards as layout
 from common.data.cache import (META, cache_folder, default_cache_dir, file_lock, hold_shared, lock_of, map_tensors,
-                               read_meta, sweep_staging, unused, write_atomically, write_tensors)
+                               read_meta, sweep_staging, unused, use_lock_of, write_atomically, write_tensors)
 from common.data.images import (STATS_SAMPLES, Geometry, Reader, ShardSamples, Stored, Survey, as_is, check_classes,
                                 choose_geometry, index_folder, index_shards, read_shard, stored_bytes)
-from common.data.index import (INDEX_FORMAT, SAMPLES_NAMED, SetIndex, TableWriter, map_index, publish, shapes_of,
+from common.data.index import (INDEX_FORMAT, SetIndex, TableWriter, map_index, publish, shapes_of,
                                staging_for)
 from common.data.loader import DataSpec, Dataset, Split, to_device
 from common.data.shardcache import Prefetcher, ShardCache, check_budget
@@ -88,12 +89,18 @@ def prepare(opts: OwnData, say: Say) -> dict[str, Any]:
 def load_index(opts: OwnData, say: Say) -> SetIndex:
     """The set's index: mapped from the node's cache when one was built for the files as they are
     now (the folder is named by their fingerprint), else built there."""
-    fingerprint, listing = fingerprint_of(opts)
-    key = hashlib.sha256(json.dumps([INDEX_FORMAT, opts.kind, opts.data_dir, opts.skip_broken]).encode()).hexdigest()
+    try:
+        fingerprint, listing = fingerprint_of(opts)
+    except OSError as e:  # a folder or file of the set that cannot be listed or read
+        raise UserError(f"{e.filename or opts.data_dir}: {e.strerror or e}; check that --data-dir is readable "
+                        "(and mounted)") from None
+    where = opts.data_dir if is_url(opts.data_dir) else os.path.abspath(opts.data_dir)  # one index per set, however named
+    key = hashlib.sha256(json.dumps([INDEX_FORMAT, opts.kind, where, opts.skip_broken, opts.verify_data]).encode()
+                         ).hexdigest()
     folder = opts.cache_root / "index" / f"{opts.kind}-{key[:16]}-{fingerprint[:16]}"
     in_use(folder, lambda: build_index(opts, folder, listing, fingerprint, say), say)
     for superseded in folder.parent.glob(f"{opts.kind}-{key[:16]}-*"):  # the set's earlier content
-        with unused(lock_of(superseded)) as free:
+        with unused(use_lock_of(superseded)) as free:
             if free and superseded != folder:
                 shutil.rmtree(superseded, ignore_errors=True)
     return map_index(folder)
@@ -107,7 +114,7 @@ def in_use(folder: Path, build: Callable[[], None], say: Say) -> None:
             with writing_cache(folder.parent, folder, say):
                 if not (folder / META).is_file():
                     build()
-        hold_shared(lock_of(folder))
+        hold_shared(use_lock_of(folder))
         if (folder / META).is_file():  # else evicted between the check and the hold: build it again
             return
 
@@ -126,8 +133,17 @@ def writing_cache(parent: Path, target: Path, say: Say) -> Iterator[None]:
         if e.filename and not str(e.filename).startswith(str(parent)):  # reading the data, not writing the cache
             raise UserError(f"{e.filename}: {e.strerror or e}; check that it is readable and that the data does not "
                             "change while it is indexed") from None
-        raise UserError(f"--cache-dir {parent}: {e.strerror or e}; free space there or pass another --cache-dir"
+        raise UserError(f"--cache-dir {parent}: {e.strerror or e}; {CACHE_ADVICE.get(e.errno, CACHE_ADVICE[None])}"
                         ) from None
+
+
+CACHE_ADVICE = {errno.ENOSPC: "free space there, or pass another --cache-dir",
+                errno.EDQUOT: "free space in your quota there, or pass another --cache-dir",
+                errno.EROFS: "pass a --cache-dir on a writable file system",
+                errno.EACCES: "make it writable for this user, or pass another --cache-dir",
+                errno.ENOTDIR: "a part of that path is a file, not a folder: pass another --cache-dir",
+                errno.EEXIST: "a part of that path is a file, not a folder: pass another --cache-dir",
+                None: "pass a --cache-dir that is a writable folder with room"}
 
 
 def build_index(opts: OwnData, folder: Path, listing: dict[str, str], fingerprint: str, say: Say) -> None:
@@ -181,7 +197,7 @@ def folder_fingerprint(root: Path, contents: bool) -> str:
     digest = hashlib.sha256()
     for split in (layout.TRAIN, layout.VAL):
         for path in layout.walk_files(root / split) if (root / split).is_dir() else ():
-            digest.update(f"{path.relative_to(root)}\0{file_version(path, contents)}\0".encode())
+            digest.update(os.fsencode(f"{path.relative_to(root)}\0{file_version(path, contents)}\0"))
     return digest.hexdigest()
 
 
@@ -360,16 +376,17 @@ def decode_into_cache(index: SetIndex, geometry: Geometry, spec: DataSpec, opts:
 def decode_all(index: SetIndex, geometry: Geometry, spec: DataSpec, opts: OwnData, folder: Path, say: Say) -> None:
     staging = staging_for(folder)
     try:
-        skipped = [*decode_split(reader(index, "train", geometry, opts), staging, "train", opts, say),
-                   *decode_split(reader(index, "test", geometry, opts), staging, "test", opts, say)]
+        skipped = Survey()
+        for split in ("train", "test"):
+            skipped.merge(decode_split(reader(index, split, geometry, opts), staging, split, opts, say))
         if index.train.group is not None:
             index.train.group.numpy().tofile(staging / "train_groups")
-        write_tensors(staging, {}, {"spec": asdict(spec), "skipped": skipped[:SAMPLES_NAMED],
-                                    "skipped_count": len(skipped), "tensors": tensor_shapes(index, geometry)})
+        write_tensors(staging, {}, {"spec": asdict(spec), "skipped": skipped.skipped,
+                                    "skipped_count": skipped.skipped_count, "tensors": tensor_shapes(index, geometry)})
         os.rename(staging, folder)
     except OSError as e:
         raise UserError(f"--cache-dir {folder.parent}: {e.strerror or e}; pass a --cache-dir with room for "
-                        f"{stored_bytes(index, geometry) / 2**30:.2f} GB, or a smaller --cache-gb to stream "
+                        f"{stored_bytes(index, geometry) / 2**30:.3g} GB, or a smaller --cache-gb to stream "
                         "the set instead") from None
     finally:
         shutil.rmtree(staging, ignore_errors=True)
@@ -386,25 +403,25 @@ def evict_decoded(parent: Path, budget: int) -> None:
         for folder in folders:
             if total <= budget:
                 break
-            with unused(lock_of(folder)) as free:
+            with unused(use_lock_of(folder)) as free:
                 if free:
                     shutil.rmtree(folder, ignore_errors=True)
                     total -= sizes[folder]
 
 
-def decode_split(source: Reader, folder: Path, split: str, opts: OwnData, say: Say) -> list[str]:
-    """Decode a split in order into folder/<split>_images and <split>_labels; the skipped files."""
+def decode_split(source: Reader, folder: Path, split: str, opts: OwnData, say: Say) -> Survey:
+    """Decode a split in order into folder/<split>_images and <split>_labels; the files skipped."""
     chunks = [list(range(i, min(i + DECODE_CHUNK, len(source)))) for i in range(0, len(source), DECODE_CHUNK)]
-    skipped = []
+    skipped = Survey()
     with open(folder / f"{split}_images", "wb") as images, open(folder / f"{split}_labels", "wb") as labels:
         for batch, batch_labels, missed, _, _, error in batches_of(source, chunks, opts.prepare_workers):
             if error:
                 raise UserError(error)
             images.write(batch.numpy().tobytes())
             labels.write(batch_labels.numpy().tobytes())
-            skipped += missed
+            skipped.skip(missed)
     say(f"decoded {len(source)} {split} images into {folder.name.removeprefix('.').split('.tmp')[0]}"
-        + (f" ({len(skipped)} unreadable, replaced by their next sample)" if skipped else ""))
+        + (f" ({skipped.skipped_count} unreadable, replaced by their next sample)" if skipped.skipped_count else ""))
     return skipped
 
 
@@ -424,7 +441,7 @@ def open_prepared(report: dict[str, Any], opts: OwnData) -> Dataset:
     name = f"{opts.kind} {opts.data_dir}"
     if "decoded" in report:
         folder = Path(report["decoded"])
-        hold_shared(lock_of(folder))
+        hold_shared(use_lock_of(folder))
         tensors, meta = map_tensors(folder), read_meta(folder)
         spec = DataSpec(**{**meta["spec"], "mean": tuple(meta["spec"]["mean"]), "std": tuple(meta["spec"]["std"])})
         held = f"decoded once into the node's cache {folder} ({sum(t.nbytes for t in tensors.values()) / 2**20:.0f} MB)"
@@ -433,7 +450,7 @@ def open_prepared(report: dict[str, Any], opts: OwnData) -> Dataset:
                 ", ".join(meta["skipped"][:5]) + (", ..." if meta["skipped_count"] > 5 else "")
         return Dataset(name, spec, Split(tensors["train_images"], tensors["train_labels"], tensors.get("train_groups")),
                        Split(tensors["test_images"], tensors["test_labels"]), held)
-    hold_shared(lock_of(Path(report["index"])))
+    hold_shared(use_lock_of(Path(report["index"])))
     index = map_index(Path(report["index"]))
     geometry = Geometry(report["geometry"]["channels"], Stored(**report["geometry"]["train"]),
                         Stored(**report["geometry"]["test"]), report["geometry"]["size"], report["geometry"]["augment"])
@@ -442,7 +459,7 @@ def open_prepared(report: dict[str, Any], opts: OwnData) -> Dataset:
     where = f", through the shard cache {train.source.cache.folder} (at most {opts.shard_cache_gb:g} GB)" \
         if train.source.cache else ""
     held = (f"streamed: {opts.workers} DataLoader worker(s) per rank decode each batch{where} "
-            f"(decoded it would take {stored_bytes(index, geometry) / 2**30:.2f} GB, above --cache-gb {opts.cache_gb:g})")
+            f"(decoded it would take {stored_bytes(index, geometry) / 2**30:.3g} GB, above --cache-gb {opts.cache_gb:g})")
     return Dataset(name, spec, train, test, held)
 
 
@@ -468,7 +485,7 @@ class Streamed:
         self.source, self.workers = source, workers
         self.groups = source.table.group
         self.hits = self.misses = 0
-        self.skipped: list[str] = []
+        self.skipped = Survey()  # this epoch's files that did not decode: counted, the first ones named
 
     def __len__(self) -> int:
         return len(self.source)
@@ -491,7 +508,7 @@ class Streamed:
                 if prefetch:
                     prefetch.reached(reached[step])
                 self.hits, self.misses = self.hits + hits, self.misses + misses
-                self.skipped += skipped
+                self.skipped.skip(skipped)
                 yield to_device(images, device), to_device(labels, device)
         finally:
             if prefetch:
@@ -513,6 +530,7 @@ class Streamed:
         return Prefetcher(cache, names, cache.ahead()), reached
 
     def take_counts(self) -> tuple[dict[str, float], list[str]]:
-        counts = {"shard_cache_hits": self.hits, "shard_cache_misses": self.misses, "skipped_files": len(self.skipped)}
-        skipped, self.skipped, self.hits, self.misses = self.skipped, [], 0, 0
+        counts = {"shard_cache_hits": self.hits, "shard_cache_misses": self.misses,
+                  "skipped_files": self.skipped.skipped_count}
+        skipped, self.skipped, self.hits, self.misses = self.skipped.skipped, Survey(), 0, 0
         return counts, skipped

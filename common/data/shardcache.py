@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import math
 import os
 import threading
 from pathlib import Path
@@ -128,16 +129,14 @@ class ShardCache:
         largest = max(int(version.split("-")[0]) for version in self.versions.values())
         return max(1, self.budget // max(largest, 1) - MIN_SHARDS)
 
-    def held_bytes(self) -> int:
-        return sum(p.stat().st_size for p in self.folder.glob("*.tar")) if self.folder.is_dir() else 0
-
 
 def check_budget(budget_bytes: int, largest: int, flag: str) -> None:
     if budget_bytes < MIN_SHARDS * largest:
         need = MIN_SHARDS * largest / 2**30
+        digits = max(2, 2 - math.floor(math.log10(need)))  # three significant digits, rounded up: enough
         raise UserError(f"{flag} {budget_bytes / 2**30:g} holds fewer than {MIN_SHARDS} of the largest shard "
-                        f"({largest / 2**20:.1f} MB); pass {flag} {need:.2f} or more, or write smaller shards "
-                        "(python -m common.shards --shard-mb)")
+                        f"({largest / 2**20:.2f} MB); pass {flag} {math.ceil(need * 10**digits) / 10**digits:g} or "
+                        "more, or write smaller shards (python -m common.shards --shard-mb)")
 
 
 class Prefetcher:
