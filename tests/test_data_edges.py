@@ -512,3 +512,13 @@ def test_a_32_bit_image_outside_16_bits_is_refused_not_clipped(tmp_path):
     Image.fromarray(np.array([[0, 70000]], dtype=np.int32), "I").save(tiff)
     with pytest.raises(ValueError, match=r"32-bit image with values from 0 to 70000; .* read as 16-bit"):
         decode(tiff.read_bytes(), Stored(2), 1)
+
+
+def test_a_cache_dir_that_is_a_file_or_read_only_says_so(small, tmp_path):
+    (tmp_path / "file").write_text("not a folder")
+    with pytest.raises(UserError, match=r"a part of that path is a file, not a folder") as error:
+        dataset(options(small, tmp_path / "file"))
+    one_line(error)
+    with tmpfs(tmp_path / "ro", "1m", "ro") as disk:
+        with pytest.raises(UserError, match=r"Read-only file system; pass a --cache-dir on a writable file system"):
+            dataset(options(small, disk))

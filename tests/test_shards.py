@@ -420,3 +420,34 @@ def test_the_generated_tree_is_grayscale_and_varies_in_size(tree):
     assert len(images) == 80 and {image.mode for image in images} == {"L"}
     sizes = {image.size for image in images}
     assert len(sizes) > 10 and all(24 <= side <= 40 for size in sizes for side in size)
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--shard-mb", "nan"], "--shard-mb must be a number > 0 (got nan)"),
+    (["--shard-mb", "inf"], "--shard-mb must be a number > 0 (got inf)"),
+], ids=["nan", "inf"])
+def test_odd_shard_sizes_are_a_usage_error(tree, tmp_path, args, message):
+    result = run_converter(str(tree), str(tmp_path / "out"), *args)
+    assert result.returncode == 2 and message in result.stderr and result.stderr.count("\n") == 1
+
+
+def test_a_destination_that_is_a_file_is_one_line(tree, tmp_path):
+    (tmp_path / "out").write_text("not a folder")
+    result = run_converter(str(tree), str(tmp_path / "out"))
+    assert result.returncode != 0 and result.stderr.count("\n") == 1 and str(tmp_path / "out") in result.stderr
+
+
+def test_a_conversion_whose_shards_another_deleted_writes_no_manifest(tree, tmp_path, monkeypatch):
+    """Two converters into one destination: the one that ends first deletes the other's shards."""
+    from common import shards as module
+    from common.storage import LocalStorage
+
+    class Raced(LocalStorage):
+        def write(self, name: str, data: bytes) -> None:
+            if name == CLASSES_FILE:  # the other converter ends meanwhile, deleting shards not in its manifest
+                next(self.root.glob("train-*.tar")).unlink()
+            super().write(name, data)
+    monkeypatch.setattr(module, "storage_for", lambda dest, options: Raced(dest))
+    with pytest.raises(UserError, match=r"was deleted while this conversion ran .* one converter per destination"):
+        convert(tree, str(tmp_path / "out"))
+    assert not (tmp_path / "out" / MANIFEST).exists()
