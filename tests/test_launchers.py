@@ -73,6 +73,14 @@ LAUNCHED = {  # launcher: its environment ({port}: a free one)
 }
 
 
+def as_from_a_terminal() -> None:
+    """SIGINT and SIGQUIT at their defaults, as a terminal starts a command: a suite started in the
+    background by a shell without job control (nohup CMD &) inherits them ignored, and bash cannot
+    trap a signal ignored at its start, so the launcher would never see the Ctrl-C under test."""
+    for name in (signal.SIGINT, signal.SIGQUIT):
+        signal.signal(name, signal.SIG_DFL)
+
+
 @pytest.mark.parametrize("script, name, group, times", [
     ("multi_node.sh", "SIGTERM", False, 1), ("local_two_nodes.sh", "SIGTERM", False, 1),
     ("multi_node.sh", "SIGINT", False, 1), ("local_two_nodes.sh", "SIGINT", False, 1),
@@ -89,7 +97,8 @@ def test_a_signal_to_the_launcher_stops_training_with_a_checkpoint(script, name,
              "--epochs", "20", "--log-dir", str(tmp_path / "tb"), "--checkpoint-dir", str(ckpt)]
     env = launcher_env(**{k: v.format(port=free_port()) for k, v in LAUNCHED[script].items()})
     proc = subprocess.Popen([str(LAUNCH / script), "train_ddp.py", *flags], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=as_from_a_terminal)
     out, err = Lines(proc.stdout, watch="start-up:"), Lines(proc.stderr)  # rank 0, as the first step begins
     try:
         assert out.seen.wait(timeout=120), out.text()[-2000:] + err.text()[-3000:]
