@@ -55,7 +55,9 @@ THREADS_PROBE = """
 import atexit, os, runpy, sys
 def report():
     names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
-    print("THREADS", os.environ["RANK"], *names, flush=True)
+    # one write of the whole line: unbuffered (PYTHONUNBUFFERED), print writes word by word, and
+    # the two ranks' words would interleave on the shared pipe
+    os.write(1, " ".join(["THREADS", os.environ["RANK"], *names, "\\n"]).encode())
 atexit.register(report)
 sys.argv = sys.argv[1:]
 sys.path[0] = os.path.dirname(os.path.abspath(sys.argv[0]))
