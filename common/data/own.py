@@ -30,7 +30,7 @@ from common.data.images import (STATS_SAMPLES, Geometry, Reader, ShardSamples, S
 from common.data.index import (INDEX_FORMAT, SetIndex, TableWriter, map_index, publish, shapes_of,
                                staging_for)
 from common.data.loader import DataSpec, Dataset, Split, to_device
-from common.data.shardcache import Prefetcher, ShardCache, check_budget
+from common.data.shardcache import Prefetcher, ShardCache
 from common.errors import UserError
 from common.storage import StorageError, is_url, storage_for
 
@@ -76,7 +76,7 @@ def prepare(opts: OwnData, say: Say) -> dict[str, Any]:
     geometry = choose_geometry(index, opts.image_size)
     cache = opts.shard_cache(index.versions)
     if cache:  # every run: a budget lowered since the set was indexed holds, and trims the cache now
-        check_budget(cache.budget, max(int(v.split("-")[0]) for v in cache.versions.values()), "--shard-cache-gb")
+        cache.check_budget()
         cache.evict()
     mean, std = statistics(index, geometry, opts)
     spec = DataSpec(geometry.channels, geometry.size, index.classes, mean, std, geometry.augment)
@@ -133,8 +133,13 @@ def writing_cache(parent: Path, target: Path, say: Say) -> Iterator[None]:
         if e.filename and not str(e.filename).startswith(str(parent)):  # reading the data, not writing the cache
             raise UserError(f"{e.filename}: {e.strerror or e}; check that it is readable and that the data does not "
                             "change while it is indexed") from None
-        raise UserError(f"--cache-dir {parent}: {e.strerror or e}; {CACHE_ADVICE.get(e.errno, CACHE_ADVICE[None])}"
-                        ) from None
+        raise cache_error(parent, e) from None
+
+
+def cache_error(folder: Path, error: OSError) -> UserError:
+    """A write into the cache that failed, in one line naming --cache-dir and what to do."""
+    return UserError(f"--cache-dir {folder}: {error.strerror or error}; "
+                     f"{CACHE_ADVICE.get(error.errno, CACHE_ADVICE[None])}")
 
 
 CACHE_ADVICE = {errno.ENOSPC: "free space there, or pass another --cache-dir",
@@ -250,9 +255,9 @@ def index_shards_into(opts: OwnData, folder: Path, listing: dict[str, str]) -> t
         if not split_names:
             raise UserError(f"--data-dir {opts.data_dir} holds no {layout.shard_pattern(split)}; write the shards "
                             "with python -m common.shards IMAGEFOLDER DEST")
-        if cache:
-            check_budget(cache.budget, max(int(versions[n].split("-")[0]) for n in split_names), "--shard-cache-gb")
-
+    if cache:  # indexing reads every shard through the cache
+        cache.check_budget()
+    for split, split_names in names.items():
         def read(name: str) -> ShardSamples:
             opened = cache.open(name) if cache else open(Path(root) / name, "rb")
             return read_shard(opened, f"{root}/{name}", opts.skip_broken, shard_set.samples.get(name))
@@ -310,8 +315,7 @@ def statistics(index: SetIndex, geometry: Geometry, opts: OwnData) -> tuple[tupl
     try:
         write_atomically(path, json.dumps([mean, std]))
     except OSError as e:
-        raise UserError(f"--cache-dir {path.parent}: {e.strerror or e}; free space there or pass another "
-                        "--cache-dir") from None
+        raise cache_error(path.parent, e) from None
     return tuple(mean), tuple(std)
 
 

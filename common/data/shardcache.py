@@ -126,8 +126,14 @@ class ShardCache:
     def ahead(self) -> int:
         """How many shards the prefetcher may fetch beyond the one being read without evicting a
         shard that workers still read."""
-        largest = max(int(version.split("-")[0]) for version in self.versions.values())
-        return max(1, self.budget // max(largest, 1) - MIN_SHARDS)
+        return max(1, self.budget // max(self.largest(), 1) - MIN_SHARDS)
+
+    def largest(self) -> int:
+        """The largest shard's size, from its version (SIZE-TAG)."""
+        return max(int(version.split("-")[0]) for version in self.versions.values())
+
+    def check_budget(self) -> None:
+        check_budget(self.budget, self.largest(), "--shard-cache-gb")
 
 
 def check_budget(budget_bytes: int, largest: int, flag: str) -> None:
