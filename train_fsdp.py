@@ -19,7 +19,7 @@ from common.config import Config
 from common.parallel.comm import broadcast_coalesced, replicate_from_rank0
 from common.parallel.context import DistContext
 from common.errors import ConfigError
-from common.train.optim import make_optimizer
+from common.train.optim import TENSOR_STATE, Piece, decays, local, make_optimizer, whole_pieces
 
 import argparse
 import sys
@@ -81,7 +81,10 @@ class ZeroOne(Sharded):
         return model
 
     def make_optimizer(self, cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
-        return make_optimizer(cfg, [self.flat.slice])  # SGD is elementwise: one slice steps as its parameters would
+        """Over the parts of each parameter in this rank's slice: each keeps its parameter's decay,
+        and LARS/LAMB sum their norms over the ranks."""
+        self.state_keys = TENSOR_STATE[cfg.optimizer]
+        return make_optimizer(cfg, self.flat.pieces(cfg), len(self.flat.params), reduce=dist.all_reduce)
 
     def zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.flat.zero_grad()  # in place: the gradients stay views of the flat buffer
@@ -90,7 +93,13 @@ class ZeroOne(Sharded):
         self.flat.reduce_scatter_gradients()
 
     def end_of_step(self, model: nn.Module, global_step: int, last_in_epoch: bool) -> None:
+        self.spread(model)
+
+    def spread(self, model: nn.Module) -> None:
         self.flat.all_gather_parameters()  # every rank's updated slice, into everyone's parameters
+
+    def ema_tensors(self, model: nn.Module) -> list[torch.Tensor]:
+        return [self.flat.slice, *(b for b in model.buffers() if b.is_floating_point())]
 
     def grad_norm(self, model: nn.Module) -> float:
         """Each rank holds the average of its own slice only: sum the slices' squares over ranks."""
@@ -99,22 +108,56 @@ class ZeroOne(Sharded):
         return squares.sqrt().item()
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        """SGD's state as one process over model.parameters() would have it (a collective)."""
-        own = optimizer.state_dict()
-        momentum = own["state"].get(0, {}).get("momentum_buffer")
-        group = {**own["param_groups"][0], "params": list(range(len(self.flat.params)))}
-        if momentum is None:
-            return {"state": {}, "param_groups": [group]}
-        full = self.flat.gather(momentum)
-        return {"state": {i: {"momentum_buffer": t} for i, t in enumerate(self.flat.unflatten(full))},
-                "param_groups": [group]}
+        """The state as one process over model.parameters() would have it (a collective): each
+        state tensor's pieces placed in a slice, the slices all-gathered and cut per parameter."""
+        pieces = [p for group in optimizer.param_groups for p in group["params"]]
+        step = self._step_count(optimizer, pieces)
+        groups = [{**g, "params": self.flat.members(decayed)}  # the decayed group first, as make_optimizer
+                  for g, decayed in zip(optimizer.state_dict()["param_groups"], (True, False))]
+        if step is None:
+            return {"state": {}, "param_groups": groups}
+        full = {key: self.flat.unflatten(self.flat.gather(self.flat.place(
+            [(p, optimizer.state[p][key]) for p in pieces]))) for key in self.state_keys}
+        extra = {} if step == 0 else {"step": torch.tensor(float(step))}
+        return {"state": {i: {**{key: full[key][i] for key in self.state_keys}, **extra}
+                          for i in range(len(self.flat.params))}, "param_groups": groups}
+
+    def _step_count(self, optimizer: torch.optim.Optimizer, pieces: list[torch.Tensor]) -> int | None:
+        """None before the first step (no state yet), else the optimizer's step count (0 for SGD and
+        LARS, which keep none): agreed over ranks, as a slice of padding only holds no state."""
+        mine = [optimizer.state[p] for p in pieces if optimizer.state.get(p)]
+        count = float(mine[0]["step"]) if mine and "step" in mine[0] else 0.0
+        agreed = torch.tensor([float(bool(mine)), count], dtype=torch.float64, device=self.device)
+        dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+        return int(agreed[1]) if agreed[0] else None
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        group = {**state["param_groups"][0], "params": [0]}
-        buffers = [state["state"].get(i, {}).get("momentum_buffer") for i in range(len(self.flat.params))]
-        own = {} if any(b is None for b in buffers) else \
-            {0: {"momentum_buffer": self.flat.slice_of(self.flat.flatten(buffers)).clone()}}  # not a view of W slices
-        optimizer.load_state_dict({"state": own, "param_groups": [group]})
+        pieces = [p for group in optimizer.param_groups for p in group["params"]]
+        groups = [{**saved, "params": list(range(start, start + len(group["params"])))}
+                  for saved, group, start in zip(state["param_groups"], optimizer.param_groups,
+                                                 _starts(optimizer.param_groups))]
+        saved = [state["state"].get(i) for i in range(len(self.flat.params))]
+        if any(s is None for s in saved):
+            optimizer.load_state_dict({"state": {}, "param_groups": groups})
+            return
+        own = {}
+        for key in self.state_keys:  # cloned: each piece's own storage, not a view of the W slices
+            flat = self.flat.flatten([s[key] for s in saved])
+            for index, value in enumerate(self.flat.cut(flat, pieces)):
+                own.setdefault(index, {})[key] = value.clone()
+        if "step" in saved[0]:
+            for index in range(len(pieces)):
+                own.setdefault(index, {})["step"] = saved[0]["step"].clone()
+        optimizer.load_state_dict({"state": own, "param_groups": groups})
+
+
+def _starts(groups: list[dict[str, Any]]) -> list[int]:
+    """Where each group's entries begin in an optimizer's own numbering."""
+    starts, start = [], 0
+    for group in groups:
+        starts.append(start)
+        start += len(group["params"])
+    return starts
 
 
 class FlatParameters:
@@ -126,6 +169,8 @@ class FlatParameters:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.per_rank = -(-sum(p.numel() for p in self.params) // world)
         self.rank, self.world = rank, world
+        self.lo, self.hi = rank * self.per_rank, (rank + 1) * self.per_rank
+        self.stepped: list[Piece] = []
         p0 = self.params[0]
         self.flat = torch.zeros(self.per_rank * world, dtype=p0.dtype, device=p0.device)
         self.grads = torch.zeros_like(self.flat)
@@ -142,17 +187,49 @@ class FlatParameters:
         """A region per parameter, in the parameter's own layout (channels_last stays channels_last)."""
         return [flat.as_strided(p.shape, p.stride(), o) for p, o in zip(self.params, self.offsets)]
 
+    def pieces(self, cfg: Config) -> list[Piece]:
+        """Each parameter's part that falls in this rank's slice, as a view of the flat buffer (the
+        padding at the end belongs to no parameter and is never stepped)."""
+        self.spans = [(i, a, b) for i, (p, o) in enumerate(zip(self.params, self.offsets))
+                      if (a := max(o, self.lo)) < (b := min(o + p.numel(), self.hi))]
+        self.flags = [decays(p, cfg) for p in self.params]
+        self.stepped = [Piece(self.flat[a:b], i, self.flags[i]) for i, a, b in self.spans]
+        return self.stepped
+
+    def members(self, decayed: bool) -> list[int]:
+        """The positions of the parameters in a decay group, as one process's optimizer lists them."""
+        return [i for i, p in enumerate(self.params) if self.flags[i] == decayed]
+
+    def place(self, values: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """This rank's slice with each piece's state tensor at its place (zeros where there is none)."""
+        own = torch.zeros(self.per_rank, dtype=self.flat.dtype, device=self.flat.device)
+        spans = {id(piece.tensor): (a, b) for piece, (_, a, b) in zip(self.stepped, self.spans)}
+        for piece, value in values:
+            a, b = spans[id(piece)]
+            own[a - self.lo:b - self.lo].copy_(value)
+        return own
+
+    def cut(self, flat: torch.Tensor, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
+        """The pieces' regions of a full flat buffer, in the order given."""
+        spans = {id(piece.tensor): (a, b) for piece, (_, a, b) in zip(self.stepped, self.spans)}
+        return [flat[spans[id(p)][0]:spans[id(p)][1]] for p in pieces]
+
     def zero_grad(self) -> None:
         self.grads.zero_()
         self.slice.grad = None
+        for piece in self.stepped:
+            piece.tensor.grad = None
 
     def reduce_scatter_gradients(self) -> None:
         """In place: this rank's slice of the gradient buffer receives the average of that slice
-        (NCCL's documented in-place form, output = input + rank * count), so no second buffer."""
+        (NCCL's documented in-place form, output = input + rank * count), so no second buffer.
+        Each piece's gradient is its region of it."""
         with torch.profiler.record_function("sync: reduce-scatter gradients"):
             own = self.slice_of(self.grads)
             dist.reduce_scatter_tensor(own, self.grads)
             self.slice.grad = own.div_(self.world)
+            for piece, (_, a, b) in zip(self.stepped, self.spans):
+                piece.tensor.grad = self.grads[a:b]
 
     def all_gather_parameters(self) -> None:
         with torch.profiler.record_function("sync: all-gather parameters"):
@@ -222,6 +299,14 @@ class FullShard(Sharded):
 
     def replicated(self, model: nn.Module) -> list[tuple[str, torch.Tensor]]:
         return list(model.named_buffers())  # the parameters exist once, in shards
+
+    def make_optimizer(self, cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
+        """Over the shards (DTensors); LARS/LAMB sum each parameter's squared norm over them."""
+        params = list(model.parameters())
+        return make_optimizer(cfg, whole_pieces(params, cfg), len(params), reduce=dist.all_reduce)
+
+    def ema_tensors(self, model: nn.Module) -> list[torch.Tensor]:
+        return [*(local(p) for p in model.parameters()), *(b for b in model.buffers() if b.is_floating_point())]
 
     def grad_norm(self, model: nn.Module) -> float:
         squares = sum((p.grad.to_local().double() ** 2).sum() for p in model.parameters() if p.grad is not None)

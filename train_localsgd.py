@@ -18,6 +18,7 @@ from common.config import Config
 from common.parallel.comm import flatten, float_buffers, replicate_from_rank0, unflatten
 from common.parallel.context import DistContext
 from common.errors import ConfigError
+from common.train.optim import TENSOR_STATE
 
 import argparse
 from typing import Any
@@ -48,7 +49,7 @@ class LocalSGDStrategy(Strategy):
     def configure(self, cfg: Config) -> None:
         super().configure(cfg)
         options = cfg.options
-        self.every, self.outer, self.momentum = options["sync_every"], options["outer_optimizer"], cfg.momentum
+        self.every, self.outer = options["sync_every"], options["outer_optimizer"]
         self.outer_lr = OUTER_DEFAULT_LR[self.outer] if options["outer_lr"] is None else options["outer_lr"]
         if self.every < 1 or self.outer_lr <= 0:
             raise ConfigError(f"--sync-every must be >= 1 and --outer-lr > 0 (got {self.every}, {self.outer_lr})")
@@ -58,6 +59,12 @@ class LocalSGDStrategy(Strategy):
                               "with --sync-every 1 and plain averaging (--outer-optimizer sgd --outer-lr 1); use "
                               "--check-replicas N (a multiple of --sync-every) to check the replicas after each "
                               "averaging instead")
+        if cfg.check_equivalence and (cfg.optimizer != "sgd" or cfg.clip_grad_norm):
+            raise ConfigError(f"--check-equivalence: averaging the replicas after each step equals averaging the "
+                              f"gradients only for an update linear in the gradient; --optimizer {cfg.optimizer}"
+                              f"{' with --clip-grad-norm' if cfg.clip_grad_norm else ''} is not (each rank steps "
+                              "on its own gradient); use --optimizer sgd without --clip-grad-norm, or "
+                              "--check-replicas N")
         if cfg.check_replicas % self.every:
             raise ConfigError(f"--check-replicas {cfg.check_replicas}: replicas are equal only right after an "
                               f"averaging; use a multiple of --sync-every {self.every}")
@@ -108,30 +115,36 @@ class LocalSGDStrategy(Strategy):
             param.copy_(anchor)
 
     # The replicas are equal at every save (saves wait for an averaging); each rank's own optimizer
-    # state (its momentum) is not, so a checkpoint carries all of them.
+    # state (momentum, Adam's moments) is not, so a checkpoint carries all of them.
+
+    def make_optimizer(self, cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
+        self.state_keys = TENSOR_STATE[cfg.optimizer]
+        return super().make_optimizer(cfg, model)
+
+    def _own_state(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
+        """This rank's state tensors, parameter by parameter (zeros where a parameter has none)."""
+        return [optimizer.state.get(p, {}).get(key, torch.zeros_like(p)) for p in self.params
+                for key in self.state_keys]
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        state = optimizer.state_dict()
-        if not self.momentum:  # decided by the flags, the same on every rank: so is the collective below
+        state = super().optimizer_state(optimizer)
+        if not optimizer.state:  # before the first step, or SGD without momentum: the same on every rank
             return state
-        momenta = [optimizer.state.get(p, {}).get("momentum_buffer") for p in self.params]
-        flat = torch.cat([(torch.zeros_like(p) if m is None else m).reshape(-1)  # a parameter this rank never stepped
-                          for p, m in zip(self.params, momenta)]).to(self.device)
+        flat = torch.cat([t.reshape(-1) for t in self._own_state(optimizer)]).to(self.device)
         gathered = [torch.empty_like(flat) for _ in range(self.world)]
         dist.all_gather(gathered, flat)
-        return {**state, "momentum_per_rank": [g.cpu() for g in gathered]}
+        return {**state, "state_per_rank": [g.cpu() for g in gathered]}
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        """Each rank its own momentum when the world size is the same; rank 0's otherwise."""
-        per_rank = state.get("momentum_per_rank")
-        state = {key: value for key, value in state.items() if key != "momentum_per_rank"}
-        optimizer.load_state_dict(state)
-        if per_rank and len(per_rank) == self.world:
+        """Each rank its own state when the world size is the same; rank 0's otherwise."""
+        per_rank = state.get("state_per_rank")
+        super().load_optimizer_state(optimizer, {key: value for key, value in state.items()
+                                                 if key != "state_per_rank"})
+        if per_rank and len(per_rank) == self.world and optimizer.state:
             own, offset = per_rank[dist.get_rank()], 0
-            for p in self.params:
-                if p in optimizer.state:
-                    optimizer.state[p]["momentum_buffer"].copy_(own[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
+            for target in self._own_state(optimizer):
+                target.copy_(own[offset:offset + target.numel()].view_as(target))
+                offset += target.numel()
 
     def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
         super().load_model_state(model, state)

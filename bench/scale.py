@@ -162,7 +162,7 @@ def write_index(folder: Path, samples: int, val: int = 50_000, classes: int = 10
     survey = Survey()
     survey.saw("500x375", "train/n00000000/n00000000_0.JPEG", "RGB")
     publish(staging, folder, {"format": INDEX_FORMAT, "kind": "imagefolder", "root": "/data/imagenet",
-                              "classes": classes, "fingerprint": f"bench-{samples}", "versions": {}, **survey.meta(),
+                              "classes": [str(i) for i in range(classes)], "fingerprint": f"bench-{samples}", "versions": {}, **survey.meta(),
                               "tensors": shapes_of(staging)})
     for path in folder.iterdir():  # written back, as an index built long before: dirty page-cache pages
         with open(path, "rb") as f:  # would count as Private_Dirty in the process that maps them

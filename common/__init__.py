@@ -3,13 +3,15 @@
 Grouped by concern, in layers; a module imports only from its own layer and the layers below it
 (tests/test_layout.py declares the order and checks it, with no import circle anywhere):
 
-    train/    the training loop, checkpoints, the seam to the strategies     (top)
+    use/      using a trained model: evaluate.py, predict.py, export.py     (top)
+    train/    the training loop, checkpoints, the seam to the strategies
     data/     reading data              output/  what a run reports           (side by side)
     parallel/ processes and communication
     the base, here at the top: errors, config (the flags), storage (local folders and object
               stores), models (the networks by name), collector (the garbage collector)
 
-The train_*.py scripts, tests, bench and launch stand above all of it; nothing here imports them.
+The train_*.py scripts, evaluate.py, predict.py, export.py, tests, bench and launch stand above all
+of it; nothing here imports them.
 
 Importing the package does one thing besides: when a train_*.py is the program, Python's garbage
 collector pauses until training starts (common/collector.py says why). Every train_*.py imports

@@ -15,8 +15,14 @@ from typing import Any, Callable, Sequence
 from common.credentials import read_storage_options
 from common.models import MODELS, model_problem
 from common.storage import log_url_problem, url_problem
+from common.weights import weights_problem
 
 DATASETS = ("cifar10", "mnist", "synthetic", "imagefolder", "shards")
+OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")
+ADAPTIVE = ("adamw", "lamb")  # per-coordinate step sizes: their own lr and weight decay scale
+ADAPTIVE_LR_PER_256 = 1e-3  # the default peak lr of adamw and lamb per 256 images of the global batch
+SCHEDULES = ("onecycle", "cosine", "constant", "step")
+AUGMENTS = ("basic", "randaugment", "trivialaugment", "autoaugment")
 OWN_DATASETS = ("imagefolder", "shards")  # your own images (common/shards.py has their layouts)
 # --storage-timeout-s's default: generous, so that it covers a large checkpoint on a slow store, with
 # the storage layer's own bounded retries of transient errors, and a data set's download.
@@ -62,12 +68,28 @@ class Config:
     shard_cache_gb: float
     verify_data: bool
     model: str
+    weights: str
     epochs: int
     batch_size: int
     lr: float
     momentum: float
     weight_decay: float
     schedule: str
+    optimizer: str
+    betas: tuple[float, float]
+    eps: float
+    decay_norm_and_bias: bool
+    warmup: float
+    min_lr: float
+    milestones: tuple[int, ...]
+    gamma: float
+    label_smoothing: float
+    mixup: float
+    cutmix: float
+    augment: str
+    random_erase: float
+    ema: float
+    clip_grad_norm: float
     seed: int
     max_steps: int
     eval_batch_size: int | None
@@ -100,7 +122,8 @@ class Config:
     def as_plain_dict(self) -> dict[str, Any]:
         """Only str/int/float/bool values, the strategy's flags inline: safe for
         torch.load(weights_only=True) and TensorBoard hparams."""
-        plain = asdict(self)
+        plain = {key: ",".join(map(str, value)) if isinstance(value, tuple) else value
+                 for key, value in asdict(self).items()}  # --betas, --milestones: one string each
         options = plain.pop("options")
         plain.pop("identity_options")
         plain.pop("storage_options")  # credentials stay out of logs, TensorBoard and checkpoints
@@ -118,8 +141,10 @@ class Config:
 
 # Settings that change the trained weights. --synthetic-shape matters only for --dataset synthetic;
 # --data-dir and --image-size only for your own images (the built-in sets are the same anywhere).
-IDENTITY = ("dataset", "model", "batch_size", "lr", "momentum", "weight_decay", "schedule", "epochs", "seed",
-            "max_steps", "sync_bn", "precision", "accumulate", "grad_compression")
+IDENTITY = ("dataset", "model", "weights", "batch_size", "lr", "momentum", "weight_decay", "schedule", "epochs", "seed",
+            "max_steps", "sync_bn", "precision", "accumulate", "grad_compression", "optimizer", "betas", "eps",
+            "decay_norm_and_bias", "warmup", "min_lr", "milestones", "gamma", "label_smoothing", "mixup", "cutmix",
+            "augment", "random_erase", "ema", "clip_grad_norm")
 
 
 def run_identity(flags: dict[str, Any], strategy_options: Sequence[str] = ()) -> dict[str, Any]:
@@ -134,7 +159,7 @@ def identity_digest(identity: dict[str, Any]) -> str:
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
 
 
-class _RankZeroParser(argparse.ArgumentParser):
+class RankZeroParser(argparse.ArgumentParser):
     """Every rank parses the same argv; only one of them needs to print the usage error."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
@@ -145,7 +170,7 @@ class _RankZeroParser(argparse.ArgumentParser):
 
 
 def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser:
-    p = _RankZeroParser(
+    p = RankZeroParser(
         prog=f"train_{strategy}.py",
         description=f"Data-parallel training ({strategy}). Launch with torchrun, or plain python for one process.",
     )
@@ -189,12 +214,12 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
                                       "model, untrained; or MODULE:FUNCTION, your FUNCTION(channels, size, classes) "
                                       "returning an nn.Module, from PYTHONPATH or the current directory "
                                       "(default: per data set)")
+    add("--weights", default="", metavar="SOURCE",
+        help="start from trained weights: for torchvision:NAME a weights name of its registry (DEFAULT, "
+             "IMAGENET1K_V1, ...), read from the torch hub cache; for any model a file or URL of a state dict or of "
+             "a checkpoint of this suite (its weights only). A head of another shape is replaced (docs/recipes.md)")
     add("--epochs", type=int, default=None, help="training epochs (default: per data set)")
     add("--batch-size", type=int, default=None, help="GLOBAL batch, split evenly across ranks (default: per data set)")
-    add("--lr", type=float, default=None, help="peak learning rate (default: per data set, scaled linearly with --batch-size)")
-    add("--momentum", type=float, default=0.9, help="SGD nesterov momentum (default: %(default)s)")
-    add("--weight-decay", type=float, default=5e-4, help="SGD weight decay (default: %(default)s)")
-    add("--schedule", default="onecycle", choices=("onecycle", "cosine", "constant"), help="lr schedule (default: %(default)s)")
     add("--seed", type=int, default=0, help="seed of weights, shuffling and augmentation (default: %(default)s)")
     add("--max-steps", type=int, default=0, help="cap on optimizer steps per epoch, for smoke runs (0: no cap)")
     add("--eval-batch-size", type=int, default=None,
@@ -231,6 +256,8 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
         help="BatchNorm statistics over the global batch instead of each rank's share (one all-reduce per layer)")
     add("--check-replicas", type=int, default=0, metavar="N",
         help="every N steps, stop with an error if any parameter or buffer differs across ranks")
+    _add_optimizer_flags(p.add_argument_group("optimizer and schedule"))
+    _add_regularization_flags(p.add_argument_group("regularization"))
     recipe = p.add_argument_group("recipes")
     recipe.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
                         help="autocast dtype of forward and loss; fp16 adds loss scaling (default: %(default)s)")
@@ -248,6 +275,70 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
                         help="layout of images and conv weights; channels_last is faster for these nets on CPU and "
                              "GPU (default: %(default)s)")
     return p
+
+
+def _add_optimizer_flags(group: argparse._ArgumentGroup) -> None:
+    add = group.add_argument
+    add("--optimizer", default="sgd", choices=OPTIMIZERS,
+        help="sgd (nesterov momentum), adamw, lars (SGD with layer-wise trust ratios) or lamb (AdamW with them), "
+             "for large batches (default: %(default)s)")
+    add("--lr", type=float, default=None, help="peak learning rate (default: per data set and optimizer, scaled "
+                                               "linearly with --batch-size)")
+    add("--momentum", type=float, default=0.9, help="momentum of sgd and lars (default: %(default)s)")
+    add("--betas", type=_floats, default=(0.9, 0.999), metavar="B1,B2",
+        help="adamw and lamb's moment decays (default: 0.9,0.999)")
+    add("--eps", type=float, default=1e-8, help="adamw and lamb's epsilon (default: %(default)s)")
+    add("--weight-decay", type=float, default=None,
+        help="decoupled for adamw and lamb (default: 5e-4 for sgd and lars, 0.05 for adamw and lamb)")
+    add("--decay-norm-and-bias", action="store_true",
+        help="decay every parameter; by default norm layers' weights and all biases get no weight decay (the "
+             "torchvision and timm references' practice; before it, this suite decayed everything)")
+    add("--schedule", default="onecycle", choices=SCHEDULES,
+        help="lr schedule: onecycle, cosine, constant, or step (x --gamma at each of --milestones) "
+             "(default: %(default)s)")
+    add("--warmup", type=float, default=None, metavar="N",
+        help="steps of linear warm-up from 1/100 of the peak lr, or a fraction of the run when < 1 (default: 0.25 "
+             "for onecycle, else 0)")
+    add("--min-lr", type=float, default=0.0, help="the lr that onecycle and cosine end at (default: %(default)s)")
+    add("--milestones", type=_ints, default=(), metavar="E1,E2,...",
+        help="with --schedule step: the epochs after which the lr is multiplied by --gamma")
+    add("--gamma", type=float, default=0.1, help="with --schedule step: the factor at each milestone (default: "
+                                                  "%(default)s)")
+
+
+def _add_regularization_flags(group: argparse._ArgumentGroup) -> None:
+    add = group.add_argument
+    add("--label-smoothing", type=float, default=0.0, metavar="X",
+        help="cross-entropy against (1 - X) on the label and X spread over every class (default: %(default)s)")
+    add("--mixup", type=float, default=0.0, metavar="ALPHA",
+        help="blend pairs of images and their labels by a Beta(ALPHA, ALPHA) weight, drawn per global batch "
+             "(0: off; with --cutmix, one of the two per global batch)")
+    add("--cutmix", type=float, default=0.0, metavar="ALPHA",
+        help="paste a box of a paired image, labels weighted by its area, Beta(ALPHA, ALPHA) (0: off)")
+    add("--augment", default="basic", choices=AUGMENTS,
+        help="training augmentation: basic (the data set's crop and flip), or that plus randaugment, "
+             "trivialaugment or autoaugment (ImageNet policy), drawn per sample of the global batch "
+             "(default: %(default)s)")
+    add("--random-erase", type=float, default=0.0, metavar="P",
+        help="erase a random box of each training image with probability P (default: %(default)s)")
+    add("--ema", type=float, default=0.0, metavar="DECAY",
+        help="keep an exponential moving average of the weights (decay per optimizer step, with a warm-up), "
+             "evaluated every epoch beside them and saved in every checkpoint (0: off)")
+    add("--clip-grad-norm", type=float, default=None, metavar="MAX",
+        help="scale the synchronized gradient down to this global L2 norm when above it")
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    return tuple(float(part) for part in text.split(","))
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(",") if part)
+
+
+def default_checkpoint_dir(cfg: Config) -> str:
+    """One folder per run identity: a changed command never continues another run."""
+    return os.path.join("checkpoints", f"{cfg.strategy}-{cfg.dataset}-{path_part(cfg.model)}-{cfg.run_id}")
 
 
 def default_log_dir(cfg: Config, world_size: int) -> str:
@@ -291,7 +382,43 @@ def _validate(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int
     if a.check_equivalence < 0 or a.check_replicas < 0:
         p.error("--check-equivalence and --check-replicas take a step count >= 0")
     _validate_recipes(p, a, world_size)
+    _validate_optimizer(p, a)
+    _validate_regularization(p, a, world_size)
     _validate_storage(p, a)
+    if problem := weights_problem(a.weights, a.model):
+        p.error(f"--weights {a.weights} {problem}")
+
+
+def _validate_optimizer(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if len(a.betas) != 2 or not all(0 <= b < 1 for b in a.betas):
+        p.error(f"--betas takes two decays in [0, 1) as B1,B2 (got {','.join(map(str, a.betas))})")
+    if not (a.eps > 0 and a.weight_decay >= 0 and 0 <= a.momentum < 1):
+        p.error(f"--eps must be > 0, --weight-decay >= 0 and --momentum in [0, 1) (got {a.eps}, {a.weight_decay}, "
+                f"{a.momentum})")
+    if not (0 <= a.warmup < math.inf and 0 <= a.min_lr < a.lr and a.gamma > 0):
+        p.error(f"--warmup must be >= 0 (steps, or a fraction of the run when < 1), --min-lr in [0, --lr {a.lr:g}) "
+                f"and --gamma > 0 (got {a.warmup:g}, {a.min_lr:g}, {a.gamma:g})")
+    if (a.schedule == "step") != bool(a.milestones):
+        p.error("--schedule step and --milestones E1,E2,... go together: the epochs after which the lr drops")
+    if list(a.milestones) != sorted(set(a.milestones)) or any(not 0 < m < a.epochs for m in a.milestones):
+        p.error(f"--milestones {','.join(map(str, a.milestones))}: increasing epochs between 1 and --epochs - 1 "
+                f"({a.epochs - 1})")
+
+
+def _validate_regularization(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int) -> None:
+    if not (0 <= a.label_smoothing < 1 and 0 <= a.random_erase <= 1 and 0 <= a.ema < 1):
+        p.error(f"--label-smoothing must be in [0, 1), --random-erase in [0, 1] and --ema in (0, 1), or 0 for off "
+                f"(got {a.label_smoothing:g}, {a.random_erase:g}, {a.ema:g})")
+    if not (0 <= a.mixup < math.inf and 0 <= a.cutmix < math.inf):
+        p.error(f"--mixup and --cutmix take a Beta distribution's ALPHA > 0, or 0 for off (got {a.mixup:g}, "
+                f"{a.cutmix:g})")
+    if a.clip_grad_norm is not None and not 0 < a.clip_grad_norm < math.inf:
+        p.error(f"--clip-grad-norm must be > 0 (got {a.clip_grad_norm:g}); leave it out for no clipping")
+    per_rank = a.batch_size // world_size
+    if (a.mixup or a.cutmix) and per_rank % 2:
+        p.error(f"--mixup/--cutmix pair position g of each global batch with g + B/2, which stays on one rank only "
+                f"when each rank's batch is even (--batch-size {a.batch_size} / {world_size} rank(s) = {per_rank}); "
+                f"use a --batch-size that is a multiple of {2 * world_size}")
 
 
 def _validate_own_data(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
@@ -362,15 +489,19 @@ def parse_args(argv: Sequence[str] | None = None, *, strategy: str, default_data
     a.epochs = recipe.epochs if a.epochs is None else a.epochs
     a.batch_size = recipe.batch_size if a.batch_size is None else a.batch_size
     if a.lr is None:  # linear scaling; a bad --batch-size is reported by _validate, not as a bad lr
-        a.lr = recipe.lr * max(a.batch_size, 1) / recipe.batch_size
+        per_image = ADAPTIVE_LR_PER_256 / 256 if a.optimizer in ADAPTIVE else recipe.lr / recipe.batch_size
+        a.lr = per_image * max(a.batch_size, 1)
+    if a.weight_decay is None:
+        a.weight_decay = 0.05 if a.optimizer in ADAPTIVE else 5e-4
+    if a.warmup is None:
+        a.warmup = 0.25 if a.schedule == "onecycle" else 0.0
     _validate(p, a, world_size)
     common = {f.name for f in fields(Config)}
     values = vars(a)
     options = {k: v for k, v in values.items() if k not in common}
     cfg = Config(strategy=strategy, options=options, identity_options=tuple(identity_options),
                  **{k: v for k, v in values.items() if k in common})
-    if not cfg.checkpoint_dir:  # one folder per run identity: a changed command never continues another run
-        folder = f"{strategy}-{a.dataset}-{path_part(a.model)}-{cfg.run_id}"
-        cfg = replace(cfg, checkpoint_dir=os.path.join("checkpoints", folder))
+    if not cfg.checkpoint_dir:
+        cfg = replace(cfg, checkpoint_dir=default_checkpoint_dir(cfg))
     return cfg
 

@@ -185,6 +185,11 @@ def torchvision_options(model: str, size: int) -> dict[str, object]:
     return {}
 
 
+# The auxiliary heads that torchvision_options turns off: their tensors in torchvision's weights of
+# these models have no place in the model (common/weights.py leaves them out).
+AUXILIARY_HEADS = {"googlenet": ("aux1.", "aux2."), "inception_v3": ("AuxLogits.",)}
+
+
 def adapt_first_conv(name: str, model: nn.Module, channels: int) -> nn.Module:
     """torchvision's models take RGB. For another channel count the first 3-channel convolution
     takes `channels` inputs instead, its weights the RGB ones summed and spread evenly over the
@@ -200,11 +205,18 @@ def adapt_first_conv(name: str, model: nn.Module, channels: int) -> nn.Module:
     conv = nn.Conv2d(channels, rgb.out_channels, rgb.kernel_size, rgb.stride, rgb.padding, rgb.dilation,
                      bias=rgb.bias is not None, padding_mode=rgb.padding_mode)
     with torch.no_grad():
-        conv.weight.copy_(rgb.weight.sum(dim=1, keepdim=True).expand_as(conv.weight) / channels)
+        conv.weight.copy_(spread_rgb(rgb.weight, channels))
         if rgb.bias is not None:
             conv.bias.copy_(rgb.bias)
     setattr(parent, attr, conv)
     return model
+
+
+def spread_rgb(weight: torch.Tensor, channels: int) -> torch.Tensor:
+    """An RGB convolution's weights (out, 3, kh, kw) for `channels` inputs: summed over RGB and spread
+    evenly, so that each image reads as the grey image of its channels' mean. Trained weights
+    (--weights) get the same treatment as the initial ones."""
+    return weight.sum(dim=1, keepdim=True).expand(-1, channels, -1, -1) / channels
 
 
 # --- MODULE:FUNCTION ---------------------------------------------------------------------------------

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.quick  # no launch: the quick tier (pytest -m quick)
 # Lowest first. A module may import modules of its own package and of lower layers; packages that
 # share a layer do not import each other. BASE: the modules at the top of common/.
 BASE = "base"
-LAYERS = ((BASE,), ("parallel",), ("data", "output"), ("train",))
+LAYERS = ((BASE,), ("parallel",), ("data", "output"), ("train",), ("use",))
 PROGRAMS = ("tests", "bench", "launch")  # with the train_*.py scripts, they stand above common/: it never imports them
 
 

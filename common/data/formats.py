@@ -28,6 +28,7 @@ from common.data.loader import CIFAR_SPEC, MNIST_SPEC, Dataset, Split
 from common.errors import UserError
 
 CIFAR_DIR = "cifar-10-batches-py"
+CIFAR10_CLASSES = ("airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck")
 CIFAR_TRAIN = [f"data_batch_{i}" for i in range(1, 6)]
 CIFAR_TEST = ["test_batch"]
 CIFAR_ARCHIVE = "cifar-10-python.tar.gz"
@@ -237,7 +238,7 @@ def read_cifar10(root: Path) -> Dataset:
     folder = root / CIFAR_DIR
     train = _concat([_read_cifar_batch(folder / name) for name in CIFAR_TRAIN])
     test = _concat([_read_cifar_batch(folder / name) for name in CIFAR_TEST])
-    return Dataset("cifar10", CIFAR_SPEC, train, test)
+    return Dataset("cifar10", CIFAR_SPEC, train, test, class_names=CIFAR10_CLASSES)
 
 
 # ---------------------------------------------------------------- MNIST: raw IDX files, or torchvision's processed pair

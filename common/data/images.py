@@ -360,8 +360,8 @@ HEADER_CHUNK = 256  # images per worker task while reading headers
 HEADER_GROUP = 65536  # images listed at a time: the listing's memory is bounded, not the set's size
 
 
-def index_folder(root: Path, folder: Path, workers: int, skip: bool) -> tuple[int, Survey]:
-    """Writes the tree's tables into `folder`; its class count and what the pass saw."""
+def index_folder(root: Path, folder: Path, workers: int, skip: bool) -> tuple[list[str], Survey]:
+    """Writes the tree's tables into `folder`; its classes' names and what the pass saw."""
     classes = layout.folder_classes(root)
     survey = Survey()
     for split in (layout.TRAIN, layout.VAL):
@@ -378,7 +378,7 @@ def index_folder(root: Path, folder: Path, workers: int, skip: bool) -> tuple[in
                         (w, h), mode = seen
                         survey.saw(f"{w}x{h}", str(root / rel), mode)
         writer.close()
-    return len(classes), survey
+    return classes, survey
 
 
 def _groups(classes: Iterator[tuple[int, list[str]]]) -> Iterator[list[tuple[int, list[str]]]]:

@@ -20,7 +20,7 @@ import torch
 
 from common.data.cache import META, map_tensors, staging_path
 
-INDEX_FORMAT = 2  # in each index's folder name: a later layout is never read as an earlier one
+INDEX_FORMAT = 3  # in each index's folder name: a later layout is never read as an earlier one
 SAMPLES_NAMED = 100  # skipped or ignored files whose names the index keeps (all are counted)
 
 
@@ -74,7 +74,7 @@ class Table:
 class SetIndex:
     kind: str  # imagefolder | shards
     root: str  # the data folder or URL
-    classes: int
+    class_names: list[str]  # in class-index order (the class indices where the set names none)
     train: Table
     test: Table
     sizes: dict[str, str]  # "WxH" -> an image of that size (at most two: enough to say the set is mixed)
@@ -86,6 +86,10 @@ class SetIndex:
     skipped_count: int = 0
     ignored: list[str] = field(default_factory=list)  # files in the tree that are not images the suite reads
     ignored_count: int = 0
+
+    @property
+    def classes(self) -> int:
+        return len(self.class_names)
 
 
 class _ArrayFile:

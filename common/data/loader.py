@@ -13,6 +13,7 @@ from typing import Iterator
 
 import torch
 
+from common.data.augment import SampleAugment
 from common.errors import UserError
 
 
@@ -59,6 +60,13 @@ class Dataset:
     train: Split
     test: Split
     held: str = "in memory"  # how the banner describes where the images are kept
+    class_names: tuple[str, ...] = ()  # in class-index order; none: the indices are the names
+
+    def names(self) -> list[str]:
+        """The classes' names for people (checkpoints, the confusion matrix, predict.py)."""
+        if len(self.class_names) == self.spec.classes:
+            return list(self.class_names)
+        return [str(i) for i in range(self.spec.classes)]
 
 
 # ---------------------------------------------------------------- synthetic
@@ -66,9 +74,11 @@ class Dataset:
 SHIFTS = range(-3, 4)  # pixels a synthetic image is shifted by, per axis
 
 
-def make_synthetic(shape: str, train_size: int = 10000, test_size: int = 2000, seed: int = 1234) -> Dataset:
+def make_synthetic(shape: str, train_size: int = 10000, test_size: int = 2000, seed: int = 1234,
+                   noise: float = 0.35) -> Dataset:
     """Deterministic, learnable images: one smooth random template per class, randomly shifted,
-    scaled in contrast and covered in noise, so a net must learn shapes, not single pixels."""
+    scaled in contrast and covered in noise (its standard deviation, on a 0..1 scale), so a net
+    must learn shapes, not single pixels."""
     spec = CIFAR_SPEC if shape == "cifar" else MNIST_SPEC
     g = torch.Generator().manual_seed(seed)
     coarse = torch.rand(spec.classes, spec.channels, 4, 4, generator=g)
@@ -83,8 +93,8 @@ def make_synthetic(shape: str, train_size: int = 10000, test_size: int = 2000, s
         shifts = torch.randint(SHIFTS[0], SHIFTS[-1] + 1, (n, 2), generator=g) - SHIFTS[0]
         images = shifted[shifts[:, 0] * len(SHIFTS) + shifts[:, 1], labels]
         contrast = 0.5 + torch.rand(n, 1, 1, 1, generator=g)
-        noise = torch.randn(images.shape, generator=g).mul_(0.35)
-        noisy = images.sub_(0.5).mul_(0.3).mul_(contrast).add_(0.5).add_(noise)  # 0.5 + 0.3 (x - 0.5) c + noise
+        grain = torch.randn(images.shape, generator=g).mul_(noise)
+        noisy = images.sub_(0.5).mul_(0.3).mul_(contrast).add_(0.5).add_(grain)  # 0.5 + 0.3 (x - 0.5) c + noise
         return Split(noisy.clamp_(0, 1).mul_(255).round_().to(torch.uint8), labels)
 
     return Dataset(f"synthetic-{shape}", spec, split(train_size), split(test_size))
@@ -153,12 +163,14 @@ class TrainLoader:
     Rank r of W takes perm[r::W], so per-rank batches of B/W make global batch k exactly
     perm[k*B:(k+1)*B] at every W. Augmentation is drawn for the whole global batch from
     (seed, epoch, step) and sliced the same way, so every sample is cropped and flipped the same
-    whatever the world size: training is one sample stream, independent of W.
+    whatever the world size: training is one sample stream, independent of W. --augment's policies
+    and --random-erase draw per sample from its global position (common/data/augment.py), so they too.
     """
 
     def __init__(self, split: Split, spec: DataSpec, global_batch: int, rank: int, world_size: int,
                  seed: int, device: torch.device, max_steps: int = 0,
-                 memory_format: torch.memory_format = torch.contiguous_format) -> None:
+                 memory_format: torch.memory_format = torch.contiguous_format, augment: str = "basic",
+                 random_erase: float = 0.0) -> None:
         full_steps = len(split) // global_batch
         if full_steps == 0:
             raise UserError(f"--batch-size {global_batch} is larger than the training set ({len(split)} images)")
@@ -166,6 +178,8 @@ class TrainLoader:
         self.global_batch, self.rank, self.world_size, self.seed = global_batch, rank, world_size, seed
         self.steps_per_epoch = min(full_steps, max_steps) if max_steps else full_steps
         self.normalize = Normalizer(spec, device, memory_format)
+        self.per_sample = SampleAugment(augment, random_erase)
+        self.positions = range(rank, global_batch, world_size)  # this rank's rows' places in the global batch
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Global batch k is order[k*B:(k+1)*B]; this rank takes every W-th sample of it, from its rank."""
@@ -177,18 +191,24 @@ class TrainLoader:
             yield self._transform(images, epoch, step), labels
 
     def _transform(self, images: torch.Tensor, epoch: int, step: int) -> torch.Tensor:
+        """The data set's crop and flip, then --augment's policy on uint8 images, normalization and
+        --random-erase: every draw a function of (seed, epoch, step, global position)."""
+        cropped = self.per_sample.apply_policy(self._crop_and_flip(images, epoch, step), self.seed, epoch, step,
+                                               self.positions)
+        return self.per_sample.erase(self.normalize(cropped), self.seed, epoch, step, self.positions)
+
+    def _crop_and_flip(self, images: torch.Tensor, epoch: int, step: int) -> torch.Tensor:
         """Augmentation drawn for the whole global batch from (seed, epoch, step), then this rank's rows."""
         if self.spec.augment == "none":
-            return self.normalize(images)
+            return images
         g = _batch_generator(self.seed, epoch, step)
         mine = slice(self.rank, None, self.world_size)
         if self.spec.augment == "pad-crop-flip":
             shifts = torch.randint(0, 9, (self.global_batch, 2), generator=g)[mine]
             flips = (torch.rand(self.global_batch, generator=g) < 0.5)[mine]
-            return self.normalize(crop_and_flip(images, to_device(shifts, images.device),
-                                                to_device(flips, images.device)))
+            return crop_and_flip(images, to_device(shifts, images.device), to_device(flips, images.device))
         boxes = random_resized_boxes(self.global_batch, g)[mine]
-        return self.normalize(resized_crop(images.float(), to_device(boxes, images.device), self.spec.size))
+        return resized_crop(images.float(), to_device(boxes, images.device), self.spec.size)
 
 
 def random_resized_boxes(n: int, g: torch.Generator, scale: tuple[float, float] = (0.08, 1.0),

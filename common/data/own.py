@@ -80,7 +80,8 @@ def prepare(opts: OwnData, say: Say) -> dict[str, Any]:
         cache.evict()
     mean, std = statistics(index, geometry, opts)
     spec = DataSpec(geometry.channels, geometry.size, index.classes, mean, std, geometry.augment)
-    report = {"index": str(index.folder), "geometry": asdict(geometry), "spec": asdict(spec)}
+    report = {"index": str(index.folder), "geometry": asdict(geometry), "spec": asdict(spec),
+              "class_names": index.class_names}
     if stored_bytes(index, geometry) <= opts.cache_gb * 2**30:
         report["decoded"] = str(decode_into_cache(index, geometry, spec, opts, say))
     return report
@@ -159,7 +160,7 @@ def build_index(opts: OwnData, folder: Path, listing: dict[str, str], fingerprin
             classes, survey = index_folder(Path(opts.data_dir), staging, opts.prepare_workers, opts.skip_broken)
             versions: dict[str, str] = {}
         else:
-            classes, survey, versions = index_shards_into(opts, staging, listing)
+            classes, survey, versions = index_shards_into(opts, staging, listing)  # classes: their names
         publish(staging, folder, {"format": INDEX_FORMAT, "kind": opts.kind, "root": opts.data_dir, "classes": classes,
                                   "fingerprint": fingerprint, "versions": versions, **survey.meta(),
                                   "tensors": shapes_of(staging)})
@@ -242,8 +243,9 @@ def read_from_data_dir(opts: OwnData, name: str) -> bytes:
     return (Path(opts.data_dir) / name).read_bytes()
 
 
-def index_shards_into(opts: OwnData, folder: Path, listing: dict[str, str]) -> tuple[int, Survey, dict[str, str]]:
-    """Both splits' shards indexed into `folder`: the class count, what the pass saw, and the
+def index_shards_into(opts: OwnData, folder: Path, listing: dict[str, str],
+                      ) -> tuple[list[str], Survey, dict[str, str]]:
+    """Both splits' shards indexed into `folder`: the classes' names, what the pass saw, and the
     versions of the shards read (a streamed set's shard cache names its copies by them)."""
     shard_set = layout.resolve(listing, lambda name: read_from_data_dir(opts, name), opts.data_dir)
     names = {layout.TRAIN: shard_set.train, layout.VAL: shard_set.val}
@@ -263,22 +265,23 @@ def index_shards_into(opts: OwnData, folder: Path, listing: dict[str, str]) -> t
             return read_shard(opened, f"{root}/{name}", opts.skip_broken, shard_set.samples.get(name))
         writer = TableWriter(folder, "train" if split == layout.TRAIN else "test", sharded=True)
         tops[split] = index_shards(split_names, read, writer, opts.prepare_workers, survey)
-    classes = class_count(opts, shard_set, listing, tops[layout.TRAIN][0])
+    classes = class_names(opts, shard_set, listing, tops[layout.TRAIN][0])
     where = "in the manifest" if shard_set.manifest else \
         f"in {layout.CLASSES_FILE}" if layout.CLASSES_FILE in listing else "of train-*.tar"
     for top in tops.values():
-        check_classes(top, classes, where)
+        check_classes(top, len(classes), where)
     return classes, survey, versions
 
 
-def class_count(opts: OwnData, shard_set: layout.ShardSet, listing: dict[str, str], top_train: int) -> int:
-    """The manifest's classes; else classes.txt's line count; else the largest training class + 1."""
+def class_names(opts: OwnData, shard_set: layout.ShardSet, listing: dict[str, str], top_train: int) -> list[str]:
+    """The manifest's classes; else classes.txt's lines; else the indices up to the largest
+    training class. Read once, when the set is indexed: the index keeps them."""
     if shard_set.classes is not None:
-        return len(shard_set.classes)
+        return [str(name) for name in shard_set.classes]
     if layout.CLASSES_FILE not in listing:
-        return top_train + 1
+        return [str(i) for i in range(top_train + 1)]
     text = read_from_data_dir(opts, layout.CLASSES_FILE).decode()
-    return len([line for line in text.splitlines() if line.strip()])
+    return [line.strip() for line in text.splitlines() if line.strip()]
 
 
 def reader(index: SetIndex, split: str, geometry: Geometry, opts: OwnData) -> Reader:
@@ -453,7 +456,7 @@ def open_prepared(report: dict[str, Any], opts: OwnData) -> Dataset:
             held += f"; {meta['skipped_count']} unreadable file(s) replaced by their next sample: " + \
                 ", ".join(meta["skipped"][:5]) + (", ..." if meta["skipped_count"] > 5 else "")
         return Dataset(name, spec, Split(tensors["train_images"], tensors["train_labels"], tensors.get("train_groups")),
-                       Split(tensors["test_images"], tensors["test_labels"]), held)
+                       Split(tensors["test_images"], tensors["test_labels"]), held, tuple(report["class_names"]))
     hold_shared(use_lock_of(Path(report["index"])))
     index = map_index(Path(report["index"]))
     geometry = Geometry(report["geometry"]["channels"], Stored(**report["geometry"]["train"]),
@@ -464,7 +467,7 @@ def open_prepared(report: dict[str, Any], opts: OwnData) -> Dataset:
         if train.source.cache else ""
     held = (f"streamed: {opts.workers} DataLoader worker(s) per rank decode each batch{where} "
             f"(decoded it would take {stored_bytes(index, geometry) / 2**30:.3g} GB, above --cache-gb {opts.cache_gb:g})")
-    return Dataset(name, spec, train, test, held)
+    return Dataset(name, spec, train, test, held, tuple(report["class_names"]))
 
 
 class Plan:

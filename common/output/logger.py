@@ -10,10 +10,14 @@ import math
 import sys
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable, Iterator, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
 
 from common.config import Config
+from common.output import confusion
 from common.storage import export_s3_endpoint
+
+if TYPE_CHECKING:
+    import torch
 
 T = TypeVar("T")
 
@@ -21,7 +25,7 @@ T = TypeVar("T")
 LAYOUT = {
     "Loss and accuracy": {
         "loss": ["Multiline", ["train/loss", "test/loss"]],
-        "accuracy": ["Multiline", ["train/acc", "test/acc"]],
+        "accuracy": ["Multiline", ["train/acc", "test/acc", "test/acc_top5"]],
     },
     "Where a step's time goes": {
         "data / compute / sync (ms per step)": ["Multiline", ["time/data_ms", "time/compute_ms", "time/sync_ms"]],
@@ -80,6 +84,10 @@ class EpochResult:
     images_per_s: float
     epoch_s: float
     times: StepTimes
+    test_acc_ema: float | None = None  # --ema: the moving average's test accuracy
+    test_acc_top5: float = math.nan  # the label among the model's 5 highest scores
+    confusion: torch.Tensor | None = None  # (classes, classes) test counts, row the label, column the prediction
+    class_names: tuple[str, ...] = ()  # the confusion matrix's labels
 
 
 def trained(r: EpochResult) -> bool:
@@ -141,13 +149,13 @@ class RankEcho(NullLogger):
 
 
 def _epoch_line(r: EpochResult, epochs: int) -> str:
+    ema = "" if r.test_acc_ema is None else f", EMA {100 * r.test_acc_ema:.2f}%"
+    test = f"test acc {100 * r.test_acc:.2f}%{ema} ({r.test_samples} images)  top-5 {100 * r.test_acc_top5:.2f}%"
     if not trained(r):
-        return (f"epoch {r.epoch}/{epochs}  (trained before the resume)  test loss {r.test_loss:.4f}  "
-                f"test acc {100 * r.test_acc:.2f}% ({r.test_samples} images)")
-    return (f"epoch {r.epoch}/{epochs}  train loss {r.train_loss:.4f}  test loss {r.test_loss:.4f}  "
-            f"test acc {100 * r.test_acc:.2f}% ({r.test_samples} images)  {r.images_per_s:,.0f} img/s  "
-            f"{r.epoch_s:.1f} s  per step: data {r.times.data_ms:.1f} / compute {r.times.compute_ms:.1f} / "
-            f"sync {r.times.sync_ms:.1f} ms ({100 * r.times.sync_share:.0f}% sync)")
+        return f"epoch {r.epoch}/{epochs}  (trained before the resume)  test loss {r.test_loss:.4f}  {test}"
+    return (f"epoch {r.epoch}/{epochs}  train loss {r.train_loss:.4f}  test loss {r.test_loss:.4f}  {test}  "
+            f"{r.images_per_s:,.0f} img/s  {r.epoch_s:.1f} s  per step: data {r.times.data_ms:.1f} / compute "
+            f"{r.times.compute_ms:.1f} / sync {r.times.sync_ms:.1f} ms ({100 * r.times.sync_share:.0f}% sync)")
 
 
 class Logger(RankEcho):
@@ -160,6 +168,7 @@ class Logger(RankEcho):
         from torch.utils.tensorboard import SummaryWriter
 
         self.tag = ""
+        self.cfg = cfg
         self.run = run
         self.writer = SummaryWriter(cfg.log_dir, purge_step=purge_step)
         self.writer.add_text("config", _markdown_table(cfg.as_plain_dict()))
@@ -189,7 +198,10 @@ class Logger(RankEcho):
     def epoch(self, r: EpochResult, epochs: int) -> None:
         super().epoch(r, epochs)
         self.best_acc = max(self.best_acc, r.test_acc)
-        scalars = {"test/loss": r.test_loss, "test/acc": r.test_acc, "test/samples": r.test_samples}
+        scalars = {"test/loss": r.test_loss, "test/acc": r.test_acc, "test/acc_top5": r.test_acc_top5,
+                   "test/samples": r.test_samples}
+        if r.test_acc_ema is not None:
+            scalars["test/acc_ema"] = r.test_acc_ema
         if trained(r):  # an epoch only evaluated here says nothing of its speed
             self.images_per_s.append(r.images_per_s)
             scalars["time/epoch_s"] = r.epoch_s
@@ -222,6 +234,7 @@ class Logger(RankEcho):
     def close(self, final: EpochResult | None) -> None:
         if final is not None:
             self._write_summary(final)
+            self._write_classes(final)
         self.writer.close()
 
     def _write_summary(self, final: EpochResult) -> None:
@@ -236,6 +249,19 @@ class Logger(RankEcho):
             self.writer.add_scalar(tag, value, final.global_step)
         for summary in hparams(self.run, {tag: 0.0 for tag in SUMMARY_METRICS}):
             self.writer.file_writer.add_summary(summary)
+
+    def _write_classes(self, final: EpochResult) -> None:
+        """The last evaluation's per-class accuracy (a table) and confusion matrix (an image), and
+        its counts as JSON, which the report reads back."""
+        if final.confusion is None:
+            return
+        counts = final.confusion.tolist()
+        names = list(final.class_names)
+        step = final.global_step
+        self.writer.add_text(confusion.PER_CLASS_TAG, confusion.markdown(confusion.per_class(counts, names)), step)
+        self.writer.add_image(confusion.IMAGE_TAG, confusion.rgb(counts, names, f"test set after step {step}"), step,
+                              dataformats="HWC")
+        self.writer.add_text(confusion.JSON_TAG, confusion.to_json(counts, names), step)
 
 
 def _markdown_table(values: dict[str, object]) -> str:

@@ -4,7 +4,9 @@
 
 A RUN_DIR is one run's --log-dir, or a parent holding several (every folder with event files
 below it counts). Writes OUT/report.md (one row per run), OUT/curves.png (test accuracy and train
-loss against wall time and against step) and OUT/time_split.png (data / compute / sync per step).
+loss against wall time and against step) and OUT/time_split.png (data / compute / sync per step);
+for the runs that finished, OUT/per_class.md (each run's per-class test accuracy) and
+OUT/confusion-RUN.png (its confusion matrix), from its last evaluation.
 """
 from __future__ import annotations
 
@@ -20,6 +22,9 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt  # noqa: E402
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
 from tensorboard.plugins.hparams import plugin_data_pb2  # noqa: E402
+from tensorboard.util import tensor_util  # noqa: E402
+
+from common.output import confusion  # noqa: E402
 
 TIME_TAGS = ("time/data_ms", "time/compute_ms", "time/sync_ms")
 
@@ -36,6 +41,7 @@ class Run:
     path: Path
     hparams: dict[str, object]
     scalars: dict[str, list[Point]]
+    confusion: tuple[list[list[int]], list[str]] | None = None  # the last evaluation's (counts, class names)
 
     @property
     def world(self) -> str:
@@ -76,7 +82,16 @@ def load_run(path: Path) -> Run:
     events = {tag: acc.Scalars(tag) for tag in acc.Tags()["scalars"]}
     start = min((e.wall_time for series in events.values() for e in series), default=0.0)
     scalars = {tag: [Point(e.step, e.wall_time - start, e.value) for e in series] for tag, series in events.items()}
-    return Run(path, _hparams(acc), scalars)
+    return Run(path, _hparams(acc), scalars, _confusion(acc))
+
+
+def _confusion(acc: EventAccumulator) -> tuple[list[list[int]], list[str]] | None:
+    """The counts and class names the run wrote when it finished; None for a run cut before that."""
+    tag = f"{confusion.JSON_TAG}/text_summary"  # where TensorBoard files a text summary
+    if tag not in acc.Tags()["tensors"]:
+        return None
+    (text,) = tensor_util.make_ndarray(acc.Tensors(tag)[-1].tensor_proto).flatten()
+    return confusion.from_json(text.decode())
 
 
 def sync_share(run: Run) -> float:
@@ -86,10 +101,11 @@ def sync_share(run: Run) -> float:
 
 
 def markdown_table(runs: Sequence[Run]) -> str:
-    header = ("| run | strategy | world | final test acc | best test acc | wall time s | images/s | sync share |\n"
-              "|---|---|---|---|---|---|---|---|")
+    header = ("| run | strategy | world | final test acc | final top-5 | best test acc | wall time s | images/s | "
+              "sync share |\n|---|---|---|---|---|---|---|---|---|")
     rows = [f"| {r.path.name} | {r.hparams.get('strategy', '?')} | {r.world} | "
-            f"{100 * r.last('summary/final_test_acc'):.2f}% | {100 * r.last('summary/best_test_acc'):.2f}% | "
+            f"{100 * r.last('summary/final_test_acc'):.2f}% | {100 * r.last('test/acc_top5'):.2f}% | "
+            f"{100 * r.last('summary/best_test_acc'):.2f}% | "
             f"{r.last('summary/wall_time_s'):.1f} | {r.last('summary/mean_images_per_s'):,.0f} | "
             f"{100 * sync_share(r):.1f}% |" for r in runs]
     return "\n".join([header, *rows]) + "\n"
@@ -132,13 +148,29 @@ def plot_time_split(runs: Sequence[Run], out: Path) -> Path:
     return path
 
 
+def write_classes(runs: Sequence[Run], out: Path) -> list[Path]:
+    """per_class.md, a section per finished run, and each one's confusion matrix as a PNG."""
+    finished = [r for r in runs if r.confusion]
+    if not finished:
+        return []
+    sections, written = [], []
+    for run in finished:
+        counts, names = run.confusion
+        path = out / f"confusion-{run.path.name}.png"
+        path.write_bytes(confusion.png(counts, names, f"{run.path.name} ({run.label})"))
+        sections.append(f"## {run.path.name} ({run.label})\n\n{confusion.markdown(confusion.per_class(counts, names))}")
+        written.append(path)
+    (out / "per_class.md").write_text("# Per-class test accuracy, last evaluation\n\n" + "\n".join(sections))
+    return [out / "per_class.md", *written]
+
+
 def write_report(paths: Sequence[Path], out: Path) -> list[Path]:
     runs = [load_run(p) for p in find_runs(paths)]
     if not runs:
         raise SystemExit(f"no TensorBoard event files under {', '.join(map(str, paths))}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "report.md").write_text(markdown_table(runs))
-    return [out / "report.md", plot_curves(runs, out), plot_time_split(runs, out)]
+    return [out / "report.md", plot_curves(runs, out), plot_time_split(runs, out), *write_classes(runs, out)]
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -5,5 +5,5 @@ optimizer step (step), the optimizer and schedule (optim), the loop and exact ev
 --check-equivalence (equivalence).
 
 May import: every layer below it, the base at the top of common/, parallel/, data/ and output/.
-Nothing under common/ imports it; the train_*.py scripts do.
+Only use/ (evaluate.py, predict.py, export.py) imports it under common/; the train_*.py scripts do.
 """

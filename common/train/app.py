@@ -5,16 +5,19 @@ import os
 import sys
 import time
 from dataclasses import replace
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from common.train.checkpoint import Checkpoints, Resumed
+from common.train.ema import EMA
+from common.train.mixing import Mixing
 from common.collector import ended_cleanly, pause_during_set_up, resume_for_training
-from common.config import OWN_DATASETS, Config, default_log_dir, parse_args, world_size_from_env
+from common.config import (OWN_DATASETS, Config, default_checkpoint_dir, default_log_dir, parse_args,
+                           world_size_from_env)
 from common.data.images import default_workers
 from common.data.own import OwnData
-from common.data.loader import TrainLoader
+from common.data.loader import Dataset, TrainLoader
 from common.parallel.context import DistContext, check_same_flags, distributed
 from common.train.equivalence import check_equivalence
 from common.data.fetch import load_dataset
@@ -30,6 +33,7 @@ from common.train.strategy import Strategy
 from common.parallel.sync_batchnorm import convert_batchnorm
 from common.train.trainer import Trainer
 from common.output.warnings_relay import WarningRelay
+from common.weights import Loaded, Source, load_into
 
 STARTED = time.monotonic()  # a fallback for the start-up time where /proc is missing
 
@@ -56,7 +60,8 @@ def main(strategy: Strategy, argv: Sequence[str] | None = None) -> None:
 
 def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
     check_same_flags(cfg, ctx)
-    run = build_run(cfg, ctx, strategy)
+    run, weights = build_run(cfg, ctx, strategy)
+    cfg = run.cfg  # --weights pinned to the content read: the identity that checkpoints are looked up by
     checkpoints = Checkpoints(cfg.checkpoint_dir, cfg.keep, ctx, cfg.storage_options, cfg.storage_timeout_s)
     resumed, warnings = checkpoints.resume(run)
     start = resume_position(resumed)
@@ -71,6 +76,8 @@ def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
         for warning in warnings:
             log.warn(warning)
         describe(run, checkpoints, log)
+        if weights:
+            log.info(weights.banner())
         if start.epoch >= cfg.epochs and not cfg.check_equivalence:
             log.info(f"training already complete: {resumed.path} ends epoch {cfg.epochs} of {cfg.epochs}; to train "
                      "again, pass --resume none (a new run beside this one, whose files are kept)")
@@ -97,27 +104,67 @@ def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
         log.close(final)
 
 
-def build_run(cfg: Config, ctx: DistContext, strategy: Strategy) -> Run:
+def build_run(cfg: Config, ctx: DistContext, strategy: Strategy) -> tuple[Run, Loaded | None]:
+    """The run, and what --weights put into its model (None without the flag), for the banner."""
     if ctx.device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed shapes: pick the fastest conv kernels once
     memory_format = torch.channels_last if cfg.memory_format == "channels_last" else torch.contiguous_format
-    data = load_dataset(cfg.dataset, cfg.data_dir, ctx=ctx, say=node_console(ctx), allow_download=cfg.download,
+    say = node_console(ctx)
+    data = load_dataset(cfg.dataset, cfg.data_dir, ctx=ctx, say=say, allow_download=cfg.download,
                         download_from=cfg.download_from, cache_dir=cfg.cache_dir,
                         storage_options=cfg.storage_options, synthetic_shape=cfg.synthetic_shape,
                         deadline_s=cfg.storage_timeout_s, own_data=own_data(cfg, ctx))
+    data = normalized_for_weights(cfg, data)
     loader = ctx.together(lambda: TrainLoader(data.train, data.spec, cfg.batch_size, ctx.rank, ctx.world_size,
-                                              cfg.seed, ctx.device, cfg.max_steps, memory_format))
+                                              cfg.seed, ctx.device, cfg.max_steps, memory_format, cfg.augment,
+                                              cfg.random_erase))
     model = ctx.together(lambda: build_model(cfg.model, data.spec.channels, data.spec.size, data.spec.classes,
                                              cfg.seed))
+    # Into the plain model on every rank, before wrap() replicates and shards it.
+    weights = load_weights(cfg, ctx, model, data.spec.channels, say) if cfg.weights else None
+    cfg = pinned(cfg, weights) if weights else cfg
     model = model.to(ctx.device, memory_format=memory_format)
     if cfg.sync_bn:
         convert_batchnorm(model)
     wrapped = strategy.wrap(model, ctx)
     optimizer = strategy.make_optimizer(cfg, wrapped)
-    scheduler = make_scheduler(cfg, optimizer, cfg.epochs * loader.steps_per_epoch)
+    scheduler = make_scheduler(cfg, optimizer, loader.steps_per_epoch)
     compiled = torch.compile(wrapped) if cfg.compile else None  # for DDP, compile sees DDP and splits at buckets
+    ema = EMA(cfg.ema, strategy, wrapped) if cfg.ema else None
     return Run(cfg, ctx, strategy, data, loader, wrapped, optimizer, scheduler, Precision(cfg.precision, ctx.device),
-               compiled)
+               compiled, ema, Mixing(cfg, data.spec.classes)), weights
+
+
+def load_weights(cfg: Config, ctx: DistContext, model: torch.nn.Module, channels: int, say: Callable[[str], None],
+                 ) -> Loaded:
+    """A collective: --weights into the plain model on every rank. Rank 0 reads the file while the
+    others wait on the store (--storage-timeout-s bounds it, not --timeout-s); every rank loads the
+    bytes it broadcasts, as for a resumed checkpoint (common/weights.py)."""
+    source = Source.parse(cfg.weights, cfg.model)
+    data = ctx.after_primary(f"weights read from {source.text}",
+                             lambda: source.read(cfg.storage_options, cfg.download, say), cfg.storage_timeout_s)
+    data = ctx.broadcast_bytes(data if ctx.is_primary else None)
+    return ctx.together(lambda: load_into(model, data, source, channels, cfg.seed))
+
+
+def normalized_for_weights(cfg: Config, data: Dataset) -> Dataset:
+    """Weights that carry their own input normalization (torchvision's) are fed images normalized
+    their way instead of with the data set's measured statistics."""
+    normalization = Source.parse(cfg.weights, cfg.model).normalization(data.spec.channels) if cfg.weights else None
+    if normalization is None:
+        return data
+    mean, std = normalization
+    return replace(data, spec=replace(data.spec, mean=mean, std=std))
+
+
+def pinned(cfg: Config, weights: Loaded) -> Config:
+    """--weights as SOURCE@sha256:HEX, naming the content read: part of the run's identity, so a
+    changed file starts a new run instead of resuming one trained from other weights. The default
+    checkpoint folder, named after the identity, follows it."""
+    with_digest = replace(cfg, weights=weights.flag)
+    if cfg.checkpoint_dir == default_checkpoint_dir(cfg):
+        return replace(with_digest, checkpoint_dir=default_checkpoint_dir(with_digest))
+    return with_digest
 
 
 def own_data(cfg: Config, ctx: DistContext) -> OwnData | None:

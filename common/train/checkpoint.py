@@ -67,8 +67,10 @@ import torch
 
 from common import __version__
 from common.config import STORAGE_TIMEOUT_S
+from common.data.images import EVAL_CROP
 from common.parallel.context import DistContext
 from common.errors import UserError
+from common.train.optim import TENSOR_STATE
 from common.train.run import Position, Run
 from common.storage import MISSING, Storage, StorageError, split, storage_for
 
@@ -456,6 +458,8 @@ class Checkpoints:
         run.scheduler.load_state_dict(state["scheduler"])
         run.precision.load_state_dict(state.get("scaler", {}))
         run.strategy.load_state_dict(state.get("strategy", {}))
+        if run.ema:
+            run.ema.load(state["ema"], int(state["ema_steps"]))
 
     def save(self, run: Run, at: Position, wait: bool, on_saved: Callable[[str, float], None]) -> str:
         """A collective. Rank 0 copies the state and writes it in the background (wait: and waits for
@@ -471,13 +475,15 @@ class Checkpoints:
             "epoch": at.epoch, "step_in_epoch": at.step, "global_step": run.global_step(at),
             "world_size": run.ctx.world_size, "config": run.cfg.as_plain_dict(), "identity": run.cfg.identity(),
             "version": __version__,
+            **({"ema": run.ema.state(), "ema_steps": run.ema.steps} if run.ema else {}),  # full, like "model"
         }
         path = self.folder.storage.url(step_name(self.run, state["global_step"])) if self.folder else ""
 
         def write_on_primary() -> dict[str, Any]:
             outcome = {"path": path, "error": self.writer.outcome()}  # the save before this one
             if not outcome["error"]:
-                self.writer.start(self.folder, self.run, detached_copy(state), self.last, on_saved)
+                saved = {**detached_copy(state), "data": data_entry(run)}  # rank 0 reads the class names, once
+                self.writer.start(self.folder, self.run, saved, self.last, on_saved)
                 if wait:
                     outcome["error"] = self.writer.outcome()
             return outcome
@@ -579,10 +585,23 @@ def detached_copy(state: Any) -> Any:
     return state
 
 
+def data_entry(run: Run) -> dict[str, Any]:
+    """What predict.py and export.py need besides the weights (common/use/): the classes' names
+    and the evaluation's preprocessing: decode to `channels`, resize the short side to `resize`
+    and centre-crop `size` (resize 0: the image must be size x size as it is), scale to [0, 1],
+    normalize by `mean` and `std`. Plain values: the file stays loadable with weights_only=True."""
+    cfg, spec = run.cfg, run.data.spec
+    return {"classes": run.data.names(),
+            "channels": spec.channels, "size": spec.size, "mean": list(spec.mean), "std": list(spec.std),
+            "resize": round(cfg.image_size / EVAL_CROP) if cfg.image_size else 0}  # as images.choose_geometry
+
+
 def expected_bytes(run: Run) -> int:
-    """About what one checkpoint takes: the model and, with momentum, as much again."""
+    """About what one checkpoint takes: the model, once more per optimizer state tensor (momentum,
+    Adam's two moments) and once more for an EMA."""
     model = sum(t.numel() * t.element_size() for t in run.plain.state_dict().values())
-    return model * (2 if run.cfg.momentum else 1)
+    state = len(TENSOR_STATE[run.cfg.optimizer]) if run.cfg.optimizer != "sgd" or run.cfg.momentum else 0
+    return model * (1 + state + bool(run.ema))
 
 
 def model_mismatches(saved: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> list[str]:

@@ -17,10 +17,11 @@ from common.config import Config
 from common.data.loader import TrainLoader
 from common.output.logger import NullLogger
 from common.models import build_model
-from common.train.optim import make_optimizer, make_scheduler
+from common.train.ema import EMA
+from common.train.optim import make_scheduler
 from common.train.run import Run
 from common.train.precision import Precision
-from common.train.step import train_step
+from common.train.step import StepRecipe, train_step
 from common.train.strategy import Strategy
 
 TOLERANCE = 1e-5  # float32 on CPU; the two sides sum the same numbers in a different order
@@ -37,23 +38,31 @@ def check_equivalence(run: Run, log: NullLogger) -> None:
     reference = build_model(cfg.model, data.spec.channels, data.spec.size, data.spec.classes, cfg.seed)
     reference = reference.to(ctx.device, memory_format=run.memory_format)
     reference.load_state_dict(starting_point(run))
-    ref_optimizer = make_optimizer(cfg, reference.parameters())
-    ref_scheduler = make_scheduler(cfg, ref_optimizer, run.total_steps)
+    one_process = Strategy()
+    ref_optimizer = one_process.make_optimizer(cfg, reference)
+    ref_scheduler = make_scheduler(cfg, ref_optimizer, run.steps_per_epoch)
     ref_precision = Precision(cfg.precision, ctx.device)
+    ref_ema = EMA(cfg.ema, one_process, reference) if cfg.ema else None
     whole_batch = TrainLoader(data.train, data.spec, cfg.batch_size, 0, 1, cfg.seed, ctx.device, cfg.max_steps,
-                              run.memory_format)
+                              run.memory_format, cfg.augment, cfg.random_erase)
+    recipe = StepRecipe.of(cfg)
     run.model.train()
     reference.train()
     steps = 0
     for epoch in count():
-        for (images, labels), (all_images, all_labels) in zip(run.loader.epoch(epoch), whole_batch.epoch(epoch)):
+        for (images, labels), (all_images, all_labels) in zip(run.mixing.batches(run.loader.epoch(epoch), epoch, 0),
+                                                              run.mixing.batches(whole_batch.epoch(epoch), epoch, 0)):
             train_step(run.step_model, run.strategy, run.optimizer, run.scheduler, run.precision, images, labels,
-                       cfg.accumulate)
+                       recipe)
             run.strategy.end_of_step(run.model, steps + 1, False)
-            train_step(reference, Strategy(), ref_optimizer, ref_scheduler, ref_precision, all_images, all_labels)
+            train_step(reference, one_process, ref_optimizer, ref_scheduler, ref_precision, all_images, all_labels,
+                       recipe)
             steps += 1
+            if run.ema:
+                run.ema.update(steps)
+                ref_ema.update(steps)
             if steps == cfg.check_equivalence:
-                return _verdict(run, reference, steps, log)
+                return _verdict(run, reference, ref_ema, steps, log)
 
 
 def starting_point(run: Run) -> dict[str, torch.Tensor]:
@@ -72,17 +81,29 @@ def tolerance(cfg: Config) -> float:
     return max([TOLERANCE, *(bound for key, value, bound in LOOSER if getattr(cfg, key) == value)])
 
 
-def _verdict(run: Run, reference: nn.Module, steps: int, log: NullLogger) -> None:
+def _verdict(run: Run, reference: nn.Module, ref_ema: EMA | None, steps: int, log: NullLogger) -> None:
     """The strategy's model as saved (gathered from its shards where sharded: on rank 0) against
-    the reference, parameter by parameter; the worst difference over ranks."""
-    ctx, bound, state = run.ctx, tolerance(run.cfg), run.strategy.model_state(run.model)
-    gaps = [(state[name].detach().to(p.device) - p.detach()).abs().max().double().cpu()
-            for name, p in reference.named_parameters() if name in state]  # empty on ranks without the state
-    worst = (torch.stack(gaps).max() if gaps else torch.zeros((), dtype=torch.float64)).reshape(1).to(ctx.comm_device)
+    the reference, parameter by parameter, and so the EMAs with --ema; the worst over ranks."""
+    ctx, bound = run.ctx, tolerance(run.cfg)
+    gap = _gap(run.strategy.model_state(run.model), reference)
+    if ref_ema:
+        with ref_ema.swapped():
+            gap_ema = _gap(run.ema.state(), reference)
+        gap = torch.maximum(gap, gap_ema)
+    worst = gap.reshape(1).to(ctx.comm_device)
     torch.distributed.all_reduce(worst, op=torch.distributed.ReduceOp.MAX)
     max_dw = worst.item()
+    ema = ", over the weights and their EMA" if ref_ema else ""
     log.info(f"equivalence: max |dw| = {max_dw:.3g} after {steps} steps ({run.strategy.describe()}, world "
-             f"{ctx.world_size}, tolerance {bound:g})")
+             f"{ctx.world_size}, tolerance {bound:g}){ema}")
     if not max_dw <= bound:  # also catches NaN
         ctx.fail_together(f"equivalence check failed: max |dw| = {max_dw:.3g} > {bound:g}; models with "
                           "BatchNorm or dropout differ from one process by design (see docs/strategies.md)")
+
+
+def _gap(state: dict[str, torch.Tensor], reference: nn.Module) -> torch.Tensor:
+    """The largest |difference| between a saved state (empty on ranks that do not hold it) and the
+    reference's parameters."""
+    gaps = [(state[name].detach().to(p.device) - p.detach()).abs().max().double().cpu()
+            for name, p in reference.named_parameters() if name in state]
+    return torch.stack(gaps).max() if gaps else torch.zeros((), dtype=torch.float64)

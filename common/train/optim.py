@@ -1,38 +1,228 @@
-"""Optimizer and learning-rate schedule of the default recipe."""
+"""Optimizers (SGD, AdamW, LARS, LAMB) and learning-rate schedules of the recipes.
+
+Each optimizer steps "pieces": a whole parameter on most strategies, the part of a parameter that
+falls in this rank's slice under ZeRO-1, a shard under FSDP2. A piece knows its parameter (its
+position in model.parameters()), so the weight-decay mask and LARS/LAMB's per-parameter norms come
+out the same however a parameter is cut: the pieces' squared norms are summed over ranks first.
+"""
 from __future__ import annotations
 
 import math
-
-from typing import Iterable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 
-from common.config import Config
+if TYPE_CHECKING:
+    from common.config import Config
 
-WARMUP = 0.25  # share of the steps spent rising to the peak lr in the one-cycle schedule
-
-
-def make_optimizer(cfg: Config, params: Iterable[torch.Tensor]) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0,
-                           weight_decay=cfg.weight_decay)
+ONECYCLE_START = 0.04  # the one-cycle warm-up rises from 1/25 of the peak lr
+WARMUP_START = 0.01  # other schedules warm up from 1/100 of it (torchvision's lr_warmup_decay)
+LARS_TRUST = 0.001  # eta of the LARS paper (You et al. 2017): the trust in ||w|| / ||g||
 
 
-def lr_factor(schedule: str, step: int, total: int) -> float:
+@dataclass(frozen=True)
+class Piece:
+    """What one optimizer entry steps: a tensor (a parameter, a view into ZeRO-1's flat slice, an
+    FSDP2 shard), the position of its parameter in model.parameters(), and whether it decays."""
+
+    tensor: torch.Tensor
+    owner: int
+    decays: bool
+
+
+def decays(param: torch.Tensor, cfg: Config) -> bool:
+    """Norm layers' weights and every bias are the 1-D parameters: no decay (timm's rule) unless
+    --decay-norm-and-bias."""
+    return cfg.decay_norm_and_bias or param.ndim > 1
+
+
+def whole_pieces(params: Iterable[torch.Tensor], cfg: Config) -> list[Piece]:
+    return [Piece(p, i, decays(p, cfg)) for i, p in enumerate(params)]
+
+
+# The state tensors of each optimizer, shaped like its parameter ("step" is a scalar beside them).
+TENSOR_STATE = {"sgd": ("momentum_buffer",), "lars": ("momentum_buffer",), "adamw": ("exp_avg", "exp_avg_sq"),
+                "lamb": ("exp_avg", "exp_avg_sq")}
+
+Reduce = Callable[[torch.Tensor], None]  # sums a tensor over the ranks that share the parameters, in place
+
+
+def make_optimizer(cfg: Config, pieces: Sequence[Piece], parameter_count: int, reduce: Reduce | None = None,
+                   ) -> torch.optim.Optimizer:
+    """Two groups, decayed then not, on every strategy (either may be empty: a model without 1-D
+    parameters, a ZeRO-1 slice of conv weights only). reduce: where pieces are parts of parameters,
+    LARS and LAMB sum their per-parameter squares with it."""
+    groups = [{"params": [p.tensor for p in pieces if p.decays == flag], "weight_decay": wd, "adapt": flag}
+              for flag, wd in ((True, cfg.weight_decay), (False, 0.0))]
+    if cfg.optimizer == "sgd":
+        return torch.optim.SGD(strip(groups), lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
+    if cfg.optimizer == "adamw":
+        return torch.optim.AdamW(strip(groups), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    owners = {id(p.tensor): p.owner for p in pieces}
+    device = local(pieces[0].tensor).device if pieces else torch.device("cpu")
+    if cfg.optimizer == "lars":
+        return LARS(groups, owners, parameter_count, device, reduce, lr=cfg.lr, momentum=cfg.momentum)
+    return LAMB(groups, owners, parameter_count, device, reduce, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+
+
+def strip(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """torch's own optimizers take no 'adapt' entry (only LARS and LAMB adapt)."""
+    return [{k: v for k, v in g.items() if k != "adapt"} for g in groups]
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a DTensor (an FSDP2 shard); the tensor itself otherwise."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+class Layerwise(torch.optim.Optimizer):
+    """LARS and LAMB: each parameter's update is scaled by a trust ratio of two norms over the
+    WHOLE parameter. Pieces add their squares into a (parameters x 2) table that `reduce` sums over
+    ranks before the ratios are taken; every rank calls it at every step, pieces or not.
+    Groups with adapt=False (norm weights and biases, unless decayed) step without the ratio."""
+
+    def __init__(self, groups: list[dict[str, Any]], owners: dict[int, int], count: int, device: torch.device,
+                 reduce: Reduce | None, **defaults: Any) -> None:
+        super().__init__(groups, defaults)
+        self.owners, self.count, self.device, self.reduce = owners, count, device, reduce
+
+    def direction(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        """The vector whose norm is compared with the weights' (updating the state it needs)."""
+        raise NotImplementedError
+
+    def ratio(self, w_norm: torch.Tensor, d_norm: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        raise NotImplementedError
+
+    def apply(self, p: torch.Tensor, d: torch.Tensor, ratio: torch.Tensor, group: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> None:
+        entries = [(p, group, self.direction(p, group)) for group in self.param_groups for p in group["params"]
+                   if p.grad is not None]
+        squares = torch.zeros(self.count, 2, dtype=torch.float64, device=self.device)
+        for p, _, d in entries:
+            squares[self.owners[id(p)]] += torch.stack([local(p).double().square().sum(), d.double().square().sum()])
+        if self.reduce is not None:
+            self.reduce(squares)
+        norms = squares.sqrt()
+        for p, group, d in entries:
+            w_norm, d_norm = norms[self.owners[id(p)]]
+            one = torch.ones((), dtype=torch.float64, device=w_norm.device)
+            ratio = torch.where((w_norm > 0) & (d_norm > 0), self.ratio(w_norm, d_norm, group), one) \
+                if group["adapt"] else one
+            self.apply(p, d, ratio.to(d.dtype), group)
+
+
+class LARS(Layerwise):
+    """SGD whose step for each layer is scaled to eta * ||w|| / (||g|| + wd ||w||) (You et al. 2017),
+    then Nesterov momentum, as SGD's."""
+
+    def __init__(self, groups: list[dict[str, Any]], owners: dict[int, int], count: int, device: torch.device,
+                 reduce: Reduce | None, lr: float, momentum: float) -> None:
+        super().__init__(groups, owners, count, device, reduce, lr=lr, momentum=momentum, weight_decay=0.0)
+
+    def direction(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        return local(p.grad)
+
+    def ratio(self, w_norm: torch.Tensor, d_norm: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        return LARS_TRUST * w_norm / (d_norm + group["weight_decay"] * w_norm)
+
+    def apply(self, p: torch.Tensor, d: torch.Tensor, ratio: torch.Tensor, group: dict[str, Any]) -> None:
+        update = (d + group["weight_decay"] * local(p)) * ratio
+        if group["momentum"]:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p)
+                local(state["momentum_buffer"]).copy_(update)
+            else:
+                local(state["momentum_buffer"]).mul_(group["momentum"]).add_(update)
+            update = update + group["momentum"] * local(state["momentum_buffer"])  # Nesterov
+        local(p).sub_(update * group["lr"])
+
+
+class LAMB(Layerwise):
+    """AdamW's bias-corrected update u = m / (sqrt(v) + eps) + wd w, scaled per layer to ||w|| / ||u||
+    (You et al. 2019, timm's Lamb without its built-in gradient clipping: --clip-grad-norm does that)."""
+
+    def __init__(self, groups: list[dict[str, Any]], owners: dict[int, int], count: int, device: torch.device,
+                 reduce: Reduce | None, lr: float, betas: tuple[float, float], eps: float) -> None:
+        super().__init__(groups, owners, count, device, reduce, lr=lr, betas=betas, eps=eps, weight_decay=0.0)
+
+    def direction(self, p: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        state = self.state[p]
+        if not state:
+            state["step"] = torch.zeros((), dtype=torch.float32)
+            state["exp_avg"], state["exp_avg_sq"] = torch.zeros_like(p), torch.zeros_like(p)
+        (b1, b2), g = group["betas"], local(p.grad)
+        state["step"] += 1
+        m, v = local(state["exp_avg"]), local(state["exp_avg_sq"])
+        m.mul_(b1).add_(g, alpha=1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        step = state["step"].item()
+        adam = (m / (1 - b1 ** step)) / ((v / (1 - b2 ** step)).sqrt() + group["eps"])
+        return adam + group["weight_decay"] * local(p)
+
+    def ratio(self, w_norm: torch.Tensor, d_norm: torch.Tensor, group: dict[str, Any]) -> torch.Tensor:
+        return w_norm / d_norm
+
+    def apply(self, p: torch.Tensor, d: torch.Tensor, ratio: torch.Tensor, group: dict[str, Any]) -> None:
+        local(p).sub_(d * (ratio * group["lr"]))
+
+
+# ---------------------------------------------------------------- checkpoints at any world size
+
+def to_positions(state: dict[str, Any], order: Sequence[int]) -> dict[str, Any]:
+    """An optimizer's state_dict re-keyed by each parameter's position in model.parameters() (order[i]:
+    the position of the optimizer's i-th entry), the form every checkpoint holds."""
+    return {"state": {order[i]: value for i, value in state["state"].items()},
+            "param_groups": [{**g, "params": [order[i] for i in g["params"]]} for g in state["param_groups"]]}
+
+
+def from_positions(state: dict[str, Any], order: Sequence[int]) -> dict[str, Any]:
+    """The inverse of to_positions: a checkpoint's state in an optimizer's own numbering."""
+    own = {position: i for i, position in enumerate(order)}
+    return {"state": {own[int(p)]: value for p, value in state["state"].items()},
+            "param_groups": [{**g, "params": [own[int(p)] for p in g["params"]]} for g in state["param_groups"]]}
+
+
+def entry_order(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor]) -> list[int]:
+    """Each optimizer entry's position in `params`, in the optimizer's own numbering."""
+    position = {id(p): i for i, p in enumerate(params)}
+    return [position[id(p)] for group in optimizer.param_groups for p in group["params"]]
+
+
+# ---------------------------------------------------------------- schedules
+
+def warmup_steps(cfg: Config, total: int) -> float:
+    return cfg.warmup if cfg.warmup >= 1 else cfg.warmup * total
+
+
+def lr_factor(cfg: Config, step: int, total: int, steps_per_epoch: int) -> float:
     """Multiplier of the peak lr at optimizer step `step` of `total`.
 
-    one-cycle: linear rise from 1/25 of the peak over the first 25% of the steps, then cosine to 0.
+    onecycle: linear rise from 1/25 of the peak over the warm-up (25% of the steps by default), then
+    cosine to --min-lr. The others rise linearly from 1/100 over --warmup steps, then: cosine to
+    --min-lr over the rest, constant, or step (x --gamma after each of --milestones epochs).
     """
-    progress = min(step, total) / max(total, 1)
-    if schedule == "onecycle":
-        if progress < WARMUP:
-            return 0.04 + 0.96 * progress / WARMUP
-        return 0.5 * (1 + math.cos(math.pi * (progress - WARMUP) / (1 - WARMUP)))
-    if schedule == "cosine":
-        return 0.5 * (1 + math.cos(math.pi * progress))
+    step = min(step, total)
+    warm = warmup_steps(cfg, total)
+    floor = cfg.min_lr / cfg.lr
+    if step < warm:
+        start = ONECYCLE_START if cfg.schedule == "onecycle" else WARMUP_START
+        return start + (1 - start) * step / warm
+    if cfg.schedule in ("onecycle", "cosine"):
+        progress = (step - warm) / max(total - warm, 1)
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+    if cfg.schedule == "step":
+        return cfg.gamma ** sum(step >= m * steps_per_epoch for m in cfg.milestones)
     return 1.0
 
 
-def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, total_steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, steps_per_epoch: int,
+                   ) -> torch.optim.lr_scheduler.LambdaLR:
     """Stepped once per optimizer step. A pure function of the step, so a checkpoint stores only the
     step count, and a resumed run with more --epochs stretches the schedule instead of failing."""
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg.schedule, step, total_steps))
+    total = cfg.epochs * steps_per_epoch
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg, step, total, steps_per_epoch))

@@ -33,6 +33,12 @@ class Precision:
         else:
             optimizer.step()
 
+    def unscale(self, optimizer: torch.optim.Optimizer) -> None:
+        """The gradients at their true size, before they are measured (fp16); the scaler's step then
+        does not unscale them again."""
+        if self.scaler:
+            self.scaler.unscale_(optimizer)
+
     def scale(self) -> float:
         return self.scaler.get_scale() if self.scaler else 1.0
 

@@ -9,6 +9,8 @@ from torch import nn
 from common.config import Config
 from common.data.loader import Dataset, TrainLoader
 from common.parallel.context import DistContext
+from common.train.ema import EMA
+from common.train.mixing import Mixing
 from common.train.precision import Precision
 from common.train.strategy import Strategy
 
@@ -44,6 +46,8 @@ class Run:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     precision: Precision
     compiled: nn.Module | None = None  # torch.compile(model) with --compile: what the training step calls
+    ema: EMA | None = None  # --ema: the moving average of the weights
+    mixing: Mixing | None = None  # --mixup / --cutmix
 
     @property
     def plain(self) -> nn.Module:

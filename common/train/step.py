@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from common.config import Config
 from common.train.precision import Precision
 from common.train.strategy import Strategy
 
@@ -67,33 +69,68 @@ class StepClock:
         return totals
 
 
+@dataclass(frozen=True)
+class StepRecipe:
+    """What one optimizer step does besides the strategy's synchronization: micro-batches, the loss's
+    label smoothing, and clipping of the synchronized gradient."""
+
+    accumulate: int = 1
+    label_smoothing: float = 0.0
+    clip_grad_norm: float | None = None
+
+    @classmethod
+    def of(cls, cfg: Config) -> StepRecipe:
+        return cls(cfg.accumulate, cfg.label_smoothing, cfg.clip_grad_norm)
+
+
 def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Optimizer,
                scheduler: torch.optim.lr_scheduler.LRScheduler, precision: Precision, images: torch.Tensor,
-               labels: torch.Tensor, accumulate: int = 1, clock: StepClock | None = None) -> torch.Tensor:
+               targets: torch.Tensor, recipe: StepRecipe = StepRecipe(), clock: StepClock | None = None,
+               ) -> torch.Tensor:
     """One optimizer step on this rank's share of the global batch, in `accumulate` micro-batches
     whose gradients are synchronized once, after the last. Each micro-batch's mean loss is divided
     by `accumulate`, so W ranks x N micro-batches give the gradient of the mean over the global
-    batch, as one process with one batch would. Returns (loss sum, correct) over the batch."""
+    batch, as one process with one batch would. targets: class indices, or class probabilities
+    (mixup/cutmix). Returns (loss sum, correct) over the batch; with mixed targets a prediction is
+    correct when it is the class with the most weight."""
     strategy.zero_grad(model, optimizer)
     stats = torch.zeros(2, device=images.device)
-    for i, (x, y) in enumerate(zip(images.chunk(accumulate), labels.chunk(accumulate))):
-        with strategy.no_sync(model) if i < accumulate - 1 else nullcontext():
+    micro = recipe.accumulate
+    for i, (x, y) in enumerate(zip(images.chunk(micro), targets.chunk(micro))):
+        with strategy.no_sync(model) if i < micro - 1 else nullcontext():
             with precision.autocast():
                 logits = model(x)
-                loss = F.cross_entropy(logits, y)
-            precision.backward(loss / accumulate)
+                loss = F.cross_entropy(logits, y, label_smoothing=recipe.label_smoothing)
+            precision.backward(loss / micro)
         with torch.no_grad():
-            stats += torch.stack([loss.float() * len(y), (logits.argmax(1) == y).sum().float()])
+            classes = y if y.ndim == 1 else y.argmax(1)
+            stats += torch.stack([loss.float() * len(y), (logits.argmax(1) == classes).sum().float()])
     if clock:
         clock.lap(COMPUTE)
     strategy.after_backward(model)
     if clock:
         clock.lap(SYNC)
+    if recipe.clip_grad_norm:
+        clip_gradients(model, strategy, optimizer, precision, recipe.clip_grad_norm)
     strategy.step(optimizer, precision)
     scheduler.step()
     if clock:
         clock.lap(COMPUTE)
     return stats
+
+
+def clip_gradients(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Optimizer, precision: Precision,
+                   max_norm: float) -> None:
+    """torch's clip_grad_norm_ on the synchronized gradient: its global norm over every shard (the
+    strategy's grad_norm, a collective where sharded), after fp16's unscaling, applied to the
+    gradients the optimizer steps with."""
+    precision.unscale(optimizer)
+    coefficient = min(1.0, max_norm / (strategy.grad_norm(model) + 1e-6))
+    if coefficient < 1.0:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.mul_(coefficient)
 
 
 def uses_randomness(model: nn.Module) -> bool:

@@ -15,6 +15,7 @@ from torch import nn
 from common.config import Config
 from common.parallel.context import DistContext
 from common.errors import ConfigError
+from common.train.optim import entry_order, from_positions, make_optimizer, to_positions, whole_pieces
 from common.train.precision import Precision
 
 
@@ -60,9 +61,10 @@ class Strategy:
 
     def make_optimizer(self, cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
         """Built after wrap(), over the parameters the strategy trains (a shard, for ZeRO)."""
-        from common.train.optim import make_optimizer
-
-        return make_optimizer(cfg, model.parameters())
+        params = list(self.unwrap(model).parameters())
+        optimizer = make_optimizer(cfg, whole_pieces(params, cfg), len(params))
+        self.order = entry_order(optimizer, params)
+        return optimizer
 
     def zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         optimizer.zero_grad(set_to_none=True)
@@ -102,25 +104,36 @@ class Strategy:
         norms = [p.grad.detach().norm() for p in self.unwrap(model).parameters() if p.grad is not None]
         return torch.linalg.vector_norm(torch.stack(norms)).item() if norms else 0.0
 
+    def ema_tensors(self, model: nn.Module) -> list[torch.Tensor]:
+        """The floating-point tensors this rank updates and an EMA of the weights averages (its shard
+        where sharded): parameters, then BatchNorm's running statistics."""
+        plain = self.unwrap(model)
+        return [*plain.parameters(), *(b for b in plain.buffers() if b.is_floating_point())]
+
+    def spread(self, model: nn.Module) -> None:
+        """After ema_tensors() were overwritten in place, make the whole model follow (ZeRO-1: gather
+        the slices into every rank's parameters); a collective where sharded."""
+
     def unwrap(self, model: nn.Module) -> nn.Module:
         """The plain model: what is saved (no 'module.' prefix) and what evaluation runs."""
         return model
 
-    # Checkpoints hold the plain model's full state dict and a full optimizer state, whatever the
-    # strategy, so any script resumes any other's checkpoint at any world size. A strategy that
+    # Checkpoints hold the plain model's full state dict and a full optimizer state keyed by each
+    # parameter's position in model.parameters(), whatever the strategy, so any script resumes any
+    # other's checkpoint at any world size. A strategy that
     # shards state gathers it here (called on every rank: may be a collective) and re-shards on load.
 
     def model_state(self, model: nn.Module) -> dict[str, Any]:
         return self.unwrap(model).state_dict()
 
     def optimizer_state(self, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-        return optimizer.state_dict()
+        return to_positions(optimizer.state_dict(), self.order)
 
     def load_model_state(self, model: nn.Module, state: dict[str, Any]) -> None:
         self.unwrap(model).load_state_dict(state)
 
     def load_optimizer_state(self, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-        optimizer.load_state_dict(state)
+        optimizer.load_state_dict(from_positions(state, self.order))
 
     def state_dict(self) -> dict[str, Any]:
         """The strategy's own state that training depends on (e.g. PowerSGD's error feedback)."""

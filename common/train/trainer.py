@@ -20,11 +20,14 @@ from common.train.preemption import SAVE_FAILED, Preempted, StopRequest
 from common.output.profiling import NoProfiler, StepProfiler
 from common.parallel.replicas import check_replicas
 from common.train.run import Position, Run
-from common.train.step import DATA, SYNC, StepClock, reseed, train_step, uses_randomness
+from common.train.step import DATA, SYNC, StepClock, StepRecipe, reseed, train_step, uses_randomness
 from common.train.precision import Precision
 from common.output.warnings_relay import WarningRelay
 
 FLUSH_STEPS = 50  # step-level points are combined over ranks in one collective about this often
+# Evaluation counts a confusion matrix of (classes x classes) float64 values on the device: 134 MB
+# at this many classes (8 MB for ImageNet's 1000); above it, none is kept.
+CONFUSION_MAX_CLASSES = 4096
 
 
 @dataclass(frozen=True)
@@ -32,6 +35,9 @@ class Metrics:
     loss: float
     acc: float
     samples: int
+    acc_top5: float = math.nan  # evaluation's: the label among the 5 highest logits (any of them, with <= 5 classes)
+    # evaluation's: int64 (classes, classes) counts, row the label, column the prediction (up to CONFUSION_MAX_CLASSES)
+    confusion: torch.Tensor | None = None
 
 
 class EvaluationStopped(Exception):
@@ -46,12 +52,17 @@ class EvaluationStopped(Exception):
 def evaluate(model: nn.Module, data: Dataset, ctx: DistContext, batch: int, precision: Precision,
              memory_format: torch.memory_format, equal_counts: bool = False,
              stop: StopRequest | None = None) -> Metrics:
-    """Every rank scores its unpadded shard; one all-reduce of (loss sum, correct, count) combines them.
+    """Every rank scores its unpadded shard; one all-reduce of (loss sum, top-1 and top-5 correct,
+    count, the confusion matrix's counts) combines them: counts in float64 are exact, so top-1,
+    top-5 and the matrix are the same at any world size (the loss up to summation order).
     equal_counts: every rank runs as many forwards (empty batches at the end of a shorter shard),
     for models whose forward is itself a collective (FSDP). stop: checked over the batches every
     rank runs (the last shard may be a batch shorter); raises EvaluationStopped when agreed on."""
     model.eval()
-    totals = torch.zeros(3, dtype=torch.float64, device=ctx.device)
+    classes = data.spec.classes
+    cells = classes * classes if classes <= CONFUSION_MAX_CLASSES else 0
+    totals = torch.zeros(4 + cells, dtype=torch.float64, device=ctx.device)
+    confusion = totals[4:]  # a view: one tensor, one all-reduce, however many classes
     checked = shard_batches(len(data.test), ctx.world_size - 1, ctx.world_size, batch) if stop else 0  # the smallest
     batches = eval_batches(data.test, data.spec, ctx.rank, ctx.world_size, batch, ctx.device, memory_format,
                            equal_counts)
@@ -60,15 +71,22 @@ def evaluate(model: nn.Module, data: Dataset, ctx: DistContext, batch: int, prec
             stop.begin_step(index)
         with precision.autocast():
             logits = model(images)
+        predicted = logits.argmax(1)
         totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
-        totals[1] += (logits.argmax(1) == labels).sum()
-        totals[2] += len(labels)
+        totals[1] += (predicted == labels).sum()
+        totals[2] += (logits.topk(min(5, classes), 1).indices == labels[:, None]).any(1).sum()
+        totals[3] += len(labels)
+        if cells:
+            confusion.put_(labels * classes + predicted, confusion.new_ones(labels.shape),
+                           accumulate=True)
         if index < checked and (verdict := stop.agreed_signal(index)):
             raise EvaluationStopped(verdict, index + 1, shard_batches(len(data.test), ctx.rank, ctx.world_size, batch))
-    loss_sum, correct, count = ctx.all_reduce_sum(totals).tolist()
+    reduced = ctx.all_reduce_sum(totals).cpu()
+    loss_sum, correct, top5, count = reduced[:4].tolist()
     if int(count) != len(data.test):
         raise RuntimeError(f"evaluation counted {int(count)} samples, the test set has {len(data.test)}")
-    return Metrics(loss_sum / count, correct / count, int(count))
+    return Metrics(loss_sum / count, correct / count, int(count), top5 / count,
+                   reduced[4:].round().long().view(classes, classes) if cells else None)
 
 
 def shard_batches(size: int, rank: int, world_size: int, batch: int) -> int:
@@ -153,14 +171,29 @@ class Trainer:
         self.log_loader(Position(epoch + 1, 0))
         run.strategy.consolidate(run.model)  # rank 0's BatchNorm statistics everywhere before they are read
         try:
-            test = evaluate(run.plain, run.data, run.ctx, run.eval_batch_size, run.precision, run.memory_format,
-                            run.strategy.collective_forward, self.stop)
+            test = self.evaluate()
+            test_ema = self.evaluate_ema()
         except EvaluationStopped as stopped:  # saved before the evaluation: a resume runs all of it first
             self.stop_at(Position(epoch, run.steps_per_epoch), stopped.verdict, during=(
                 f", during the epoch's evaluation ({stopped.done} of {stopped.batches} batches scored; a resume "
                 "scores them again)"))
         return EpochResult(epoch + 1, run.global_step(Position(epoch + 1, 0)), train.loss, train.acc, test.loss,
-                           test.acc, test.samples, train.samples / train_s, time.perf_counter() - start, times)
+                           test.acc, test.samples, train.samples / train_s, time.perf_counter() - start, times,
+                           test_ema and test_ema.acc, test_acc_top5=test.acc_top5, confusion=test.confusion,
+                           class_names=tuple(run.data.names()))
+
+    def evaluate(self) -> Metrics:
+        run = self.run
+        return evaluate(run.plain, run.data, run.ctx, run.eval_batch_size, run.precision, run.memory_format,
+                        run.strategy.collective_forward, self.stop)
+
+    def evaluate_ema(self) -> Metrics | None:
+        """--ema: the same evaluation of the average, swapped into the model (rank 0's buffers)."""
+        if not self.run.ema:
+            return None
+        with self.run.ema.swapped():
+            self.run.strategy.consolidate(self.run.model)
+            return self.evaluate()
 
     def train_epoch(self, epoch: int, first_step: int) -> tuple[Metrics, StepTimes]:
         """Loss and accuracy over all ranks' training samples (as seen before each step), and the
@@ -170,7 +203,9 @@ class Trainer:
         clock = StepClock(run.ctx.device)
         interval = torch.zeros(2, device=run.ctx.device)  # loss sum, correct: summed on the device, no host sync
         remaining = run.steps_per_epoch - first_step
-        batches = self.log.progress(run.loader.epoch(epoch, first_step), remaining, f"epoch {epoch + 1}")
+        batches = run.mixing.batches(run.loader.epoch(epoch, first_step), epoch, first_step)
+        batches = self.log.progress(batches, remaining, f"epoch {epoch + 1}")
+        recipe = StepRecipe.of(run.cfg)
         for step, (images, labels) in enumerate(_timed(batches, clock), start=first_step):
             global_step = run.global_step(Position(epoch, step))
             if self.random:
@@ -178,9 +213,11 @@ class Trainer:
             self.stop.begin_step(global_step)
             lr = run.optimizer.param_groups[0]["lr"]
             interval += train_step(run.step_model, run.strategy, run.optimizer, run.scheduler, run.precision, images,
-                                   labels, run.cfg.accumulate, clock)
+                                   labels, recipe, clock)
             done = Position(epoch, step + 1)
             run.strategy.end_of_step(run.model, run.global_step(done), done.step == run.steps_per_epoch)
+            if run.ema and run.strategy.synchronized(run.global_step(done), done.step == run.steps_per_epoch):
+                run.ema.update(run.global_step(done))
             clock.lap(SYNC)  # what a strategy does after its update (ZeRO-1's all-gather, local SGD's averaging)
             clock.end_step()
             self.profiler.step()

@@ -1,0 +1,170 @@
+"""evaluate.py: a checkpoint's exact test metrics, at any world size.
+
+    torchrun --standalone --nproc_per_node=N evaluate.py --checkpoint FILE_OR_DIR [--ema] [data flags]
+
+The training run's own evaluation (common/train/trainer.py evaluate): every rank scores an
+unpadded shard of the test split, one all-reduce combines the counts, and the count is checked
+against the split's size, so top-1, top-5 and the confusion matrix are the same at any world size
+and equal to the training run's last evaluation of the same checkpoint (the loss up to summation
+order). By default the checkpoint's own data set; the data flags name another one of the same
+classes, read with the checkpoint's preprocessing and normalization (not that set's statistics).
+Every rank reads the checkpoint itself, before the process group: a checkpoint that cannot be
+used is one line, exit 2.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Sequence
+
+import torch
+
+from common.config import DATASETS, OWN_DATASETS, STORAGE_TIMEOUT_S
+from common.data.fetch import load_dataset
+from common.data.images import default_workers
+from common.data.loader import Dataset
+from common.data.own import OwnData
+from common.output import confusion
+from common.output.logger import node_console
+from common.parallel.context import DistContext, distributed
+from common.parallel.failures import told
+from common.train.precision import Precision
+from common.train.run import EVAL_BATCH_CPU, EVAL_BATCH_LARGE
+from common.train.trainer import CONFUSION_MAX_CLASSES, Metrics, evaluate
+from common.use.program import check_storage, make_parser, run_program
+from common.use.source import Preprocessing, Saved, find_checkpoint
+
+
+@dataclass(frozen=True)
+class Flags:
+    """evaluate.py's flags. device, backend, timeout_s and transport are what distributed() reads
+    of a training Config: the process group is joined the same way."""
+
+    checkpoint: str
+    ema: bool
+    dataset: str | None
+    data_dir: str | None
+    cache_dir: str | None
+    download: bool
+    download_from: str
+    storage_options: dict[str, Any]
+    skip_broken: bool
+    workers: int | None
+    batch_size: int | None
+    output_dir: str
+    device: str
+    backend: str
+    timeout_s: float
+    storage_timeout_s: float
+    transport: str = "gloo"  # evaluation sends no gradients: no shared-memory region to set up
+
+
+def parse_flags(argv: Sequence[str] | None = None) -> Flags:
+    p = make_parser("evaluate.py", __doc__.split("\n\n")[0])
+    add = p.add_argument
+    add("--dataset", default=None, help=f"another data set of the checkpoint's classes: one of {', '.join(DATASETS)} "
+                                        "(default: the checkpoint's)")
+    add("--data-dir", default=None, help="where that data set is (default: the checkpoint's)")
+    add("--cache-dir", default=None, help="where decoded sets are kept (default: the training run's)")
+    add("--no-download", dest="download", action="store_false", help="never download a built-in set")
+    add("--download-from", default="", metavar="BASE_URL", help="download a built-in set's archives from a mirror")
+    add("--skip-broken", action="store_true", help="your own images: score without images that do not decode")
+    add("--workers", type=int, default=None, metavar="N", help="DataLoader workers per rank for a streamed set")
+    add("--batch-size", type=int, default=None,
+        help="per-rank evaluation batch (default: the training run's --eval-batch-size, else 64 on a CPU, 1000 on "
+             "a GPU); it never changes the counts")
+    add("--output-dir", default="evaluation",
+        help="where metrics.json, per_class.csv and confusion.png are written (default: %(default)s)")
+    add("--device", default="auto", help="auto | cpu | cuda, as for training (default: %(default)s)")
+    add("--backend", default="auto", choices=("auto", "gloo", "nccl"), help="as for training (default: %(default)s)")
+    add("--timeout-s", type=float, default=300.0, help="process-group timeout (default: %(default)s)")
+    add("--storage-timeout-s", type=float, default=STORAGE_TIMEOUT_S,
+        help="the longest a node's data preparation may take (default: %(default)s)")
+    a = p.parse_args(argv)
+    if a.dataset is not None and a.dataset not in DATASETS:
+        p.error(f"--dataset {a.dataset!r} is unknown; choose one of {', '.join(DATASETS)}")
+    if (a.batch_size is not None and a.batch_size < 1) or (a.workers is not None and a.workers < 0) or \
+            a.timeout_s <= 0 or a.storage_timeout_s <= 0:
+        p.error("--batch-size must be >= 1, --workers >= 0, --timeout-s and --storage-timeout-s > 0")
+    check_storage(p, a, "data_dir")
+    return Flags(**vars(a))
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    def body() -> None:
+        flags = parse_flags(argv)
+        saved = find_checkpoint(flags.checkpoint, flags.storage_options)
+        preprocessing = saved.preprocessing()
+        saved.weights(flags.ema)  # --ema without a moving average: refused before the process group
+        with distributed(flags) as ctx:
+            try:
+                score(flags, saved, preprocessing, ctx)
+            except Exception as error:  # told while the ranks are known
+                raise told(error, ctx) from None
+    run_program(body)
+
+
+def score(flags: Flags, saved: Saved, preprocessing: Preprocessing, ctx: DistContext) -> None:
+    cfg = saved.config
+    data = load_data(flags, saved, preprocessing, ctx)
+    memory_format = torch.channels_last if cfg["memory_format"] == "channels_last" else torch.contiguous_format
+    model = ctx.together(lambda: saved.model(flags.ema)).to(ctx.device, memory_format=memory_format)
+    batch = flags.batch_size or cfg.get("eval_batch_size") or (EVAL_BATCH_CPU if ctx.device.type == "cpu"
+                                                                else EVAL_BATCH_LARGE)
+    metrics = evaluate(model, data, ctx, batch, Precision(cfg["precision"], ctx.device), memory_format)
+    if ctx.is_primary:  # after the last collective
+        report(flags, saved, data, preprocessing.classes, metrics, ctx.world_size)
+
+
+def load_data(flags: Flags, saved: Saved, preprocessing: Preprocessing, ctx: DistContext) -> Dataset:
+    """The test split of the flags' data set (default: the checkpoint's), normalized as the
+    training run was; every rank ends with one line if its classes or image shape differ."""
+    cfg = saved.config
+    dataset, data_dir = flags.dataset or cfg["dataset"], flags.data_dir or cfg["data_dir"]
+    cache_dir = cfg["cache_dir"] if flags.cache_dir is None else flags.cache_dir
+    own = None
+    if dataset in OWN_DATASETS:
+        own = OwnData(dataset, data_dir, cache_dir, flags.storage_options,
+                      cfg["image_size"],  # the model's input, made as the run made it (0: the images as they are)
+                      default_workers(ctx.local_world_size) if flags.workers is None else flags.workers,
+                      default_workers(1) + 1, flags.skip_broken, cfg["cache_gb"], cfg["shard_cache_gb"],
+                      cfg["verify_data"])
+    data = load_dataset(dataset, data_dir, ctx=ctx, say=node_console(ctx), allow_download=flags.download,
+                        download_from=flags.download_from, cache_dir=cache_dir, storage_options=flags.storage_options,
+                        synthetic_shape=cfg["synthetic_shape"], deadline_s=flags.storage_timeout_s, own_data=own)
+    names = tuple(data.names())
+    if (data.spec.channels, data.spec.size, names) != (preprocessing.channels, preprocessing.size,
+                                                       preprocessing.classes):
+        ctx.fail_together(f"{data.name} does not fit checkpoint {saved.path}: its images are "
+                          f"{data.spec.channels}x{data.spec.size}x{data.spec.size} in {len(names)} classes "
+                          f"({', '.join(names[:5])}{', ...' * (len(names) > 5)}), the model's "
+                          f"{preprocessing.channels}x{preprocessing.size}x{preprocessing.size} in "
+                          f"{len(preprocessing.classes)} ({', '.join(preprocessing.classes[:5])}"
+                          f"{', ...' * (len(preprocessing.classes) > 5)}); give a set of the same classes and shape")
+    return replace(data, spec=preprocessing.spec)  # the training's normalization, not this set's statistics
+
+
+def report(flags: Flags, saved: Saved, data: Dataset, names: Sequence[str], metrics: Metrics, world: int) -> None:
+    """The console's lines, and metrics.json, per_class.csv and confusion.png in --output-dir."""
+    correct, top5 = round(metrics.acc * metrics.samples), round(metrics.acc_top5 * metrics.samples)
+    weights = "the moving average's weights" if flags.ema else "its weights"
+    print(f"checkpoint {saved.path} (step {saved.step}), {weights}: {data.name}, {metrics.samples} test images, "
+          f"world {world}", flush=True)
+    print(f"top-1 {100 * metrics.acc:.2f}% ({correct}/{metrics.samples})  top-5 {100 * metrics.acc_top5:.2f}% "
+          f"({top5}/{metrics.samples})  loss {metrics.loss:.4f}", flush=True)
+    out = Path(flags.output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    counts = None if metrics.confusion is None else metrics.confusion.tolist()
+    summary = {"checkpoint": saved.path, "step": saved.step, "weights": "ema" if flags.ema else "model",
+               "data": data.name, "world_size": world, "samples": metrics.samples, "top1": metrics.acc,
+               "top1_correct": correct, "top5": metrics.acc_top5, "top5_correct": top5, "loss": metrics.loss,
+               "classes": list(names), "confusion": counts}
+    (out / "metrics.json").write_text(json.dumps(summary, indent=1) + "\n")
+    if counts is None:
+        print(f"wrote {out / 'metrics.json'} (no per-class figures: more than {CONFUSION_MAX_CLASSES} classes)",
+              flush=True)
+        return
+    (out / "per_class.csv").write_text(confusion.csv_text(confusion.per_class(counts, names)))
+    (out / "confusion.png").write_bytes(confusion.png(counts, names, f"{data.name}, step {saved.step}"))
+    print(f"wrote {out / 'metrics.json'}, {out / 'per_class.csv'} and {out / 'confusion.png'}", flush=True)

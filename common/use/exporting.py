@@ -1,0 +1,157 @@
+"""export.py: the trained model as a file other runtimes load, and PATH.json beside it stating
+what the model expects (image size, channels, resize and crop, mean and std) and its class names.
+
+    python export.py --checkpoint FILE --format onnx|torchscript|safetensors --output PATH [--ema]
+
+onnx: torch.onnx.export's torch.export-based exporter (its TorchScript-based one is deprecated),
+input "images" (batch, C, S, S) float32 of any batch size, output "logits" (batch, classes); one
+file, or with PATH.data beside it for a model above ONNX_ONE_FILE_BYTES.
+torchscript: torch.jit.trace, the format libtorch (C++) loads; PyTorch deprecates torch.jit in
+favour of torch.export, and its warning is silenced here. safetensors: the weights alone (the
+state dict, PATH.json in the file's metadata too); load them into
+common.models.build_model(model, channels, size, classes, seed).
+Each file is checked when written: loaded back (ONNX through onnxruntime) and run on a batch of
+another size than the export's example, its outputs within 1e-4 of PyTorch's (the largest
+difference is printed); a file that fails the check is deleted. A model that does not export is
+one line naming the operator that failed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+
+from common.errors import UserError, first_line
+from common.use.program import check_storage, make_parser, run_program
+from common.use.source import Preprocessing, Saved, find_checkpoint
+
+FORMATS = ("onnx", "torchscript", "safetensors")
+TOLERANCE = 1e-4  # the largest |exported - PyTorch| allowed on a logit
+EXAMPLE_BATCH, CHECK_BATCH = 2, 3  # a file whose batch size were fixed at export would fail the check
+Runner = Callable[[torch.Tensor], torch.Tensor]
+# One ONNX file is a protobuf, at most 2 GiB: a model above this keeps its weights in PATH.data beside it.
+ONNX_ONE_FILE_BYTES = 1800 * 2**20
+
+
+def parse_flags(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = make_parser("export.py", __doc__.split("\n\n")[0])
+    p.add_argument("--format", required=True, choices=FORMATS, help="the file's format")
+    p.add_argument("--output", required=True, metavar="PATH", help="the file to write; PATH.json is written beside it")
+    a = p.parse_args(argv)
+    check_storage(p, a)
+    return a
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    def body() -> None:
+        flags = parse_flags(argv)
+        saved = find_checkpoint(flags.checkpoint, flags.storage_options)
+        preprocessing = saved.preprocessing()
+        model = saved.model(flags.ema)
+        output = Path(flags.output)
+        output.parent.mkdir(parents=True, exist_ok=True)
+        about = description(saved, preprocessing, flags.format, flags.ema)
+        difference = export(model, saved, preprocessing, flags.format, output, about)
+        Path(f"{output}.json").write_text(json.dumps(about, indent=1) + "\n")
+        print(f"wrote {output} and {output}.json; its outputs on {CHECK_BATCH} inputs are within {difference:.2e} "
+              f"of PyTorch's (tolerance {TOLERANCE:g})", flush=True)
+    run_program(body)
+
+
+def description(saved: Saved, p: Preprocessing, fmt: str, ema: bool) -> dict[str, Any]:
+    """PATH.json: what a user of the file needs to feed it and read its output."""
+    return {"format": fmt, "model": saved.config["model"], "checkpoint": saved.path, "step": saved.step,
+            "weights": "ema" if ema else "model",
+            "input": {"name": "images", "shape": ["batch", p.channels, p.size, p.size], "dtype": "float32"},
+            "output": {"name": "logits", "shape": ["batch", len(p.classes)], "note": "apply softmax for probabilities"},
+            "classes": list(p.classes), "preprocessing": p.plain()}
+
+
+def export(model: nn.Module, saved: Saved, p: Preprocessing, fmt: str, output: Path, about: dict[str, Any]) -> float:
+    """Write `output` and check it; the largest difference from PyTorch's logits."""
+    example, check = inputs(p, EXAMPLE_BATCH, seed=0), inputs(p, CHECK_BATCH, seed=1)
+    if fmt == "onnx":
+        runner = to_onnx(model, example, output)
+    elif fmt == "torchscript":
+        runner = to_torchscript(model, example, output)
+    else:
+        runner = to_safetensors(model, output, saved.build, about)
+    with torch.no_grad():
+        difference = (runner(check).float() - model(check).float()).abs().max().item()
+    if not difference <= TOLERANCE:  # NaN too
+        output.unlink(missing_ok=True)
+        raise UserError(f"--format {fmt}: the exported model's outputs differ from PyTorch's by up to {difference:.3g} "
+                        f"(more than {TOLERANCE:g}) on {CHECK_BATCH} inputs; {output} was not kept")
+    return difference
+
+
+def inputs(p: Preprocessing, batch: int, seed: int) -> torch.Tensor:
+    """Random images, normalized as real ones are: inputs in the range the model was trained on."""
+    g = torch.Generator().manual_seed(seed)
+    pixels = torch.rand(batch, p.channels, p.size, p.size, generator=g)
+    return (pixels - torch.tensor(p.mean).view(1, -1, 1, 1)) / torch.tensor(p.std).view(1, -1, 1, 1)
+
+
+def to_onnx(model: nn.Module, example: torch.Tensor, output: Path) -> Runner:
+    import onnxruntime
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the exporter's advice on its internals, not the user's model
+            torch.onnx.export(model, (example,), str(output), dynamo=True, input_names=["images"],
+                              output_names=["logits"], dynamic_shapes=({0: torch.export.Dim("batch")},),
+                              external_data=state_bytes(model) > ONNX_ONE_FILE_BYTES, verbose=False)
+    except Exception as e:  # noqa: BLE001 - whatever the exporter raises, the user needs the operator
+        output.unlink(missing_ok=True)
+        raise UserError(f"--format onnx: the model does not export to ONNX: {failing_operator(e)}; try --format "
+                        "torchscript or safetensors, or change the model") from None
+    session = onnxruntime.InferenceSession(str(output), providers=["CPUExecutionProvider"])
+    return lambda images: torch.from_numpy(session.run(["logits"], {"images": images.numpy()})[0])
+
+
+def state_bytes(model: nn.Module) -> int:
+    return sum(t.numel() * t.element_size() for t in model.state_dict().values())
+
+
+OPERATOR_PATTERNS = (re.compile(r"op='([\w.:]+)'"), re.compile(r"target=torch\.ops\.([\w.]+)"))
+
+
+def failing_operator(error: BaseException) -> str:
+    """The operator the exporter could not translate, found in its chain of errors; else the
+    innermost error's first line."""
+    chain = [error]
+    while (cause := chain[-1].__cause__ or chain[-1].__context__) is not None and len(chain) < 20:
+        chain.append(cause)
+    for pattern in OPERATOR_PATTERNS:
+        for link in chain:
+            if match := pattern.search(str(link)):
+                return f"operator {match[1]} has no ONNX translation"
+    return f"{type(chain[-1]).__name__}: {first_line(chain[-1])}"
+
+
+def to_torchscript(model: nn.Module, example: torch.Tensor, output: Path) -> Runner:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # torch.jit's deprecation notice
+        try:
+            traced = torch.jit.trace(model, example)
+        except Exception as e:  # noqa: BLE001
+            raise UserError(f"--format torchscript: tracing the model failed: {type(e).__name__}: {first_line(e)}; "
+                            "try --format onnx or safetensors") from None
+        traced.save(str(output))
+        return torch.jit.load(str(output))
+
+
+def to_safetensors(model: nn.Module, output: Path, build: Callable[[], nn.Module], about: dict[str, Any]) -> Runner:
+    """The weights, read back into a freshly built (untrained) model: the file alone carries them."""
+    from safetensors.torch import load_model, save_model
+
+    save_model(model, str(output), metadata={"format": "pt", "description": json.dumps(about)})
+    fresh = build().eval()
+    load_model(fresh, str(output))
+    return fresh

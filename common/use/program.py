@@ -1,0 +1,52 @@
+"""What the three programs share: their checkpoint flags, and how they end (one line and an exit
+status for an error, as the training scripts do)."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from typing import Callable
+
+from common.config import RankZeroParser
+from common.credentials import read_storage_options
+from common.parallel.failures import told
+from common.storage import url_problem
+
+
+def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    """A parser whose errors are one line (printed by rank 0 alone under torchrun), with the flags
+    that choose the checkpoint and its weights."""
+    p = RankZeroParser(prog=prog, description=description)
+    p.add_argument("--checkpoint", required=True, metavar="FILE_OR_DIR",
+                   help="a checkpoint file, a run folder (its newest checkpoint that loads) or a training run's "
+                        "--checkpoint-dir (its most recently saved run's newest), local or a URL")
+    p.add_argument("--ema", action="store_true",
+                   help="use the moving average of the weights the checkpoint holds (its run trained with --ema)")
+    p.add_argument("--storage-options", default="{}", metavar="JSON|@FILE|env:VAR",
+                   help="fsspec options for URLs (an object store's endpoint, credentials), as the training "
+                        "scripts take them (docs/flags.md)")
+    return p
+
+
+def check_storage(p: argparse.ArgumentParser, a: argparse.Namespace, *flags: str) -> None:
+    """--storage-options parsed into a dict, and URLs this installation cannot open refused (exit 2)."""
+    try:
+        a.storage_options = read_storage_options(a.storage_options)
+    except ValueError as e:
+        p.error(f"--storage-options {e}")
+    for flag in ("checkpoint", *flags):
+        if problem := url_problem(getattr(a, flag) or ""):
+            p.error(f"--{flag.replace('_', '-')} {getattr(a, flag)}: {problem}")
+
+
+def run_program(body: Callable[[], None]) -> None:
+    """Run `body`; an error ends the process with its one line (a crash: its traceback, then a
+    line) and its exit status."""
+    try:
+        body()
+    except Exception as error:
+        failure = told(error, None)
+        if not failure.should_print() and "TORCHELASTIC_RUN_ID" in os.environ:
+            time.sleep(failure.quiet_exit_delay_s)  # torchrun stops every rank once one exits: the line goes first
+        sys.exit(failure.exit_code)

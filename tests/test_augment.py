@@ -1,0 +1,108 @@
+"""--augment's policies and --random-erase: per sample, the same at any world size and on resume (in-process)."""
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from common.data import own
+from common.data.loader import DataSpec, Split, TrainLoader, make_synthetic
+from tests.datagen import write_imagefolder
+
+CPU = torch.device("cpu")
+POLICIES = ["randaugment", "trivialaugment", "autoaugment"]
+CIFAR = make_synthetic("cifar", train_size=64, test_size=1)
+MNIST = make_synthetic("mnist", train_size=64, test_size=1)
+# colour images trained through random-resized crops: float crops, rounded to uint8 for the policy
+RESIZED = DataSpec(3, 24, 10, CIFAR.spec.mean, CIFAR.spec.std, augment="resized-crop-flip")
+
+
+def batches(split: Split, spec: DataSpec, world: int, rank: int = 0, start_step: int = 0,
+            **flags) -> list[torch.Tensor]:
+    """This rank's batches of epoch 1 (3 steps of a global batch of 16), from start_step."""
+    loader = TrainLoader(split, spec, 16, rank, world, seed=7, device=CPU, max_steps=3, **flags)
+    return [images for images, _ in loader.epoch(1, start_step)]
+
+
+def interleaved(per_rank: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """Each step's global batch put back together: rank r holds positions r, r + W, ..."""
+    world = len(per_rank)
+    steps = []
+    for rows in zip(*per_rank):
+        whole = torch.empty(len(rows[0]) * world, *rows[0].shape[1:])
+        for rank, part in enumerate(rows):
+            whole[rank::world] = part
+        steps.append(whole)
+    return steps
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("data, spec", [(CIFAR, CIFAR.spec), (CIFAR, RESIZED)], ids=["pad-crop", "resized-crop"])
+def test_two_ranks_rows_are_the_one_process_batch_exactly(data, spec):
+    flags = {"augment": "randaugment", "random_erase": 0.25}
+    single = batches(data.train, spec, 1, **flags)
+    both = interleaved([batches(data.train, spec, 2, rank, **flags) for rank in range(2)])
+    assert len(single) == len(both) == 3
+    for one, two in zip(single, both):
+        assert torch.equal(one, two)
+
+
+@pytest.mark.quick
+def test_streamed_own_images_are_augmented_as_decoded_ones(tmp_path):
+    """Your own images go through the same transform whether decoded into the cache or streamed
+    by DataLoader workers: an RGB set at --image-size 24 (random-resized crops), streamed at world 2,
+    decoded at world 1."""
+    folder = write_imagefolder(tmp_path / "set", train_size=48, test_size=4, shape="cifar", sizes=(20, 36))
+    opts = own.OwnData("imagefolder", str(folder), str(tmp_path / "cache"), {}, image_size=24, workers=0,
+                       prepare_workers=0, skip_broken=False, cache_gb=1.0, shard_cache_gb=1.0)
+    decoded, streamed = (own.open_prepared(own.prepare(o, lambda line: None), o)
+                         for o in (opts, replace(opts, cache_gb=0.0)))
+    assert streamed.held.startswith("streamed") and decoded.spec.augment == "resized-crop-flip"
+    flags = {"augment": "trivialaugment", "random_erase": 0.5}
+    single = batches(decoded.train, decoded.spec, 1, **flags)
+    both = interleaved([batches(streamed.train, streamed.spec, 2, rank, **flags) for rank in range(2)])
+    assert len(single) == len(both) == 3 and all(torch.equal(a, b) for a, b in zip(single, both))
+    assert not torch.equal(single[0], batches(decoded.train, decoded.spec, 1)[0])
+
+
+@pytest.mark.quick
+def test_a_resumed_epoch_draws_what_the_uninterrupted_one_drew():
+    flags = {"augment": "autoaugment", "random_erase": 0.5}
+    whole = batches(CIFAR.train, CIFAR.spec, 2, 1, **flags)
+    resumed = batches(CIFAR.train, CIFAR.spec, 2, 1, start_step=2, **flags)
+    assert len(resumed) == 1 and torch.equal(resumed[0], whole[2])
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("policy", POLICIES)
+@pytest.mark.parametrize("data", [CIFAR, MNIST], ids=["rgb", "grayscale"])
+def test_policies_change_most_images_in_colour_and_grayscale(policy, data):
+    """Grayscale works: every op takes one channel (Color, a saturation change, is the identity there)."""
+    basic = torch.cat(batches(data.train, data.spec, 1))
+    augmented = torch.cat(batches(data.train, data.spec, 1, augment=policy))
+    assert augmented.shape == basic.shape and augmented.isfinite().all()
+    changed = (augmented != basic).flatten(1).any(1)
+    assert changed.float().mean() > 0.5, f"{policy}: {changed.sum()} of {len(changed)} images changed"
+
+
+@pytest.mark.quick
+def test_random_erase_zeroes_one_box_of_the_chosen_images_and_leaves_the_rest():
+    basic = torch.cat(batches(CIFAR.train, CIFAR.spec, 1))
+    erased = torch.cat(batches(CIFAR.train, CIFAR.spec, 1, random_erase=0.5))
+    differs = erased != basic
+    assert (erased[differs] == 0).all()  # value 0 on the normalized image: the data set's mean
+    hit = differs.flatten(1).any(1)
+    assert 0.25 < hit.float().mean() < 0.75, f"{hit.sum()} of {len(hit)} images erased at P=0.5"
+    for image, mask in zip(erased[hit], differs[hit].any(1)):  # what changed fills one box, every channel 0
+        rows, cols = mask.any(1).nonzero().flatten(), mask.any(0).nonzero().flatten()
+        assert (image[:, rows.min():rows.max() + 1, cols.min():cols.max() + 1] == 0).all()
+
+
+@pytest.mark.quick
+def test_the_global_random_state_is_left_as_it_was():
+    """Dropout's reseeding (common/train/step.py) draws from the global generator: the loader restores it."""
+    torch.manual_seed(11)
+    before = torch.get_rng_state()
+    batches(MNIST.train, MNIST.spec, 1, augment="trivialaugment", random_erase=1.0)
+    assert torch.equal(torch.get_rng_state(), before)

@@ -1,0 +1,239 @@
+"""The fine-tuning recipe on every strategy: SGD, AdamW, LARS and LAMB with the decay mask, label
+smoothing, gradient clipping, an EMA of the weights and mixup/cutmix, each checked against one process
+(`--check-equivalence`) at world 1, 2 and 4, and resumed at another world size to the uninterrupted
+run's weights and EMA. In-process tests for the pieces (schedules, pairs, trust ratios over pieces)."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from common.config import parse_args
+from tests.conftest import AVERAGING, equivalences, latest_state, refusal_in_process, run_script, stop_after
+
+RECIPE = ["--label-smoothing", "0.1", "--clip-grad-norm", "0.5", "--ema", "0.9", "--mixup", "0.2", "--cutmix", "1.0"]
+# Each optimizer at a step size that makes a wrong decay mask or a per-slice norm show above 1e-5 in
+# 3 steps (measured: without the norms' sum over ranks, ZeRO-1 is 6.5e-05 off with LARS and 2.2e-03
+# with LAMB). AdamW keeps its default lr (1.9e-04 here): its update m / sqrt(v) turns the last bit of a
+# gradient near 0 into a step of lr, so a large lr magnifies the two sides' summation order; its
+# weight decay is raised instead, so that decaying a 1-D parameter would show.
+OPTIMIZERS = {"sgd": [], "adamw": ["--weight-decay", "5"], "lars": ["--lr", "20"], "lamb": ["--lr", "0.05"]}
+STRATEGIES = {**{k: v for k, v in AVERAGING.items() if k != "allreduce-ring"},
+              "zero1": ["train_fsdp.py", "--shard", "optimizer"], "fsdp": ["train_fsdp.py", "--shard", "full"]}
+LENET = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "48",
+         "--check-equivalence", "3"]
+
+
+def config(*flags: str, world: int = 2):
+    return parse_args(list(flags), strategy="ddp", default_dataset="synthetic", world_size=world)
+
+
+def check(rows: dict[str, list[str]], world: int | None, tmp_path) -> None:
+    verdicts = equivalences(list(rows.values()), world, tmp_path)
+    for name, verdict in zip(rows, verdicts):
+        print(f"\n{name:24} world {world or 1}: max |dw| = {verdict.max_dw:.3g} (tolerance {verdict.tolerance:g})")
+    assert all(v.max_dw <= v.tolerance for v in verdicts), [(n, v.max_dw) for n, v in zip(rows, verdicts)]
+
+
+def test_every_optimizer_on_every_strategy_trains_what_one_process_trains(tmp_path):
+    """Covers, at world 2 in one launch: 4 optimizers x 6 strategies (DDP, hand-written all-reduce,
+    master/worker with and without --master-update, ZeRO-1, FSDP2) with label smoothing, clipping,
+    EMA and mixup/cutmix on, weights and EMA within 1e-5 of one process; local SGD at H=1 with SGD
+    (the one linear update: see test_local_sgd_refuses_what_it_cannot_match)."""
+    rows = {f"{s} {o}": [*STRATEGIES[s], "--optimizer", o, *OPTIMIZERS[o], *LENET, *RECIPE]
+            for o in OPTIMIZERS for s in STRATEGIES}
+    rows["localsgd sgd"] = ["train_localsgd.py", "--sync-every", "1", *LENET, *RECIPE[:2], *RECIPE[4:]]
+    check(rows, 2, tmp_path)
+
+
+@pytest.mark.parametrize("world", [None, 4])
+def test_the_recipe_is_the_same_at_world_1_and_4(world, tmp_path):
+    """Covers: DataParallel (one process) with each optimizer; at world 4, ZeRO-1 and FSDP2 with the
+    layer-wise optimizers (a parameter cut over more slices) and DDP with AdamW."""
+    if world is None:
+        rows = {f"dp {o}": ["train_dp.py", "--optimizer", o, *OPTIMIZERS[o], *LENET, *RECIPE] for o in OPTIMIZERS}
+    else:
+        rows = {f"{s} {o}": [*STRATEGIES[s], "--optimizer", o, *OPTIMIZERS[o], *LENET, *RECIPE]
+                for s, o in (("zero1", "lars"), ("zero1", "lamb"), ("fsdp", "lamb"), ("ddp", "adamw"))}
+    check(rows, world, tmp_path)
+
+
+# ---------------------------------------------------------------- resume at another world size
+
+RESUME = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
+          "--epochs", "2", "--max-steps", "8", "--optimizer", "adamw", "--lr", "0.001", "--ema", "0.9", "--clip-grad-norm", "1",
+          "--mixup", "0.2", "--cutmix", "1.0", "--label-smoothing", "0.1"]
+
+
+def max_dw(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("name, cut_at, resume_at", [("zero1", 2, 4), ("fsdp", 4, 2)])
+def test_adamw_and_ema_resume_at_another_world_size_to_the_uninterrupted_weights(name, cut_at, resume_at, tmp_path):
+    """Stopped mid-epoch (SIGTERM) at one world size and resumed at another: AdamW's moments and
+    step, and the EMA (sharded like the weights), gathered into the checkpoint and re-sliced, end at
+    the uninterrupted run's weights and EMA."""
+    script = STRATEGIES[name]
+
+    def folders(tag: str) -> list[str]:
+        return ["--checkpoint-dir", str(tmp_path / tag), "--log-dir", str(tmp_path / f"tb-{tag}")]
+    whole = run_script([*script, *RESUME, *folders("whole")], nproc=2, timeout=300)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    cut = run_script(["tests/faults.py", "fsdp" if name == "fsdp" else name, "sigterm", "5", *script[1:], *RESUME,
+                      *folders("cut")], nproc=cut_at, timeout=300)
+    assert f"stopped by SIGTERM after step {stop_after(5, 8)} " in cut.stderr, cut.stderr[-3000:]
+    resumed = run_script([*script, *RESUME, *folders("cut")], nproc=resume_at, timeout=300)
+    assert resumed.returncode == 0 and f"(saved at world {cut_at})" in resumed.stdout, resumed.stderr[-3000:]
+    a, b = latest_state(tmp_path / "whole"), latest_state(tmp_path / "cut")
+    assert a["global_step"] == b["global_step"] == 16 and a["ema_steps"] == b["ema_steps"] == 16
+    dw, dema = max_dw(a["model"], b["model"]), max_dw(a["ema"], b["ema"])
+    print(f"\n{name}: cut at world {cut_at}, resumed at world {resume_at}: max |dw| = {dw:.3g}, EMA {dema:.3g} "
+          f"(EMA - weights: {max_dw(a['ema'], a['model']):.3g})")
+    assert dw <= 1e-5 and dema <= 1e-5 and max_dw(a["ema"], a["model"]) > 1e-4  # the EMA is not the weights
+
+
+# ---------------------------------------------------------------- refusals
+
+@pytest.mark.quick
+@pytest.mark.parametrize("flags, expected", [
+    (["--optimizer", "adamw"], "--optimizer adamw is not (each rank steps on its own gradient)"),
+    (["--clip-grad-norm", "1"], "--optimizer sgd with --clip-grad-norm is not"),
+])
+def test_local_sgd_refuses_what_it_cannot_match(flags, expected, tmp_path, capsys, monkeypatch):
+    code, stderr = refusal_in_process(["train_localsgd.py", "--sync-every", "1", "--check-equivalence", "2", *flags,
+                                       "--dataset", "synthetic", "--checkpoint-dir", str(tmp_path / "c"),
+                                       "--log-dir", str(tmp_path / "tb")], capsys, monkeypatch)
+    assert code == 2 and expected in stderr and "Traceback" not in stderr, stderr
+
+
+# ---------------------------------------------------------------- the pieces, in process
+
+@pytest.mark.quick
+def test_norm_and_bias_parameters_get_no_weight_decay_unless_asked():
+    from common.models import build_model
+    from common.train.optim import make_optimizer, whole_pieces
+
+    model = build_model("convnet", 1, 28, 10, 0)
+    params = list(model.parameters())
+    for flags, undecayed in (([], 7), (["--decay-norm-and-bias"], 0)):  # 2 conv + 1 linear bias, 2 BatchNorms' 2
+        optimizer = make_optimizer(config("--optimizer", "adamw", *flags), whole_pieces(params, config(*flags)),
+                                   len(params))
+        decayed, plain = optimizer.param_groups
+        assert decayed["weight_decay"] == 0.05 and plain["weight_decay"] == 0.0
+        assert len(plain["params"]) == undecayed and len(decayed["params"]) + undecayed == len(params)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", ["lars", "lamb"])
+def test_layerwise_optimizers_step_a_parameter_cut_in_pieces_as_the_whole(name):
+    """Two halves of every parameter, stepped as separate entries whose squares are summed per
+    parameter, give the whole-parameter step (what ZeRO-1's slices and FSDP2's shards rely on)."""
+    from common.train.optim import Piece, make_optimizer, whole_pieces
+
+    cfg = config("--optimizer", name, "--lr", "0.5")
+    torch.manual_seed(0)
+    whole = [torch.randn(6, 4), torch.randn(4)]
+    flat = [w.clone().reshape(-1) for w in whole]
+    halves = [(f[:len(f) // 2], f[len(f) // 2:]) for f in flat]
+    pieces = [Piece(h, i, whole[i].ndim > 1) for i, pair in enumerate(halves) for h in pair]
+    one = make_optimizer(cfg, whole_pieces(whole, cfg), 2)
+    cut = make_optimizer(cfg, pieces, 2)
+    for _ in range(3):
+        grads = [torch.randn_like(w) for w in whole]
+        for w, g in zip(whole, grads):
+            w.grad = g
+        for (a, b), g in zip(halves, grads):
+            a.grad, b.grad = g.reshape(-1)[:len(a)], g.reshape(-1)[len(a):]
+        one.step()
+        cut.step()
+    for w, f in zip(whole, flat):
+        assert torch.allclose(w.reshape(-1), f, atol=1e-6, rtol=0)
+    assert (whole[0] - flat[0].reshape(6, 4)).abs().max() < 1e-6
+
+
+@pytest.mark.quick
+def test_schedules_warm_up_decay_to_min_lr_and_step_at_milestones():
+    from common.train.optim import lr_factor
+
+    onecycle = config("--epochs", "2")
+    old = [0.04 + 0.96 * (s / 100) / 0.25 if s < 25 else 0.5 * (1 + math.cos(math.pi * (s / 100 - 0.25) / 0.75))
+           for s in range(101)]  # the one-cycle schedule before --warmup and --min-lr existed
+    assert [lr_factor(onecycle, s, 100, 50) for s in range(101)] == pytest.approx(old, abs=1e-12)
+    cosine = config("--schedule", "cosine", "--warmup", "10", "--min-lr", "0.01", "--lr", "0.1", "--epochs", "2")
+    assert lr_factor(cosine, 0, 100, 50) == pytest.approx(0.01) and lr_factor(cosine, 10, 100, 50) == 1.0
+    assert lr_factor(cosine, 100, 100, 50) == pytest.approx(0.1)  # min-lr / lr
+    step = config("--schedule", "step", "--milestones", "1,2", "--gamma", "0.5", "--epochs", "3", "--warmup", "0.1")
+    assert [lr_factor(step, s, 30, 10) for s in (3, 9, 10, 19, 20, 30)] == [1, 1, 0.5, 0.5, 0.25, 0.25]
+    assert lr_factor(step, 0, 30, 10) == pytest.approx(0.01)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("flags", [["--mixup", "0.4"], ["--cutmix", "1.0"], ["--mixup", "0.4", "--cutmix", "1.0"]])
+def test_mixing_a_ranks_rows_is_the_global_batchs_mixing_cut_the_same_way(flags):
+    """The pairs (g, g + B/2) stay on one rank: each rank's mixed rows are rows r, r + W, ... of the
+    one-process mixing of the global batch, at W = 2 and 4."""
+    from common.train.mixing import Mixing
+
+    torch.manual_seed(1)
+    images, labels = torch.randn(16, 3, 8, 8), torch.randint(0, 10, (16,))
+    mixing = Mixing(config(*flags, "--batch-size", "16"), 10)
+    whole = mixing(images, labels, epoch=1, step=3)
+    for world in (2, 4):
+        for rank in range(world):
+            rows = slice(rank, None, world)
+            mixed, targets = mixing(images[rows], labels[rows], epoch=1, step=3)
+            assert torch.equal(mixed, whole[0][rows]) and torch.equal(targets, whole[1][rows])
+    assert not torch.equal(whole[0], images) and torch.allclose(whole[1].sum(1), torch.ones(16))
+    lam = whole[1].max(1).values.min()
+    assert 0.5 <= lam < 1  # every target is a blend of two labels (a weight of 1 would mean no mixing)
+
+
+@pytest.mark.quick
+def test_cutmix_weights_the_labels_by_the_pasted_area():
+    from common.train.mixing import Mixing
+
+    images, labels = torch.zeros(4, 1, 10, 10), torch.tensor([0, 1, 2, 3])
+    images[2:] = 1.0  # rows 0, 1 are pasted from rows 2, 3 (g + B/2)
+    mixed, targets = Mixing(config("--cutmix", "1.0", "--batch-size", "4"), 4)(images, labels, 0, 0)
+    pasted = mixed[0].mean().item()
+    assert targets[0, 2] == pytest.approx(pasted) and targets[0, 0] == pytest.approx(1 - pasted)
+
+
+@pytest.mark.quick
+def test_ema_warms_up_and_catches_up_several_steps_at_once():
+    """timm's warm-up: decay min(D, (1 + n) / (10 + n)); k steps since the last update (local SGD's
+    averagings) apply the product of their decays."""
+    from common.train.ema import EMA
+    from common.train.strategy import Strategy
+
+    model = torch.nn.Linear(2, 1, bias=False)
+    torch.nn.init.zeros_(model.weight)
+    one, later = EMA(0.99, Strategy(), model), EMA(0.99, Strategy(), model)
+    assert one.decay_at(1) == pytest.approx(2 / 11) and one.decay_at(10_000) == 0.99
+    with torch.no_grad():
+        model.weight.fill_(1.0)
+    for step in (1, 2, 3):
+        one.update(step)
+    later.update(3)
+    expected = 1 - (2 / 11) * (3 / 12) * (4 / 13)
+    assert one.shadow[0][0, 0].item() == pytest.approx(expected) == later.shadow[0][0, 0].item()
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("flags, expected", [
+    (["--ema", "1"], "--ema in (0, 1)"), (["--ema", "-0.5"], "--ema in (0, 1)"),
+    (["--clip-grad-norm", "0"], "--clip-grad-norm must be > 0"),
+    (["--mixup", "0.2", "--batch-size", "6"], "use a --batch-size that is a multiple of 4"),
+    (["--schedule", "step"], "--schedule step and --milestones E1,E2,... go together"),
+    (["--schedule", "step", "--milestones", "3", "--epochs", "3"], "increasing epochs between 1 and --epochs - 1"),
+    (["--betas", "0.9"], "--betas takes two decays in [0, 1)"),
+    (["--min-lr", "1", "--lr", "0.1"], "--min-lr in [0, --lr 0.1)"),
+])
+def test_bad_recipe_flags_are_one_line(flags, expected, capsys, monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    with pytest.raises(SystemExit) as exit_:
+        config(*flags)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and expected in err and len(err.strip().splitlines()) == 1, err

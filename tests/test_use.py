@@ -1,0 +1,377 @@
+"""Using a trained model: evaluate.py (exact, at any world size, equal to the training run's last
+evaluation), predict.py (images prepared as the training run prepared its test images; a broken
+file named, the others predicted), export.py (ONNX, TorchScript and safetensors files that load
+back and give PyTorch's outputs), and the top-5 / per-class figures a training run logs.
+
+One launch trains a tiny ImageFolder set (PNG and JPEG of several sizes, --image-size: resize and
+centre crop) at W=2 and evaluates its checkpoint at W=2; one plain process evaluates it at W=1.
+predict.py and export.py run in-process: they are one process with no process group."""
+from __future__ import annotations
+
+import csv
+import json
+import re
+import shutil
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+
+from common.data.images import Stored, decode
+from common.data import own
+from common.data.formats import read_cifar10
+from common.data.loader import DataSpec, Dataset, Normalizer, Split, make_synthetic
+from common.models import build_model
+from common.output import confusion
+from common.output.report import write_report
+from common.train.precision import Precision
+from common.train import trainer
+from common.train.trainer import evaluate
+from common.use.source import find_checkpoint
+from tests.conftest import error_lines, latest_checkpoint, one_launch, read_scalars, run_script, split_runs
+from tests.datagen import write_cifar10, write_imagefolder, write_shards
+
+TRAIN = ["--dataset", "imagefolder", "--image-size", "24", "--model", "lenet", "--batch-size", "16", "--epochs", "1",
+         "--max-steps", "2", "--ema", "0.5"]
+EPOCH_LINE = re.compile(r"test acc (\d+\.\d\d)%(?:, EMA \S+)? \((\d+) images\)  top-5 (\d+\.\d\d)%")
+
+
+@dataclass(frozen=True)
+class Trained:
+    root: Path
+    images: Path  # the ImageFolder tree
+    checkpoints: Path  # the run's --checkpoint-dir
+    log_dir: Path
+    train_console: str
+    evaluations: dict[int, tuple[str, dict]]  # world size -> (console, metrics.json)
+    ema: dict  # evaluate.py --ema's metrics.json (W=2)
+
+    @property
+    def checkpoint(self) -> Path:
+        return latest_checkpoint(self.checkpoints)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> Trained:
+    """The training run (with --ema) and evaluate.py at W=2, of its weights and of its moving average,
+    in one launch (evaluate.py given the --checkpoint-dir: its newest run's newest checkpoint), then
+    evaluate.py at W=1 in one process (given the run folder)."""
+    root = tmp_path_factory.mktemp("use")
+    images = write_imagefolder(root / "images", train_size=100, test_size=40, shape="cifar", sizes=(20, 40))
+    checkpoints, log_dir = root / "ckpt", root / "tb"
+    runs = [["train_ddp.py", *TRAIN, "--data-dir", str(images), "--cache-dir", str(root / "cache"),
+             "--checkpoint-dir", str(checkpoints), "--log-dir", str(log_dir)],
+            ["evaluate.py", "--checkpoint", str(checkpoints), "--output-dir", str(root / "eval-w2")],
+            ["evaluate.py", "--checkpoint", str(checkpoints), "--ema", "--output-dir", str(root / "eval-ema")]]
+    launched = run_script(one_launch(runs), nproc=2)
+    assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
+    train_console, w2_console, _ = split_runs(launched.stdout)
+    one = run_script(["evaluate.py", "--checkpoint", str(latest_checkpoint(checkpoints).parent), "--output-dir",
+                      str(root / "eval-w1")])
+    assert one.returncode == 0, one.stderr[-3000:]
+    metrics = {name: json.loads((root / f"eval-{name}" / "metrics.json").read_text()) for name in ("w1", "w2", "ema")}
+    return Trained(root, images, checkpoints, log_dir, train_console,
+                   {1: (one.stdout, metrics["w1"]), 2: (w2_console, metrics["w2"])}, metrics["ema"])
+
+
+def test_evaluate_equals_the_training_runs_last_evaluation_at_any_world_size(trained):
+    """Covers: top-1, top-5, the count and the confusion matrix equal at W=1 and W=2 and equal to
+    the training run's epoch line and TensorBoard (scalars, and the confusion matrix it keeps for
+    the report); the loss up to summation order; per_class.csv and confusion.png written; the
+    --checkpoint-dir and the run folder both lead to the run's checkpoint."""
+    (acc, count, top5), = EPOCH_LINE.findall(trained.train_console)
+    _, scalars = read_scalars(trained.log_dir)
+    tb_counts, tb_names = confusion.from_json(trained_confusion_json(trained.log_dir))
+    for world, (console, metrics) in trained.evaluations.items():
+        assert metrics["samples"] == int(count) == 40 and metrics["world_size"] == world
+        assert metrics["checkpoint"] == str(trained.checkpoint)
+        assert f"top-1 {acc}% ({metrics['top1_correct']}/40)  top-5 {top5}% ({metrics['top5_correct']}/40)" in console
+        assert metrics["top1"] == pytest.approx(scalars["test/acc"][-1][1], abs=1e-7)
+        assert metrics["top5"] == pytest.approx(scalars["test/acc_top5"][-1][1], abs=1e-7)
+        assert metrics["loss"] == pytest.approx(scalars["test/loss"][-1][1], rel=1e-5)
+        assert metrics["confusion"] == tb_counts and metrics["classes"] == tb_names == [str(i) for i in range(10)]
+        assert np.trace(metrics["confusion"]) == metrics["top1_correct"]
+        folder = trained.root / f"eval-w{world}"
+        rows = list(csv.DictReader((folder / "per_class.csv").open()))
+        assert [int(r["images"]) for r in rows] == np.sum(tb_counts, axis=1).tolist()
+        with Image.open(folder / "confusion.png") as picture:
+            assert picture.format == "PNG" and picture.width >= 600
+    assert trained.evaluations[1][1]["confusion"] == trained.evaluations[2][1]["confusion"]
+
+
+def test_evaluate_ema_scores_the_moving_average_as_the_training_run_did(trained):
+    _, scalars = read_scalars(trained.log_dir)
+    assert trained.ema["weights"] == "ema" and trained.ema["samples"] == 40
+    assert trained.ema["top1"] == pytest.approx(scalars["test/acc_ema"][-1][1], abs=1e-7)
+    assert trained.ema["loss"] != pytest.approx(trained.evaluations[2][1]["loss"], rel=1e-7)  # other weights
+
+
+def trained_confusion_json(log_dir: Path) -> str:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util import tensor_util
+
+    acc = EventAccumulator(str(log_dir), size_guidance={"tensors": 0, "images": 0})
+    acc.Reload()
+    assert confusion.IMAGE_TAG in acc.Tags()["images"]
+    assert f"{confusion.PER_CLASS_TAG}/text_summary" in acc.Tags()["tensors"]
+    event = acc.Tensors(f"{confusion.JSON_TAG}/text_summary")[-1]
+    return tensor_util.make_ndarray(event.tensor_proto).flatten()[0].decode()
+
+
+def test_the_report_writes_each_runs_per_class_accuracy_and_confusion_matrix(trained, tmp_path):
+    outputs = write_report([trained.log_dir], tmp_path / "report")
+    table = (tmp_path / "report" / "report.md").read_text()
+    assert "| final top-5 |" in table
+    per_class = (tmp_path / "report" / "per_class.md").read_text()
+    metrics = trained.evaluations[1][1]
+    scores = confusion.per_class(metrics["confusion"], metrics["classes"])
+    assert confusion.markdown(scores) in per_class
+    assert any(p.name.startswith("confusion-") and p.suffix == ".png" for p in outputs)
+
+
+def test_predict_prepares_images_as_the_evaluation_and_names_a_broken_file(trained, tmp_path, capsys):
+    """Covers: the probabilities of every test image equal the model's on the pixels the training
+    run's own data pipeline gave its evaluation (decoding, resize, crop, normalization), class names
+    from the checkpoint, --top-k, JSON; a folder searched recursively, a file that is not an image
+    named in one line (exit 1) while the others are predicted, a non-image extension left alone, CSV."""
+    import predict
+
+    predict.main(["--checkpoint", str(trained.checkpoint), str(trained.images / "val"), "--top-k", "10", "--output",
+                  str(tmp_path / "preds.json")])
+    found = {entry["file"]: entry["top"] for entry in json.loads((tmp_path / "preds.json").read_text())}
+    files, expected = evaluation_probabilities(trained)
+    assert sorted(found) == sorted(files)
+    for file, row in zip(files, expected):
+        top = found[file]
+        assert [p["class"] for p in top] == [str(p["index"]) for p in top]
+        got = torch.zeros(10)
+        got[[p["index"] for p in top]] = torch.tensor([p["probability"] for p in top])
+        assert torch.allclose(got, row, atol=1e-5), (file, got, row)
+
+    folder = shutil.copytree(trained.images / "val", tmp_path / "val")
+    (folder / "3" / "broken.jpg").write_bytes(b"not a JPEG")
+    (folder / "notes.txt").write_text("not an image, and not named: left alone")
+    output = tmp_path / "preds.csv"
+    with pytest.raises(SystemExit) as ended:
+        predict.main(["--checkpoint", str(trained.checkpoint), str(folder), "--output", str(output)])
+    err = capsys.readouterr().err
+    assert ended.value.code == 1
+    assert error_lines(err) == [f"error: {folder / '3' / 'broken.jpg'} is not a readable image (cannot identify "
+                                "image file); replace or delete it"], err
+    rows = list(csv.DictReader(output.open()))
+    assert len(rows) == 40 and all(len(row) == 1 + 2 * 5 for row in rows)
+    right = sum(Path(row["file"]).parent.name == row["class_1"] for row in rows)
+    assert right == trained.evaluations[1][1]["top1_correct"]
+
+
+def evaluation_probabilities(trained: Trained) -> tuple[list[str], torch.Tensor]:
+    """The test files, in the set's order, and the checkpoint's class probabilities on the pixels
+    the training run evaluated (its decoded cache, normalized by the statistics it measured)."""
+    opts = own.OwnData("imagefolder", str(trained.images), str(trained.root / "cache"), {}, image_size=24, workers=0,
+                       prepare_workers=0, skip_broken=False, cache_gb=20.0, shard_cache_gb=1.0)
+    data = own.open_prepared(own.prepare(opts, lambda line: None), opts)
+    files = [str(trained.images / name) for name in own.load_index(opts, lambda line: None).test.names]
+    with torch.no_grad():
+        logits = find_checkpoint(str(trained.checkpoint)).model()(Normalizer(data.spec, torch.device("cpu"),
+                                                                            torch.contiguous_format)(data.test.images))
+    return files, torch.softmax(logits, dim=1)
+
+
+@pytest.mark.parametrize("fmt", ["onnx", "torchscript", "safetensors"])
+def test_export_writes_a_file_that_gives_pytorchs_outputs_and_states_its_preprocessing(trained, tmp_path, fmt, capsys):
+    """Each format loaded back by its own runtime (ONNX: onnxruntime) on real test images, prepared
+    as PATH.json says, at a batch size other than the export's: within 1e-4 of the checkpoint's
+    model in PyTorch."""
+    import export
+
+    path = tmp_path / f"model.{fmt}"
+    export.main(["--checkpoint", str(trained.checkpoint), "--format", fmt, "--output", str(path)])
+    assert f"wrote {path} and {path}.json" in capsys.readouterr().out
+    about = json.loads(Path(f"{path}.json").read_text())
+    saved = torch.load(trained.checkpoint, weights_only=True)
+    prep = about["preprocessing"]
+    assert (prep["center_crop"], prep["resize_short_side"], prep["channels"]) == (24, 27, 3)
+    assert (prep["mean"], prep["std"], about["classes"]) == (saved["data"]["mean"], saved["data"]["std"],
+                                                            [str(i) for i in range(10)])
+    files = sorted((trained.images / "val").rglob("*.*"))[:5]
+    stored = Stored(prep["center_crop"], prep["resize_short_side"])
+    pixels = torch.stack([decode(f.read_bytes(), stored, prep["channels"]) for f in files]).float() / 255
+    images = (pixels - torch.tensor(prep["mean"]).view(1, 3, 1, 1)) / torch.tensor(prep["std"]).view(1, 3, 1, 1)
+    with torch.no_grad():
+        expected = find_checkpoint(str(trained.checkpoint)).model()(images)
+        if fmt == "onnx":
+            import onnxruntime
+
+            session = onnxruntime.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+            got = torch.from_numpy(session.run(["logits"], {"images": images.numpy()})[0])
+        elif fmt == "torchscript":
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", FutureWarning)  # torch.jit's deprecation notice
+                got = torch.jit.load(str(path))(images)
+        else:
+            from safetensors.torch import load_file
+
+            model = build_model(about["model"], 3, 24, 10, seed=1).eval()  # other initial weights: the file's count
+            model.load_state_dict(load_file(str(path)))
+            got = model(images)
+    assert (got - expected).abs().max().item() <= 1e-4
+
+
+def test_a_checkpoint_the_programs_cannot_use_is_one_line(trained, tmp_path, capsys, monkeypatch):
+    """An earlier version's checkpoint (no class names or preprocessing), --ema without a moving
+    average, a missing file: one line naming it, exit 2, before any process group."""
+    import evaluate
+    import export
+    import predict
+
+    monkeypatch.setattr("common.use.evaluating.distributed", lambda flags: pytest.fail("reached the process group"))
+    state = torch.load(trained.checkpoint, weights_only=True)
+    del state["ema"]
+    torch.save(state, tmp_path / "no-ema.pt")
+    del state["data"]
+    old = tmp_path / "old.pt"
+    torch.save(state, old)
+    cases = [(predict.main, ["--checkpoint", str(old), str(trained.images)], f"checkpoint {old} was saved by an "
+                                                                             "earlier version"),
+             (evaluate.main, ["--checkpoint", str(tmp_path / "no-ema.pt"), "--ema"], "--ema: checkpoint"),
+             (export.main, ["--checkpoint", str(tmp_path / "none.pt"), "--format", "onnx", "--output", "m.onnx"],
+              f"--checkpoint {tmp_path / 'none.pt'}: no such file")]
+    for program, argv, start in cases:
+        with pytest.raises(SystemExit) as ended:
+            program(argv)
+        lines = capsys.readouterr().err.strip().splitlines()
+        assert ended.value.code == 2 and len(lines) == 1 and lines[0].startswith(f"error: {start}"), lines
+
+
+# ---------------------------------------------------------------- in-process, no launch
+
+class Indexed(torch.nn.Module):
+    """Logits looked up by the image's first pixel (its index in the test set)."""
+
+    def __init__(self, table: torch.Tensor) -> None:
+        super().__init__()
+        self.register_buffer("table", table)
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.table[(images[:, 0, 0, 0] * 255).round().long()]
+
+
+@pytest.mark.quick
+def test_evaluate_counts_top1_top5_and_the_confusion_matrix(monkeypatch):
+    """Six classes, five images: top-1 counts the argmax, top-5 the label among the five highest
+    (so only a label scored lowest misses), the matrix's row is the label and its column the
+    prediction; above CONFUSION_MAX_CLASSES classes the same counts without a matrix."""
+    labels = torch.tensor([0, 1, 2, 3, 3])
+    table = torch.tensor([[9., 1, 2, 3, 4, 5],  # label 0 predicted 0
+                          [9., 0, 2, 3, 4, 5],  # label 1 predicted 0, scored lowest: not in the top 5
+                          [1., 2, 9, 3, 4, 5],  # label 2 predicted 2
+                          [1., 2, 3, 4, 9, 5],  # label 3 predicted 4
+                          [1., 2, 3, 9, 4, 5]])  # label 3 predicted 3
+    images = torch.arange(5, dtype=torch.uint8).view(5, 1, 1, 1).expand(5, 1, 2, 2).contiguous()
+    data = Dataset("indexed", DataSpec(1, 2, 6, (0.0,), (1.0,), "none"), Split(images, labels), Split(images, labels))
+    ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"), all_reduce_sum=lambda t: t.clone())
+    metrics = evaluate(Indexed(table), data, ctx, 2, Precision("fp32", ctx.device), torch.contiguous_format)
+    assert (metrics.acc, metrics.acc_top5, metrics.samples) == (3 / 5, 4 / 5, 5)
+    expected = torch.zeros(6, 6, dtype=torch.int64)
+    for label, predicted in [(0, 0), (1, 0), (2, 2), (3, 4), (3, 3)]:
+        expected[label, predicted] += 1
+    assert torch.equal(metrics.confusion, expected)
+    monkeypatch.setattr(trainer, "CONFUSION_MAX_CLASSES", 5)
+    fewer = evaluate(Indexed(table), data, ctx, 2, Precision("fp32", ctx.device), torch.contiguous_format)
+    assert (fewer.acc, fewer.acc_top5, fewer.confusion) == (3 / 5, 4 / 5, None)
+
+
+@pytest.mark.quick
+def test_per_class_tables_picture_and_json():
+    counts, names = [[3, 1, 0], [2, 2, 0], [0, 0, 0]], ["cat", "dog", "emu"]
+    scores = confusion.per_class(counts, names)
+    assert [(s.images, s.correct) for s in scores] == [(4, 3), (4, 2), (0, 0)]
+    table = confusion.markdown(scores)
+    assert "| cat | 4 | 3 | 75.00% |" in table and "| emu | 0 | 0 | - |" in table
+    assert confusion.csv_text(scores).splitlines()[1] == "cat,4,3,0.750000"
+    assert confusion.from_json(confusion.to_json(counts, names)) == (counts, names)
+    assert confusion.png(counts, names, "t").startswith(b"\x89PNG") and confusion.rgb(counts, names, "t").shape[2] == 3
+
+
+@pytest.mark.quick
+def test_class_names_come_from_the_set_and_are_read_once_when_it_is_indexed(tmp_path, monkeypatch):
+    """Fixed for CIFAR-10; an ImageFolder tree's class folders; a shard set's manifest; classes.txt
+    without one; the class indices where the set names none. The index keeps them: a later start
+    reads neither the manifest nor classes.txt again."""
+    from tests.test_own_data import dataset, handmade, options
+
+    tree = write_imagefolder(tmp_path / "tree", train_size=30, test_size=10)
+    shards = write_shards(tree, tmp_path / "shards", shard_mb=1)
+    assert read_cifar10(write_cifar10(tmp_path / "cifar", per_batch=10, test_size=10)).names()[:2] == \
+        ["airplane", "automobile"]
+    assert make_synthetic("mnist", 20, 20).names() == [str(i) for i in range(10)]
+    assert dataset(options(tree, tmp_path / "c1")).names() == sorted(p.name for p in (tree / "train").iterdir())
+    manifest = json.loads((shards / "manifest.json").read_text())
+    manifest["classes"] = [f"c{i}" for i in range(10)]
+    (shards / "manifest.json").write_text(json.dumps(manifest))
+    assert dataset(options(shards, tmp_path / "c2", kind="shards")).names() == [f"c{i}" for i in range(10)]
+    listed = handmade(shutil.copytree(shards, tmp_path / "listed"))
+    (listed / "classes.txt").write_text("".join(f"name {i}\n" for i in range(10)))
+    assert dataset(options(listed, tmp_path / "c3", kind="shards")).names()[9] == "name 9"
+    monkeypatch.setattr(own, "read_from_data_dir", lambda *_: pytest.fail("the set was read again"))
+    assert dataset(options(listed, tmp_path / "c3", kind="shards")).names()[9] == "name 9"
+
+
+EIGEN_NET = '''
+import torch
+
+class EigenNet(torch.nn.Module):
+    def __init__(self, classes):
+        super().__init__()
+        self.head = torch.nn.Linear(4, classes)
+
+    def forward(self, images):
+        x = images.flatten(1)[:, :4]
+        return self.head(x + torch.linalg.eigvals(torch.outer(x[0], x[0])).real.sum())
+
+def build(channels, size, classes):
+    return EigenNet(classes)
+'''
+
+
+@pytest.mark.quick
+def test_export_of_a_model_that_does_not_export_names_the_operator(tmp_path, capsys, monkeypatch):
+    import export
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "eigen_net_for_export.py").write_text(EIGEN_NET)
+    model = build_model("eigen_net_for_export:build", 1, 4, 3, seed=0)
+    state = {"model": model.state_dict(), "optimizer": {}, "scheduler": {}, "epoch": 1, "step_in_epoch": 0,
+             "global_step": 1, "world_size": 1, "identity": {}, "config": {"model": "eigen_net_for_export:build",
+                                                                               "seed": 0},
+             "data": {"classes": ["a", "b", "c"], "channels": 1, "size": 4, "mean": [0.5], "std": [0.25], "resize": 0}}
+    torch.save(state, tmp_path / "eigen.pt")
+    with pytest.raises(SystemExit) as ended:
+        export.main(["--checkpoint", "eigen.pt", "--format", "onnx", "--output", "eigen.onnx"])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert ended.value.code == 1 and len(lines) == 1, lines
+    assert lines[0].startswith("error: --format onnx: the model does not export to ONNX: operator aten.linalg_eig "
+                               "has no ONNX translation"), lines
+    assert not (tmp_path / "eigen.onnx").exists() and not (tmp_path / "eigen.onnx.json").exists()
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("argv, message", [
+    (["predict.py", "--checkpoint", "c.pt", "x.png", "--output", "preds.txt"], "--output preds.txt: name a .csv"),
+    (["predict.py", "--checkpoint", "c.pt", "x.png", "--top-k", "0"], "--top-k and --batch-size must be >= 1"),
+    (["evaluate.py", "--checkpoint", "c.pt", "--batch-size", "0"], "--batch-size must be >= 1"),
+    (["evaluate.py", "--checkpoint", "c.pt", "--dataset", "imagenet"], "--dataset 'imagenet' is unknown"),
+    (["export.py", "--checkpoint", "c.pt", "--format", "tflite", "--output", "m"], "argument --format: invalid choice"),
+], ids=["predict-output", "predict-top-k", "evaluate-batch", "evaluate-dataset", "export-format"])
+def test_bad_flags_are_one_line_exit_2(argv, message, capsys):
+    import importlib
+
+    with pytest.raises(SystemExit) as ended:
+        importlib.import_module(Path(argv[0]).stem).main(argv[1:])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert ended.value.code == 2 and len(lines) == 1 and message in lines[0], lines
