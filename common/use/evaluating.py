@@ -13,6 +13,7 @@ used is one line, exit 2.
 """
 from __future__ import annotations
 
+import argparse
 import json
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -33,7 +34,7 @@ from common.train.precision import Precision
 from common.train.run import EVAL_BATCH_CPU, EVAL_BATCH_LARGE
 from common.train.trainer import CONFUSION_MAX_CLASSES, Metrics, evaluate
 from common.use.program import check_storage, make_parser, run_program
-from common.use.source import Preprocessing, Saved, find_checkpoint
+from common.use.source import Preprocessing, Saved
 
 
 @dataclass(frozen=True)
@@ -92,17 +93,17 @@ def parse_flags(argv: Sequence[str] | None = None) -> Flags:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    def body() -> None:
-        flags = parse_flags(argv)
-        saved = find_checkpoint(flags.checkpoint, flags.storage_options)
-        preprocessing = saved.preprocessing()
-        saved.weights(flags.ema)  # --ema without a moving average: refused before the process group
-        with distributed(flags) as ctx:
-            try:
-                score(flags, saved, preprocessing, ctx)
-            except Exception as error:  # told while the ranks are known
-                raise told(error, ctx) from None
-    run_program(body)
+    run_program(lambda: parse_flags(argv), evaluate_on_every_rank)
+
+
+def evaluate_on_every_rank(flags: argparse.Namespace, saved: Saved) -> None:
+    preprocessing = saved.preprocessing()
+    saved.weights(flags.ema)  # --ema without a moving average: refused before the process group
+    with distributed(flags) as ctx:
+        try:
+            score(flags, saved, preprocessing, ctx)
+        except Exception as error:  # told while the ranks are known
+            raise told(error, ctx) from None
 
 
 def score(flags: Flags, saved: Saved, preprocessing: Preprocessing, ctx: DistContext) -> None:

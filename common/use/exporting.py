@@ -29,7 +29,7 @@ from torch import nn
 
 from common.errors import UserError, first_line
 from common.use.program import check_storage, make_parser, run_program
-from common.use.source import Preprocessing, Saved, find_checkpoint
+from common.use.source import Preprocessing, Saved
 
 FORMATS = ("onnx", "torchscript", "safetensors")
 TOLERANCE = 1e-4  # the largest |exported - PyTorch| allowed on a logit
@@ -49,19 +49,19 @@ def parse_flags(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    def body() -> None:
-        flags = parse_flags(argv)
-        saved = find_checkpoint(flags.checkpoint, flags.storage_options)
-        preprocessing = saved.preprocessing()
-        model = saved.model(flags.ema)
-        output = Path(flags.output)
-        output.parent.mkdir(parents=True, exist_ok=True)
-        about = description(saved, preprocessing, flags.format, flags.ema)
-        difference = export(model, saved, preprocessing, flags.format, output, about)
-        Path(f"{output}.json").write_text(json.dumps(about, indent=1) + "\n")
-        print(f"wrote {output} and {output}.json; its outputs on {CHECK_BATCH} inputs are within {difference:.2e} "
-              f"of PyTorch's (tolerance {TOLERANCE:g})", flush=True)
-    run_program(body)
+    run_program(lambda: parse_flags(argv), export_checkpoint)
+
+
+def export_checkpoint(flags: argparse.Namespace, saved: Saved) -> None:
+    preprocessing = saved.preprocessing()
+    model = saved.model(flags.ema)
+    output = Path(flags.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    about = description(saved, preprocessing, flags.format, flags.ema)
+    difference = export(model, saved, preprocessing, flags.format, output, about)
+    Path(f"{output}.json").write_text(json.dumps(about, indent=1) + "\n")
+    print(f"wrote {output} and {output}.json; its outputs on {CHECK_BATCH} inputs are within {difference:.2e} "
+          f"of PyTorch's (tolerance {TOLERANCE:g})", flush=True)
 
 
 def description(saved: Saved, p: Preprocessing, fmt: str, ema: bool) -> dict[str, Any]:

@@ -26,7 +26,7 @@ from common import shards as layout
 from common.data.images import broken_message, decode, header
 from common.data.loader import Normalizer
 from common.use.program import check_storage, make_parser, run_program
-from common.use.source import Preprocessing, find_checkpoint
+from common.use.source import Preprocessing, Saved
 
 OUTPUT_FORMATS = (".csv", ".json")
 
@@ -59,20 +59,19 @@ def parse_flags(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    def body() -> None:
-        flags = parse_flags(argv)
-        saved = find_checkpoint(flags.checkpoint, flags.storage_options)
-        preprocessing = saved.preprocessing()
-        device = torch.device(flags.device if flags.device != "auto" else
-                              "cuda" if torch.cuda.is_available() else "cpu")
-        model = saved.model(flags.ema).to(device)
-        failed = []
-        predictions = list(predict(model, preprocessing, image_files(flags.images, failed), flags.top_k,
-                                   flags.batch_size, device, failed))
-        write(predictions, flags.output)
-        if failed:
-            sys.exit(1)  # each failure has had its line
-    run_program(body)
+    run_program(lambda: parse_flags(argv), predict_with)
+
+
+def predict_with(flags: argparse.Namespace, saved: Saved) -> None:
+    preprocessing = saved.preprocessing()
+    device = torch.device(flags.device if flags.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
+    model = saved.model(flags.ema).to(device)
+    failed = []
+    predictions = list(predict(model, preprocessing, image_files(flags.images, failed), flags.top_k,
+                               flags.batch_size, device, failed))
+    write(predictions, flags.output)
+    if failed:
+        sys.exit(1)  # each failure has had its line
 
 
 def image_files(paths: Sequence[str], failed: list[str]) -> Iterator[Path]:

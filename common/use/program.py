@@ -12,6 +12,7 @@ from common.config import RankZeroParser
 from common.credentials import read_storage_options
 from common.parallel.failures import told
 from common.storage import url_problem
+from common.use.source import Saved, find_checkpoint
 
 
 def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -40,11 +41,12 @@ def check_storage(p: argparse.ArgumentParser, a: argparse.Namespace, *flags: str
             p.error(f"--{flag.replace('_', '-')} {getattr(a, flag)}: {problem}")
 
 
-def run_program(body: Callable[[], None]) -> None:
-    """Run `body`; an error ends the process with its one line (a crash: its traceback, then a
-    line) and its exit status."""
+def run_program(parse: Callable[[], argparse.Namespace], use: Callable[[argparse.Namespace, Saved], None]) -> None:
+    """Parse the flags, find the checkpoint, use it; an error ends the process with its one line (a
+    crash: its traceback, then a line) and its exit status."""
     try:
-        body()
+        flags = parse()
+        use(flags, find_checkpoint(flags.checkpoint, flags.storage_options))
     except Exception as error:
         failure = told(error, None)
         if not failure.should_print() and "TORCHELASTIC_RUN_ID" in os.environ:
