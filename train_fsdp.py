@@ -84,7 +84,7 @@ class ZeroOne(Sharded):
         """Over the parts of each parameter in this rank's slice: each keeps its parameter's decay,
         and LARS/LAMB sum their norms over the ranks."""
         self.state_keys = TENSOR_STATE[cfg.optimizer]
-        return make_optimizer(cfg, self.flat.pieces(cfg), len(self.flat.params), reduce=dist.all_reduce)
+        return make_optimizer(cfg, self.flat.pieces(cfg), len(self.flat.everything), reduce=dist.all_reduce)
 
     def zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.flat.zero_grad()  # in place: the gradients stay views of the flat buffer
@@ -119,8 +119,8 @@ class ZeroOne(Sharded):
         full = {key: self.flat.unflatten(self.flat.gather(self.flat.place(
             [(p, optimizer.state[p][key]) for p in pieces]))) for key in self.state_keys}
         extra = {} if step == 0 else {"step": torch.tensor(float(step))}
-        return {"state": {i: {**{key: full[key][i] for key in self.state_keys}, **extra}
-                          for i in range(len(self.flat.params))}, "param_groups": groups}
+        return {"state": {position: {**{key: full[key][i] for key in self.state_keys}, **extra}
+                          for i, position in enumerate(self.flat.positions)}, "param_groups": groups}
 
     def _step_count(self, optimizer: torch.optim.Optimizer, pieces: list[torch.Tensor]) -> int | None:
         """None before the first step (no state yet), else the optimizer's step count (0 for SGD and
@@ -136,18 +136,20 @@ class ZeroOne(Sharded):
         groups = [{**saved, "params": list(range(start, start + len(group["params"])))}
                   for saved, group, start in zip(state["param_groups"], optimizer.param_groups,
                                                  _starts(optimizer.param_groups))]
-        saved = [state["state"].get(i) for i in range(len(self.flat.params))]
-        if any(s is None for s in saved):
+        saved = [state["state"].get(position) for position in self.flat.positions]
+        present = [s for s in saved if s]
+        if not present:  # saved before the first step
             optimizer.load_state_dict({"state": {}, "param_groups": groups})
             return
         own = {}
         for key in self.state_keys:  # cloned: each piece's own storage, not a view of the W slices
-            flat = self.flat.flatten([s[key] for s in saved])
+            # A parameter saved without state (one no gradient reached elsewhere) starts from zeros.
+            flat = self.flat.flatten([s[key] if s else torch.zeros_like(p) for s, p in zip(saved, self.flat.params)])
             for index, value in enumerate(self.flat.cut(flat, pieces)):
                 own.setdefault(index, {})[key] = value.clone()
-        if "step" in saved[0]:
+        if "step" in present[0]:
             for index in range(len(pieces)):
-                own.setdefault(index, {})["step"] = saved[0]["step"].clone()
+                own.setdefault(index, {})["step"] = present[0]["step"].clone()
         optimizer.load_state_dict({"state": own, "param_groups": groups})
 
 
@@ -166,7 +168,9 @@ class FlatParameters:
     parameters and gradients once each, and 1/W of the optimizer state, as DDP holds them all."""
 
     def __init__(self, model: nn.Module, rank: int, world: int) -> None:
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.everything = list(model.parameters())  # positions in it key the optimizer state, as everywhere
+        self.positions = [i for i, p in enumerate(self.everything) if p.requires_grad]  # of the flattened ones
+        self.params = [self.everything[i] for i in self.positions]
         self.per_rank = -(-sum(p.numel() for p in self.params) // world)
         self.rank, self.world = rank, world
         self.lo, self.hi = rank * self.per_rank, (rank + 1) * self.per_rank
@@ -192,13 +196,14 @@ class FlatParameters:
         padding at the end belongs to no parameter and is never stepped)."""
         self.spans = [(i, a, b) for i, (p, o) in enumerate(zip(self.params, self.offsets))
                       if (a := max(o, self.lo)) < (b := min(o + p.numel(), self.hi))]
-        self.flags = [decays(p, cfg) for p in self.params]
-        self.stepped = [Piece(self.flat[a:b], i, self.flags[i]) for i, a, b in self.spans]
+        self.flags = [decays(p, cfg) for p in self.everything]
+        self.stepped = [Piece(self.flat[a:b], self.positions[i], self.flags[self.positions[i]])
+                        for i, a, b in self.spans]
         return self.stepped
 
     def members(self, decayed: bool) -> list[int]:
         """The positions of the parameters in a decay group, as one process's optimizer lists them."""
-        return [i for i, p in enumerate(self.params) if self.flags[i] == decayed]
+        return [i for i, flag in enumerate(self.flags) if flag == decayed]
 
     def place(self, values: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """This rank's slice with each piece's state tensor at its place (zeros where there is none)."""
@@ -306,6 +311,13 @@ class FullShard(Sharded):
         return make_optimizer(cfg, whole_pieces(params, cfg), len(params), reduce=dist.all_reduce)
 
     def ema_tensors(self, model: nn.Module) -> list[torch.Tensor]:
+        """The shards: resharded first, as a forward without a backward (evaluation) leaves the
+        root's own parameters (a ViT's class token) gathered whole."""
+        from torch.distributed.fsdp import FSDPModule
+
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
         return [*(local(p) for p in model.parameters()), *(b for b in model.buffers() if b.is_floating_point())]
 
     def grad_norm(self, model: nn.Module) -> float:

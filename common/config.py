@@ -21,6 +21,7 @@ DATASETS = ("cifar10", "mnist", "synthetic", "imagefolder", "shards")
 OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")
 ADAPTIVE = ("adamw", "lamb")  # per-coordinate step sizes: their own lr and weight decay scale
 ADAPTIVE_LR_PER_256 = 1e-3  # the default peak lr of adamw and lamb per 256 images of the global batch
+LARS_LR_SCALE = 10  # lars's default lr over sgd's: its trust ratio (eta 0.001) shrinks each layer's step
 SCHEDULES = ("onecycle", "cosine", "constant", "step")
 AUGMENTS = ("basic", "randaugment", "trivialaugment", "autoaugment")
 OWN_DATASETS = ("imagefolder", "shards")  # your own images (common/shards.py has their layouts)
@@ -369,8 +370,8 @@ def _validate(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int
                 f"world size {world_size}; use a multiple of {world_size}")
     if a.epochs < 1:
         p.error(f"--epochs must be >= 1 (got {a.epochs})")
-    if a.lr <= 0:
-        p.error(f"--lr must be > 0 (got {a.lr})")
+    if not 0 < a.lr < math.inf:
+        p.error(f"--lr must be > 0 and finite (got {a.lr})")
     if a.max_steps < 0 or (a.eval_batch_size is not None and a.eval_batch_size < 1) or a.timeout_s <= 0 or \
             a.storage_timeout_s <= 0 or (a.log_every is not None and a.log_every < 1):
         p.error("--max-steps must be >= 0, --eval-batch-size >= 1, --timeout-s and --storage-timeout-s > 0 and "
@@ -392,10 +393,10 @@ def _validate(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int
 def _validate_optimizer(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     if len(a.betas) != 2 or not all(0 <= b < 1 for b in a.betas):
         p.error(f"--betas takes two decays in [0, 1) as B1,B2 (got {','.join(map(str, a.betas))})")
-    if not (a.eps > 0 and a.weight_decay >= 0 and 0 <= a.momentum < 1):
-        p.error(f"--eps must be > 0, --weight-decay >= 0 and --momentum in [0, 1) (got {a.eps}, {a.weight_decay}, "
-                f"{a.momentum})")
-    if not (0 <= a.warmup < math.inf and 0 <= a.min_lr < a.lr and a.gamma > 0):
+    if not (0 < a.eps < math.inf and 0 <= a.weight_decay < math.inf and 0 <= a.momentum < 1):
+        p.error(f"--eps must be > 0, --weight-decay >= 0 (both finite) and --momentum in [0, 1) (got {a.eps}, "
+                f"{a.weight_decay}, {a.momentum})")
+    if not (0 <= a.warmup < math.inf and 0 <= a.min_lr < a.lr and 0 < a.gamma < math.inf):
         p.error(f"--warmup must be >= 0 (steps, or a fraction of the run when < 1), --min-lr in [0, --lr {a.lr:g}) "
                 f"and --gamma > 0 (got {a.warmup:g}, {a.min_lr:g}, {a.gamma:g})")
     if (a.schedule == "step") != bool(a.milestones):
@@ -403,6 +404,21 @@ def _validate_optimizer(p: argparse.ArgumentParser, a: argparse.Namespace) -> No
     if list(a.milestones) != sorted(set(a.milestones)) or any(not 0 < m < a.epochs for m in a.milestones):
         p.error(f"--milestones {','.join(map(str, a.milestones))}: increasing epochs between 1 and --epochs - 1 "
                 f"({a.epochs - 1})")
+    _refuse_unused(p, a)
+
+
+def _refuse_unused(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """A setting the chosen optimizer or schedule does not read is a mistake to say, not to ignore."""
+    defaults = {action.dest: action.default for action in p._actions}
+    changed = {dest for dest in ("betas", "eps", "momentum", "gamma", "min_lr") if getattr(a, dest) != defaults[dest]}
+    unused = {"betas": a.optimizer not in ADAPTIVE, "eps": a.optimizer not in ADAPTIVE,
+              "momentum": a.optimizer in ADAPTIVE, "gamma": a.schedule != "step",
+              "min_lr": a.schedule not in ("onecycle", "cosine")}
+    if wasted := sorted(dest for dest in changed if unused[dest]):
+        p.error(f"{', '.join('--' + d.replace('_', '-') for d in wasted)} {'has' if len(wasted) == 1 else 'have'} no "
+                f"effect with --optimizer {a.optimizer} "
+                f"--schedule {a.schedule} (--betas and --eps: adamw, lamb; --momentum: sgd, lars; --gamma: step; "
+                "--min-lr: onecycle, cosine); drop it or choose what reads it")
 
 
 def _validate_regularization(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int) -> None:
@@ -489,7 +505,8 @@ def parse_args(argv: Sequence[str] | None = None, *, strategy: str, default_data
     a.epochs = recipe.epochs if a.epochs is None else a.epochs
     a.batch_size = recipe.batch_size if a.batch_size is None else a.batch_size
     if a.lr is None:  # linear scaling; a bad --batch-size is reported by _validate, not as a bad lr
-        per_image = ADAPTIVE_LR_PER_256 / 256 if a.optimizer in ADAPTIVE else recipe.lr / recipe.batch_size
+        per_image = ADAPTIVE_LR_PER_256 / 256 if a.optimizer in ADAPTIVE else \
+            recipe.lr / recipe.batch_size * (LARS_LR_SCALE if a.optimizer == "lars" else 1)
         a.lr = per_image * max(a.batch_size, 1)
     if a.weight_decay is None:
         a.weight_decay = 0.05 if a.optimizer in ADAPTIVE else 5e-4

@@ -61,8 +61,9 @@ def test_the_recipe_is_the_same_at_world_1_and_4(world, tmp_path):
 
 # ---------------------------------------------------------------- resume at another world size
 
-RESUME = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
-          "--epochs", "2", "--max-steps", "8", "--optimizer", "adamw", "--lr", "0.001", "--ema", "0.9", "--clip-grad-norm", "1",
+RESUME = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--batch-size", "32",
+          "--epochs", "2", "--max-steps", "8", "--optimizer", "adamw", "--lr", "0.001", "--ema", "0.9",
+          "--clip-grad-norm", "1",
           "--mixup", "0.2", "--cutmix", "1.0", "--label-smoothing", "0.1"]
 
 
@@ -70,27 +71,32 @@ def max_dw(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
-@pytest.mark.parametrize("name, cut_at, resume_at", [("zero1", 2, 4), ("fsdp", 4, 2)])
-def test_adamw_and_ema_resume_at_another_world_size_to_the_uninterrupted_weights(name, cut_at, resume_at, tmp_path):
-    """Stopped mid-epoch (SIGTERM) at one world size and resumed at another: AdamW's moments and
-    step, and the EMA (sharded like the weights), gathered into the checkpoint and re-sliced, end at
-    the uninterrupted run's weights and EMA."""
-    script = STRATEGIES[name]
+@pytest.mark.parametrize("cut_by, cut_at, resumed_by, resume_at", [("zero1", 2, "fsdp", 4), ("fsdp", 4, "zero1", 2)])
+def test_adamw_and_ema_resume_at_another_world_size_to_the_uninterrupted_weights(cut_by, cut_at, resumed_by,
+                                                                                 resume_at, tmp_path):
+    """Stopped mid-epoch (SIGTERM) by ZeRO-1 (FSDP2) at one world size and resumed by the other at
+    another: AdamW's moments and step, and the EMA (sharded like the weights), gathered into the
+    checkpoint and re-sliced, end at the uninterrupted run's weights and EMA. The model has a frozen
+    layer (the state is keyed by position among all parameters, on both) and a parameter on its
+    root module (which FSDP2 leaves gathered after the evaluation's forward: the EMA swaps in shards
+    all the same)."""
+    model = ["--model", "tests.tinymodels:odd"]
 
     def folders(tag: str) -> list[str]:
         return ["--checkpoint-dir", str(tmp_path / tag), "--log-dir", str(tmp_path / f"tb-{tag}")]
-    whole = run_script([*script, *RESUME, *folders("whole")], nproc=2, timeout=300)
+    whole = run_script([*STRATEGIES[cut_by], *model, *RESUME, *folders("whole")], nproc=2, timeout=300)
     assert whole.returncode == 0, whole.stderr[-3000:]
-    cut = run_script(["tests/faults.py", "fsdp" if name == "fsdp" else name, "sigterm", "5", *script[1:], *RESUME,
+    cut = run_script(["tests/faults.py", cut_by, "sigterm", "5", *STRATEGIES[cut_by][1:], *model, *RESUME,
                       *folders("cut")], nproc=cut_at, timeout=300)
     assert f"stopped by SIGTERM after step {stop_after(5, 8)} " in cut.stderr, cut.stderr[-3000:]
-    resumed = run_script([*script, *RESUME, *folders("cut")], nproc=resume_at, timeout=300)
+    resumed = run_script([*STRATEGIES[resumed_by], *model, *RESUME, *folders("cut")], nproc=resume_at, timeout=300)
     assert resumed.returncode == 0 and f"(saved at world {cut_at})" in resumed.stdout, resumed.stderr[-3000:]
     a, b = latest_state(tmp_path / "whole"), latest_state(tmp_path / "cut")
     assert a["global_step"] == b["global_step"] == 16 and a["ema_steps"] == b["ema_steps"] == 16
+    assert sorted(b["optimizer"]["state"]) == [0, 3, 4, 5, 6]  # 0: the root token; 1, 2: the frozen layer
     dw, dema = max_dw(a["model"], b["model"]), max_dw(a["ema"], b["ema"])
-    print(f"\n{name}: cut at world {cut_at}, resumed at world {resume_at}: max |dw| = {dw:.3g}, EMA {dema:.3g} "
-          f"(EMA - weights: {max_dw(a['ema'], a['model']):.3g})")
+    print(f"\n{cut_by} at world {cut_at}, resumed by {resumed_by} at world {resume_at}: max |dw| = {dw:.3g}, "
+          f"EMA {dema:.3g} (EMA - weights: {max_dw(a['ema'], a['model']):.3g})")
     assert dw <= 1e-5 and dema <= 1e-5 and max_dw(a["ema"], a["model"]) > 1e-4  # the EMA is not the weights
 
 
@@ -230,6 +236,10 @@ def test_ema_warms_up_and_catches_up_several_steps_at_once():
     (["--schedule", "step", "--milestones", "3", "--epochs", "3"], "increasing epochs between 1 and --epochs - 1"),
     (["--betas", "0.9"], "--betas takes two decays in [0, 1)"),
     (["--min-lr", "1", "--lr", "0.1"], "--min-lr in [0, --lr 0.1)"),
+    (["--lr", "inf"], "--lr must be > 0 and finite"), (["--optimizer", "adamw", "--eps", "inf"], "--eps must be > 0"),
+    (["--betas", "0.8,0.9", "--eps", "1e-6"], "--betas, --eps have no effect with --optimizer sgd"),
+    (["--optimizer", "lamb", "--momentum", "0.5"], "--momentum has no effect with --optimizer lamb"),
+    (["--gamma", "0.5"], "--gamma has no effect"), (["--schedule", "constant", "--min-lr", "0.01"], "--min-lr has no"),
 ])
 def test_bad_recipe_flags_are_one_line(flags, expected, capsys, monkeypatch):
     monkeypatch.setenv("RANK", "0")

@@ -47,6 +47,14 @@ IDENTITY_ROWS = {  # every setting that changes the trained weights, and another
     "model": ["--model", "cifar_net"], "batch_size": ["--batch-size", "64"], "lr": ["--lr", "0.01"],
     "momentum": ["--momentum", "0.8"], "weight_decay": ["--weight-decay", "0"], "schedule": ["--schedule", "cosine"],
     "epochs": ["--epochs", "3"], "seed": ["--seed", "7"], "max_steps": ["--max-steps", "5"], "sync_bn": ["--sync-bn"],
+    "optimizer": ["--optimizer", "lamb"], "betas": ["--optimizer", "adamw", "--betas", "0.8,0.99"],
+    "eps": ["--optimizer", "adamw", "--eps", "1e-6"],
+    "decay_norm_and_bias": ["--decay-norm-and-bias"], "warmup": ["--warmup", "0.1"], "min_lr": ["--min-lr", "1e-4"],
+    "milestones": ["--schedule", "step", "--milestones", "1"],
+    "gamma": ["--schedule", "step", "--milestones", "1", "--gamma", "0.5"],
+    "label_smoothing": ["--label-smoothing", "0.1"], "mixup": ["--mixup", "0.2"], "cutmix": ["--cutmix", "1"],
+    "augment": ["--augment", "randaugment"], "random_erase": ["--random-erase", "0.25"], "ema": ["--ema", "0.99"],
+    "clip_grad_norm": ["--clip-grad-norm", "1"],
 }
 NOT_IDENTITY = [  # settings that may change between restarts of one run
     ["--device", "cpu"], ["--backend", "gloo"], ["--log-every", "7"], ["--keep", "5"], ["--save-every-steps", "9"],
@@ -74,8 +82,23 @@ def test_every_identity_row_resumes_unchanged_and_refuses_changed(row, tmp_path)
         folder.choose("auto", changed.identity())
     message = str(refused.value)
     assert f"{row} {base.identity().get(row)!r} -> {changed.identity()[row]!r}" in message
-    assert "To continue that run, rerun with its settings" in message and "pass --resume none" in message
+    assert "To continue it, rerun with its settings" in message and "pass --resume none" in message
     assert "\n" not in message
+
+
+@pytest.mark.quick
+def test_a_run_of_an_earlier_version_is_refused_with_the_way_out_that_works(tmp_path):
+    """A checkpoint whose identity predates settings that exist now cannot be continued by rerunning
+    with its settings (the new ones would still differ): the message says so, and how to go on."""
+    base = config()
+    earlier = {key: value for key, value in base.identity().items() if key not in ("optimizer", "ema", "weights")}
+    folder = CheckpointFolder(LocalStorage(str(tmp_path)), keep=3)
+    folder.write("first", {**saved(base), "identity": earlier})
+    with pytest.raises(UserError) as refused:
+        folder.choose("auto", base.identity())
+    message = str(refused.value)
+    assert "written by an earlier version of the suite, before --ema, --optimizer, --weights existed" in message
+    assert "rerun with its settings" not in message and "pass --resume none" in message
 
 
 @pytest.mark.quick

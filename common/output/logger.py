@@ -88,11 +88,13 @@ class EpochResult:
     test_acc_top5: float = math.nan  # the label among the model's 5 highest scores
     confusion: torch.Tensor | None = None  # (classes, classes) test counts, row the label, column the prediction
     class_names: tuple[str, ...] = ()  # the confusion matrix's labels
+    train_samples: int = 0  # what this run trained of the epoch (0: all of it before a resume)
 
 
 def trained(r: EpochResult) -> bool:
-    """False for an epoch whose steps all ran before a resume: this run only evaluated it."""
-    return not math.isnan(r.train_loss)
+    """False for an epoch whose steps all ran before a resume: this run only evaluated it (its
+    loss may be NaN for another reason: weights that diverged)."""
+    return r.train_samples > 0
 
 
 class NullLogger:
@@ -146,6 +148,10 @@ class RankEcho(NullLogger):
 
     def epoch(self, r: EpochResult, epochs: int) -> None:
         self.info(_epoch_line(r, epochs))
+        if trained(r) and not math.isfinite(r.train_loss):
+            self.warn(f"warning: epoch {r.epoch}'s training loss is {r.train_loss}: the weights diverged, and "
+                      "training on will not bring them back; stop the run and start a new one with a lower --lr (or "
+                      "a longer --warmup, or --clip-grad-norm)")
 
 
 def _epoch_line(r: EpochResult, epochs: int) -> str:

@@ -66,7 +66,7 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from common import __version__
-from common.config import STORAGE_TIMEOUT_S
+from common.config import IDENTITY, STORAGE_TIMEOUT_S
 from common.data.images import EVAL_CROP
 from common.parallel.context import DistContext
 from common.errors import UserError
@@ -141,15 +141,26 @@ def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
 
 def as_flags(identity: dict[str, Any]) -> str:
-    """The command-line flags that recreate an identity, for the 'continue that run' way out."""
+    """The command-line flags that recreate an identity, for the 'continue that run' way out (a
+    setting left at its empty default, such as no --weights, is left out)."""
     flags = []
     for key, value in identity.items():
         flag = "--" + key.replace("_", "-")
         if isinstance(value, bool):
             flags.append(flag if value else f"(no {flag})")
-        elif value is not None:
+        elif value is not None and value != "":
             flags.append(f"{flag} {value}")
     return " ".join(flags)
+
+
+def way_to_continue(saved: dict[str, Any], now: dict[str, Any]) -> str:
+    """How to continue a run of another identity: its flags; or, for a run of an earlier version
+    (whose identity lacks settings every run has now), that this version cannot."""
+    if newer := sorted(key for key in IDENTITY if key in now and key not in saved):
+        flags = ", ".join("--" + key.replace("_", "-") for key in newer[:3]) + (" ..." if len(newer) > 3 else "")
+        return (f"It was written by an earlier version of the suite, before {flags} existed, and this version "
+                "cannot continue it: finish it with the version it was trained with")
+    return f"To continue it, rerun with its settings ({as_flags(saved)})"
 
 
 @dataclass(frozen=True)
@@ -294,14 +305,14 @@ class CheckpointFolder:
             raise UserError(f"--resume {path}: the checkpoint {e}") from None
         if state["identity"] != identity:
             raise UserError(f"--resume {path} belongs to a run with other settings "
-                            f"({'; '.join(differences(state['identity'], identity))}). To continue it, rerun with "
-                            f"its settings ({as_flags(state['identity'])}); to start a new run, pass --resume none")
+                            f"({'; '.join(differences(state['identity'], identity))}). "
+                            f"{way_to_continue(state['identity'], identity)}; to start a new run, pass --resume none")
         return data, state
 
     def _other_run_message(self, other: RunInfo, identity: dict[str, Any]) -> str:
         return (f"{self.storage.url()} holds run {other.name} (saved at step {other.global_step}) with other "
-                f"settings: {'; '.join(differences(other.identity, identity))}. To continue that run, rerun with "
-                f"its settings ({as_flags(other.identity)}); to start a new run beside it (its files are kept), "
+                f"settings: {'; '.join(differences(other.identity, identity))}. "
+                f"{way_to_continue(other.identity, identity)}; to start a new run beside it (its files are kept), "
                 "pass --resume none, or another --checkpoint-dir")
 
     def _read(self, name: str) -> bytes:

@@ -97,8 +97,10 @@ def _verdict(run: Run, reference: nn.Module, ref_ema: EMA | None, steps: int, lo
     log.info(f"equivalence: max |dw| = {max_dw:.3g} after {steps} steps ({run.strategy.describe()}, world "
              f"{ctx.world_size}, tolerance {bound:g}){ema}")
     if not max_dw <= bound:  # also catches NaN
-        ctx.fail_together(f"equivalence check failed: max |dw| = {max_dw:.3g} > {bound:g}; models with "
-                          "BatchNorm or dropout differ from one process by design (see docs/strategies.md)")
+        ctx.fail_together(f"equivalence check failed: max |dw| = {max_dw:.3g} > {bound:g}; by design only BatchNorm "
+                          "and dropout models differ from one process, and rounding grows with fp16/bf16 or with "
+                          "AdamW/LAMB at a high --lr (docs/strategies.md, docs/recipes.md): otherwise the strategy "
+                          "does not train what one process trains")
 
 
 def _gap(state: dict[str, torch.Tensor], reference: nn.Module) -> torch.Tensor:

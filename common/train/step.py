@@ -86,13 +86,14 @@ class StepRecipe:
 def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Optimizer,
                scheduler: torch.optim.lr_scheduler.LRScheduler, precision: Precision, images: torch.Tensor,
                targets: torch.Tensor, recipe: StepRecipe = StepRecipe(), clock: StepClock | None = None,
-               ) -> torch.Tensor:
+               ) -> tuple[torch.Tensor, float | None]:
     """One optimizer step on this rank's share of the global batch, in `accumulate` micro-batches
     whose gradients are synchronized once, after the last. Each micro-batch's mean loss is divided
     by `accumulate`, so W ranks x N micro-batches give the gradient of the mean over the global
     batch, as one process with one batch would. targets: class indices, or class probabilities
     (mixup/cutmix). Returns (loss sum, correct) over the batch; with mixed targets a prediction is
-    correct when it is the class with the most weight."""
+    correct when it is the class with the most weight. And with clipping, the gradient's norm before
+    it (what the logs show: how often clipping bites)."""
     strategy.zero_grad(model, optimizer)
     stats = torch.zeros(2, device=images.device)
     micro = recipe.accumulate
@@ -110,27 +111,29 @@ def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Opti
     strategy.after_backward(model)
     if clock:
         clock.lap(SYNC)
-    if recipe.clip_grad_norm:
-        clip_gradients(model, strategy, optimizer, precision, recipe.clip_grad_norm)
+    norm = clip_gradients(model, strategy, optimizer, precision, recipe.clip_grad_norm) \
+        if recipe.clip_grad_norm else None
     strategy.step(optimizer, precision)
     scheduler.step()
     if clock:
         clock.lap(COMPUTE)
-    return stats
+    return stats, norm
 
 
 def clip_gradients(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Optimizer, precision: Precision,
-                   max_norm: float) -> None:
+                   max_norm: float) -> float:
     """torch's clip_grad_norm_ on the synchronized gradient: its global norm over every shard (the
     strategy's grad_norm, a collective where sharded), after fp16's unscaling, applied to the
     gradients the optimizer steps with."""
     precision.unscale(optimizer)
-    coefficient = min(1.0, max_norm / (strategy.grad_norm(model) + 1e-6))
+    norm = strategy.grad_norm(model)
+    coefficient = min(1.0, max_norm / (norm + 1e-6))
     if coefficient < 1.0:
         for group in optimizer.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
                     p.grad.mul_(coefficient)
+    return norm
 
 
 def uses_randomness(model: nn.Module) -> bool:

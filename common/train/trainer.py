@@ -180,7 +180,7 @@ class Trainer:
         return EpochResult(epoch + 1, run.global_step(Position(epoch + 1, 0)), train.loss, train.acc, test.loss,
                            test.acc, test.samples, train.samples / train_s, time.perf_counter() - start, times,
                            test_ema and test_ema.acc, test_acc_top5=test.acc_top5, confusion=test.confusion,
-                           class_names=tuple(run.data.names()))
+                           class_names=tuple(run.data.names()), train_samples=train.samples)
 
     def evaluate(self) -> Metrics:
         run = self.run
@@ -212,8 +212,9 @@ class Trainer:
                 reseed(run.cfg.seed, run.ctx.rank, global_step)
             self.stop.begin_step(global_step)
             lr = run.optimizer.param_groups[0]["lr"]
-            interval += train_step(run.step_model, run.strategy, run.optimizer, run.scheduler, run.precision, images,
-                                   labels, recipe, clock)
+            stats, norm = train_step(run.step_model, run.strategy, run.optimizer, run.scheduler, run.precision, images,
+                                     labels, recipe, clock)
+            interval += stats
             done = Position(epoch, step + 1)
             run.strategy.end_of_step(run.model, run.global_step(done), done.step == run.steps_per_epoch)
             if run.ema and run.strategy.synchronized(run.global_step(done), done.step == run.steps_per_epoch):
@@ -223,7 +224,8 @@ class Trainer:
             self.profiler.step()
             if run.global_step(done) % run.log_every == 0 or done.step == run.steps_per_epoch:
                 data_s, compute_s, sync_s, steps = clock.take_interval()
-                self.steps.add(run.global_step(done), lr, run.strategy.grad_norm(run.model), interval,
+                norm = run.strategy.grad_norm(run.model) if norm is None else norm  # clipping's: before it
+                self.steps.add(run.global_step(done), lr, norm, interval,
                                [len(labels) * steps, data_s, compute_s, sync_s, steps])
                 interval = torch.zeros_like(interval)
             self.after_step(done)
