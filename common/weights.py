@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 import pickle
 import re
 import zipfile
@@ -50,7 +51,7 @@ from torch import nn
 
 from common.errors import UserError, first_line
 from common.models import AUXILIARY_HEADS, TORCHVISION, spread_rgb
-from common.storage import StorageError, split, storage_for, url_problem
+from common.storage import StorageError, is_url, split, storage_for, url_problem
 
 Say = Callable[[str], None]
 
@@ -75,6 +76,14 @@ class Source:
     def parse(cls, flag: str, model: str) -> Source:
         pinned = PIN.fullmatch(flag)
         return cls(pinned["source"], pinned["digest"], model) if pinned else cls(flag, "", model)
+
+    @property
+    def where(self) -> str:
+        """The source as the run's identity names it: a local file by its absolute path, so the same
+        file given from another folder is the same run."""
+        if self.is_name or is_url(self.text):
+            return self.text
+        return os.path.abspath(os.path.expanduser(self.text))
 
     @property
     def is_name(self) -> bool:
@@ -193,6 +202,8 @@ def parse_weights(data: bytes, source: str) -> tuple[dict[str, torch.Tensor], st
         raise UserError(f"--weights {source} is empty; give a state dict saved with torch.save(model.state_dict(), "
                         "FILE) or a checkpoint of this suite")
     unusable = f"--weights {source} is truncated or not a file torch.save writes ({len(data)} bytes"
+    if data[8:9] == b"{":  # safetensors: an 8-byte header length, then the header's JSON
+        return parse_safetensors(data, source), "a safetensors file"
     if not (zipfile.is_zipfile(io.BytesIO(data)) or data[:1] == b"\x80"):  # torch.save's zip, or its legacy pickle
         raise UserError(f"{unusable}); give a state dict saved with torch.save(model.state_dict(), FILE) or a "
                         "checkpoint of this suite")
@@ -221,6 +232,21 @@ def parse_weights(data: bytes, source: str) -> tuple[dict[str, torch.Tensor], st
         raise UserError(f"--weights {source} is not a state dict: its entry {str(key)[:60]!r} is a "
                         f"{type(value).__name__}, not a tensor; save one with torch.save(model.state_dict(), FILE)")
     return {strip_prefixes(k): v for k, v in loaded.items()}, what
+
+
+def parse_safetensors(data: bytes, source: str) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors (export.py writes them): plain data by design, no code."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load
+
+    try:
+        loaded = load(data)
+    except (SafetensorError, ValueError) as e:
+        raise UserError(f"--weights {source} is not a safetensors file that reads ({first_line(e)}); give it again, or "
+                        "a state dict saved with torch.save(model.state_dict(), FILE)") from None
+    if not loaded:
+        raise UserError(f"--weights {source} holds no tensor")
+    return {strip_prefixes(k): v for k, v in loaded.items()}
 
 
 def strip_prefixes(key: str) -> str:
@@ -274,6 +300,9 @@ def fit(weights: dict[str, torch.Tensor], model: nn.Module, source: Source, chan
                 continue
             raise mismatch(f"the weights hold {key} {tuple(tensor.shape)}, which the model does not have")
         want = expected[key].shape
+        if problem := value_problem(tensor, expected[key]):
+            raise UserError(f"--weights {source.text}: {key} {problem}; give weights that trained without diverging, "
+                            "saved as the model holds them")
         if tensor.shape == want:
             state[key] = tensor
         elif source.torchvision_model and channels != 3 and tensor.dim() == 4 and tensor.shape[1] == 3 and \
@@ -290,6 +319,17 @@ def fit(weights: dict[str, torch.Tensor], model: nn.Module, source: Source, chan
         if differing else "not in the weights"
     replaced = tuple(k for k in expected if k in head) if keep_head else ()
     return Fitted(state, replaced, tuple(unused), tuple(adapted), shapes)
+
+
+def value_problem(tensor: torch.Tensor, expected: torch.Tensor) -> str | None:
+    """What would make a tensor of the right shape wrong: integers for a float parameter (they
+    would be cast silently), NaN or infinite values."""
+    if tensor.is_floating_point() != expected.is_floating_point():
+        have, want = (str(t.dtype).removeprefix("torch.") for t in (tensor, expected))
+        return f"is {have} where the model holds {want}"
+    if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+        return "holds NaN or infinite values"
+    return None
 
 
 @dataclass(frozen=True)
@@ -333,4 +373,4 @@ def load_into(model: nn.Module, data: bytes, source: Source, channels: int, seed
     if source.is_name:
         entry = source.registry_entry()
         what = f"torchvision {type(entry).__name__}.{entry.name}, {hub_path(entry.url)}"
-    return Loaded(f"{source.text}@sha256:{digest[:DIGEST_CHARS]}", what, fitted, source.normalization(channels), seed)
+    return Loaded(f"{source.where}@sha256:{digest[:DIGEST_CHARS]}", what, fitted, source.normalization(channels), seed)

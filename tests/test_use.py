@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import re
 import shutil
 import warnings
@@ -367,7 +368,15 @@ def test_export_of_a_model_that_does_not_export_names_the_operator(tmp_path, cap
     (["evaluate.py", "--checkpoint", "c.pt", "--batch-size", "0"], "--batch-size must be >= 1"),
     (["evaluate.py", "--checkpoint", "c.pt", "--dataset", "imagenet"], "--dataset 'imagenet' is unknown"),
     (["export.py", "--checkpoint", "c.pt", "--format", "tflite", "--output", "m"], "argument --format: invalid choice"),
-], ids=["predict-output", "predict-top-k", "evaluate-batch", "evaluate-dataset", "export-format"])
+    (["predict.py", "--checkpoint", "c.pt", "x.png", "--output", "/proc/none/p.csv"],
+     "--output /proc/none/p.csv: cannot create the folder /proc/none"),
+    (["evaluate.py", "--checkpoint", "c.pt", "--output-dir", "/proc/none"], "--output-dir /proc/none: cannot create"),
+    (["export.py", "--checkpoint", "c.pt", "--format", "onnx", "--output", "/proc/none/m.onnx"],
+     "--output /proc/none/m.onnx: cannot create the folder"),
+    (["export.py", "--checkpoint", "c.pt", "--format", "onnx", "--output", "tests"], "--output tests: is a folder"),
+    (["predict.py", "--checkpoint", "c.pt", "x.png", "--storage-timeout-s", "nan"], "--storage-timeout-s must be > 0"),
+], ids=["predict-output", "predict-top-k", "evaluate-batch", "evaluate-dataset", "export-format", "predict-path",
+        "evaluate-path", "export-path", "export-folder", "timeout"])
 def test_bad_flags_are_one_line_exit_2(argv, message, capsys):
     import importlib
 
@@ -375,3 +384,45 @@ def test_bad_flags_are_one_line_exit_2(argv, message, capsys):
         importlib.import_module(Path(argv[0]).stem).main(argv[1:])
     lines = capsys.readouterr().err.strip().splitlines()
     assert ended.value.code == 2 and len(lines) == 1 and message in lines[0], lines
+
+
+@pytest.mark.quick
+def test_a_checkpoint_store_that_never_answers_ends_the_program_at_its_deadline(tmp_path):
+    """A server that accepts and never replies: one line naming --storage-timeout-s, within it."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import ROOT, child_env
+
+    with socket.socket() as server:
+        server.bind(("127.0.0.1", 0))
+        server.listen()
+        url = f"http://127.0.0.1:{server.getsockname()[1]}/run/step-00000001.pt"
+        started = time.monotonic()
+        done = subprocess.run([sys.executable, "predict.py", "--checkpoint", url, "--storage-timeout-s", "2", "x.png"],
+                              cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=60)
+        seconds = time.monotonic() - started
+    print(f"\nunanswered checkpoint read: ended after {seconds:.1f} s (deadline 2 s)")
+    assert done.returncode == 2 and error_lines(done.stderr) == [
+        f"error: --checkpoint {url}: no answer within 2 s (--storage-timeout-s); check the URL and that the store is "
+        "up"], done.stderr[-2000:]
+
+
+@pytest.mark.quick
+def test_a_forward_that_branches_on_its_input_is_refused_as_torchscript_and_fifos_are_not_read(tmp_path):
+    from common.errors import UserError
+    from common.use.exporting import to_torchscript
+    from common.use.predicting import image_files
+
+    class Branching(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x.flatten(1)[:, :3] if x.mean() > 0 else -x.flatten(1)[:, :3]
+    with pytest.raises(UserError) as refused:
+        to_torchscript(Branching(), torch.ones(2, 1, 4, 4), tmp_path / "m.pt")
+    assert "the model's forward depends on its inputs' values" in str(refused.value)
+    os.mkfifo(tmp_path / "pipe.png")
+    failed: list[str] = []
+    assert list(image_files([str(tmp_path), str(tmp_path / "pipe.png")], failed)) == []
+    assert any("pipe.png: not a regular file" in line for line in failed)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import os
 
 import pytest
 import torch
@@ -85,7 +86,8 @@ def test_another_runs_checkpoint_loads_all_but_a_head_of_another_shape():
     state, fresh, source = model.state_dict(), lenet(classes=10, seed=0).state_dict(), trained.state_dict()
     assert all(torch.equal(state[k], source[k]) for k in state if k not in LENET_HEAD)
     assert all(torch.equal(state[k], fresh[k]) for k in LENET_HEAD)
-    assert loaded.flag == f"other.pt@sha256:{hashlib.sha256(data).hexdigest()[:16]}"
+    # the absolute path: the same file given from another folder is the same run
+    assert loaded.flag == f"{os.path.abspath('other.pt')}@sha256:{hashlib.sha256(data).hexdigest()[:16]}"
     banner = loaded.banner()
     assert "checkpoint of this suite at step 3" in banner and "6 tensors loaded" in banner, banner
     assert "not loaded: 2.2.weight, 2.2.bias (the head, (5, 500) in the weights, (10, 500) here" in banner, banner
@@ -270,3 +272,23 @@ def test_fsdp2_and_zero1_start_from_the_weights_sharded_on_two_ranks(tmp_path):
     assert "images normalized as the weights expect (mean 0.485,0.456,0.406, std 0.229,0.224,0.225)" in zero, zero
     state, file = latest_state(tmp_path / "ck-zero"), squeezenet_weights()
     assert all(torch.allclose(state["model"][k], file[k], atol=1e-6) for k in file if k.startswith("features."))
+
+
+@pytest.mark.quick
+def test_safetensors_load_and_diverged_or_integer_weights_are_one_line(tmp_path):
+    """export.py's safetensors output loads as --weights; a tensor with NaN, or integers where the
+    model holds floats (a silent cast otherwise), is refused naming it."""
+    from safetensors.torch import save
+
+    model = build_model("lenet", 1, 28, 10, 0)
+    state = model.state_dict()
+    loaded = load_into(build_model("lenet", 1, 28, 10, 1), save(state), Source.parse("w.safetensors", "lenet"), 1, 1)
+    assert "a safetensors file" in loaded.banner()
+    for name, change, expected in (("nan", lambda t: t.fill_(float("nan")), "holds NaN or infinite values"),
+                                   ("int", lambda t: t.long(), "is int64 where the model holds float32")):
+        bad = {**state, "0.0.weight": change(state["0.0.weight"].clone())}
+        buffer = io.BytesIO()
+        torch.save(bad, buffer)
+        with pytest.raises(UserError) as refused:
+            load_into(build_model("lenet", 1, 28, 10, 1), buffer.getvalue(), Source.parse(f"{name}.pt", "lenet"), 1, 1)
+        assert f"--weights {name}.pt: 0.0.weight {expected}" in str(refused.value)

@@ -221,8 +221,14 @@ class DeadlinePassed(Exception):
 
 
 def run_with_heartbeat(store: Any, key: str, action: Callable[[], T], deadline_s: float) -> T:
-    """`action`'s result, computed on a daemon thread under a Heartbeat; DeadlinePassed once
-    deadline_s has passed (the thread is left behind: storage I/O cannot be cancelled)."""
+    """run_within, under a Heartbeat: the other ranks see that this one still works."""
+    with Heartbeat(store, key):
+        return run_within(action, deadline_s, key)
+
+
+def run_within(action: Callable[[], T], deadline_s: float, name: str) -> T:
+    """`action`'s result, computed on a daemon thread; DeadlinePassed(name) once deadline_s has
+    passed (the thread is left behind: storage I/O cannot be cancelled)."""
     box: dict[str, Any] = {}
 
     def work() -> None:
@@ -230,12 +236,11 @@ def run_with_heartbeat(store: Any, key: str, action: Callable[[], T], deadline_s
             box["result"] = action()
         except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
             box["error"] = e
-    worker = threading.Thread(target=work, name=f"work {key}", daemon=True)
-    with Heartbeat(store, key):
-        worker.start()
-        worker.join(deadline_s)
+    worker = threading.Thread(target=work, name=f"work {name}", daemon=True)
+    worker.start()
+    worker.join(deadline_s)
     if worker.is_alive():
-        raise DeadlinePassed(key)
+        raise DeadlinePassed(name)
     if "error" in box:
         raise box["error"]
     return box["result"]

@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
 import torch
 
-from common.config import DATASETS, OWN_DATASETS, STORAGE_TIMEOUT_S
+from common.config import DATASETS, OWN_DATASETS
 from common.data.fetch import load_dataset
 from common.data.images import default_workers
 from common.data.loader import Dataset
@@ -33,7 +34,7 @@ from common.parallel.failures import told
 from common.train.precision import Precision
 from common.train.run import EVAL_BATCH_CPU, EVAL_BATCH_LARGE
 from common.train.trainer import CONFUSION_MAX_CLASSES, Metrics, evaluate
-from common.use.program import check_storage, make_parser, run_program
+from common.use.program import check_storage, check_writable, make_parser, run_program
 from common.use.source import Preprocessing, Saved
 
 
@@ -80,15 +81,14 @@ def parse_flags(argv: Sequence[str] | None = None) -> Flags:
     add("--device", default="auto", help="auto | cpu | cuda, as for training (default: %(default)s)")
     add("--backend", default="auto", choices=("auto", "gloo", "nccl"), help="as for training (default: %(default)s)")
     add("--timeout-s", type=float, default=300.0, help="process-group timeout (default: %(default)s)")
-    add("--storage-timeout-s", type=float, default=STORAGE_TIMEOUT_S,
-        help="the longest a node's data preparation may take (default: %(default)s)")
     a = p.parse_args(argv)
     if a.dataset is not None and a.dataset not in DATASETS:
         p.error(f"--dataset {a.dataset!r} is unknown; choose one of {', '.join(DATASETS)}")
     if (a.batch_size is not None and a.batch_size < 1) or (a.workers is not None and a.workers < 0) or \
-            a.timeout_s <= 0 or a.storage_timeout_s <= 0:
-        p.error("--batch-size must be >= 1, --workers >= 0, --timeout-s and --storage-timeout-s > 0")
+            not 0 < a.timeout_s < math.inf:
+        p.error("--batch-size must be >= 1, --workers >= 0 and --timeout-s > 0 (finite)")
     check_storage(p, a, "data_dir")
+    check_writable(p, "--output-dir", Path(a.output_dir), folder=True)
     return Flags(**vars(a))
 
 

@@ -28,11 +28,11 @@ import torch
 from torch import nn
 
 from common.errors import UserError, first_line
-from common.use.program import check_storage, make_parser, run_program
+from common.use.program import check_storage, check_writable, make_parser, run_program
 from common.use.source import Preprocessing, Saved
 
 FORMATS = ("onnx", "torchscript", "safetensors")
-TOLERANCE = 1e-4  # the largest |exported - PyTorch| allowed on a logit
+TOLERANCE = 1e-4  # the largest |exported - PyTorch| allowed on a logit, relative to the largest |logit|
 EXAMPLE_BATCH, CHECK_BATCH = 2, 3  # a file whose batch size were fixed at export would fail the check
 Runner = Callable[[torch.Tensor], torch.Tensor]
 # One ONNX file is a protobuf, at most 2 GiB: a model above this keeps its weights in PATH.data beside it.
@@ -45,6 +45,7 @@ def parse_flags(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output", required=True, metavar="PATH", help="the file to write; PATH.json is written beside it")
     a = p.parse_args(argv)
     check_storage(p, a)
+    check_writable(p, "--output", Path(a.output))
     return a
 
 
@@ -83,11 +84,14 @@ def export(model: nn.Module, saved: Saved, p: Preprocessing, fmt: str, output: P
     else:
         runner = to_safetensors(model, output, saved.build, about)
     with torch.no_grad():
-        difference = (runner(check).float() - model(check).float()).abs().max().item()
+        expected = model(check).float()
+        # Relative to the logits' size: logits of 1e-5 would pass an absolute bound whatever the file gave.
+        difference = ((runner(check).float() - expected).abs().max() / expected.abs().max().clamp(min=1e-12)).item()
     if not difference <= TOLERANCE:  # NaN too
         output.unlink(missing_ok=True)
         raise UserError(f"--format {fmt}: the exported model's outputs differ from PyTorch's by up to {difference:.3g} "
-                        f"(more than {TOLERANCE:g}) on {CHECK_BATCH} inputs; {output} was not kept")
+                        f"of the largest logit (more than {TOLERANCE:g}) on {CHECK_BATCH} inputs; {output} was not "
+                        "kept")
     return difference
 
 
@@ -136,13 +140,19 @@ def failing_operator(error: BaseException) -> str:
 
 
 def to_torchscript(model: nn.Module, example: torch.Tensor, output: Path) -> Runner:
-    with warnings.catch_warnings():
+    """A trace keeps the branches one input took: a forward that branches on its input's values
+    (torch's TracerWarning) is refused, as the file would be wrong for other inputs."""
+    with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("ignore", FutureWarning)  # torch.jit's deprecation notice
+        warnings.simplefilter("always", torch.jit.TracerWarning)
         try:
             traced = torch.jit.trace(model, example)
         except Exception as e:  # noqa: BLE001
             raise UserError(f"--format torchscript: tracing the model failed: {type(e).__name__}: {first_line(e)}; "
                             "try --format onnx or safetensors") from None
+        if branching := [w for w in seen if issubclass(w.category, torch.jit.TracerWarning)]:
+            raise UserError(f"--format torchscript: the model's forward depends on its inputs' values, which a trace "
+                            f"cannot keep ({first_line(branching[0].message)}); use --format onnx or safetensors")
         traced.save(str(output))
         return torch.jit.load(str(output))
 

@@ -25,7 +25,7 @@ import torch
 from common import shards as layout
 from common.data.images import broken_message, decode, header
 from common.data.loader import Normalizer
-from common.use.program import check_storage, make_parser, run_program
+from common.use.program import check_storage, check_writable, make_parser, run_program
 from common.use.source import Preprocessing, Saved
 
 OUTPUT_FORMATS = (".csv", ".json")
@@ -52,6 +52,8 @@ def parse_flags(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error(f"--top-k and --batch-size must be >= 1 (got {a.top_k}, {a.batch_size})")
     if a.output and Path(a.output).suffix.lower() not in OUTPUT_FORMATS:
         p.error(f"--output {a.output}: name a .csv or a .json file")
+    if a.output:
+        check_writable(p, "--output", Path(a.output))
     if a.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: this machine has no usable GPU; use --device cpu or auto")
     check_storage(p, a)
@@ -79,12 +81,15 @@ def image_files(paths: Sequence[str], failed: list[str]) -> Iterator[Path]:
     neither, or a folder without an image, is said in one line and added to `failed`."""
     for given in map(Path, paths):
         if given.is_dir():
-            found = [f for f in layout.walk_files(given) if f.suffix.lower() in layout.FOLDER_EXTENSIONS]
+            found = [f for f in layout.walk_files(given) if f.suffix.lower() in layout.FOLDER_EXTENSIONS
+                     and f.is_file()]  # not a FIFO or a device: reading one would wait for ever
             if not found:
                 fail(failed, f"{given} holds no image ({', '.join(layout.FOLDER_EXTENSIONS)})")
             yield from found
-        elif given.exists():
+        elif given.is_file():
             yield given
+        elif given.exists():
+            fail(failed, f"{given}: not a regular file (a FIFO, a socket or a device is never read)")
         else:
             fail(failed, f"{given}: no such file or folder")
 

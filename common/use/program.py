@@ -3,12 +3,16 @@ status for an error, as the training scripts do)."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Callable
 
-from common.config import RankZeroParser
+from common.config import STORAGE_TIMEOUT_S, RankZeroParser
+from common.errors import ConfigError
+from common.parallel.context import DeadlinePassed, abandon_hung_thread, run_within
 from common.credentials import read_storage_options
 from common.parallel.failures import told
 from common.storage import url_problem
@@ -24,6 +28,9 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
                         "--checkpoint-dir (its most recently saved run's newest), local or a URL")
     p.add_argument("--ema", action="store_true",
                    help="use the moving average of the weights the checkpoint holds (its run trained with --ema)")
+    p.add_argument("--storage-timeout-s", type=float, default=STORAGE_TIMEOUT_S,
+                   help="the longest reading the checkpoint (and evaluate.py's data preparation) may take "
+                        "(default: %(default)s)")
     p.add_argument("--storage-options", default="{}", metavar="JSON|@FILE|env:VAR",
                    help="fsspec options for URLs (an object store's endpoint, credentials), as the training "
                         "scripts take them (docs/flags.md)")
@@ -32,6 +39,8 @@ def make_parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 def check_storage(p: argparse.ArgumentParser, a: argparse.Namespace, *flags: str) -> None:
     """--storage-options parsed into a dict, and URLs this installation cannot open refused (exit 2)."""
+    if not 0 < a.storage_timeout_s < math.inf:
+        p.error(f"--storage-timeout-s must be > 0 and finite (got {a.storage_timeout_s})")
     try:
         a.storage_options = read_storage_options(a.storage_options)
     except ValueError as e:
@@ -41,12 +50,37 @@ def check_storage(p: argparse.ArgumentParser, a: argparse.Namespace, *flags: str
             p.error(f"--{flag.replace('_', '-')} {getattr(a, flag)}: {problem}")
 
 
+def check_writable(p: argparse.ArgumentParser, flag: str, file: Path, folder: bool = False) -> None:
+    """A file (or, folder: a folder) the program will write, checked before any work: one line naming
+    the flag (exit 2), not a traceback after it."""
+    target = file if folder else file.parent
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        p.error(f"{flag} {file}: cannot create the folder {target} ({e.strerror}); give a path you can write")
+    if (not folder and file.is_dir()) or not os.access(target, os.W_OK):
+        p.error(f"{flag} {file}: {'is a folder' if file.is_dir() and not folder else 'not writable'}; give a "
+                "file path you can write")
+
+
+def read_checkpoint(flags: argparse.Namespace) -> Saved:
+    """--checkpoint, read within --storage-timeout-s: a store that never answers ends the program
+    with one line, not a hang."""
+    try:
+        return run_within(lambda: find_checkpoint(flags.checkpoint, flags.storage_options), flags.storage_timeout_s,
+                          "checkpoint read")
+    except DeadlinePassed:
+        abandon_hung_thread()  # the read's thread cannot be stopped; the process must still end
+        raise ConfigError(f"--checkpoint {flags.checkpoint}: no answer within {flags.storage_timeout_s:g} s "
+                          "(--storage-timeout-s); check the URL and that the store is up") from None
+
+
 def run_program(parse: Callable[[], argparse.Namespace], use: Callable[[argparse.Namespace, Saved], None]) -> None:
     """Parse the flags, find the checkpoint, use it; an error ends the process with its one line (a
     crash: its traceback, then a line) and its exit status."""
     try:
         flags = parse()
-        use(flags, find_checkpoint(flags.checkpoint, flags.storage_options))
+        use(flags, read_checkpoint(flags))
     except Exception as error:
         failure = told(error, None)
         if not failure.should_print() and "TORCHELASTIC_RUN_ID" in os.environ:
