@@ -45,9 +45,16 @@ class Preprocessing:
         return DataSpec(self.channels, self.size, len(self.classes), self.mean, self.std, augment="none")
 
     def plain(self) -> dict[str, Any]:
+        """For PATH.json: enough to reproduce the input exactly, the resampling included (a
+        Resize then CenterCrop of another library rounds and filters differently)."""
+        resample = ("the centre square of center_crop * min(width, height) / resize_short_side source pixels, "
+                    "resized to center_crop x center_crop in one bilinear step: PIL's image.resize((s, s), "
+                    "Image.BILINEAR, box=(left, top, left + extent, top + extent), reducing_gap=None), the box in "
+                    "fractional pixels; a JPEG is first decoded with image.draft(mode, (resize_short_side,) * 2)"
+                    if self.resize else "none: the images must be center_crop x center_crop")
         return {"channels": self.channels, "mode": "L" if self.channels == 1 else "RGB",
-                "resize_short_side": self.resize or None, "center_crop": self.size, "scale": "pixel / 255",
-                "mean": list(self.mean), "std": list(self.std)}
+                "resize_short_side": self.resize or None, "center_crop": self.size, "resample": resample,
+                "scale": "pixel / 255", "mean": list(self.mean), "std": list(self.std)}
 
 
 @dataclass(frozen=True)
