@@ -175,6 +175,7 @@ class FlatParameters:
         self.rank, self.world = rank, world
         self.lo, self.hi = rank * self.per_rank, (rank + 1) * self.per_rank
         self.stepped: list[Piece] = []
+        self.span: dict[int, tuple[int, int]] = {}  # a piece (by id) -> its region of the flat buffers
         p0 = self.params[0]
         self.flat = torch.zeros(self.per_rank * world, dtype=p0.dtype, device=p0.device)
         self.grads = torch.zeros_like(self.flat)
@@ -194,11 +195,11 @@ class FlatParameters:
     def pieces(self, cfg: Config) -> list[Piece]:
         """Each parameter's part that falls in this rank's slice, as a view of the flat buffer (the
         padding at the end belongs to no parameter and is never stepped)."""
-        self.spans = [(i, a, b) for i, (p, o) in enumerate(zip(self.params, self.offsets))
-                      if (a := max(o, self.lo)) < (b := min(o + p.numel(), self.hi))]
+        spans = [(i, a, b) for i, (p, o) in enumerate(zip(self.params, self.offsets))
+                 if (a := max(o, self.lo)) < (b := min(o + p.numel(), self.hi))]
         self.flags = [decays(p, cfg) for p in self.everything]
-        self.stepped = [Piece(self.flat[a:b], self.positions[i], self.flags[self.positions[i]])
-                        for i, a, b in self.spans]
+        self.stepped = [Piece(self.flat[a:b], self.positions[i], self.flags[self.positions[i]]) for i, a, b in spans]
+        self.span = {id(piece.tensor): (a, b) for piece, (_, a, b) in zip(self.stepped, spans)}  # in the flat buffer
         return self.stepped
 
     def members(self, decayed: bool) -> list[int]:
@@ -208,16 +209,14 @@ class FlatParameters:
     def place(self, values: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """This rank's slice with each piece's state tensor at its place (zeros where there is none)."""
         own = torch.zeros(self.per_rank, dtype=self.flat.dtype, device=self.flat.device)
-        spans = {id(piece.tensor): (a, b) for piece, (_, a, b) in zip(self.stepped, self.spans)}
         for piece, value in values:
-            a, b = spans[id(piece)]
+            a, b = self.span[id(piece)]
             own[a - self.lo:b - self.lo].copy_(value)
         return own
 
     def cut(self, flat: torch.Tensor, pieces: list[torch.Tensor]) -> list[torch.Tensor]:
         """The pieces' regions of a full flat buffer, in the order given."""
-        spans = {id(piece.tensor): (a, b) for piece, (_, a, b) in zip(self.stepped, self.spans)}
-        return [flat[spans[id(p)][0]:spans[id(p)][1]] for p in pieces]
+        return [flat[slice(*self.span[id(p)])] for p in pieces]
 
     def zero_grad(self) -> None:
         self.grads.zero_()
@@ -233,8 +232,8 @@ class FlatParameters:
             own = self.slice_of(self.grads)
             dist.reduce_scatter_tensor(own, self.grads)
             self.slice.grad = own.div_(self.world)
-            for piece, (_, a, b) in zip(self.stepped, self.spans):
-                piece.tensor.grad = self.grads[a:b]
+            for piece in self.stepped:
+                piece.tensor.grad = self.grads[slice(*self.span[id(piece.tensor)])]
 
     def all_gather_parameters(self) -> None:
         with torch.profiler.record_function("sync: all-gather parameters"):

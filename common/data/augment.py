@@ -18,11 +18,18 @@ ERASE_SCALE = (0.02, 0.33)  # torchvision's RandomErasing defaults: area fractio
 ERASE_RATIO = (0.3, 3.3)
 
 
+def draw_seed(*parts: object, bits: int = 63) -> int:
+    """A seed that is a function of `parts` only (the run's seed, epoch, step, ...): what every draw
+    of the training stream is seeded from, so it is the same at any world size and on resume.
+    bits: 63 for torch's generators; numpy's take all 64."""
+    digest = hashlib.blake2b(":".join(map(str, parts)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << bits) - 1)
+
+
 def sample_seed(seed: int, epoch: int, step: int, position: int, stream: str) -> int:
     """The seed of one sample's draws in one stream ("policy", "erase"): separate streams keep the
     erased box of a sample the same whether or not a policy runs before it."""
-    digest = hashlib.blake2b(f"{seed}:{epoch}:{step}:{position}:{stream}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & (2**63 - 1)
+    return draw_seed(seed, epoch, step, position, stream)
 
 
 def make_policy(augment: str) -> Callable[[torch.Tensor], torch.Tensor] | None:

@@ -6,14 +6,13 @@ gets the files onto each node.
 """
 from __future__ import annotations
 
-import hashlib
 import math
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
-from common.data.augment import SampleAugment
+from common.data.augment import SampleAugment, draw_seed
 from common.errors import UserError
 
 
@@ -103,8 +102,7 @@ def make_synthetic(shape: str, train_size: int = 10000, test_size: int = 2000, s
 # ---------------------------------------------------------------- batches on the device
 
 def _batch_generator(seed: int, epoch: int, step: int) -> torch.Generator:
-    digest = hashlib.blake2b(f"{seed}:{epoch}:{step}".encode(), digest_size=8).digest()
-    return torch.Generator().manual_seed(int.from_bytes(digest, "little") & (2**63 - 1))
+    return torch.Generator().manual_seed(draw_seed(seed, epoch, step))
 
 
 def crop_and_flip(images: torch.Tensor, shifts: torch.Tensor, flips: torch.Tensor, pad: int = 4) -> torch.Tensor:

@@ -493,7 +493,7 @@ class Checkpoints:
         def write_on_primary() -> dict[str, Any]:
             outcome = {"path": path, "error": self.writer.outcome()}  # the save before this one
             if not outcome["error"]:
-                saved = {**detached_copy(state), "data": data_entry(run)}  # rank 0 reads the class names, once
+                saved = {**detached_copy(state), "data": data_entry(run)}
                 self.writer.start(self.folder, self.run, saved, self.last, on_saved)
                 if wait:
                     outcome["error"] = self.writer.outcome()

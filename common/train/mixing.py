@@ -10,7 +10,6 @@ random pairs.
 """
 from __future__ import annotations
 
-import hashlib
 from typing import Iterator
 
 import numpy as np
@@ -18,6 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from common.config import Config
+from common.data.augment import draw_seed
 
 SWITCH = 0.5  # with both flags, the share of global batches that use cutmix (timm's switch_prob)
 
@@ -38,7 +38,7 @@ class Mixing:
 
     def __call__(self, images: torch.Tensor, labels: torch.Tensor, epoch: int, step: int,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-        rng = np.random.default_rng(self._seed(epoch, step))
+        rng = np.random.default_rng(draw_seed("mix", self.seed, epoch, step, bits=64))
         use_cutmix = self.cutmix and (not self.mixup or rng.random() < SWITCH)
         lam = float(rng.beta(*(2 * [self.cutmix if use_cutmix else self.mixup])))
         half = len(images) // 2
@@ -50,10 +50,6 @@ class Mixing:
         one_hot = F.one_hot(labels, self.classes).to(images.dtype)
         partner = F.one_hot(partner_labels, self.classes).to(images.dtype)
         return images, one_hot * lam + partner * (1 - lam)
-
-    def _seed(self, epoch: int, step: int) -> int:
-        digest = hashlib.blake2b(f"mix:{self.seed}:{epoch}:{step}".encode(), digest_size=8).digest()
-        return int.from_bytes(digest, "little")
 
     @staticmethod
     def _paste(images: torch.Tensor, partners: torch.Tensor, lam: float, rng: np.random.Generator,

@@ -23,6 +23,11 @@ AUTO_MAX_INTERVAL = 50
 EVAL_BATCH_LARGE, EVAL_BATCH_CPU = 1000, 64
 
 
+def default_eval_batch(device: torch.device, collective_forward: bool = False) -> int:
+    """--eval-batch-size left unset: cache-sized on a CPU, unless each forward is a collective."""
+    return EVAL_BATCH_CPU if device.type == "cpu" and not collective_forward else EVAL_BATCH_LARGE
+
+
 @dataclass(frozen=True)
 class Position:
     """Where training stands: `step` optimizer steps of epoch `epoch` (0-based) are done."""
@@ -71,10 +76,7 @@ class Run:
 
     @property
     def eval_batch_size(self) -> int:
-        if self.cfg.eval_batch_size:
-            return self.cfg.eval_batch_size
-        cache_sized = self.ctx.device.type == "cpu" and not self.strategy.collective_forward
-        return EVAL_BATCH_CPU if cache_sized else EVAL_BATCH_LARGE
+        return self.cfg.eval_batch_size or default_eval_batch(self.ctx.device, self.strategy.collective_forward)
 
     @property
     def steps_per_epoch(self) -> int:

@@ -32,7 +32,7 @@ from common.output.logger import node_console
 from common.parallel.context import DistContext, distributed
 from common.parallel.failures import told
 from common.train.precision import Precision
-from common.train.run import EVAL_BATCH_CPU, EVAL_BATCH_LARGE
+from common.train.run import default_eval_batch
 from common.train.trainer import CONFUSION_MAX_CLASSES, Metrics, evaluate
 from common.use.program import check_storage, check_writable, make_parser, run_program
 from common.use.source import Preprocessing, Saved
@@ -111,8 +111,7 @@ def score(flags: Flags, saved: Saved, preprocessing: Preprocessing, ctx: DistCon
     data = load_data(flags, saved, preprocessing, ctx)
     memory_format = torch.channels_last if cfg["memory_format"] == "channels_last" else torch.contiguous_format
     model = ctx.together(lambda: saved.model(flags.ema)).to(ctx.device, memory_format=memory_format)
-    batch = flags.batch_size or cfg.get("eval_batch_size") or (EVAL_BATCH_CPU if ctx.device.type == "cpu"
-                                                                else EVAL_BATCH_LARGE)
+    batch = flags.batch_size or cfg.get("eval_batch_size") or default_eval_batch(ctx.device)
     metrics = evaluate(model, data, ctx, batch, Precision(cfg["precision"], ctx.device), memory_format)
     if ctx.is_primary:  # after the last collective
         report(flags, saved, data, preprocessing.classes, metrics, ctx.world_size)
