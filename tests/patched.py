@@ -15,6 +15,8 @@ Patches:
   hang-preparing=PATH    on node 1, the node's data preparation writes its pid into PATH and never ends
   slow-storage=S@K       the K-th read or write of a local checkpoint folder by this process sleeps S seconds
                          first, saying so on stderr ("storage op K (write NAME) sleeps S s at UNIX_TIME in pid P")
+  slow-steps=S           every optimizer step (common.train.step.update) sleeps S seconds first: a run long
+                         enough in steps for faults to land mid-epoch, at a few ms of compute per step
 """
 from __future__ import annotations
 
@@ -91,6 +93,17 @@ def slow_storage(spec: str) -> None:
         setattr(LocalStorage, method, slowed(getattr(LocalStorage, method)))
 
 
+def slow_steps(seconds: float) -> None:
+    from common.train import step
+
+    real = step.update
+
+    def update(*args, **kwargs):
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+    step.update = update
+
+
 def apply(patch: str) -> None:
     if patch == "no-object-collectives":
         for module in (dist, c10d):
@@ -121,6 +134,8 @@ def apply(patch: str) -> None:
         hang_preparing(patch.removeprefix("hang-preparing="))
     elif patch.startswith("slow-storage="):
         slow_storage(patch.removeprefix("slow-storage="))
+    elif patch.startswith("slow-steps="):
+        slow_steps(float(patch.removeprefix("slow-steps=")))
     else:
         raise SystemExit(f"unknown patch {patch}")
 

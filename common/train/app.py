@@ -90,7 +90,7 @@ def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
             check_equivalence(run, log)
             return
         log.startup(process_age_s(), run.global_step(start))
-        final = Trainer(run, log, checkpoints, stop, relay, profiler).fit(start)
+        final = (strategy.trainer_class or Trainer)(run, log, checkpoints, stop, relay, profiler).fit(start)
     except Exception as error:
         if is_handled(error):
             raise

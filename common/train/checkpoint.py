@@ -463,31 +463,14 @@ class Checkpoints:
         if problems:  # every rank read the same bytes and reaches the same verdict
             self.ctx.fail_together(f"checkpoint {resumed.path} does not fit this model: {'; '.join(problems)}; "
                                    "use another --checkpoint-dir or --resume none")
-        state = resumed.state
-        run.strategy.load_model_state(run.model, state["model"])
-        run.strategy.load_optimizer_state(run.optimizer, state["optimizer"])
-        run.scheduler.load_state_dict(state["scheduler"])
-        run.precision.load_state_dict(state.get("scaler", {}))
-        run.strategy.load_state_dict(state.get("strategy", {}))
-        if run.ema:
-            run.ema.load(state["ema"], int(state["ema_steps"]))
+        load_training_state(run, resumed.state)
 
     def save(self, run: Run, at: Position, wait: bool, on_saved: Callable[[str, float], None]) -> str:
         """A collective. Rank 0 copies the state and writes it in the background (wait: and waits for
         it); every rank returns the checkpoint's path, or ends with rank 0's one-line error if this
         save (wait) or the one before it failed. The previous checkpoint stays loadable either way.
         on_saved(path, seconds) is called on rank 0 once the checkpoint is committed."""
-        state = {  # the schema; the strategy gathers sharded state (a collective on every rank)
-            "model": run.strategy.model_state(run.model),
-            "optimizer": run.strategy.optimizer_state(run.optimizer),
-            "scheduler": run.scheduler.state_dict(),
-            "scaler": run.precision.state_dict(),  # fp16's loss scale and its growth tracker
-            "strategy": run.strategy.state_dict(),  # e.g. PowerSGD's error feedback
-            "epoch": at.epoch, "step_in_epoch": at.step, "global_step": run.global_step(at),
-            "world_size": run.ctx.world_size, "config": run.cfg.as_plain_dict(), "identity": run.cfg.identity(),
-            "version": __version__,
-            **({"ema": run.ema.state(), "ema_steps": run.ema.steps} if run.ema else {}),  # full, like "model"
-        }
+        state = training_state(run, at)
         path = self.folder.storage.url(step_name(self.run, state["global_step"])) if self.folder else ""
 
         def write_on_primary() -> dict[str, Any]:
@@ -580,6 +563,34 @@ class BackgroundWriter:
         error = self.outcome()
         if error:
             print(f"warning: the job's last save did not complete: {error}", file=sys.stderr, flush=True)
+
+
+def training_state(run: Run, at: Position) -> dict[str, Any]:
+    """The checkpoint schema: everything training continues from, at `at`. The strategy gathers
+    sharded state (a collective on every rank). Also what a fault-tolerant group sends a peer
+    that heals from it (train_ft.py)."""
+    return {
+        "model": run.strategy.model_state(run.model),
+        "optimizer": run.strategy.optimizer_state(run.optimizer),
+        "scheduler": run.scheduler.state_dict(),
+        "scaler": run.precision.state_dict(),  # fp16's loss scale and its growth tracker
+        "strategy": run.strategy.state_dict(),  # e.g. PowerSGD's error feedback
+        "epoch": at.epoch, "step_in_epoch": at.step, "global_step": run.global_step(at),
+        "world_size": run.ctx.world_size, "config": run.cfg.as_plain_dict(), "identity": run.cfg.identity(),
+        "version": __version__,
+        **({"ema": run.ema.state(), "ema_steps": run.ema.steps} if run.ema else {}),  # full, like "model"
+    }
+
+
+def load_training_state(run: Run, state: dict[str, Any]) -> None:
+    """training_state() into the wrapped model (through the strategy), optimizer and schedule, on every rank."""
+    run.strategy.load_model_state(run.model, state["model"])
+    run.strategy.load_optimizer_state(run.optimizer, state["optimizer"])
+    run.scheduler.load_state_dict(state["scheduler"])
+    run.precision.load_state_dict(state.get("scaler", {}))
+    run.strategy.load_state_dict(state.get("strategy", {}))
+    if run.ema:
+        run.ema.load(state["ema"], int(state["ema_steps"]))
 
 
 def detached_copy(state: Any) -> Any:

@@ -95,29 +95,47 @@ def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Opti
     correct when it is the class with the most weight. And with clipping, the gradient's norm before
     it (what the logs show: how often clipping bites)."""
     strategy.zero_grad(model, optimizer)
-    stats = torch.zeros(2, device=images.device)
-    micro = recipe.accumulate
-    for i, (x, y) in enumerate(zip(images.chunk(micro), targets.chunk(micro))):
-        with strategy.no_sync(model) if i < micro - 1 else nullcontext():
-            with precision.autocast():
-                logits = model(x)
-                loss = F.cross_entropy(logits, y, label_smoothing=recipe.label_smoothing)
-            precision.backward(loss / micro)
-        with torch.no_grad():
-            classes = y if y.ndim == 1 else y.argmax(1)
-            stats += torch.stack([loss.float() * len(y), (logits.argmax(1) == classes).sum().float()])
+    stats = backward(model, strategy, precision, images, targets, recipe, recipe.accumulate)
     if clock:
         clock.lap(COMPUTE)
     strategy.after_backward(model)
     if clock:
         clock.lap(SYNC)
+    norm = update(model, strategy, optimizer, scheduler, precision, recipe)
+    if clock:
+        clock.lap(COMPUTE)
+    return stats, norm
+
+
+def backward(model: nn.Module, strategy: Strategy, precision: Precision, images: torch.Tensor,
+             targets: torch.Tensor, recipe: StepRecipe, divisor: int, sync_last: bool = True) -> torch.Tensor:
+    """Forward and backward of `accumulate` micro-batches, each mean loss divided by `divisor`, the
+    gradients summed into .grad; the strategy may communicate on the last one (sync_last), not
+    before. Returns (loss sum, correct) over the rows."""
+    stats = torch.zeros(2, device=images.device)
+    micro = recipe.accumulate
+    for i, (x, y) in enumerate(zip(images.chunk(micro), targets.chunk(micro))):
+        with strategy.no_sync(model) if i < micro - 1 or not sync_last else nullcontext():
+            with precision.autocast():
+                logits = model(x)
+                loss = F.cross_entropy(logits, y, label_smoothing=recipe.label_smoothing)
+            precision.backward(loss / divisor)
+        with torch.no_grad():
+            classes = y if y.ndim == 1 else y.argmax(1)
+            stats += torch.stack([loss.float() * len(y), (logits.argmax(1) == classes).sum().float()])
+    return stats
+
+
+def update(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Optimizer,
+           scheduler: torch.optim.lr_scheduler.LRScheduler, precision: Precision, recipe: StepRecipe,
+           ) -> float | None:
+    """The step with the synchronized gradients: clipping, the optimizer, the schedule. Returns the
+    norm before clipping (None without it)."""
     norm = clip_gradients(model, strategy, optimizer, precision, recipe.clip_grad_norm) \
         if recipe.clip_grad_norm else None
     strategy.step(optimizer, precision)
     scheduler.step()
-    if clock:
-        clock.lap(COMPUTE)
-    return stats, norm
+    return norm
 
 
 def clip_gradients(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Optimizer, precision: Precision,

@@ -29,6 +29,9 @@ class Strategy:
     compression = "none"
     collective_forward = False  # True: forward itself communicates (FSDP), so every rank runs as many forwards
     uses_transport = False  # True: its gradient collectives go through ctx.transport (shared memory on a CPU node)
+    # None: common/train/trainer.py's Trainer runs the steps; a strategy that owns its step loop (train_ft.py:
+    # quorums, retries, healing) names its subclass of it
+    trainer_class: type | None = None
 
     @classmethod
     def add_flags(cls, group: argparse._ArgumentGroup) -> None:

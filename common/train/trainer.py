@@ -6,7 +6,7 @@ import resource
 import signal
 import time
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Any, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -203,17 +203,12 @@ class Trainer:
         clock = StepClock(run.ctx.device)
         interval = torch.zeros(2, device=run.ctx.device)  # loss sum, correct: summed on the device, no host sync
         remaining = run.steps_per_epoch - first_step
-        batches = run.mixing.batches(run.loader.epoch(epoch, first_step), epoch, first_step)
-        batches = self.log.progress(batches, remaining, f"epoch {epoch + 1}")
-        recipe = StepRecipe.of(run.cfg)
-        for step, (images, labels) in enumerate(_timed(batches, clock), start=first_step):
+        batches = self.log.progress(self.step_batches(epoch, first_step), remaining, f"epoch {epoch + 1}")
+        for step, batch in enumerate(_timed(batches, clock), start=first_step):
             global_step = run.global_step(Position(epoch, step))
-            if self.random:
-                reseed(run.cfg.seed, run.ctx.rank, global_step)
             self.stop.begin_step(global_step)
             lr = run.optimizer.param_groups[0]["lr"]
-            stats, norm = train_step(run.step_model, run.strategy, run.optimizer, run.scheduler, run.precision, images,
-                                     labels, recipe, clock)
+            stats, norm, samples = self.one_step(batch, Position(epoch, step), clock)
             interval += stats
             done = Position(epoch, step + 1)
             run.strategy.end_of_step(run.model, run.global_step(done), done.step == run.steps_per_epoch)
@@ -226,12 +221,28 @@ class Trainer:
                 data_s, compute_s, sync_s, steps = clock.take_interval()
                 norm = run.strategy.grad_norm(run.model) if norm is None else norm  # clipping's: before it
                 self.steps.add(run.global_step(done), lr, norm, interval,
-                               [len(labels) * steps, data_s, compute_s, sync_s, steps])
+                               [samples * steps, data_s, compute_s, sync_s, steps])
                 interval = torch.zeros_like(interval)
             self.after_step(done)
             clock.restart()  # logging, checks and saves are no step's data, compute or sync
         self.steps.flush(self.log, run)
         return self.steps.take_epoch()
+
+    def step_batches(self, epoch: int, first_step: int) -> Iterator[Any]:
+        """What one_step() gets for each step of the epoch from first_step on: this rank's batch."""
+        run = self.run
+        return run.mixing.batches(run.loader.epoch(epoch, first_step), epoch, first_step)
+
+    def one_step(self, batch: Any, at: Position, clock: StepClock) -> tuple[torch.Tensor, float | None, int]:
+        """One optimizer step: (loss sum and correct count on the device, the gradient's norm before
+        clipping or None, the samples this rank trained)."""
+        run = self.run
+        images, labels = batch
+        if self.random:
+            reseed(run.cfg.seed, run.ctx.rank, run.global_step(at))
+        stats, norm = train_step(run.step_model, run.strategy, run.optimizer, run.scheduler, run.precision, images,
+                                 labels, StepRecipe.of(run.cfg), clock)
+        return stats, norm, len(labels)
 
     def log_loader(self, at: Position) -> None:
         """What the loader met this epoch, summed over ranks (a collective, on every rank)."""

@@ -1,0 +1,92 @@
+#!/usr/bin/env bash
+# Fault-tolerant training on one machine: a torchft Lighthouse and GROUPS replica groups, each its own
+# torchrun of NPROC_PER_GROUP processes. A group that dies is started again (it heals from a live one);
+# the others keep training meanwhile.
+#
+#   launch/ft.sh GROUPS NPROC_PER_GROUP train_ft.py [FLAGS...]
+#   launch/ft.sh 2 1 train_ft.py --dataset mnist
+#
+# One line per event: "ft: group G lost (...)", "ft: group G restarted (...)"; the groups' own lines
+# (prefixed [gG]) say "quorum of N group(s) at step S" and "group G healed from group K at step S".
+# Ctrl-C or SIGTERM stops every group: the quorum's first group saves the stop checkpoint, as a plain
+# run does; the same command resumes from it. Settings (environment):
+#   FT_PORT               the Lighthouse's port on 127.0.0.1 (default 29510)
+#   FT_RESTARTS           restarts per group, at most (default 3)
+#   FT_HEARTBEAT_MS       a group silent this long is out of the quorum (default 3000)
+#   FT_JOIN_MS            how long a quorum waits for late groups once enough have joined (default 2000)
+#   FT_LOGS               where the Lighthouse's log goes (default: a new folder under /tmp)
+# On several machines, Slurm or Kubernetes: docs/clusters.md ("Fault-tolerant replica groups").
+set -uo pipefail
+
+if [[ $# -lt 3 || ! $1 =~ ^[1-9][0-9]*$ || ! $2 =~ ^[1-9][0-9]*$ ]]; then
+    echo "usage: [FT_PORT=29510] [FT_RESTARTS=3] $0 GROUPS NPROC_PER_GROUP train_ft.py [FLAGS...]" >&2
+    exit 2
+fi
+groups=$1 nproc=$2
+shift 2
+port=${FT_PORT:-29510} restarts=${FT_RESTARTS:-3}
+logs=${FT_LOGS:-$(mktemp -d /tmp/ft-XXXXXX)}
+mkdir -p "$logs" && rm -f "$logs"/group*.pid "$logs/stopping"
+lighthouse_bin=$(command -v torchft_lighthouse) ||
+    { echo "error: torchft_lighthouse is not on PATH; activate the environment of requirements.txt (torchft)" >&2; exit 2; }
+torchrun=$(command -v torchrun) || { echo "error: torchrun is not on PATH; activate the environment that has torch" >&2; exit 2; }
+python=$(head -n 1 "$torchrun" | sed 's/^#!//')  # the interpreter torchrun belongs to
+root=$(cd "$(dirname "$0")/.." && pwd)
+
+say() { echo "ft: $*"; }
+
+# shellcheck disable=SC2317  # runs from the traps
+stop_all() {  # $1: TERM or INT, passed to every group's torchrun and workers (their own process groups)
+    [[ -e "$logs/stopping" ]] && return
+    touch "$logs/stopping"
+    say "stopping every group ($1): the quorum's first group saves"
+    local file
+    for file in "$logs"/group*.pid; do [[ -e $file ]] && kill -s "$1" -- "-$(cat "$file")" 2>/dev/null; done
+}
+trap 'stop_all TERM' TERM
+trap 'stop_all INT' INT
+
+RUST_LOG=${RUST_LOG:-info} "$lighthouse_bin" --min_replicas 1 --bind "127.0.0.1:$port" \
+    --heartbeat_timeout_ms "${FT_HEARTBEAT_MS:-3000}" --join_timeout_ms "${FT_JOIN_MS:-2000}" \
+    > "$logs/lighthouse.log" 2>&1 &
+lighthouse=$!
+say "Lighthouse on 127.0.0.1:$port (pid $lighthouse, log $logs/lighthouse.log), $groups group(s) of $nproc process(es)"
+
+run_group() {  # $1: group number, then the script and its flags; restarts it when it dies
+    local g=$1 attempt=0 code
+    shift
+    while :; do
+        set -m  # torchrun in a process group of its own: stop_all's signal reaches it and its workers once
+        # quiet_torchrun.py: torchrun, with a worker's one-line error instead of torchrun's dump (single_node.sh)
+        REPLICA_GROUP_ID=$g FT_GROUPS=$groups TORCHFT_LIGHTHOUSE="http://127.0.0.1:$port" \
+            PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$python" "$root/launch/quiet_torchrun.py" --standalone \
+            "--nproc_per_node=$nproc" "$@" > >(sed -u "s/^/[g$g] /") 2>&1 &
+        echo $! > "$logs/group$g.pid"
+        set +m
+        code=0
+        wait $! || code=$?
+        (( code == 0 )) && { say "group $g finished"; return 0; }
+        [[ -e "$logs/stopping" ]] && return "$code"
+        (( code == 2 )) && return 2  # a flag it refused: every restart would refuse it too
+        kill -0 "$lighthouse" 2>/dev/null || { say "group $g ended (exit $code); the Lighthouse is gone"; return "$code"; }
+        (( attempt < restarts )) || { say "group $g lost (exit $code); no restarts left (FT_RESTARTS=$restarts)"; return "$code"; }
+        attempt=$((attempt + 1))
+        say "group $g lost (exit $code); restarted ($attempt of $restarts): it heals from a live group"
+    done
+}
+
+supervisors=()
+for ((g = 0; g < groups; g++)); do
+    run_group "$g" "$@" &
+    supervisors+=($!)
+done
+status=0
+for pid in "${supervisors[@]}"; do
+    code=0
+    wait "$pid" || code=$?
+    while (( code > 128 )) && kill -0 "$pid" 2>/dev/null; do code=0; wait "$pid" || code=$?; done  # a trap ran
+    (( status == 0 )) && status=$code
+done
+kill "$lighthouse" 2>/dev/null
+wait "$lighthouse" 2>/dev/null
+exit "$status"

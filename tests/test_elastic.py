@@ -1,0 +1,179 @@
+"""Elastic membership through launch/elastic.sh and launch/elastic_store.py: two torchrun agents on
+127.0.0.1 (one rank each), the first alone, the second joining mid-run and later leaving (TERM).
+
+Asserted: the worlds go 1, 2, 1; each change stops the job after one step, saves, and the next world
+resumes at exactly that step (no step lost, none trained twice: the steps of the three worlds add up
+to the plan); the final weights equal an uninterrupted one-process run's (the global batch and the
+sample stream do not depend on the world size); the leaving node exits 143 with its one line. The
+seconds from the join and from the leave to the first step at the new world size are printed.
+
+train_ddp.py and train_fsdp.py (full sharding: its checkpoint is gathered from shards at world 2 and
+split again at world 1). The six scripts share common/train/app.py, which does the stop, the save and
+the resume, and differ only in the strategy (test_resume.py resumes each of them at another world
+size); what membership changes add is the launcher's side, the same for all six.
+
+The workers run this file (below: the script's own main, paced): each step sleeps PACE_S while the
+test's hold file exists, so that the join and the leave land mid-run on a host of any speed; the
+hold is removed once the last change is done, and the rest of the run goes at full speed.
+"""
+from __future__ import annotations
+
+import os
+import re
+import runpy
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from common.train.preemption import StopRequest
+from tests.conftest import ENDS_PROMPTLY_S, ROOT, child_env, latest_state, run_script
+
+PACE_S = 0.1
+EPOCHS, STEPS_PER_EPOCH = 4, 1200 // 32  # mnist_root's 1200 images, batch 32: 148 steps, 14.8 s paced at most
+WORLD = re.compile(r"^\w+: world (\d+) = ")
+STARTED = re.compile(r"^start-up: ")
+STOPPED = re.compile(r"^stopped by SIGTERM after step (\d+) ")
+RESUMED = re.compile(r"^resumed from \S+/step-0*(\d+)\.pt: .*\(saved at world (\d+)\)")
+
+
+class Console:
+    """Every agent's lines, each with the seconds since the test began, in the order they came."""
+
+    def __init__(self) -> None:
+        self.began = time.monotonic()
+        self.lines: list[tuple[float, str, str]] = []
+        self.lock = threading.Lock()
+
+    def read(self, name: str, stream) -> None:
+        for line in stream:
+            with self.lock:
+                self.lines.append((time.monotonic() - self.began, name, line.rstrip("\n")))
+
+    def now(self) -> float:
+        return time.monotonic() - self.began
+
+    def matches(self, pattern: re.Pattern, after: float = 0.0) -> list[tuple[float, re.Match]]:
+        with self.lock:
+            found = [(t, pattern.search(line)) for t, _, line in self.lines if t >= after]
+        return [(t, m) for t, m in found if m]
+
+    def wait_for(self, pattern: re.Pattern, after: float, what: str) -> float:
+        """When the first line matching `pattern` came at or after `after`."""
+        deadline = time.monotonic() + ENDS_PROMPTLY_S
+        while time.monotonic() < deadline:
+            if found := self.matches(pattern, after):
+                return found[0][0]
+            time.sleep(0.05)
+        raise AssertionError(f"no {what} within {ENDS_PROMPTLY_S} s:\n{self.text()}")
+
+    def text(self) -> str:
+        return "\n".join(f"{t:6.1f} [{name}] {line}" for t, name, line in self.lines)[-8000:]
+
+
+class Store:
+    """launch/elastic_store.py on a free port."""
+
+    def __enter__(self) -> "Store":
+        self.proc = subprocess.Popen([sys.executable, "launch/elastic_store.py", "--port", "0"], cwd=ROOT,
+                                     env=child_env(), stdout=subprocess.PIPE, text=True)
+        first = self.proc.stdout.readline()
+        found = re.match(r"rendezvous store on port (\d+) ", first)
+        assert found, f"the store did not start: {first!r}"
+        self.port = int(found[1])
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.proc.terminate()
+        self.proc.wait(timeout=30)
+
+
+def start_agent(name: str, console: Console, env: dict[str, str], args: list[str]) -> subprocess.Popen:
+    proc = subprocess.Popen(["bash", "launch/elastic.sh", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    threading.Thread(target=console.read, args=(name, proc.stdout), daemon=True).start()
+    return proc
+
+
+def end(agents: list[subprocess.Popen]) -> None:
+    """Each agent that is still running is told to leave (TERM, passed on to torchrun), then waited for."""
+    for proc in agents:
+        if proc.poll() is None:
+            proc.terminate()
+    for proc in agents:
+        proc.wait(timeout=ENDS_PROMPTLY_S)
+
+
+def max_dw(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp.py"])
+def test_a_node_joins_and_leaves_without_losing_a_step(script, mnist_root, tmp_path):
+    flags = ["--dataset", "mnist", "--data-dir", str(mnist_root), "--no-download", "--model", "lenet",
+             "--batch-size", "32", "--epochs", str(EPOCHS)]
+    plan = EPOCHS * STEPS_PER_EPOCH
+    reference = run_script([script, *flags, "--checkpoint-dir", str(tmp_path / "ref"), "--log-dir",
+                            str(tmp_path / "tb-ref")])
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    hold = tmp_path / "hold"
+    hold.touch()
+    console, agents = Console(), []
+    with Store() as store:
+        env = {**child_env(), "NNODES": "1:2", "NPROC": "1", "RDZV_ENDPOINT": f"127.0.0.1:{store.port}",
+               "RDZV_ID": f"elastic-{script}", "ELASTIC_HOLD": str(hold)}
+        args = ["tests/test_elastic.py", script, *flags, "--checkpoint-dir", str(tmp_path / "ckpt"),
+                "--log-dir", str(tmp_path / "tb")]
+        try:
+            agents.append(start_agent("A", console, env, args))
+            console.wait_for(STARTED, 0, "first step of the first node")
+            joined = console.now()
+            agents.append(start_agent("B", console, env, args))
+            world2 = console.wait_for(STARTED, console.wait_for(WORLD, joined, "world after the join"), "first step at world 2")
+            left = console.now()
+            agents[1].send_signal(signal.SIGTERM)
+            world1 = console.wait_for(STARTED, console.wait_for(WORLD, left, "world after the leave"), "first step at world 1")
+            hold.unlink()
+            agents[0].wait(timeout=ENDS_PROMPTLY_S)
+        finally:
+            end(agents)
+    print(f"\n{script}: join: first step at world 2 {world2 - joined:.1f} s after the second node started; leave: "
+          f"first step at world 1 {world1 - left:.1f} s after its TERM")
+    a, b = agents
+    assert a.returncode == 0 and b.returncode == 143, f"exit {a.returncode}, {b.returncode}\n{console.text()}"
+    assert [line for _, name, line in console.lines if name == "B" and line.startswith("left the job")] == [
+        "left the job after SIGTERM: the other nodes, if any, continue from the checkpoint saved at the stop; "
+        "run this command again to join again"]
+    assert [int(m[1]) for _, m in console.matches(WORLD)] == [1, 2, 1], console.text()
+    stops = [int(m[1]) for _, m in console.matches(STOPPED)]
+    resumes = [(int(m[1]), int(m[2])) for _, m in console.matches(RESUMED)]
+    assert len(stops) == 2 and 0 < stops[0] < stops[1] < plan, console.text()
+    assert resumes == [(stops[0], 1), (stops[1], 2)], console.text()  # each world starts where the last stopped
+    final = latest_state(tmp_path / "ckpt")
+    assert final["global_step"] == plan and final["world_size"] == 1
+    print(f"steps: {stops[0]} at world 1, {stops[1] - stops[0]} at world 2, {plan - stops[1]} at world 1 = {plan}")
+    dw = max_dw(final["model"], latest_state(tmp_path / "ref")["model"])
+    print(f"final weights vs an uninterrupted one-process run: max |dw| = {dw:.3g}")
+    assert dw <= 1e-5
+
+
+def paced(script: str, args: list[str], hold: Path) -> None:
+    """SCRIPT's own main with ARGS, each step PACE_S slower while `hold` exists."""
+    begin_step = StopRequest.begin_step
+
+    def slowed(self: StopRequest, index: int) -> None:
+        if hold.exists():
+            time.sleep(PACE_S)
+        begin_step(self, index)
+    StopRequest.begin_step = slowed
+    sys.argv = [script, *args]
+    runpy.run_path(str(ROOT / script), run_name="__main__")
+
+
+if __name__ == "__main__":  # a worker, under launch/elastic.sh's torchrun
+    paced(sys.argv[1], sys.argv[2:], Path(os.environ["ELASTIC_HOLD"]))

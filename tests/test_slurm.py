@@ -1,0 +1,201 @@
+"""launch/slurm.sbatch under a real Slurm: munged, slurmctld and slurmd on this host (a module
+fixture writes their configuration and starts them), the job submitted with sbatch and stopped the
+way a cluster with proctrack/cgroup stops it (scancel, a preemption, the time limit): SIGTERM to
+every process of the job, srun included, then scancel. The stop saves at the step the ranks agreed
+on, and the same sbatch command resumes there and finishes."""
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+import shutil
+import signal
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+
+from tests.conftest import ENDS_PROMPTLY_S, ROOT, free_port, latest_checkpoint, latest_state, saved_position
+from tests.test_launchers import launcher_env
+
+PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "scancel", "sinfo", "srun")
+SBIN = os.pathsep.join(("/usr/sbin", "/sbin"))  # the daemons' folder, on root's PATH or not
+STEPS_PER_EPOCH = 312  # synthetic mnist: 10,000 images, global batch 32 at world 2
+EPOCHS = 5  # about 10 s of steps on 2 cores: a stop 1 s after the first step comes mid-run
+RUN = ["train_ddp.py", "--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
+       "--epochs", str(EPOCHS)]
+PAUSE_BEFORE_SCANCEL_S = 2.0  # a cluster's scancel follows its TERM to every process
+STOP_LINE = re.compile(r"^stopped by SIGTERM after step (\d+) .*; checkpoint (\S+); ", re.M)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    env: dict[str, str]  # SLURM_CONF: the commands find this cluster, not one of the host's
+    proctrack: str
+    cpus: int
+
+    def run(self, *command: str, check: bool = True, **env: str) -> subprocess.CompletedProcess:
+        """A Slurm command for this cluster, with `env` added to its environment."""
+        return subprocess.run(command, env={**self.env, **env}, capture_output=True, text=True, timeout=30, check=check)
+
+
+def slurm_conf(folder: Path, proctrack: str, cpus: int) -> str:
+    return "\n".join([
+        "ClusterName=dpsuite", "SlurmctldHost=localhost", "SlurmUser=root", "SlurmdUser=root",
+        f"SlurmctldPort={free_port()}", f"SlurmdPort={free_port()}",  # beside any other Slurm on this host
+        "AuthType=auth/munge", "CredType=cred/munge", f"AuthInfo=socket={folder / 'munge.socket'}",
+        f"StateSaveLocation={folder / 'state'}", f"SlurmdSpoolDir={folder / 'spool'}",
+        f"SlurmctldPidFile={folder / 'slurmctld.pid'}", f"SlurmdPidFile={folder / 'slurmd.pid'}",
+        f"SlurmctldLogFile={folder / 'slurmctld.log'}", f"SlurmdLogFile={folder / 'slurmd.log'}",
+        f"ProctrackType={proctrack}", "TaskPlugin=task/none", "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
+        "MpiDefault=none", "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
+        "ReturnToService=2", "KillWait=30",
+        f"NodeName=localhost CPUs={cpus} State=UNKNOWN",
+        "PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP", ""])
+
+
+def within(seconds: float, ready: Callable[[], bool]) -> bool:
+    """Whether ready() came true within `seconds` (asked every 0.2 s)."""
+    deadline = time.monotonic() + seconds
+    while not ready():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return True
+
+
+@contextlib.contextmanager
+def daemons(folder: Path, proctrack: str) -> Iterator[Cluster | None]:
+    """munged, slurmctld and slurmd in the foreground (their pids are ours to end), configured in
+    `folder`; the cluster once its node is idle, or None if slurmd could not start with `proctrack`."""
+    for sub in ("state", "spool"):
+        (folder / sub).mkdir(parents=True)
+    key = folder / "munge.key"
+    key.write_bytes(os.urandom(1024))
+    key.chmod(0o600)
+    # the CPUs of the machine, as `getconf _NPROCESSORS_ONLN` counts them (nproc honours OMP_NUM_THREADS)
+    cpus = os.sysconf("SC_NPROCESSORS_ONLN")
+    (folder / "slurm.conf").write_text(slurm_conf(folder, proctrack, cpus))
+    (folder / "cgroup.conf").write_text("CgroupPlugin=autodetect\n")  # without the file, proctrack/cgroup fails to load
+    cluster = Cluster(launcher_env(SLURM_CONF=str(folder / "slurm.conf")), proctrack, cpus)
+    commands = [["munged", "--foreground", "--force", f"--socket={folder / 'munge.socket'}", f"--key-file={key}",
+                 f"--pid-file={folder / 'munged.pid'}", f"--seed-file={folder / 'munged.seed'}",
+                 f"--log-file={folder / 'munged.log'}"],
+                ["slurmctld", "-D", "-i"], ["slurmd", "-D", "-N", "localhost"]]
+    started: list[subprocess.Popen] = []
+    try:
+        with open(folder / "daemons.out", "w") as out:
+            for command in commands:
+                started.append(subprocess.Popen([shutil.which(command[0], path=SBIN), *command[1:]], env=cluster.env,
+                                                stdout=out, stderr=out))
+                if command[0] == "munged":
+                    assert within(30, (folder / "munge.socket").exists), (folder / "daemons.out").read_text()
+        slurmd = started[-1]
+        assert within(30, lambda: slurmd.poll() is not None or node_state(cluster) == "idle"), \
+            (folder / "daemons.out").read_text()
+        # slurmd starts whatever the proctrack plugin; a step loads it: one that fails drains the node
+        yield cluster if slurmd.poll() is None and cluster.run("srun", "--quiet", "true", check=False).returncode == 0 \
+            else None
+    finally:
+        for daemon in reversed(started):
+            daemon.terminate()
+            try:
+                daemon.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+
+
+def node_state(cluster: Cluster) -> str:
+    return cluster.run("sinfo", "-h", "-N", "-o", "%T", check=False).stdout.strip()
+
+
+@pytest.fixture(scope="module")
+def slurm(tmp_path_factory) -> Iterator[Cluster]:
+    """proctrack/cgroup, as clusters run it, where this host's cgroups allow it; else proctrack/linuxproc."""
+    missing = [name for name in PROGRAMS if not shutil.which(name, path=f"{os.environ.get('PATH', '')}{os.pathsep}{SBIN}")]
+    if missing:
+        pytest.skip(f"slurm-wlm not installed ({', '.join(missing)} not found): apt-get install slurm-wlm munge")
+    if os.geteuid() != 0:
+        pytest.skip("slurmd starts jobs as their users: it runs as root, and this test is not root")
+    for proctrack in ("proctrack/cgroup", "proctrack/linuxproc"):
+        folder = tmp_path_factory.mktemp(proctrack.replace("/", "-"))
+        with daemons(folder, proctrack) as cluster:
+            if cluster:
+                yield cluster
+                return
+        print(f"\nslurmd did not start with {proctrack}:\n{(folder / 'slurmd.log').read_text()[-1500:]}")
+    pytest.fail("slurmd started with neither proctrack plugin (logs above)")
+
+
+@dataclass
+class Job:
+    """A job submitted with `sbatch --wait`, which returns when the job has ended, with its exit status."""
+    id: str
+    out: Path
+    sbatch: subprocess.Popen
+
+    def log(self) -> str:
+        return self.out.read_text(errors="replace") if self.out.exists() else ""
+
+    def ended(self) -> bool:
+        return self.sbatch.poll() is not None
+
+    def status(self) -> int:
+        """The job's exit status, once it has ended (within 240 s)."""
+        try:
+            return self.sbatch.wait(timeout=240)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"job {self.id} still runs after 240 s:\n{self.log()[-3000:]}")
+
+
+def submit(cluster: Cluster, tmp: Path, name: str) -> Job:
+    """launch/slurm.sbatch from the repository's root, as a user submits it, on this cluster's one
+    node (no GPUs: NPROC=2 CPU processes)."""
+    out = tmp / f"{name}.out"
+    sbatch = subprocess.Popen(["sbatch", "--wait", "--parsable", "--nodes=1", "--gpus-per-node=0",
+                               f"--cpus-per-task={cluster.cpus}", "--time=10", f"--output={out}", "launch/slurm.sbatch",
+                               *RUN, "--checkpoint-dir", str(tmp / "ckpt"), "--log-dir", str(tmp / "tb")],
+                              cwd=ROOT, env={**cluster.env, "NPROC": "2"}, stdout=subprocess.PIPE, text=True)
+    return Job(sbatch.stdout.readline().strip(), out, sbatch)  # the id, printed as the job is queued
+
+
+def stop_as_proctrack_cgroup_does(cluster: Cluster, job: str) -> float:
+    """SIGTERM to every process of the job (the batch script, srun, torchrun, the workers), then,
+    after a pause, scancel. Returns the time of the SIGTERM (time.time(): a file's mtime is compared to it)."""
+    listed = cluster.run("scontrol", "listpids", job).stdout.splitlines()[1:]  # below its header: PID JOBID ...
+    sent = time.time()
+    for pid in {int(line.split()[0]) for line in listed}:
+        with contextlib.suppress(ProcessLookupError):  # a process that ended since the listing
+            os.kill(pid, signal.SIGTERM)
+    time.sleep(PAUSE_BEFORE_SCANCEL_S)
+    cluster.run("scancel", job, check=False)  # the job may have ended already
+    return sent
+
+
+def test_a_job_stopped_like_proctrack_cgroup_saves_and_the_same_command_resumes(slurm, tmp_path):
+    started = time.monotonic()
+    job = submit(slurm, tmp_path, "stopped")
+    assert within(ENDS_PROMPTLY_S, lambda: "\nstart-up:" in job.log() or job.ended()), \
+        f"job {job.id} took no step within {ENDS_PROMPTLY_S} s:\n{job.log()[-3000:]}"
+    time.sleep(1.0)  # mid-epoch
+    sent = stop_as_proctrack_cgroup_does(slurm, job.id)
+    status, log = job.status(), job.log()
+    stopped = STOP_LINE.findall(log)
+    assert len(stopped) == 1, f"job {job.id} (exit status {status}) saved nothing:\n{log[-3000:]}"
+    step, path = int(stopped[0][0]), Path(stopped[0][1])
+    assert 0 < step < EPOCHS * STEPS_PER_EPOCH  # mid-run
+    assert latest_checkpoint(tmp_path / "ckpt") == path and latest_state(tmp_path / "ckpt")["global_step"] == step
+    save_s = path.stat().st_mtime - sent
+
+    job = submit(slurm, tmp_path, "resumed")
+    status, log = job.status(), job.log()
+    epoch, in_epoch = saved_position(step, STEPS_PER_EPOCH)
+    assert f"resumed from {path}: epoch {epoch + 1}, step {in_epoch} " in log, log[-3000:]
+    assert status == 0, log[-3000:]
+    assert latest_state(tmp_path / "ckpt")["global_step"] == EPOCHS * STEPS_PER_EPOCH
+    print(f"\nslurm ({slurm.proctrack}): TERM to every process of the job, scancel {PAUSE_BEFORE_SCANCEL_S:g} s later: "
+          f"saved after step {step}, {save_s:.2f} s after the TERM; resubmitted: resumed at epoch {epoch + 1}, "
+          f"step {in_epoch}, finished at step {EPOCHS * STEPS_PER_EPOCH}; {time.monotonic() - started:.1f} s in all")

@@ -1,0 +1,419 @@
+"""Fault-tolerant replica groups on torchft: when a group dies the others keep stepping, and a group
+that comes back copies its state from a live peer instead of reading a checkpoint.
+
+Each replica group is its own torchrun job; a torchft Lighthouse forms a quorum of the live groups
+at every step. Beyond torchft, every step trains the same global batch whatever the quorum: the
+batch is cut into SLOTS = --groups x (ranks per group) micro-batches of the usual size, and the
+participating ranks share them out (a group of the quorum takes its absent peers' slots as extra
+micro-batches). Gradients are summed over the group's ranks (gloo or nccl) and then across groups
+(torchft), in one vector with one entry per slot: every committed step proves that each slot was
+trained exactly once. So the weights do not depend on when groups failed, and a step that fails
+mid-collective is retried on the same samples.
+
+    launch/ft.sh 2 1 train_ft.py --dataset mnist        # a Lighthouse and two groups on this machine
+    TORCHFT_LIGHTHOUSE=http://HOST:29510 torchrun --standalone --nproc_per_node=2 train_ft.py --groups 2 --group-id 0
+"""
+from __future__ import annotations
+
+import argparse
+import http.server
+import logging
+import os
+import signal
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Iterator
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from common.config import Config, world_size_from_env
+from common.data.loader import TrainLoader
+from common.errors import ConfigError, UserError
+from common.parallel.comm import replicate_from_rank0
+from common.parallel.context import DistContext
+from common.parallel.replicas import checksums, differing
+from common.train.app import main as run
+from common.train.checkpoint import detached_copy, load_training_state, training_state
+from common.train.preemption import SAVE_FAILED, Preempted
+from common.train.run import Position
+from common.train.step import COMPUTE, DATA, SYNC, StepClock, StepRecipe, backward, reseed, update
+from common.train.strategy import Strategy
+from common.train.trainer import Trainer
+
+os.environ.setdefault("RUST_LOG", "warn")  # torchft's own log: a line per step at its default level
+try:
+    from torchft import Manager
+    from torchft.process_group import ProcessGroupGloo, ProcessGroupNCCL
+except ImportError as missing:  # torchft ships manylinux x86_64 wheels only
+    Manager = None
+    TORCHFT_MISSING = str(missing)
+
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+MAX_RETRIES = 20  # consecutive failed steps before a group gives up (a peer that fails every step)
+
+
+class FaultTolerantStrategy(Strategy):
+    name = "ft"
+    default_dataset = "mnist"
+
+    @classmethod
+    def add_flags(cls, group: argparse._ArgumentGroup) -> None:
+        group.add_argument("--groups", type=int, default=int(os.environ.get("FT_GROUPS", "0")) or None,
+                           help="the replica groups the global batch is planned for: it is cut into this many x "
+                                "(ranks per group) micro-batches, shared among the groups alive at each step; a "
+                                "group beyond it joins but takes no samples (default: $FT_GROUPS, set by "
+                                "launch/ft.sh)")
+        group.add_argument("--group-id", type=int, default=_env_int("REPLICA_GROUP_ID"),
+                           help="this group's number, 0.. (default: $REPLICA_GROUP_ID)")
+        group.add_argument("--lighthouse", default=os.environ.get(LIGHTHOUSE_ENV),
+                           help=f"the torchft Lighthouse's URL, http://HOST:PORT (default: ${LIGHTHOUSE_ENV})")
+        group.add_argument("--min-groups", type=int, default=1,
+                           help="the fewest groups a step may commit with (default: %(default)s)")
+        group.add_argument("--ft-timeout-s", type=float, default=30.0,
+                           help="bound on a cross-group collective and on a heal's transfer: a frozen group is "
+                                "left behind after this long (default: %(default)s)")
+        group.add_argument("--quorum-timeout-s", type=float, default=60.0,
+                           help="bound on forming a quorum: a Lighthouse that does not answer within it ends the "
+                                "run, saved (default: %(default)s)")
+
+    def configure(self, cfg: Config) -> None:
+        super().configure(cfg)
+        if Manager is None:
+            raise ConfigError(f"train_ft.py needs torchft ({TORCHFT_MISSING}), which ships Linux x86_64 wheels only: "
+                              "pip install -r requirements.txt there, or use train_ddp.py with checkpoint-and-restart "
+                              "(docs/fault-tolerance.md)")
+        options = cfg.options
+        self.group_id, self.groups, self.lighthouse = options["group_id"], options["groups"], options["lighthouse"]
+        for flag, value in (("--groups", self.groups), ("--group-id", self.group_id),
+                            ("--lighthouse", self.lighthouse)):
+            if value is None:
+                raise ConfigError(f"{flag} is missing: launch/ft.sh sets it for each group; by hand, pass it or set "
+                                  "its variable (train_ft.py --help)")
+        if self.groups < 1 or self.group_id < 0 or options["min_groups"] < 1:
+            raise ConfigError(f"--groups ({self.groups}) and --min-groups ({options['min_groups']}) must be >= 1, "
+                              f"--group-id ({self.group_id}) >= 0")
+        if not options["ft_timeout_s"] > 0 or not options["quorum_timeout_s"] > 0:
+            raise ConfigError("--ft-timeout-s and --quorum-timeout-s must be > 0 seconds")
+        if cfg.check_equivalence:
+            raise ConfigError("--check-equivalence is not available with train_ft.py: its weights are compared "
+                              "with train_ddp.py's and with its own fault-free run's (tests/test_ft.py); check "
+                              "the other strategies with it")
+        self.slots = self.groups * world_size_from_env()
+        self.check_slots(cfg)
+        self.min_groups, self.options = options["min_groups"], options
+
+    def check_slots(self, cfg: Config) -> None:
+        """The global batch is cut into SLOTS micro-batches, each split by --accumulate and, with
+        mixing, into halves (config.py checks the same per rank)."""
+        b = cfg.batch_size // self.slots
+        parts = cfg.accumulate * (2 if cfg.mixup or cfg.cutmix else 1)
+        if cfg.batch_size % self.slots or b % parts:
+            raise ConfigError(f"--batch-size {cfg.batch_size} must be a multiple of {self.slots * parts} with "
+                              f"--groups {self.groups} x {self.slots // self.groups} rank(s) per group"
+                              f"{' x --accumulate' if cfg.accumulate > 1 else ''}{' x 2 (mixing)' if parts % 2 == 0 else ''}")
+
+    def describe(self) -> str:
+        return f"ft/{self.groups}-groups"
+
+    def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module:
+        """Equal weights within the group; across groups the same seed gives the same start, and a
+        group that joins late heals from a live one."""
+        replicate_from_rank0(model, ctx.comm_device)
+        self.ctx, self.params = ctx, [p for p in model.parameters() if p.requires_grad]
+        self.buffers = list(model.buffers())
+        logging.getLogger("torchft").setLevel(logging.CRITICAL)  # its tracebacks: told as one line here
+        # torchft's heal server (http.server) logs every request on stderr
+        http.server.BaseHTTPRequestHandler.log_message = lambda *args: None
+        seconds = timedelta(seconds=self.options["ft_timeout_s"])
+        pg = ProcessGroupNCCL(timeout=seconds) if ctx.backend == "nccl" else ProcessGroupGloo(timeout=seconds)
+        self.manager = Manager(pg=pg, load_state_dict=None, state_dict=None, min_replica_size=self.min_groups,
+                               use_async_quorum=False, timeout=seconds,
+                               quorum_timeout=timedelta(seconds=self.options["quorum_timeout_s"]),
+                               connect_timeout=timedelta(seconds=self.options["quorum_timeout_s"]),
+                               lighthouse_addr=self.lighthouse, replica_id=f"group{self.group_id}",
+                               init_sync=False, max_retries=MAX_RETRIES)
+        return model
+
+    def synchronize(self, extra: torch.Tensor) -> torch.Tensor:
+        """One vector, the gradients then `extra`, summed over the group's ranks and across groups.
+        Returns extra's sum. After a failed cross-group sum the values are garbage: should_commit()
+        is then False and the step is retried."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
+        flat = torch.cat([*(g.reshape(-1) for g in grads), extra.to(grads[0].dtype)]).to(self.ctx.comm_device)
+        if self.ctx.world_size > 1:
+            dist.all_reduce(flat)
+        self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
+        flat = flat.to(self.params[0].device)
+        offset = 0
+        for p, g in zip(self.params, grads):
+            p.grad = flat[offset:offset + g.numel()].view_as(p).clone()
+            offset += g.numel()
+        return flat[offset:]
+
+
+@dataclass(frozen=True)
+class Quorum:
+    groups: int  # participating in this step
+    index: int  # this group's place among them
+
+
+class Healed(Exception):
+    """The quorum moved this group to another step: its state came from a live peer."""
+
+    def __init__(self, at: Position) -> None:
+        super().__init__(at)
+        self.at = at
+
+
+class FaultTolerantTrainer(Trainer):
+    """The shared loop, with each step run under a quorum: this rank's slots of the global batch
+    for the groups alive, retried until the groups commit it, and a jump wherever a heal puts the
+    group."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        strategy = self.run.strategy
+        self.ft, self.manager = strategy, strategy.manager
+        self.slots = SlotBatches(self.run, strategy.slots)
+        self.quorum: Quorum | None = None
+        self.healed_from: int | None = None
+        self.healed_in_quorum = False
+        self.stop.CHECK_EVERY = 1  # a stopped group leaves after the step it is in: the others wait for none
+        self.manager.register_state_dict_fn("run", self.load_peer_state, self.peer_state)
+
+    def fit(self, start: Position) -> Any:
+        self.manager.load_state_dict({"step": self.run.global_step(start), "batches_committed": 0})
+        try:
+            while True:
+                try:
+                    return super().fit(start)
+                except Healed as healed:  # this group's steps so far were left behind: go on where the peer is
+                    self.steps.rows.clear()
+                    self.steps.take_epoch()
+                    if self.stop.handle is not None:
+                        self.stop.handle.wait()
+                        self.stop.handle = None
+                    start = healed.at
+                except LighthouseLost as lost:
+                    self.end_without_lighthouse(lost)
+        finally:
+            self.manager.shutdown(wait=False)
+
+    def step_batches(self, epoch: int, first_step: int) -> Iterator[Any]:
+        """Nothing ahead of the step: which slots this rank trains is known only once its quorum is."""
+        return iter(range(first_step, self.run.steps_per_epoch))
+
+    def one_step(self, batch: Any, at: Position, clock: StepClock) -> tuple[torch.Tensor, float | None, int]:
+        """Quorum, this rank's slots, one synchronization, commit; the same samples again until the
+        groups commit the step."""
+        run = self.run
+        while True:
+            quorum = self.join(at)
+            mine = share(self.ft.slots, quorum, run.ctx.rank, run.ctx.world_size)
+            batches = [self.slots.batch(slot, at) for slot in mine]
+            clock.lap(DATA)
+            stats, rows, extra = self.train_slots(mine, batches, at)
+            clock.lap(COMPUTE)
+            summed = self.ft.synchronize(extra)
+            clock.lap(SYNC)
+            if self.manager.should_commit():
+                self.count_samples(summed[:self.ft.slots], at)
+                self.restore_slot0_buffers(summed[self.ft.slots:])
+                norm = update(run.model, run.strategy, run.optimizer, run.scheduler, run.precision,
+                              StepRecipe.of(run.cfg))
+                clock.lap(COMPUTE)
+                self.slots.done(at)
+                return stats, norm, rows
+            self.retried += 1
+            self.log.warn(f"step {run.global_step(at) + 1} failed across groups and is trained again on the same "
+                          "samples (a group left or froze mid-step)")
+
+    def join(self, at: Position) -> Quorum:
+        """This step's quorum; a group behind the others is healed in it and jumps to their step."""
+        step, started = self.run.global_step(at), time.perf_counter()
+        try:
+            if not self.healed_in_quorum:  # else the quorum that healed this group is this step's
+                self.manager.start_quorum()
+            self.healed_in_quorum = False
+        except Exception as error:  # the Lighthouse is gone (torchft's quorum raises once its timeout ran out)
+            raise LighthouseLost(f"no quorum from the Lighthouse at {self.ft.lighthouse} within "
+                                 f"--quorum-timeout-s {self.ft.options['quorum_timeout_s']:g} "
+                                 f"({type(error).__name__})", at) from None
+        if self.manager.current_step() != step:  # healed: this step, of this quorum, is trained from the peer's place
+            moved = self.manager.current_step()
+            self.log.info(f"group {self.ft.group_id} healed from group {self.healed_from} at step {moved}: weights, "
+                          f"optimizer state and position from a live peer in {time.perf_counter() - started:.2f} s")
+            self.healed_in_quorum = True
+            raise Healed(Position(*divmod(moved, self.run.steps_per_epoch)))
+        quorum = Quorum(self.manager.num_participants(), self.manager.participating_rank())
+        if quorum != self.quorum:
+            self.log.info(f"quorum of {quorum.groups} group(s) at step {step + 1}: this group (group "
+                          f"{self.ft.group_id}) is number {quorum.index}")
+            self.quorum = quorum
+        return quorum
+
+    def train_slots(self, mine: list[int], batches: list[tuple[torch.Tensor, torch.Tensor]], at: Position,
+                    ) -> tuple[torch.Tensor, int, torch.Tensor]:
+        """Forward and backward of each slot as its own micro-batches, each mean loss divided by
+        SLOTS x --accumulate: the sum over all ranks is the global batch's mean gradient. Returns
+        (loss sum and correct), the rows, and what goes along with the gradients: 1 for each of
+        this rank's slots, and the buffers (BatchNorm's statistics) as slot 0's micro-batches left
+        them, from the rank that trained slot 0 (zeros elsewhere)."""
+        run, recipe = self.run, StepRecipe.of(self.run.cfg)
+        run.strategy.zero_grad(run.model, run.optimizer)
+        stats = torch.zeros(2, device=run.ctx.device)
+        coverage = torch.zeros(self.ft.slots, device=run.ctx.device)
+        buffers = torch.zeros(sum(b.numel() for b in self.ft.buffers), device=run.ctx.device)
+        before = [b.clone() for b in self.ft.buffers]
+        for slot, (images, labels) in zip(mine, batches):
+            if self.random:
+                reseed(run.cfg.seed, slot, run.global_step(at))  # slot s draws what rank s of a plain run draws
+            stats += backward(run.step_model, run.strategy, run.precision, images, labels, recipe,
+                              recipe.accumulate * self.ft.slots)
+            coverage[slot] += 1
+            if slot == 0 and self.ft.buffers:
+                buffers = torch.cat([b.reshape(-1).float() for b in self.ft.buffers])
+        for b, old in zip(self.ft.buffers, before):
+            b.copy_(old)  # every rank takes slot 0's below, once the step commits
+        rows = sum(len(labels) for _, labels in batches)
+        return stats, rows, torch.cat([coverage, buffers])
+
+    def count_samples(self, coverage: torch.Tensor, at: Position) -> None:
+        """How often each slot of the committed step was trained, summed over every group: once."""
+        if not torch.equal(coverage.round(), torch.ones_like(coverage)):
+            raise RuntimeError(f"step {self.run.global_step(at) + 1}: the groups trained the global batch's slots "
+                               f"{coverage.round().int().tolist()} times, not once each")
+        self.counted.append(int(coverage.sum().item()) * (self.run.cfg.batch_size // self.ft.slots))
+
+    def train_epoch(self, epoch: int, first_step: int) -> Any:
+        self.counted, self.retried = [], 0
+        result = super().train_epoch(epoch, first_step)
+        if self.counted:
+            self.log.info(f"epoch {epoch + 1}: {sum(self.counted)} samples in {len(self.counted)} committed steps "
+                          f"from step {first_step + 1} on, every slot of every step trained once across the groups; "
+                          f"{self.retried} step(s) trained again after a failure")
+        return result
+
+    def restore_slot0_buffers(self, values: torch.Tensor) -> None:
+        offset = 0
+        for b in self.ft.buffers:
+            b.copy_(values[offset:offset + b.numel()].view_as(b).to(b.dtype))
+            offset += b.numel()
+
+    def end_without_lighthouse(self, lost: LighthouseLost) -> None:
+        """No quorum means no step: the group saves where it stands and ends with one line."""
+        where = self.save(lost.at, wait=True, check_stop=False) if self.saves() else \
+            "none from this group (the quorum's first group saves)"
+        raise UserError(f"{lost}: stopped after step {self.run.global_step(lost.at)}; checkpoint {where}; start the "
+                        "Lighthouse again and rerun the same command to resume")
+
+    def peer_state(self) -> dict[str, Any]:
+        """What a healing group receives (in the quorum, between two steps): a checkpoint's state."""
+        at = Position(*divmod(self.manager.current_step(), self.run.steps_per_epoch))
+        return {"state": detached_copy(training_state(self.run, at)), "group": self.ft.group_id}
+
+    def load_peer_state(self, received: dict[str, Any]) -> None:
+        self.healed_from = received["group"]
+        load_training_state(self.run, received["state"])
+
+    def saves(self) -> bool:
+        """One group writes each checkpoint: the first of the last quorum (every group before one)."""
+        return self.quorum is None or self.quorum.index == 0
+
+    def save(self, at: Position, wait: bool, check_stop: bool = True) -> str:
+        if self.saves():
+            return super().save(at, wait, check_stop)
+        self.steps.flush(self.log, self.run)
+        if check_stop and (verdict := self.stop.agree_now()):
+            self.stop_at(at, verdict)
+        return ""
+
+    def stop_at(self, at: Position, verdict: int, saved: str | None = None, during: str = "") -> None:
+        """A group that does not save leaves: the quorum's first group goes on and writes the checkpoints."""
+        if self.saves() or verdict == SAVE_FAILED:
+            return super().stop_at(at, verdict, saved, during)
+        raise Preempted(f"group {self.ft.group_id} stopped by {signal.Signals(verdict).name} after step "
+                        f"{self.run.global_step(at)} and left the quorum; the other groups go on (the first of them "
+                        "saves): start this group again to rejoin, it heals from a live one", verdict,
+                        printing=self.run.ctx.is_primary)
+
+    def after_step(self, done: Position) -> None:
+        super().after_step(done)
+        cfg, step = self.run.cfg, self.run.global_step(done)
+        if cfg.check_replicas and step % cfg.check_replicas == 0:
+            self.check_groups_equal(step)
+
+    def check_groups_equal(self, step: int) -> None:
+        """--check-replicas across groups: the same checksums as within a group, their min and max
+        over the quorum through torchft. Skipped in a step whose quorum failed since (retried)."""
+        named = self.run.strategy.replicated(self.run.model)
+        sums = torch.stack([checksums(t) for _, t in named]).to(self.run.ctx.comm_device)
+        low, high = sums.clone(), sums.clone()
+        self.manager.allreduce(low, reduce_op=dist.ReduceOp.MIN).wait()
+        self.manager.allreduce(high, reduce_op=dist.ReduceOp.MAX).wait()
+        if self.manager.errored() is None and (first := differing(low, high)) is not None:
+            self.run.ctx.fail_together(f"replica check at step {step}: {named[first][0]} differs across replica "
+                                       "groups; the groups drifted apart")
+
+
+class LighthouseLost(UserError):
+    def __init__(self, message: str, at: Position) -> None:
+        super().__init__(message)
+        self.at = at
+
+
+class SlotBatches:
+    """Slot s of every global batch is what rank s of a plain run of SLOTS ranks trains: a loader of
+    that rank, streamed while the slot stays with this rank, started over at the step where it
+    changes hands. The step's batches are kept until it commits (a retry trains them again)."""
+
+    def __init__(self, run: Any, slots: int) -> None:
+        self.run, self.slots = run, slots
+        self.streams: dict[int, tuple[Position, Iterator]] = {}  # slot -> (the step its next batch is, batches)
+        self.kept: dict[tuple[int, Position], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def batch(self, slot: int, at: Position) -> tuple[torch.Tensor, torch.Tensor]:
+        if (slot, at) not in self.kept:
+            next_at, batches = self.streams.get(slot, (None, None))
+            if next_at != at:
+                batches = self._stream(slot, at)
+            self.kept[(slot, at)] = next(batches)
+            self.streams[slot] = (Position(at.epoch, at.step + 1), batches)
+        return self.kept[(slot, at)]
+
+    def _stream(self, slot: int, at: Position) -> Iterator:
+        cfg, data, run = self.run.cfg, self.run.data, self.run
+        loader = TrainLoader(data.train, data.spec, cfg.batch_size, slot, self.slots, cfg.seed, run.ctx.device,
+                             cfg.max_steps, run.memory_format, cfg.augment, cfg.random_erase)
+        return run.mixing.batches(loader.epoch(at.epoch, at.step), at.epoch, at.step)
+
+    def done(self, at: Position) -> None:
+        """The step committed: its batches, and the streams of slots it did not use, go."""
+        used = {slot for slot, step in self.kept if step == at}
+        self.kept.clear()
+        self.streams = {slot: stream for slot, stream in self.streams.items() if slot in used}
+
+
+def share(slots: int, quorum: Quorum, rank: int, world_size: int) -> list[int]:
+    """This rank's slots: dealt in turn to the ranks of the participating groups, group by group."""
+    ranks = quorum.groups * world_size
+    return list(range(quorum.index * world_size + rank, slots, ranks))
+
+
+def _env_int(name: str) -> int | None:
+    value = os.environ.get(name)
+    return int(value) if value and value.isdigit() else None
+
+
+FaultTolerantStrategy.trainer_class = FaultTolerantTrainer
+
+
+def main(argv: list[str] | None = None) -> None:
+    run(FaultTolerantStrategy(), argv)
+
+
+if __name__ == "__main__":
+    main()
