@@ -6,7 +6,8 @@
 #   launch/ft.sh GROUPS NPROC_PER_GROUP train_ft.py [FLAGS...]
 #   launch/ft.sh 2 1 train_ft.py --dataset mnist
 #
-# One line per event: "ft: group G lost (...)", "ft: group G restarted (...)"; the groups' own lines
+# One line per event: "ft: group G lost (...); restarted (...)", "ft: group G left (stopped by SIGTERM)" (a
+# group stopped on its own is not restarted; the others go on without it); the groups' own lines
 # (prefixed [gG]) say "quorum of N group(s) at step S" and "group G healed from group K at step S".
 # Ctrl-C or SIGTERM stops every group: the quorum's first group saves the stop checkpoint, as a plain
 # run does; the same command resumes from it. Settings (environment):
@@ -57,10 +58,11 @@ run_group() {  # $1: group number, then the script and its flags; restarts it wh
     shift
     while :; do
         set -m  # torchrun in a process group of its own: stop_all's signal reaches it and its workers once
-        # quiet_torchrun.py: torchrun, with a worker's one-line error instead of torchrun's dump (single_node.sh)
+        # quiet_torchrun.py: torchrun, with a worker's one-line error instead of torchrun's dump (single_node.sh).
+        # The prefixing sed shares the group's process group: it ignores the stop, to pass on the last lines.
         REPLICA_GROUP_ID=$g FT_GROUPS=$groups TORCHFT_LIGHTHOUSE="http://127.0.0.1:$port" \
             PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$python" "$root/launch/quiet_torchrun.py" --standalone \
-            "--nproc_per_node=$nproc" "$@" > >(sed -u "s/^/[g$g] /") 2>&1 &
+            "--nproc_per_node=$nproc" "$@" > >(trap '' TERM INT; exec sed -u "s/^/[g$g] /") 2>&1 &
         echo $! > "$logs/group$g.pid"
         set +m
         code=0
@@ -68,6 +70,7 @@ run_group() {  # $1: group number, then the script and its flags; restarts it wh
         (( code == 0 )) && { say "group $g finished"; return 0; }
         [[ -e "$logs/stopping" ]] && return "$code"
         (( code == 2 )) && return 2  # a flag it refused: every restart would refuse it too
+        if (( code == 130 || code == 143 )); then say "group $g left (stopped by SIG$(kill -l $((code - 128))))"; return "$code"; fi
         kill -0 "$lighthouse" 2>/dev/null || { say "group $g ended (exit $code); the Lighthouse is gone"; return "$code"; }
         (( attempt < restarts )) || { say "group $g lost (exit $code); no restarts left (FT_RESTARTS=$restarts)"; return "$code"; }
         attempt=$((attempt + 1))
@@ -80,13 +83,15 @@ for ((g = 0; g < groups; g++)); do
     run_group "$g" "$@" &
     supervisors+=($!)
 done
-status=0
+status=0 finished=""
 for pid in "${supervisors[@]}"; do
     code=0
     wait "$pid" || code=$?
     while (( code > 128 )) && kill -0 "$pid" 2>/dev/null; do code=0; wait "$pid" || code=$?; done  # a trap ran
+    (( code == 0 )) && finished=1
     (( status == 0 )) && status=$code
 done
+[[ -n $finished && ! -e "$logs/stopping" ]] && status=0  # the run is done: the groups that finished trained it all
 kill "$lighthouse" 2>/dev/null
 wait "$lighthouse" 2>/dev/null
 exit "$status"

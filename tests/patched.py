@@ -15,6 +15,9 @@ Patches:
   hang-preparing=PATH    on node 1, the node's data preparation writes its pid into PATH and never ends
   slow-storage=S@K       the K-th read or write of a local checkpoint folder by this process sleeps S seconds
                          first, saying so on stderr ("storage op K (write NAME) sleeps S s at UNIX_TIME in pid P")
+  slow-heal=S            every load of a training state (a checkpoint's, a peer's in train_ft.py's heal) says
+                         "loading a training state" on stderr and sleeps S seconds first: a heal long enough to
+                         be interrupted
   slow-steps=S           every optimizer step (common.train.step.update) sleeps S seconds first: a run long
                          enough in steps for faults to land mid-epoch, at a few ms of compute per step
 """
@@ -104,6 +107,18 @@ def slow_steps(seconds: float) -> None:
     step.update = update
 
 
+def slow_heal(seconds: float) -> None:
+    from common.train import checkpoint
+
+    real = checkpoint.load_training_state
+
+    def load_training_state(*args, **kwargs):
+        print(f"loading a training state, sleeping {seconds} s first", file=sys.stderr, flush=True)
+        time.sleep(seconds)
+        return real(*args, **kwargs)
+    checkpoint.load_training_state = load_training_state
+
+
 def apply(patch: str) -> None:
     if patch == "no-object-collectives":
         for module in (dist, c10d):
@@ -134,6 +149,8 @@ def apply(patch: str) -> None:
         hang_preparing(patch.removeprefix("hang-preparing="))
     elif patch.startswith("slow-storage="):
         slow_storage(patch.removeprefix("slow-storage="))
+    elif patch.startswith("slow-heal="):
+        slow_heal(float(patch.removeprefix("slow-heal=")))
     elif patch.startswith("slow-steps="):
         slow_steps(float(patch.removeprefix("slow-steps=")))
     else:

@@ -12,9 +12,12 @@ split again at world 1). The six scripts share common/train/app.py, which does t
 the resume, and differ only in the strategy (test_resume.py resumes each of them at another world
 size); what membership changes add is the launcher's side, the same for all six.
 
-The workers run this file (below: the script's own main, paced): each step sleeps PACE_S while the
-test's hold file exists, so that the join and the leave land mid-run on a host of any speed; the
-hold is removed once the last change is done, and the rest of the run goes at full speed.
+The workers run this file (below: the script's own main, held at two steps): while the test's gate
+file exists, a worker waits before global step GATES[0] until it gets a signal (the stop for the
+join) and before GATES[1] until it gets one or the gate is removed (the leaving node's worker gets
+the signal; the staying one waits for the test, which removes the gate once the leaving agent has
+passed the TERM on). So the join and the leave land at known points on a host of any speed, and
+the rest of the run goes at full speed.
 """
 from __future__ import annotations
 
@@ -34,11 +37,14 @@ import torch
 from common.train.preemption import StopRequest
 from tests.conftest import ENDS_PROMPTLY_S, ROOT, child_env, latest_state, run_script
 
-PACE_S = 0.1
-EPOCHS, STEPS_PER_EPOCH = 4, 1200 // 32  # mnist_root's 1200 images, batch 32: 148 steps, 14.8 s paced at most
+EPOCHS, STEPS_PER_EPOCH = 2, 1200 // 32  # mnist_root's 1200 images, batch 32
+# Global step indices, multiples of StopRequest.CHECK_EVERY: a signal that opens a gate is agreed on
+# as that step begins, and the job stops after it.
+GATES = (20, 30)
 WORLD = re.compile(r"^\w+: world (\d+) = ")
 STARTED = re.compile(r"^start-up: ")
 STOPPED = re.compile(r"^stopped by SIGTERM after step (\d+) ")
+PASSED_ON = re.compile(r"closing signal SIGTERM")  # torchrun's line as it passes the TERM on to its workers
 RESUMED = re.compile(r"^resumed from \S+/step-0*(\d+)\.pt: .*\(saved at world (\d+)\)")
 
 
@@ -58,16 +64,16 @@ class Console:
     def now(self) -> float:
         return time.monotonic() - self.began
 
-    def matches(self, pattern: re.Pattern, after: float = 0.0) -> list[tuple[float, re.Match]]:
+    def matches(self, pattern: re.Pattern, after: float = 0.0, name: str = "") -> list[tuple[float, re.Match]]:
         with self.lock:
-            found = [(t, pattern.search(line)) for t, _, line in self.lines if t >= after]
+            found = [(t, pattern.search(line)) for t, who, line in self.lines if t >= after and name in ("", who)]
         return [(t, m) for t, m in found if m]
 
-    def wait_for(self, pattern: re.Pattern, after: float, what: str) -> float:
-        """When the first line matching `pattern` came at or after `after`."""
+    def wait_for(self, pattern: re.Pattern, after: float, what: str, name: str = "") -> float:
+        """When the first line matching `pattern` (from agent `name`, or any) came at or after `after`."""
         deadline = time.monotonic() + ENDS_PROMPTLY_S
         while time.monotonic() < deadline:
-            if found := self.matches(pattern, after):
+            if found := self.matches(pattern, after, name):
                 return found[0][0]
             time.sleep(0.05)
         raise AssertionError(f"no {what} within {ENDS_PROMPTLY_S} s:\n{self.text()}")
@@ -121,12 +127,12 @@ def test_a_node_joins_and_leaves_without_losing_a_step(script, mnist_root, tmp_p
     reference = run_script([script, *flags, "--checkpoint-dir", str(tmp_path / "ref"), "--log-dir",
                             str(tmp_path / "tb-ref")])
     assert reference.returncode == 0, reference.stderr[-3000:]
-    hold = tmp_path / "hold"
-    hold.touch()
+    gate = tmp_path / "gate"
+    gate.touch()
     console, agents = Console(), []
     with Store() as store:
         env = {**child_env(), "NNODES": "1:2", "NPROC": "1", "RDZV_ENDPOINT": f"127.0.0.1:{store.port}",
-               "RDZV_ID": f"elastic-{script}", "ELASTIC_HOLD": str(hold)}
+               "RDZV_ID": f"elastic-{script}", "ELASTIC_GATE": str(gate)}
         args = ["tests/test_elastic.py", script, *flags, "--checkpoint-dir", str(tmp_path / "ckpt"),
                 "--log-dir", str(tmp_path / "tb")]
         try:
@@ -137,8 +143,9 @@ def test_a_node_joins_and_leaves_without_losing_a_step(script, mnist_root, tmp_p
             world2 = console.wait_for(STARTED, console.wait_for(WORLD, joined, "world after the join"), "first step at world 2")
             left = console.now()
             agents[1].send_signal(signal.SIGTERM)
+            console.wait_for(PASSED_ON, left, "TERM passed on to the leaving node's worker", name="B")
+            gate.unlink()
             world1 = console.wait_for(STARTED, console.wait_for(WORLD, left, "world after the leave"), "first step at world 1")
-            hold.unlink()
             agents[0].wait(timeout=ENDS_PROMPTLY_S)
         finally:
             end(agents)
@@ -152,7 +159,7 @@ def test_a_node_joins_and_leaves_without_losing_a_step(script, mnist_root, tmp_p
     assert [int(m[1]) for _, m in console.matches(WORLD)] == [1, 2, 1], console.text()
     stops = [int(m[1]) for _, m in console.matches(STOPPED)]
     resumes = [(int(m[1]), int(m[2])) for _, m in console.matches(RESUMED)]
-    assert len(stops) == 2 and 0 < stops[0] < stops[1] < plan, console.text()
+    assert stops == [GATES[0] + 1, GATES[1] + 1], console.text()
     assert resumes == [(stops[0], 1), (stops[1], 2)], console.text()  # each world starts where the last stopped
     final = latest_state(tmp_path / "ckpt")
     assert final["global_step"] == plan and final["world_size"] == 1
@@ -162,18 +169,18 @@ def test_a_node_joins_and_leaves_without_losing_a_step(script, mnist_root, tmp_p
     assert dw <= 1e-5
 
 
-def paced(script: str, args: list[str], hold: Path) -> None:
-    """SCRIPT's own main with ARGS, each step PACE_S slower while `hold` exists."""
+def gated(script: str, args: list[str], gate: Path) -> None:
+    """SCRIPT's own main with ARGS, held at GATES while `gate` exists (see the module's docstring)."""
     begin_step = StopRequest.begin_step
 
-    def slowed(self: StopRequest, index: int) -> None:
-        if hold.exists():
-            time.sleep(PACE_S)
+    def held(self: StopRequest, index: int) -> None:
+        while index in GATES and gate.exists() and not self.received:
+            time.sleep(0.01)
         begin_step(self, index)
-    StopRequest.begin_step = slowed
+    StopRequest.begin_step = held
     sys.argv = [script, *args]
     runpy.run_path(str(ROOT / script), run_name="__main__")
 
 
 if __name__ == "__main__":  # a worker, under launch/elastic.sh's torchrun
-    paced(sys.argv[1], sys.argv[2:], Path(os.environ["ELASTIC_HOLD"]))
+    gated(sys.argv[1], sys.argv[2:], Path(os.environ["ELASTIC_GATE"]))

@@ -58,6 +58,15 @@ def planned(mnist_root, tmp_path_factory) -> dict[str, torch.Tensor]:
     return final_weights(folder)
 
 
+@pytest.fixture(scope="module")
+def planned3(mnist_root, tmp_path_factory) -> dict[str, torch.Tensor]:
+    """The fault-free run of a global batch planned for three groups (--groups 3): world 3."""
+    folder = tmp_path_factory.mktemp("planned3")
+    result = run_script(["train_ddp.py", *flags(mnist_root, folder)], nproc=3, timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return final_weights(folder)
+
+
 class Job:
     """launch/ft.sh (or one more group's torchrun), its output read line by line with the time each
     line came."""
@@ -154,4 +163,102 @@ def test_a_group_killed_mid_epoch_comes_back_healed_and_the_weights_are_the_plan
     dw = max_dw(final_weights(tmp_path), planned)
     print(f"\nSIGKILL of group 1 mid-epoch 2: ft.sh restarted it {lost_at - killed:.1f} s later, healed at step "
           f"{step} {healed - killed:.1f} s after the kill; max |dw| against the fault-free run = {dw:.3g}")
+    assert dw <= BOUND
+
+
+# 2 -------------------------------------------------------------------------------------------
+def test_the_lighthouse_killed_ends_every_group_saved_and_the_same_command_resumes(mnist_root, planned, tmp_path):
+    """No Lighthouse, no quorum, no step: each group notices within --quorum-timeout-s (5 s here), the
+    quorum's first group saves where they stand, both end with one line, and launch/ft.sh restarts
+    nothing. The same command, with a Lighthouse again, resumes from that checkpoint and ends with
+    the fault-free weights."""
+    training = [*SLOW, *flags(mnist_root, tmp_path, "--quorum-timeout-s", "5")]
+    run = FtRun(tmp_path, 2, training)
+    _, match = run.job.wait_for(r"^ft: Lighthouse on \S+ \(pid (\d+)")
+    run.job.wait_for(r"\[g1\] epoch 1/3 ")
+    time.sleep(1.0)
+    killed = time.monotonic()
+    os.kill(int(match[1]), signal.SIGKILL)
+    assert run.job.finish(timeout=90) != 0
+    text = run.job.text()
+    ended = [at for at, line in run.job.lines if re.search(r"\[g\d\] error: no quorum from the Lighthouse", line)]
+    assert len(ended) == 2, text[-5000:]
+    saved = re.search(r"\[g0\] error: no quorum from the Lighthouse at \S+ within --quorum-timeout-s 5 \(\w+\): "
+                      r"stopped after step (\d+); checkpoint (\S+);", text)
+    assert saved and "restarted" not in text and "the Lighthouse is gone" in text, text[-5000:]
+    assert re.search(r"\[g1\] error: no quorum .* checkpoint none from this group", text), text[-5000:]
+    step = int(saved[1])
+    assert STEPS_PER_EPOCH < step < 2 * STEPS_PER_EPOCH and Path(saved[2]).exists(), text[-3000:]
+    print(f"\nLighthouse SIGKILLed in epoch 2: both groups ended {max(ended) - killed:.1f} s later, saved at step {step}")
+
+    again = FtRun(tmp_path, 2, training)
+    assert again.job.finish() == 0, again.job.text()[-5000:]
+    assert f"saved at world 1)" in again.job.text() and f"step-{step:08d}.pt: " in again.job.text()
+    dw = max_dw(final_weights(tmp_path), planned)
+    print(f"resumed from step {step}: max |dw| against the fault-free run = {dw:.3g}")
+    assert dw <= BOUND
+
+
+# 3 -------------------------------------------------------------------------------------------
+def test_a_third_group_joins_mid_run_and_a_stopped_group_leaves_without_a_restart(mnist_root, planned3, tmp_path):
+    """Two groups of a batch planned for three (--groups 3: each group trains 1 slot, one of them 2).
+    A third group started by hand mid-epoch 2 joins the quorum, heals from a live group and takes
+    its slot; then group 1, stopped with SIGTERM, leaves after the step it is in (launch/ft.sh does
+    not restart it) and the others go on without a restart. The weights are the fault-free run's."""
+    training = [*SLOW, *flags(mnist_root, tmp_path, "--groups", "3")]
+    run = FtRun(tmp_path, 2, training)
+    run.job.wait_for(r"\[g1\] epoch 1/3 ")
+    started = time.monotonic()
+    third = run.extra_group(2, 3)
+    joined, match = third.wait_for(r"group 2 healed from group \d at step (\d+)")
+    third.wait_for(r"quorum of 3 group\(s\) at step \d+: this group \(group 2\) is number 2")
+    time.sleep(1.0)
+    stopped = time.monotonic()
+    os.killpg(int((run.logs / "group1.pid").read_text()), signal.SIGTERM)
+    left, gone = run.job.wait_for(r"\[g1\] group 1 stopped by SIGTERM after step (\d+) and left the quorum")
+    run.job.wait_for(r"^ft: group 1 left \(stopped by SIGTERM\)")
+    regrouped, _ = run.job.wait_for(r"\[g0\] quorum of 2 group\(s\) at step \d+", after=stopped)
+    assert run.job.finish() == 0 and third.finish() == 0, run.job.text()[-5000:] + third.text()[-3000:]
+    assert "restarted" not in run.job.text()
+    dw = max_dw(final_weights(tmp_path), planned3)
+    print(f"\na third group joined {joined - started:.1f} s after its start, healed at step {match[1]}; group 1 left "
+          f"after step {gone[1]} {left - stopped:.1f} s after its SIGTERM, the others' next quorum "
+          f"{regrouped - stopped:.1f} s after it; max |dw| against the fault-free run = {dw:.3g}")
+    assert dw <= BOUND
+
+
+# 4 -------------------------------------------------------------------------------------------
+def test_a_frozen_group_a_group_killed_while_healing_and_the_last_group_alone_never_hang(mnist_root, planned3,
+                                                                                        tmp_path):
+    """Three groups, one restart each. Group 2 freezes (SIGSTOP): its heartbeat stops and the others
+    go on without it after --ft-timeout-s. Group 1 is SIGKILLed, restarted, and SIGKILLed again while
+    it loads its peer's state (a slowed heal): the source and the rest go on. With no restarts left,
+    group 0 trains alone. Group 2 thawed (SIGCONT) finds itself behind, heals and rejoins. Every
+    wait is bounded; the weights are still the fault-free run's."""
+    training = ["tests/patched.py", "slow-steps=0.12,slow-heal=3", "train_ft.py",
+                *flags(mnist_root, tmp_path, "--groups", "3", "--ft-timeout-s", "4")]
+    run = FtRun(tmp_path, 3, training, restarts=1)
+    run.job.wait_for(r"\[g2\] epoch 1/3 ")
+    frozen_worker = run.worker(2)
+    os.kill(frozen_worker, signal.SIGSTOP)
+    frozen = time.monotonic()
+    left_behind, _ = run.job.wait_for(r"\[g0\] quorum of 2 group\(s\)", after=frozen)
+
+    os.kill(run.worker(1), signal.SIGKILL)
+    run.job.wait_for(r"^ft: group 1 lost \(exit \d+\); restarted \(1 of 1\)")
+    resumed, _ = run.job.wait_for(r"\[g1\] resumed from ")
+    run.job.wait_for(r"\[g1\] loading a training state", after=resumed + 0.01)  # the heal's, after the checkpoint's
+    os.kill(run.worker(1), signal.SIGKILL)
+    killed_healing = time.monotonic()
+    run.job.wait_for(r"^ft: group 1 lost \(exit \d+\); no restarts left")
+    alone, _ = run.job.wait_for(r"\[g0\] quorum of 1 group\(s\)", after=killed_healing)
+
+    os.kill(frozen_worker, signal.SIGCONT)
+    thawed = time.monotonic()
+    healed, _ = run.job.wait_for(r"\[g2\] group 2 healed from group 0 at step \d+", after=thawed)
+    assert run.job.finish() == 0, run.job.text()[-6000:]
+    dw = max_dw(final_weights(tmp_path), planned3)
+    print(f"\nfrozen group left behind after {left_behind - frozen:.1f} s; group 0 alone {alone - killed_healing:.1f} s "
+          f"after the kill during a heal; the thawed group healed {healed - thawed:.1f} s after SIGCONT; "
+          f"max |dw| against the fault-free run = {dw:.3g}")
     assert dw <= BOUND
