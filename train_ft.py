@@ -72,6 +72,11 @@ class FaultTolerantStrategy(Strategy):
                            help=f"the torchft Lighthouse's URL, http://HOST:PORT (default: ${LIGHTHOUSE_ENV})")
         group.add_argument("--min-groups", type=int, default=1,
                            help="the fewest groups a step may commit with (default: %(default)s)")
+        group.add_argument("--exact-sums", action="store_true",
+                           help="add the slots' gradients in slot order, whichever groups trained them: the weights "
+                                "are then the same bits whatever failed when, at the price of sending a gradient per "
+                                "slot (SLOTS x the bytes); without it, the sum's order follows the quorum and the "
+                                "weights differ in rounding")
         group.add_argument("--ft-timeout-s", type=float, default=30.0,
                            help="bound on a cross-group collective and on a heal's transfer: a frozen group is "
                                 "left behind after this long (default: %(default)s)")
@@ -103,7 +108,7 @@ class FaultTolerantStrategy(Strategy):
                               "the other strategies with it")
         self.slots = self.groups * world_size_from_env()
         self.check_slots(cfg)
-        self.min_groups, self.options = options["min_groups"], options
+        self.min_groups, self.options, self.exact = options["min_groups"], options, options["exact_sums"]
 
     def check_slots(self, cfg: Config) -> None:
         """The global batch is cut into SLOTS micro-batches, each split by --accumulate and, with
@@ -116,7 +121,7 @@ class FaultTolerantStrategy(Strategy):
                               f"{' x --accumulate' if cfg.accumulate > 1 else ''}{' x 2 (mixing)' if parts % 2 == 0 else ''}")
 
     def describe(self) -> str:
-        return f"ft/{self.groups}-groups"
+        return f"ft/{self.groups}-groups{'/exact-sums' if self.exact else ''}"
 
     def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module:
         """Equal weights within the group; across groups the same seed gives the same start, and a
@@ -137,21 +142,46 @@ class FaultTolerantStrategy(Strategy):
                                init_sync=False, max_retries=MAX_RETRIES)
         return model
 
-    def synchronize(self, extra: torch.Tensor) -> torch.Tensor:
-        """One vector, the gradients then `extra`, summed over the group's ranks and across groups.
+    def slot_rows(self) -> torch.Tensor | None:
+        """--exact-sums: one row of gradients per slot (zeros but this rank's), else None."""
+        if not self.exact:
+            return None
+        return torch.zeros(self.slots, sum(p.numel() for p in self.params), device=self.params[0].device)
+
+    def take_gradients(self, row: torch.Tensor) -> None:
+        """The slot's gradients into its row, and .grad cleared for the next slot."""
+        torch.cat([self._grad(p).reshape(-1) for p in self.params], out=row)
+        for p in self.params:
+            p.grad = None
+
+    def synchronize(self, extra: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
+        """One vector, the gradients (or the slots' rows) then `extra`, summed over the group's ranks
+        and across groups. Rows hold one rank's values and zeros elsewhere, so their sums are exact;
+        they are then added in slot order: the same bits whichever groups trained which slots.
         Returns extra's sum. After a failed cross-group sum the values are garbage: should_commit()
         is then False and the step is retried."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params]
-        flat = torch.cat([*(g.reshape(-1) for g in grads), extra.to(grads[0].dtype)]).to(self.ctx.comm_device)
+        gradients = rows.reshape(-1) if rows is not None else \
+            torch.cat([self._grad(p).reshape(-1) for p in self.params])
+        flat = torch.cat([gradients, extra.to(gradients.dtype)]).to(self.ctx.comm_device)
         if self.ctx.world_size > 1:
             dist.all_reduce(flat)
         self.manager.allreduce(flat, reduce_op=dist.ReduceOp.SUM).wait()
         flat = flat.to(self.params[0].device)
+        total = flat[:gradients.numel()]
+        if rows is not None:
+            per_slot = total.view(self.slots, -1)
+            total = per_slot[0].clone()
+            for row in per_slot[1:]:
+                total += row
         offset = 0
-        for p, g in zip(self.params, grads):
-            p.grad = flat[offset:offset + g.numel()].view_as(p).clone()
-            offset += g.numel()
-        return flat[offset:]
+        for p in self.params:
+            p.grad = total[offset:offset + p.numel()].view_as(p).clone()
+            offset += p.numel()
+        return flat[gradients.numel():]
+
+    @staticmethod
+    def _grad(p: nn.Parameter) -> torch.Tensor:
+        return p.grad if p.grad is not None else torch.zeros_like(p)
 
 
 @dataclass(frozen=True)
@@ -217,7 +247,7 @@ class FaultTolerantTrainer(Trainer):
             clock.lap(DATA)
             stats, rows, extra = self.train_slots(mine, batches, at)
             clock.lap(COMPUTE)
-            summed = self.ft.synchronize(extra)
+            summed = self.ft.synchronize(extra, rows)
             clock.lap(SYNC)
             if self.manager.should_commit():
                 self.count_samples(summed[:self.ft.slots], at)
@@ -226,7 +256,7 @@ class FaultTolerantTrainer(Trainer):
                               StepRecipe.of(run.cfg))
                 clock.lap(COMPUTE)
                 self.slots.done(at)
-                return stats, norm, rows
+                return stats, norm, sum(len(labels) for _, labels in batches)
             self.retried += 1
             self.log.warn(f"step {run.global_step(at) + 1} failed across groups and is trained again on the same "
                           "samples (a group left or froze mid-step)")
@@ -256,10 +286,11 @@ class FaultTolerantTrainer(Trainer):
         return quorum
 
     def train_slots(self, mine: list[int], batches: list[tuple[torch.Tensor, torch.Tensor]], at: Position,
-                    ) -> tuple[torch.Tensor, int, torch.Tensor]:
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """Forward and backward of each slot as its own micro-batches, each mean loss divided by
-        SLOTS x --accumulate: the sum over all ranks is the global batch's mean gradient. Returns
-        (loss sum and correct), the rows, and what goes along with the gradients: 1 for each of
+        SLOTS x --accumulate: the sum over all ranks is the global batch's mean gradient (with
+        --exact-sums each slot's gradients kept in a row of their own). Returns (loss sum and
+        correct), the rows (None without the flag), and what goes along with the gradients: 1 for each of
         this rank's slots, and the buffers (BatchNorm's statistics) as slot 0's micro-batches left
         them, from the rank that trained slot 0 (zeros elsewhere)."""
         run, recipe = self.run, StepRecipe.of(self.run.cfg)
@@ -268,17 +299,19 @@ class FaultTolerantTrainer(Trainer):
         coverage = torch.zeros(self.ft.slots, device=run.ctx.device)
         buffers = torch.zeros(sum(b.numel() for b in self.ft.buffers), device=run.ctx.device)
         before = [b.clone() for b in self.ft.buffers]
+        rows = self.ft.slot_rows()
         for slot, (images, labels) in zip(mine, batches):
             if self.random:
                 reseed(run.cfg.seed, slot, run.global_step(at))  # slot s draws what rank s of a plain run draws
             stats += backward(run.step_model, run.strategy, run.precision, images, labels, recipe,
                               recipe.accumulate * self.ft.slots)
+            if rows is not None:
+                self.ft.take_gradients(rows[slot])
             coverage[slot] += 1
             if slot == 0 and self.ft.buffers:
                 buffers = torch.cat([b.reshape(-1).float() for b in self.ft.buffers])
         for b, old in zip(self.ft.buffers, before):
             b.copy_(old)  # every rank takes slot 0's below, once the step commits
-        rows = sum(len(labels) for _, labels in batches)
         return stats, rows, torch.cat([coverage, buffers])
 
     def count_samples(self, coverage: torch.Tensor, at: Position) -> None:
