@@ -123,6 +123,9 @@ class FaultTolerantStrategy(Strategy):
     def describe(self) -> str:
         return f"ft/{self.groups}-groups{'/exact-sums' if self.exact else ''}"
 
+    def log_subfolder(self) -> str:
+        return f"group{self.group_id}"
+
     def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module:
         """Equal weights within the group; across groups the same seed gives the same start, and a
         group that joins late heals from a live one."""

@@ -24,6 +24,8 @@ BENCHMARKS = {  # name (a module of this package) -> what it measures
              "process, the statistics' and the decode's time and peak memory",
     "finetune": "transfer from --weights against from scratch, the recipe's items one by one; LARS/LAMB at 8x the "
                 "batch; images/s of each optimizer on each strategy; AdamW's state per rank when sharded",
+    "ft": "train_ft.py: images/s against DDP when nothing fails; a group SIGKILLed: time to the next step, steps "
+          "lost, throughput while it is away, time to heal, beside DDP's restart from a checkpoint",
     "gpu": "the GPU paths in one command (nccl, CUDA equivalence, DataParallel, cpu,cuda, resume): pass/fail",
 }
 

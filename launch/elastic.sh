@@ -19,20 +19,22 @@
 # RDZV_ID         job id shared by the nodes (default: dp-suite-elastic); one per job and store
 # NPROC           processes on this node (default: the GPU count, or 2 on a CPU-only host)
 # LOCAL_ADDR      this node's address as the others reach it (default: looked up from the hostname)
-# MAX_RESTARTS    worker-group restarts on this node (default: 20); every node that leaves, and every
-#                 failure, costs one on each node that stays (a join costs none)
+# MAX_RESTARTS    worker-group restarts on this node (default: 20, at least 1); every node that
+#                 leaves, and every failure, costs one on each node that stays (a join costs none)
 # LAST_CALL       seconds a round waits for more nodes once MIN are there (default: 2)
 # DEAD_AFTER      seconds without a heartbeat after which a node that left counts as gone (default: 5;
 #                 torchrun's: 15): the others re-form the job that much after it left
 # JOIN_TIMEOUT    seconds a round may take to reach MIN nodes (default: 600)
 # STORE_WAIT      seconds to wait for the store to answer before giving up (default: 30)
 # TORCH_ELASTIC_SHUTDOWN_TIMEOUT  seconds the workers get to stop (finish the step, save) after a
-#                 TERM or INT before torchrun kills them (default here: 120; torchrun's own: 30). A
-#                 stop for a join or another node's leave always gets torchrun's fixed 30 s.
+#                 TERM or INT before torchrun kills them (default here: 120; torchrun's own: 30). The
+#                 stop for a join gets a fixed 30 s whatever this says (torchrun's agent stops its
+#                 workers for a new round without it): a save that takes longer is cut, and the job
+#                 resumes from the checkpoint before.
 # DRY_RUN=1       print the command without running it (credentials in it shown as ***)
 #
-# What differs from plain torchrun (--nnodes=1:2 --rdzv-backend=c10d), which loses the job at the first
-# join (both agents wait 60 s for each other, then DistStoreError on MASTER_ADDR and role_info):
+# What differs from plain torchrun (--nnodes=1:2 --rdzv-backend=c10d), which loses the job at the
+# first join (both agents wait 60 s for each other, then DistStoreError on MASTER_ADDR and role_info):
 # - TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1: torchrun's agent keeps the workers' store address of its
 #   first round for good, and never publishes it again; a node that joins later waits for it forever.
 #   With this set, rank 0's agent publishes a fresh address every round.
@@ -44,12 +46,23 @@
 # the store holds: whoever reaches the port can run code here. Use trusted networks.
 set -euo pipefail
 
-if [[ $# -lt 1 || ! "${NNODES:-}" =~ ^[0-9]+:[0-9]+$ || -z "${RDZV_ENDPOINT:-}" ]]; then
-    echo "usage: NNODES=MIN:MAX RDZV_ENDPOINT=HOST:PORT [RDZV_ID=..] [NPROC=..] [MAX_RESTARTS=..] $0 SCRIPT.py [FLAGS...]" \
-         "(RDZV_ENDPOINT: where launch/elastic_store.py serves)" >&2
+if [[ $# -lt 1 || -z "${NNODES:-}" || -z "${RDZV_ENDPOINT:-}" ]]; then
+    echo "usage: NNODES=MIN:MAX RDZV_ENDPOINT=HOST:PORT [RDZV_ID=..] [NPROC=..] [MAX_RESTARTS=..]" \
+         "$0 SCRIPT.py [FLAGS...] (RDZV_ENDPOINT: where launch/elastic_store.py serves)" >&2
     exit 2
 fi
 
+if [[ ! "$NNODES" =~ ^([1-9][0-9]*):([1-9][0-9]*)$ ]] || (( BASH_REMATCH[1] > BASH_REMATCH[2] )); then
+    echo "error: NNODES=${NNODES} is not MIN:MAX with 1 <= MIN <= MAX (e.g. 1:4); for a fixed number of nodes use" \
+         "launch/multi_node.sh" >&2
+    exit 2
+fi
+for setting in LAST_CALL DEAD_AFTER JOIN_TIMEOUT STORE_WAIT MAX_RESTARTS NPROC; do
+    if [[ -n "${!setting:-}" && ! "${!setting}" =~ ^[1-9][0-9]*$ ]]; then
+        echo "error: ${setting}=${!setting} is not a positive whole number; see the settings in $0's header" >&2
+        exit 2
+    fi
+done
 host=${RDZV_ENDPOINT%:*}
 port=${RDZV_ENDPOINT##*:}
 rdzv_id=${RDZV_ID:-dp-suite-elastic}
@@ -113,7 +126,7 @@ elif (( status != 0 )) && grep -q "RendezvousConnectionError" "$errors"; then
     echo "error: lost the rendezvous store at ${RDZV_ENDPOINT} (stopped, or its machine is gone); start it" \
          "again and run this command on every node: the run resumes from its newest checkpoint" >&2
 elif (( status != 0 )) && grep -q "RendezvousTimeoutError" "$errors"; then
-    echo "error: the rendezvous at ${RDZV_ENDPOINT} did not reach ${NNODES%%:*} node(s) within ${JOIN_TIMEOUT:-600} s:" \
-         "start this command on more nodes, and check that each reaches ${RDZV_ENDPOINT}" >&2
+    echo "error: the rendezvous at ${RDZV_ENDPOINT} did not reach ${NNODES%%:*} node(s) within" \
+         "${JOIN_TIMEOUT:-600} s: start this command on more nodes, and check that each reaches ${RDZV_ENDPOINT}" >&2
 fi
 exit "$status"

@@ -8,9 +8,10 @@ sample stream do not depend on the world size); the leaving node exits 143 with 
 seconds from the join and from the leave to the first step at the new world size are printed.
 
 train_ddp.py and train_fsdp.py (full sharding: its checkpoint is gathered from shards at world 2 and
-split again at world 1). The six scripts share common/train/app.py, which does the stop, the save and
-the resume, and differ only in the strategy (test_resume.py resumes each of them at another world
-size); what membership changes add is the launcher's side, the same for all six.
+split again at world 1) are enough: the six scripts share common/train/app.py, which does the stop,
+the save and the resume, and differ only in the strategy, whose resume at another world size
+test_resume.py and test_optimizers.py check; what a membership change adds is the launcher's side,
+the same for all six.
 
 The workers run this file (below: the script's own main, held at two steps): while the test's gate
 file exists, a worker waits before global step GATES[0] until it gets a signal (the stop for the
@@ -41,7 +42,7 @@ EPOCHS, STEPS_PER_EPOCH = 2, 1200 // 32  # mnist_root's 1200 images, batch 32
 # Global step indices, multiples of StopRequest.CHECK_EVERY: a signal that opens a gate is agreed on
 # as that step begins, and the job stops after it.
 GATES = (20, 30)
-WORLD = re.compile(r"^\w+: world (\d+) = ")
+WORLD = re.compile(r"^[\w/+-]+: world (\d+) = ")  # the banner: "ddp: world 2 = ...", "fsdp/full: world 1 = ..."
 STARTED = re.compile(r"^start-up: ")
 STOPPED = re.compile(r"^stopped by SIGTERM after step (\d+) ")
 PASSED_ON = re.compile(r"closing signal SIGTERM")  # torchrun's line as it passes the TERM on to its workers
@@ -77,6 +78,10 @@ class Console:
                 return found[0][0]
             time.sleep(0.05)
         raise AssertionError(f"no {what} within {ENDS_PROMPTLY_S} s:\n{self.text()}")
+
+    def first_step_of_next_world(self, after: float, what: str) -> float:
+        """When the first world formed after `after` trained its first step (rank 0's start-up line)."""
+        return self.wait_for(STARTED, self.wait_for(WORLD, after, f"world after the {what}"), f"step after the {what}")
 
     def text(self) -> str:
         return "\n".join(f"{t:6.1f} [{name}] {line}" for t, name, line in self.lines)[-8000:]
@@ -119,6 +124,31 @@ def max_dw(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
+def join_then_leave(script: str, flags: list[str], gate: Path) -> tuple[Console, list[subprocess.Popen], float, float]:
+    """The first node alone, the second joining, then leaving: both agents' console, the agents (ended),
+    and the seconds from the join, and from the leave, to the first step at the new world size."""
+    console, agents = Console(), []
+    with Store() as store:
+        env = {**child_env(), "NNODES": "1:2", "NPROC": "1", "RDZV_ENDPOINT": f"127.0.0.1:{store.port}",
+               "RDZV_ID": f"elastic-{script}", "ELASTIC_GATE": str(gate)}
+        args = ["tests/test_elastic.py", script, *flags]
+        try:
+            agents.append(start_agent("A", console, env, args))
+            console.wait_for(STARTED, 0, "first step of the first node")
+            joined = console.now()
+            agents.append(start_agent("B", console, env, args))
+            world2 = console.first_step_of_next_world(joined, "join")
+            left = console.now()
+            agents[1].send_signal(signal.SIGTERM)
+            console.wait_for(PASSED_ON, left, "TERM passed on to the leaving node's worker", name="B")
+            gate.unlink()
+            world1 = console.first_step_of_next_world(left, "leave")
+            agents[0].wait(timeout=ENDS_PROMPTLY_S)
+        finally:
+            end(agents)
+    return console, agents, world2 - joined, world1 - left
+
+
 @pytest.mark.parametrize("script", ["train_ddp.py", "train_fsdp.py"])
 def test_a_node_joins_and_leaves_without_losing_a_step(script, mnist_root, tmp_path):
     flags = ["--dataset", "mnist", "--data-dir", str(mnist_root), "--no-download", "--model", "lenet",
@@ -129,29 +159,10 @@ def test_a_node_joins_and_leaves_without_losing_a_step(script, mnist_root, tmp_p
     assert reference.returncode == 0, reference.stderr[-3000:]
     gate = tmp_path / "gate"
     gate.touch()
-    console, agents = Console(), []
-    with Store() as store:
-        env = {**child_env(), "NNODES": "1:2", "NPROC": "1", "RDZV_ENDPOINT": f"127.0.0.1:{store.port}",
-               "RDZV_ID": f"elastic-{script}", "ELASTIC_GATE": str(gate)}
-        args = ["tests/test_elastic.py", script, *flags, "--checkpoint-dir", str(tmp_path / "ckpt"),
-                "--log-dir", str(tmp_path / "tb")]
-        try:
-            agents.append(start_agent("A", console, env, args))
-            console.wait_for(STARTED, 0, "first step of the first node")
-            joined = console.now()
-            agents.append(start_agent("B", console, env, args))
-            world2 = console.wait_for(STARTED, console.wait_for(WORLD, joined, "world after the join"), "first step at world 2")
-            left = console.now()
-            agents[1].send_signal(signal.SIGTERM)
-            console.wait_for(PASSED_ON, left, "TERM passed on to the leaving node's worker", name="B")
-            gate.unlink()
-            world1 = console.wait_for(STARTED, console.wait_for(WORLD, left, "world after the leave"), "first step at world 1")
-            agents[0].wait(timeout=ENDS_PROMPTLY_S)
-        finally:
-            end(agents)
-    print(f"\n{script}: join: first step at world 2 {world2 - joined:.1f} s after the second node started; leave: "
-          f"first step at world 1 {world1 - left:.1f} s after its TERM")
-    a, b = agents
+    console, (a, b), join_s, leave_s = join_then_leave(
+        script, [*flags, "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "tb")], gate)
+    print(f"\n{script}: first step at world 2 {join_s:.1f} s after the second node started (join), at world 1 "
+          f"{leave_s:.1f} s after its TERM (leave)")
     assert a.returncode == 0 and b.returncode == 143, f"exit {a.returncode}, {b.returncode}\n{console.text()}"
     assert [line for _, name, line in console.lines if name == "B" and line.startswith("left the job")] == [
         "left the job after SIGTERM: the other nodes, if any, continue from the checkpoint saved at the stop; "

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, child_env, free_port, latest_state, run_script
+from tests.conftest import ROOT, child_env, free_port, latest_state, refusal_in_process, run_script
 
 pytest.importorskip("torchft", reason="torchft ships Linux x86_64 wheels only: train_ft.py refuses to run without it")
 
@@ -145,6 +145,58 @@ def every_sample_once(text: str, group: int) -> list[int]:
     """The samples the group's epoch lines count, for epochs it trained from their first step."""
     return [int(n) for n in re.findall(rf"\[g{group}\] epoch \d+: (\d+) samples in {STEPS_PER_EPOCH} committed steps "
                                        r"from step 1 on, every slot of every step trained once", text)]
+
+
+# 0 -------------------------------------------------------------------------------------------
+@pytest.mark.quick
+def test_slots_are_dealt_to_the_ranks_of_the_groups_in_the_quorum_once_each():
+    from train_ft import Quorum, share
+
+    def dealt(slots: int, groups: int, ranks: int) -> list[list[int]]:
+        return [share(slots, Quorum(groups, g), r, ranks) for g in range(groups) for r in range(ranks)]
+    assert dealt(4, 2, 2) == [[0], [1], [2], [3]]  # the fault-free run: rank r of group g trains slot 2g + r
+    assert dealt(4, 1, 2) == [[0, 2], [1, 3]]  # one group left: each rank trains two micro-batches
+    assert dealt(3, 2, 1) == [[0, 2], [1]]
+    assert dealt(2, 3, 1) == [[0], [1], []]  # a group beyond the plan takes no samples
+    for slots, groups, ranks in [(6, 2, 3), (8, 3, 2), (5, 5, 1)]:
+        assert sorted(sum(dealt(slots, groups, ranks), [])) == list(range(slots))
+
+
+REFUSALS = [
+    ([], "--groups is missing: launch/ft.sh sets it"),
+    (["--groups", "2"], "--group-id is missing"),
+    (["--groups", "2", "--group-id", "0"], "--lighthouse is missing"),
+    (["--groups", "5", "--group-id", "0", "--lighthouse", "http://h:1"],
+     "--batch-size 48 must be a multiple of 5 with --groups 5 x 1 rank(s) per group"),
+    (["--groups", "2", "--group-id", "0", "--lighthouse", "http://h:1", "--mixup", "0.2", "--batch-size", "50"],
+     "--batch-size 50 must be a multiple of"),
+    (["--groups", "2", "--group-id", "0", "--lighthouse", "http://h:1", "--check-equivalence", "3"],
+     "--check-equivalence is not available with train_ft.py"),
+    (["--groups", "0", "--group-id", "0", "--lighthouse", "http://h:1"], "must be >= 1"),
+    (["--groups", "2", "--group-id", "0", "--lighthouse", "http://h:1", "--ft-timeout-s", "0"],
+     "--ft-timeout-s and --quorum-timeout-s must be > 0"),
+]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("extra, says", REFUSALS, ids=[says.split(":")[0][:40] for _, says in REFUSALS])
+def test_train_ft_refuses_what_cannot_work_in_one_line_before_any_process_group(extra, says, capsys, monkeypatch):
+    for name in ("FT_GROUPS", "REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE"):
+        monkeypatch.delenv(name, raising=False)
+    code, err = refusal_in_process(["train_ft.py", "--dataset", "mnist", "--batch-size", "48", *extra],
+                                   capsys, monkeypatch)
+    assert code == 2 and says in err and "Traceback" not in err, err
+
+
+@pytest.mark.quick
+def test_without_torchft_train_ft_says_so_in_one_line(capsys, monkeypatch):
+    import train_ft
+
+    monkeypatch.setattr(train_ft, "Manager", None)
+    monkeypatch.setattr(train_ft, "TORCHFT_MISSING", "No module named 'torchft'", raising=False)
+    code, err = refusal_in_process(["train_ft.py", "--groups", "2", "--group-id", "0", "--lighthouse", "http://h:1"],
+                                   capsys, monkeypatch)
+    assert code == 2 and err.count("\n") == 1 and "train_ft.py needs torchft (No module named 'torchft')" in err, err
 
 
 # 1 -------------------------------------------------------------------------------------------

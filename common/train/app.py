@@ -67,7 +67,9 @@ def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
     start = resume_position(resumed)
     run.cfg = replace(cfg, log_dir=log_dir(cfg, resumed, ctx.world_size))
     # On resume TensorBoard drops the cut run's points after the resume point.
-    log = make_logger(run.cfg, ctx.rank, run_hparams(run), purge_step=run.global_step(start) + 1 if resumed else None)
+    sub = strategy.log_subfolder()
+    logged = replace(run.cfg, log_dir=os.path.join(run.cfg.log_dir, sub)) if sub else run.cfg
+    log = make_logger(logged, ctx.rank, run_hparams(run), purge_step=run.global_step(start) + 1 if resumed else None)
     stop, relay = StopRequest(ctx, checkpoints.save_failed), WarningRelay()
     profiler = StepProfiler(trace_folder(run.cfg.log_dir, cfg.run_id), ctx.rank, ctx.device, log) \
         if cfg.profile else NoProfiler()

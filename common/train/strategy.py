@@ -58,6 +58,11 @@ class Strategy:
     def check_world(self, world_size: int) -> None:
         """Raise ConfigError if the strategy cannot run at this world size (before anything starts)."""
 
+    def log_subfolder(self) -> str:
+        """Where under --log-dir this job's TensorBoard files go: a strategy whose run is several
+        jobs at once (train_ft.py's replica groups) keeps each one's curves apart."""
+        return ""
+
     def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module:
         """Called once, before the optimizer is built and a checkpoint (if any) is loaded."""
         return model
