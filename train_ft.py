@@ -177,8 +177,8 @@ class FaultTolerantStrategy(Strategy):
             for row in per_slot[1:]:
                 total += row
         offset = 0
-        for p in self.params:
-            p.grad = total[offset:offset + p.numel()].view_as(p).clone()
+        for p in self.params:  # views of this step's own vector
+            p.grad = total[offset:offset + p.numel()].view_as(p)
             offset += p.numel()
         return flat[gradients.numel():]
 

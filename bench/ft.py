@@ -27,9 +27,14 @@ ROOT = Path(__file__).resolve().parent.parent
 TAG = "train/loss"  # one point per step with --log-every 1
 
 
+SYNTHETIC_TRAIN = 10_000  # images in --dataset synthetic's training set
+
+
 def flags(model: str, steps: int, batch: int, folder: Path) -> list[str]:
-    return ["--dataset", "synthetic", "--model", model, "--batch-size", str(batch), "--epochs", "1", "--max-steps",
-            str(steps), "--log-every", "1", "--lr", "0.02", "--checkpoint-dir", str(folder / "ckpt"),
+    """About `steps` steps: whole epochs of the synthetic set (an evaluation between them)."""
+    epochs = -(-steps // (SYNTHETIC_TRAIN // batch))
+    return ["--dataset", "synthetic", "--model", model, "--batch-size", str(batch), "--epochs", str(epochs),
+            "--log-every", "1", "--lr", "0.02", "--checkpoint-dir", str(folder / "ckpt"),
             "--log-dir", str(folder / "tb"), "--resume", "none"]
 
 
