@@ -79,7 +79,7 @@ cmd+=("$@")
 
 # shellcheck source=launch/redact.sh
 source "$(dirname "$0")/redact.sh"
-shown "${cmd[@]}"
+shown TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 "${cmd[@]}"  # the variable is what makes a join work: shown with it
 [[ "${DRY_RUN:-0}" == 1 ]] && exit 0
 export TORCH_ELASTIC_SHUTDOWN_TIMEOUT=${TORCH_ELASTIC_SHUTDOWN_TIMEOUT:-120} TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
 

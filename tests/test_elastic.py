@@ -5,7 +5,9 @@ Asserted: the worlds go 1, 2, 1; each change stops the job after one step, saves
 resumes at exactly that step (no step lost, none trained twice: the steps of the three worlds add up
 to the plan); the final weights equal an uninterrupted one-process run's (the global batch and the
 sample stream do not depend on the world size); the leaving node exits 143 with its one line. The
-seconds from the join and from the leave to the first step at the new world size are printed.
+seconds from the join and from the leave to the first step at the new world size are printed. And
+the launcher's one-line refusals (a fixed NNODES, a setting that is not a whole number, no store
+answering, the store's port in use) and the command it shows.
 
 train_ddp.py and train_fsdp.py (full sharding: its checkpoint is gathered from shards at world 2 and
 split again at world 1) are enough: the six scripts share common/train/app.py, which does the stop,
@@ -26,6 +28,7 @@ import os
 import re
 import runpy
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -36,7 +39,7 @@ import pytest
 import torch
 
 from common.train.preemption import StopRequest
-from tests.conftest import ENDS_PROMPTLY_S, ROOT, child_env, latest_state, run_script
+from tests.conftest import ENDS_PROMPTLY_S, ROOT, child_env, free_port, latest_state, run_script
 
 EPOCHS, STEPS_PER_EPOCH = 2, 1200 // 32  # mnist_root's 1200 images, batch 32
 # Global step indices, multiples of StopRequest.CHECK_EVERY: a signal that opens a gate is agreed on
@@ -178,6 +181,46 @@ def test_a_node_joins_and_leaves_without_losing_a_step(script, mnist_root, tmp_p
     dw = max_dw(final["model"], latest_state(tmp_path / "ref")["model"])
     print(f"final weights vs an uninterrupted one-process run: max |dw| = {dw:.3g}")
     assert dw <= 1e-5
+
+
+@pytest.mark.parametrize("env, line", [
+    ({"NNODES": "2"}, "error: NNODES=2 is not MIN:MAX with 1 <= MIN <= MAX (e.g. 1:4); for a fixed number of nodes use "
+                      "launch/multi_node.sh"),
+    ({"DEAD_AFTER": "2.5"}, "error: DEAD_AFTER=2.5 is not a positive whole number; see the settings in "
+                            "launch/elastic.sh's header"),
+    ({"STORE_WAIT": "1"}, "error: no rendezvous store answers at 127.0.0.1:{port} (waited 1 s): start "
+                          "'python3 launch/elastic_store.py --port {port}' on 127.0.0.1, a machine that stays up "
+                          "for the whole job"),
+], ids=["fixed-size", "fraction", "no-store"])
+def test_elastic_sh_refuses_bad_settings_and_an_absent_store_in_one_line(env, line):
+    port = free_port()
+    result = subprocess.run(["bash", "launch/elastic.sh", "train_ddp.py"], cwd=ROOT, capture_output=True, text=True,
+                            env={**child_env(), "NNODES": "1:2", "RDZV_ENDPOINT": f"127.0.0.1:{port}", **env},
+                            timeout=ENDS_PROMPTLY_S)
+    assert result.returncode == 2 and result.stderr.strip().splitlines()[-1] == line.format(port=port), result.stderr
+
+
+def test_elastic_sh_shows_the_command_with_what_makes_a_join_work():
+    env = {**child_env(), "NNODES": "1:4", "RDZV_ENDPOINT": "head:29400", "NPROC": "2", "DRY_RUN": "1"}
+    result = subprocess.run(["bash", "launch/elastic.sh", "train_ddp.py", "--epochs", "2"], cwd=ROOT, env=env,
+                            capture_output=True, text=True, timeout=ENDS_PROMPTLY_S)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == (
+        "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --nnodes=1:4 --nproc_per_node=2 --rdzv-backend=c10d "
+        "--rdzv-endpoint=head:29400 --rdzv-id=dp-suite-elastic --rdzv-conf=is_host=false,join_timeout=600,"
+        "last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=5 --max-restarts=20 train_ddp.py --epochs 2")
+
+
+def test_the_store_refuses_a_port_in_use_in_one_line():
+    with socket.socket() as taken:
+        taken.bind(("0.0.0.0", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        result = subprocess.run([sys.executable, "launch/elastic_store.py", "--port", str(port)], cwd=ROOT,
+                                env=child_env(), capture_output=True, text=True, timeout=ENDS_PROMPTLY_S)
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.strip() == (f"error: port {port} is already in use (EADDRINUSE); pass another --port, "
+                                     "or --port 0 for a free one")
 
 
 def gated(script: str, args: list[str], gate: Path) -> None:

@@ -1,8 +1,9 @@
 """launch/slurm.sbatch under a real Slurm: munged, slurmctld and slurmd on this host (a module
-fixture writes their configuration and starts them), the job submitted with sbatch and stopped the
-way a cluster with proctrack/cgroup stops it (scancel, a preemption, the time limit): SIGTERM to
-every process of the job, srun included, then scancel. The stop saves at the step the ranks agreed
-on, and the same sbatch command resumes there and finishes."""
+fixture writes their configuration and starts them), the job submitted with sbatch and stopped as
+the issue reproduced a proctrack/cgroup cluster's stop: SIGTERM to every process of the job (as
+`scontrol listpids` lists them, srun first), then scancel. srun answers its own SIGTERM by
+SIGKILLing its step at once, so the script must not run torchrun under srun on one node. The stop
+saves at the step the ranks agreed on, and the same sbatch command resumes there and finishes."""
 from __future__ import annotations
 
 import contextlib
@@ -23,10 +24,13 @@ from tests.test_launchers import launcher_env
 
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo", "srun")
 SBIN = os.pathsep.join(("/usr/sbin", "/sbin"))  # the daemons' folder, on root's PATH or not
+# Steps of tens of ms (global batch 256): the ranks agree on a stop within 10 steps (StopRequest.CHECK_EVERY),
+# far longer than srun takes to SIGKILL its step, as with a real model (at batch 32, 5 ms steps, one stop
+# and its 10 ms save beat srun's SIGKILL). 5 epochs: a stop 1 s after the first step comes mid-run.
 STEPS_PER_EPOCH = 39  # synthetic mnist: 10,000 images, global batch 256 at world 2
-EPOCHS = 5  # about 10 s of steps on 2 cores: a stop 1 s after the first step comes mid-run
-RUN = ["train_ddp.py", "--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "256",
-       "--epochs", str(EPOCHS)]
+EPOCHS = 5
+RUN = ["train_ddp.py", "--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet",
+       "--batch-size", "256", "--epochs", str(EPOCHS)]
 PAUSE_BEFORE_SCANCEL_S = 2.0  # a cluster's scancel follows its TERM to every process
 STOP_LINE = re.compile(r"^stopped by SIGTERM after step (\d+) .*; checkpoint (\S+); ", re.M)
 
@@ -38,8 +42,11 @@ class Cluster:
     cpus: int
 
     def run(self, *command: str, check: bool = True, **env: str) -> subprocess.CompletedProcess:
-        """A Slurm command for this cluster, with `env` added to its environment."""
-        return subprocess.run(command, env={**self.env, **env}, capture_output=True, text=True, timeout=30, check=check)
+        """A Slurm command for this cluster, from the repository's root (where sbatch finds the script
+        and the job the training scripts), with `env` added to its environment; check: it must succeed."""
+        done = subprocess.run(command, cwd=ROOT, env={**self.env, **env}, capture_output=True, text=True, timeout=30)
+        assert done.returncode == 0 or not check, f"{' '.join(command)}: exit {done.returncode}\n{done.stderr}"
+        return done
 
 
 def slurm_conf(folder: Path, proctrack: str, cpus: int) -> str:
@@ -50,7 +57,8 @@ def slurm_conf(folder: Path, proctrack: str, cpus: int) -> str:
         f"StateSaveLocation={folder / 'state'}", f"SlurmdSpoolDir={folder / 'spool'}",
         f"SlurmctldPidFile={folder / 'slurmctld.pid'}", f"SlurmdPidFile={folder / 'slurmd.pid'}",
         f"SlurmctldLogFile={folder / 'slurmctld.log'}", f"SlurmdLogFile={folder / 'slurmd.log'}",
-        f"ProctrackType={proctrack}", "TaskPlugin=task/none", "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
+        f"ProctrackType={proctrack}", "TaskPlugin=task/none",
+        "SelectType=select/cons_tres", "SelectTypeParameters=CR_CPU",
         "MpiDefault=none", "JobAcctGatherType=jobacct_gather/none", "AccountingStorageType=accounting_storage/none",
         "ReturnToService=2", "KillWait=30",
         f"NodeName=localhost CPUs={cpus} State=UNKNOWN",
@@ -115,7 +123,8 @@ def node_state(cluster: Cluster) -> str:
 @pytest.fixture(scope="module")
 def slurm(tmp_path_factory) -> Iterator[Cluster]:
     """proctrack/cgroup, as clusters run it, where this host's cgroups allow it; else proctrack/linuxproc."""
-    missing = [name for name in PROGRAMS if not shutil.which(name, path=f"{os.environ.get('PATH', '')}{os.pathsep}{SBIN}")]
+    path = f"{os.environ.get('PATH', '')}{os.pathsep}{SBIN}"
+    missing = [name for name in PROGRAMS if not shutil.which(name, path=path)]
     if missing:
         pytest.skip(f"slurm-wlm not installed ({', '.join(missing)} not found): apt-get install slurm-wlm munge")
     if os.geteuid() != 0:
@@ -126,8 +135,9 @@ def slurm(tmp_path_factory) -> Iterator[Cluster]:
             if cluster:
                 yield cluster
                 return
-        print(f"\nslurmd did not start with {proctrack}:\n{(folder / 'slurmd.log').read_text()[-1500:]}")
-    pytest.fail("slurmd started with neither proctrack plugin (logs above)")
+        logs = [folder / name for name in ("daemons.out", "slurmd.log") if (folder / name).exists()]
+        print(f"\nno job step ran with {proctrack}:\n" + "\n".join(log.read_text()[-1500:] for log in logs))
+    pytest.fail("no job step ran with either proctrack plugin (logs above)")
 
 
 @dataclass(frozen=True)
@@ -141,7 +151,8 @@ class Job:
 
 def submit(cluster: Cluster, tmp: Path, name: str) -> Job:
     """launch/slurm.sbatch from the repository's root, as a user submits it, on this cluster's one
-    node (no GPUs: NPROC=2 CPU processes)."""
+    node: the flags replace the script's #SBATCH lines (2 nodes, 4 GPUs and 16 CPUs each) with what
+    this node has, and NPROC=2 runs two CPU processes."""
     out = tmp / f"{name}.out"
     job = cluster.run("sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", f"--cpus-per-task={cluster.cpus}",
                       "--time=10", f"--output={out}", "launch/slurm.sbatch", *RUN, "--checkpoint-dir",
