@@ -21,9 +21,11 @@ import logging
 import os
 import signal
 import time
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterator
+from urllib.parse import SplitResult, urlsplit
 
 import torch
 import torch.distributed as dist
@@ -31,7 +33,7 @@ from torch import nn
 
 from common.config import Config, world_size_from_env
 from common.data.loader import TrainLoader
-from common.errors import ConfigError, UserError
+from common.errors import ConfigError, UserError, first_line
 from common.parallel.comm import replicate_from_rank0
 from common.parallel.context import DistContext
 from common.parallel.replicas import checksums, differing
@@ -58,6 +60,7 @@ MAX_RETRIES = 20  # consecutive failed steps before a group gives up (a peer tha
 class FaultTolerantStrategy(Strategy):
     name = "ft"
     default_dataset = "mnist"
+    sole_writer = False  # a restarted group resumes the run whose checkpoints a live group writes
 
     @classmethod
     def add_flags(cls, group: argparse._ArgumentGroup) -> None:
@@ -77,6 +80,10 @@ class FaultTolerantStrategy(Strategy):
                                 "are then the same bits whatever failed when, at the price of sending a gradient per "
                                 "slot (SLOTS x the bytes); without it, the sum's order follows the quorum and the "
                                 "weights differ in rounding")
+        group.add_argument("--quorum-every", type=int, default=1,
+                           help="steps between two quorums (and after every failed step): a group that joins waits "
+                                "for the next one; each quorum is a round trip to the Lighthouse, a few ms that a "
+                                "short step feels (default: %(default)s)")
         group.add_argument("--ft-timeout-s", type=float, default=30.0,
                            help="bound on a cross-group collective and on a heal's transfer: a frozen group is "
                                 "left behind after this long (default: %(default)s)")
@@ -97,9 +104,14 @@ class FaultTolerantStrategy(Strategy):
             if value is None:
                 raise ConfigError(f"{flag} is missing: launch/ft.sh sets it for each group; by hand, pass it or set "
                                   "its variable (train_ft.py --help)")
+        if options["quorum_every"] < 1:
+            raise ConfigError(f"--quorum-every must be >= 1 (got {options['quorum_every']})")
         if self.groups < 1 or self.group_id < 0 or options["min_groups"] < 1:
             raise ConfigError(f"--groups ({self.groups}) and --min-groups ({options['min_groups']}) must be >= 1, "
                               f"--group-id ({self.group_id}) >= 0")
+        url = urlsplit(self.lighthouse)
+        if url.scheme not in ("http", "https") or not url.hostname or not _has_port(url):
+            raise ConfigError(f"--lighthouse {self.lighthouse}: expected http://HOST:PORT (the Lighthouse's --bind)")
         if not options["ft_timeout_s"] > 0 or not options["quorum_timeout_s"] > 0:
             raise ConfigError("--ft-timeout-s and --quorum-timeout-s must be > 0 seconds")
         if cfg.check_equivalence:
@@ -109,6 +121,7 @@ class FaultTolerantStrategy(Strategy):
         self.slots = self.groups * world_size_from_env()
         self.check_slots(cfg)
         self.min_groups, self.options, self.exact = options["min_groups"], options, options["exact_sums"]
+        self.quorum_every = options["quorum_every"]
 
     def check_slots(self, cfg: Config) -> None:
         """The global batch is cut into SLOTS micro-batches, each split by --accumulate and, with
@@ -118,13 +131,17 @@ class FaultTolerantStrategy(Strategy):
         if cfg.batch_size % self.slots or b % parts:
             raise ConfigError(f"--batch-size {cfg.batch_size} must be a multiple of {self.slots * parts} with "
                               f"--groups {self.groups} x {self.slots // self.groups} rank(s) per group"
-                              f"{' x --accumulate' if cfg.accumulate > 1 else ''}{' x 2 (mixing)' if parts % 2 == 0 else ''}")
+                              f"{' x --accumulate' if cfg.accumulate > 1 else ''}{' x 2 (mixing)' if parts % 2 == 0 else ''}"
+                              "; pass such a --batch-size, or another --groups")
 
     def describe(self) -> str:
         return f"ft/{self.groups}-groups{'/exact-sums' if self.exact else ''}"
 
     def log_subfolder(self) -> str:
         return f"group{self.group_id}"
+
+    def batch_shares(self, world_size: int) -> int:
+        return self.slots
 
     def wrap(self, model: nn.Module, ctx: DistContext) -> nn.Module:
         """Equal weights within the group; across groups the same seed gives the same start, and a
@@ -137,12 +154,18 @@ class FaultTolerantStrategy(Strategy):
         http.server.BaseHTTPRequestHandler.log_message = lambda *args: None
         seconds = timedelta(seconds=self.options["ft_timeout_s"])
         pg = ProcessGroupNCCL(timeout=seconds) if ctx.backend == "nccl" else ProcessGroupGloo(timeout=seconds)
-        self.manager = Manager(pg=pg, load_state_dict=None, state_dict=None, min_replica_size=self.min_groups,
-                               use_async_quorum=False, timeout=seconds,
-                               quorum_timeout=timedelta(seconds=self.options["quorum_timeout_s"]),
-                               connect_timeout=timedelta(seconds=self.options["quorum_timeout_s"]),
-                               lighthouse_addr=self.lighthouse, replica_id=f"group{self.group_id}",
-                               init_sync=False, max_retries=MAX_RETRIES)
+        # torchft's heal transfer reads the received bytes through a read-only buffer: a warning per heal
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        waited = self.options["quorum_timeout_s"]
+        try:
+            self.manager = Manager(pg=pg, load_state_dict=None, state_dict=None, min_replica_size=self.min_groups,
+                                   use_async_quorum=True, timeout=seconds, quorum_timeout=timedelta(seconds=waited),
+                                   connect_timeout=timedelta(seconds=waited), lighthouse_addr=self.lighthouse,
+                                   replica_id=f"group{self.group_id}", init_sync=False, max_retries=MAX_RETRIES)
+        except RuntimeError as error:  # the Lighthouse did not answer within the connect timeout
+            raise UserError(f"--lighthouse {self.lighthouse}: no answer within --quorum-timeout-s {waited:g} "
+                            f"({first_line(error)}); start it (torchft_lighthouse --min_replicas 1 --bind "
+                            "[::]:PORT, or launch/ft.sh) or correct the URL") from None
         return model
 
     def slot_rows(self) -> torch.Tensor | None:
@@ -190,7 +213,7 @@ class FaultTolerantStrategy(Strategy):
 @dataclass(frozen=True)
 class Quorum:
     groups: int  # participating in this step
-    index: int  # this group's place among them
+    index: int | None  # this group's place among them; None: it is healing
 
 
 class Healed(Exception):
@@ -213,7 +236,7 @@ class FaultTolerantTrainer(Trainer):
         self.slots = SlotBatches(self.run, strategy.slots)
         self.quorum: Quorum | None = None
         self.healed_from: int | None = None
-        self.healed_in_quorum = False
+        self.agent = os.getppid()  # torchrun's agent: a worker left behind by it ends (ft.sh restarts the group)
         self.stop.CHECK_EVERY = 1  # a stopped group leaves after the step it is in: the others wait for none
         self.manager.register_state_dict_fn("run", self.load_peer_state, self.peer_state)
 
@@ -241,52 +264,77 @@ class FaultTolerantTrainer(Trainer):
 
     def one_step(self, batch: Any, at: Position, clock: StepClock) -> tuple[torch.Tensor, float | None, int]:
         """Quorum, this rank's slots, one synchronization, commit; the same samples again until the
-        groups commit the step."""
+        groups commit the step. The quorum is asked for as the step starts and answers while the
+        slots train (those of the last quorum: trained again only if the answer deals them otherwise)."""
         run = self.run
+        if os.getppid() != self.agent:
+            raise UserError(f"group {self.ft.group_id}'s torchrun agent (pid {self.agent}) is gone: this worker "
+                            "stops rather than train on as a group nothing supervises")
+        fresh = self.quorum is None or run.global_step(at) % self.ft.quorum_every == 0
         while True:
-            quorum = self.join(at)
-            mine = share(self.ft.slots, quorum, run.ctx.rank, run.ctx.world_size)
-            batches = [self.slots.batch(slot, at) for slot in mine]
-            clock.lap(DATA)
-            stats, rows, extra = self.train_slots(mine, batches, at)
-            clock.lap(COMPUTE)
+            started = time.perf_counter()
+            if fresh:  # answered in a thread of torchft's, during the slots' forward and backward
+                self.manager.start_quorum()
+            assumed = self.quorum or self.settle(at, started)
+            mine, batches, (stats, rows, extra) = self.train_share(assumed, at, clock)
+            quorum = self.settle(at, started) if fresh else assumed
+            if quorum != assumed:  # the groups changed: this step's slots are dealt anew
+                mine, batches, (stats, rows, extra) = self.train_share(quorum, at, clock)
             summed = self.ft.synchronize(extra, rows)
             clock.lap(SYNC)
-            if self.manager.should_commit():
+            if self.manager.should_commit():  # a healing group loads its peer's state here
                 self.count_samples(summed[:self.ft.slots], at)
                 self.restore_slot0_buffers(summed[self.ft.slots:])
                 norm = update(run.model, run.strategy, run.optimizer, run.scheduler, run.precision,
                               StepRecipe.of(run.cfg))
                 clock.lap(COMPUTE)
                 self.slots.done(at)
+                if quorum.index is None:
+                    self.end_heal(started)
                 return stats, norm, sum(len(labels) for _, labels in batches)
             self.retried += 1
+            fresh = True  # a new quorum, without the group that failed
             self.log.warn(f"step {run.global_step(at) + 1} failed across groups and is trained again on the same "
                           "samples (a group left or froze mid-step)")
 
-    def join(self, at: Position) -> Quorum:
-        """This step's quorum; a group behind the others is healed in it and jumps to their step."""
-        step, started = self.run.global_step(at), time.perf_counter()
+    def train_share(self, quorum: Quorum, at: Position, clock: StepClock) -> tuple[list[int], list, tuple]:
+        """This rank's slots under `quorum`, their batches, and train_slots() of them."""
+        mine = share(self.ft.slots, quorum, self.run.ctx.rank, self.run.ctx.world_size)
+        batches = [self.slots.batch(slot, at) for slot in mine]
+        clock.lap(DATA)
+        trained = self.train_slots(mine, batches, at)
+        clock.lap(COMPUTE)
+        return mine, batches, trained
+
+    def settle(self, at: Position, started: float) -> Quorum:
+        """Wait for the quorum asked for at `started`. A group behind the others is not one of its
+        participants (index None): it trains no slot, receives the step's sum, and loads a live
+        group's state (taken before that group's update) as the step commits."""
         try:
-            if not self.healed_in_quorum:  # else the quorum that healed this group is this step's
-                self.manager.start_quorum()
-            self.healed_in_quorum = False
+            self.manager.wait_quorum()
         except Exception as error:  # the Lighthouse is gone (torchft's quorum raises once its timeout ran out)
             raise LighthouseLost(f"no quorum from the Lighthouse at {self.ft.lighthouse} within "
                                  f"--quorum-timeout-s {self.ft.options['quorum_timeout_s']:g} "
                                  f"({type(error).__name__})", at) from None
-        if self.manager.current_step() != step:  # healed: this step, of this quorum, is trained from the peer's place
-            moved = self.manager.current_step()
-            self.log.info(f"group {self.ft.group_id} healed from group {self.healed_from} at step {moved}: weights, "
-                          f"optimizer state and position from a live peer in {time.perf_counter() - started:.2f} s")
-            self.healed_in_quorum = True
-            raise Healed(Position(*divmod(moved, self.run.steps_per_epoch)))
         quorum = Quorum(self.manager.num_participants(), self.manager.participating_rank())
         if quorum != self.quorum:
-            self.log.info(f"quorum of {quorum.groups} group(s) at step {step + 1}: this group (group "
-                          f"{self.ft.group_id}) is number {quorum.index}")
+            place = "is healing" if quorum.index is None else f"is number {quorum.index}"
+            self.log.info(f"quorum of {quorum.groups} group(s) at step {self.run.global_step(at) + 1}: this group "
+                          f"(group {self.ft.group_id}) {place}")
             self.quorum = quorum
         return quorum
+
+    def end_heal(self, started: float) -> None:
+        """This group trained the step it healed in with its peer's state and the step's sum: it is
+        now where the others are. Its EMA takes the step too; then the loop goes on from there."""
+        step = self.manager.current_step()
+        if self.run.ema:
+            self.run.ema.update(step)
+        self.quorum = None
+        self.log.info(f"group {self.ft.group_id} healed from group {self.healed_from} at step {step}: weights, "
+                      f"optimizer state and position from a live peer, {time.perf_counter() - started:.2f} s "
+                      "from its quorum to its first step")
+        raise Healed(Position(*divmod(step, self.run.steps_per_epoch)))
 
     def train_slots(self, mine: list[int], batches: list[tuple[torch.Tensor, torch.Tensor]], at: Position,
                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
@@ -352,8 +400,16 @@ class FaultTolerantTrainer(Trainer):
         return {"state": detached_copy(training_state(self.run, at)), "group": self.ft.group_id}
 
     def load_peer_state(self, received: dict[str, Any]) -> None:
+        """A live group's state, unless that group trains another run (another command behind the same
+        Lighthouse): its weights would silently replace this run's."""
+        state, mine = received["state"], self.run.cfg.identity()
+        if state["identity"] != mine:
+            differ = ", ".join(sorted(k for k in mine if state["identity"].get(k) != mine[k]))
+            raise UserError(f"group {self.ft.group_id} met another run's groups at the Lighthouse "
+                            f"{self.ft.lighthouse} (their {differ} differ): give each run a Lighthouse of its own "
+                            "(launch/ft.sh: FT_PORT)")
         self.healed_from = received["group"]
-        load_training_state(self.run, received["state"])
+        load_training_state(self.run, state)
 
     def saves(self) -> bool:
         """One group writes each checkpoint: the first of the last quorum (every group before one)."""
@@ -372,8 +428,8 @@ class FaultTolerantTrainer(Trainer):
         if self.saves() or verdict == SAVE_FAILED:
             return super().stop_at(at, verdict, saved, during)
         raise Preempted(f"group {self.ft.group_id} stopped by {signal.Signals(verdict).name} after step "
-                        f"{self.run.global_step(at)} and left the quorum; the other groups go on (the first of them "
-                        "saves): start this group again to rejoin, it heals from a live one", verdict,
+                        f"{self.run.global_step(at)} and left the quorum; the groups still running go on and the "
+                        "first of them saves (started again, this group heals from one)", verdict,
                         printing=self.run.ctx.is_primary)
 
     def after_step(self, done: Position) -> None:
@@ -434,9 +490,19 @@ class SlotBatches:
 
 
 def share(slots: int, quorum: Quorum, rank: int, world_size: int) -> list[int]:
-    """This rank's slots: dealt in turn to the ranks of the participating groups, group by group."""
+    """This rank's slots: dealt in turn to the ranks of the participating groups, group by group
+    (none to a group that is not one of them)."""
+    if quorum.index is None:
+        return []
     ranks = quorum.groups * world_size
     return list(range(quorum.index * world_size + rank, slots, ranks))
+
+
+def _has_port(url: SplitResult) -> bool:
+    try:
+        return url.port is not None
+    except ValueError:  # not a number, or out of range
+        return False
 
 
 def _env_int(name: str) -> int | None:

@@ -47,22 +47,48 @@ stop_all() {  # $1: TERM or INT, passed to every group's torchrun and workers (t
 trap 'stop_all TERM' TERM
 trap 'stop_all INT' INT
 
-RUST_LOG=${RUST_LOG:-info} "$lighthouse_bin" --min_replicas 1 --bind "127.0.0.1:$port" \
+[[ -f $1 ]] || { echo "error: $1: no such script (launch/ft.sh GROUPS NPROC_PER_GROUP train_ft.py [FLAGS...])" >&2; exit 2; }
+# A port some process listens on (another run's Lighthouse) would send these groups into that run's quorum.
+"$python" -c 'import socket, sys
+probe = socket.socket()
+probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed connection waiting out TIME_WAIT is no owner
+probe.bind(("127.0.0.1", int(sys.argv[1])))' "$port" 2>/dev/null ||
+    { echo "error: port $port on 127.0.0.1 is in use (another run's Lighthouse?); set FT_PORT to a free port" >&2; exit 2; }
+
+# The Lighthouse in a process group of its own (a terminal's Ctrl-C is for the groups, which stop and save
+# first), told to end when this script does, even by SIGKILL (PR_SET_PDEATHSIG, kept across exec).
+set -m
+RUST_LOG=${RUST_LOG:-info} "$python" -c 'import ctypes, os, signal, sys
+ctypes.CDLL(None).prctl(1, signal.SIGTERM)
+os.execv(sys.argv[1], sys.argv[1:])' "$lighthouse_bin" --min_replicas 1 --bind "127.0.0.1:$port" \
     --heartbeat_timeout_ms "${FT_HEARTBEAT_MS:-3000}" --join_timeout_ms "${FT_JOIN_MS:-2000}" \
     > "$logs/lighthouse.log" 2>&1 &
 lighthouse=$!
+set +m
+for ((waited = 0; ; waited++)); do  # serving within 10 s, or one line
+    (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && kill -0 "$lighthouse" 2>/dev/null && break
+    if ! kill -0 "$lighthouse" 2>/dev/null || (( waited >= 100 )); then
+        echo "error: the Lighthouse did not start on 127.0.0.1:$port ($(tail -n 1 "$logs/lighthouse.log")); set" \
+             "FT_PORT to a free port" >&2
+        kill "$lighthouse" 2>/dev/null
+        exit 2
+    fi
+    sleep 0.1
+done
 say "Lighthouse on 127.0.0.1:$port (pid $lighthouse, log $logs/lighthouse.log), $groups group(s) of $nproc process(es)"
 
 run_group() {  # $1: group number, then the script and its flags; restarts it when it dies
     local g=$1 attempt=0 code
     shift
+    trap '' INT TERM  # this loop outlives a Ctrl-C: it waits for its group's stop and says how it ended
     while :; do
         set -m  # torchrun in a process group of its own: stop_all's signal reaches it and its workers once
         # quiet_torchrun.py: torchrun, with a worker's one-line error instead of torchrun's dump (single_node.sh).
-        # The prefixing sed shares the group's process group: it ignores the stop, to pass on the last lines.
-        REPLICA_GROUP_ID=$g FT_GROUPS=$groups TORCHFT_LIGHTHOUSE="http://127.0.0.1:$port" \
-            PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" "$python" "$root/launch/quiet_torchrun.py" --standalone \
-            "--nproc_per_node=$nproc" "$@" > >(trap '' TERM INT; exec sed -u "s/^/[g$g] /") 2>&1 &
+        # The prefixing sed ignores the stop (as this loop does): it passes on the group's last lines.
+        (trap - INT TERM  # the group itself takes the stop
+         REPLICA_GROUP_ID=$g FT_GROUPS=$groups TORCHFT_LIGHTHOUSE="http://127.0.0.1:$port" \
+             PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec "$python" "$root/launch/quiet_torchrun.py" \
+             --standalone "--nproc_per_node=$nproc" "$@") > >(exec sed -u "s/^/[g$g] /") 2>&1 &
         echo $! > "$logs/group$g.pid"
         set +m
         code=0
@@ -74,7 +100,7 @@ run_group() {  # $1: group number, then the script and its flags; restarts it wh
         kill -0 "$lighthouse" 2>/dev/null || { say "group $g ended (exit $code); the Lighthouse is gone"; return "$code"; }
         (( attempt < restarts )) || { say "group $g lost (exit $code); no restarts left (FT_RESTARTS=$restarts)"; return "$code"; }
         attempt=$((attempt + 1))
-        say "group $g lost (exit $code); restarted ($attempt of $restarts): it heals from a live group"
+        say "group $g lost (exit $code); restarted ($attempt of $restarts): it heals from a live group, if one is left"
     done
 }
 

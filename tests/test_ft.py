@@ -251,7 +251,7 @@ def test_the_lighthouse_killed_ends_every_group_saved_and_the_same_command_resum
 
     again = FtRun(tmp_path, 2, training)
     assert again.job.finish() == 0, again.job.text()[-5000:]
-    assert f"saved at world 1)" in again.job.text() and f"step-{step:08d}.pt: " in again.job.text()
+    assert "saved at world 1)" in again.job.text() and f"step-{step:08d}.pt: " in again.job.text()
     dw = max_dw(final_weights(tmp_path), planned)
     print(f"resumed from step {step}: max |dw| against the fault-free run = {dw:.3g}")
     assert dw <= BOUND
@@ -310,14 +310,41 @@ def test_a_frozen_group_a_group_killed_while_healing_and_the_last_group_alone_ne
     os.kill(run.worker(1), signal.SIGKILL)
     killed_healing = time.monotonic()
     run.job.wait_for(r"^ft: group 1 lost \(exit \d+\); no restarts left")
-    alone, _ = run.job.wait_for(r"\[g0\] quorum of 1 group\(s\)", after=killed_healing)
+    alone, _ = run.job.wait_for(r"\[g0\] epoch [23]: \d+ samples", after=killed_healing)  # group 0 trains on alone
 
     os.kill(frozen_worker, signal.SIGCONT)
     thawed = time.monotonic()
     healed, _ = run.job.wait_for(r"\[g2\] group 2 healed from group 0 at step \d+", after=thawed)
     assert run.job.finish() == 0, run.job.text()[-6000:]
     dw = max_dw(final_weights(tmp_path), exact3)
-    print(f"\nfrozen group left behind after {left_behind - frozen:.1f} s; group 0 alone {alone - killed_healing:.1f} s "
-          f"after the kill during a heal; the thawed group healed {healed - thawed:.1f} s after SIGCONT; "
+    print(f"\nfrozen group left behind after {left_behind - frozen:.1f} s; group 0 ended an epoch alone "
+          f"{alone - killed_healing:.1f} s after the kill during a heal; the thawed group healed {healed - thawed:.1f} s after SIGCONT; "
           f"max |dw| against the fault-free run = {dw:.3g}")
     assert dw == 0, "--exact-sums: the same bits whatever failed when"
+
+
+# 5 -------------------------------------------------------------------------------------------
+def test_a_second_run_on_the_same_port_is_refused_and_ctrl_c_stops_every_group_saved(mnist_root, tmp_path):
+    """A second launch/ft.sh on the port of a running one must not send its groups into the other
+    run's quorum (they would heal from its weights): it ends at once, naming FT_PORT. A terminal's
+    Ctrl-C (SIGINT to ft.sh's whole process group) stops every group: the first saves, ft.sh ends
+    after them, and no process of the run is left."""
+    run = FtRun(tmp_path / "a", 2, [*SLOW, *flags(mnist_root, tmp_path / "a")])
+    run.job.wait_for(r"\[g1\] quorum of 2 group")
+    other = Job(["bash", "launch/ft.sh", "2", "1", "train_ft.py", *flags(mnist_root, tmp_path / "b")],
+                {**run.env, "FT_LOGS": str(tmp_path / "b-logs")})
+    assert other.finish(timeout=30) == 2 and "set FT_PORT to a free port" in other.text(), other.text()
+    pids = [run.worker(0), run.worker(1), int((run.logs / "group0.pid").read_text())]
+    time.sleep(1.0)
+    stopped = time.monotonic()
+    os.killpg(run.job.process.pid, signal.SIGINT)
+    code = run.job.finish(timeout=60)
+    ended = time.monotonic() - stopped
+    text = run.job.text()
+    saved = re.search(r"\[g0\] stopped by SIGINT after step (\d+) \(epoch \d+, step \d+\); checkpoint (\S+);", text)
+    assert code != 0 and saved and Path(saved[2]).exists(), text[-4000:]
+    time.sleep(0.5)
+    assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()], "a process of the run outlived ft.sh"
+    assert latest_state(tmp_path / "a" / "ckpt")["global_step"] == int(saved[1])
+    print(f"\nCtrl-C: ft.sh ended {ended:.1f} s later, group 0 saved step {saved[1]}; a second ft.sh on the port "
+          "refused")

@@ -62,7 +62,8 @@ def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
     check_same_flags(cfg, ctx)
     run, weights = build_run(cfg, ctx, strategy)
     cfg = run.cfg  # --weights pinned to the content read: the identity that checkpoints are looked up by
-    checkpoints = Checkpoints(cfg.checkpoint_dir, cfg.keep, ctx, cfg.storage_options, cfg.storage_timeout_s)
+    checkpoints = Checkpoints(cfg.checkpoint_dir, cfg.keep, ctx, cfg.storage_options, cfg.storage_timeout_s,
+                              strategy.sole_writer)
     resumed, warnings = checkpoints.resume(run)
     start = resume_position(resumed)
     run.cfg = replace(cfg, log_dir=log_dir(cfg, resumed, ctx.world_size))
@@ -221,8 +222,9 @@ def describe(run: Run, checkpoints: Checkpoints, log: NullLogger) -> None:
     log.info(f"{run.data.name}: {len(run.data.train)} train / {len(run.data.test)} test images "
              f"({run.data.spec.channels}x{run.data.spec.size}x{run.data.spec.size}, {run.data.spec.classes} classes), "
              f"{run.data.held}")
+    shares = run.strategy.batch_shares(ctx.world_size)
     log.info(f"model {cfg.model}; "
-             f"global batch {cfg.batch_size} = {cfg.batch_size // ctx.world_size} per rank x {ctx.world_size}"
+             f"global batch {cfg.batch_size} = {cfg.batch_size // shares} per rank x {shares}"
              f"{f' in {cfg.accumulate} micro-batches' if cfg.accumulate > 1 else ''}; peak lr {cfg.lr:g}; "
              f"{cfg.epochs} epoch(s); {cfg.precision}, {cfg.memory_format}{', compiled' if cfg.compile else ''}")
     points = f"step-level points every {run.log_every} step(s)" + (

@@ -418,8 +418,9 @@ class Checkpoints:
     collective: storage time is bounded by timeout_s (--storage-timeout-s), not by --timeout-s."""
 
     def __init__(self, folder: str, keep: int, ctx: DistContext, options: dict[str, Any] | None = None,
-                 timeout_s: float = STORAGE_TIMEOUT_S) -> None:
+                 timeout_s: float = STORAGE_TIMEOUT_S, sole_writer: bool = True) -> None:
         self.location, self.ctx, self.keep, self.options, self.timeout_s = folder, ctx, keep, options, timeout_s
+        self.sole_writer = sole_writer  # False: other jobs may be writing into the run's folder right now
         self.folder: CheckpointFolder | None = None  # rank 0's, opened in resume(): only rank 0 touches the storage
         self.run = ""  # the run folder this job saves into, decided by resume()
         self.writer = BackgroundWriter()  # rank 0's; idle elsewhere
@@ -450,7 +451,8 @@ class Checkpoints:
             self.folder = CheckpointFolder(storage_for(self.location, self.options), self.keep, self.options)
             choice = self.folder.choose(run.cfg.resume, run.cfg.identity())
             self.folder.check_writable(choice.run, expected_bytes(run))
-            self.folder.storage.remove_leftovers(choice.run)  # a killed writer's temp files, in this job's folder only
+            if self.sole_writer:  # a killed writer's temp files, in this job's folder only
+                self.folder.storage.remove_leftovers(choice.run)
             return choice
         except UserError as e:
             return Choice("", error=str(e))

@@ -32,6 +32,8 @@ class Strategy:
     # None: common/train/trainer.py's Trainer runs the steps; a strategy that owns its step loop (train_ft.py:
     # quorums, retries, healing) names its subclass of it
     trainer_class: type | None = None
+    # False: several jobs train the run at once (train_ft.py's replica groups) and may write its checkpoints
+    sole_writer = True
 
     @classmethod
     def add_flags(cls, group: argparse._ArgumentGroup) -> None:
@@ -57,6 +59,10 @@ class Strategy:
 
     def check_world(self, world_size: int) -> None:
         """Raise ConfigError if the strategy cannot run at this world size (before anything starts)."""
+
+    def batch_shares(self, world_size: int) -> int:
+        """Into how many equal shares the global batch is cut (one per rank, by default)."""
+        return world_size
 
     def log_subfolder(self) -> str:
         """Where under --log-dir this job's TensorBoard files go: a strategy whose run is several

@@ -121,6 +121,8 @@ class StepLog:
         batch_size = run.cfg.batch_size
         for (step, lr, norm, _, _, at), (loss_sum, correct, samples, data_s, compute_s, sync_s, steps) in \
                 zip(self.rows, values):
+            if not samples:  # these ranks trained none of the interval's samples (a replica group beyond the plan)
+                continue
             times = StepTimes(*(1000 * t / steps for t in (data_s, compute_s, sync_s)))
             log.step(step, StepRecord(loss_sum / samples, correct / samples, lr, batch_size / (times.step_ms / 1000),
                                       times, norm, rss_mb, state_mb, cuda_mb, at))
