@@ -82,7 +82,8 @@ def signal_job(signum: int, torchrun_first: bool = True) -> None:
 
 def inject(fault: str, optimizer: torch.optim.Optimizer) -> None:
     rank = dist.get_rank()
-    if rank == 1 and os.environ.get("FAULT_AT_FILE"):
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    if rank == 1 and os.environ.get("FAULT_AT_FILE") and (fault != "sigkill" or first_attempt):
         Path(os.environ["FAULT_AT_FILE"]).write_text(f"{time.time()!r} {os.getpid()}")
     if fault == "sigterm":
         os.kill(os.getpid(), signal.SIGTERM)
@@ -94,7 +95,7 @@ def inject(fault: str, optimizer: torch.optim.Optimizer) -> None:
             time.sleep(FORCE_AFTER_S + 0.5)
             print(f"second SIGINT sent at {time.time():.3f}", file=sys.stderr, flush=True)
             signal_job(signal.SIGINT)
-    elif fault == "sigkill" and rank == 1 and os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0":
+    elif fault == "sigkill" and rank == 1 and first_attempt:
         os.kill(os.getpid(), signal.SIGKILL)
     elif fault == "raise" and rank == 1:
         raise RuntimeError("injected failure on rank 1")
