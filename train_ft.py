@@ -36,7 +36,6 @@ from common.data.loader import TrainLoader
 from common.errors import ConfigError, UserError, first_line
 from common.parallel.comm import replicate_from_rank0
 from common.parallel.context import DistContext
-from common.parallel.replicas import checksums, differing
 from common.train.app import main as run
 from common.train.checkpoint import detached_copy, load_training_state, training_state
 from common.train.preemption import SAVE_FAILED, Preempted
@@ -327,9 +326,11 @@ class FaultTolerantTrainer(Trainer):
     def end_heal(self, started: float) -> None:
         """This group trained the step it healed in with its peer's state and the step's sum: it is
         now where the others are. Its EMA takes the step too; then the loop goes on from there."""
-        step = self.manager.current_step()
+        step, cfg = self.manager.current_step(), self.run.cfg
         if self.run.ema:
             self.run.ema.update(step)
+        if cfg.check_replicas and step % cfg.check_replicas == 0:  # the check the other groups make after it
+            self.check_groups_equal(step)
         self.quorum = None
         self.log.info(f"group {self.ft.group_id} healed from group {self.healed_from} at step {step}: weights, "
                       f"optimizer state and position from a live peer, {time.perf_counter() - started:.2f} s "
@@ -439,16 +440,26 @@ class FaultTolerantTrainer(Trainer):
             self.check_groups_equal(step)
 
     def check_groups_equal(self, step: int) -> None:
-        """--check-replicas across groups: the same checksums as within a group, their min and max
-        over the quorum through torchft. Skipped in a step whose quorum failed since (retried)."""
+        """--check-replicas across groups, bit for bit: each tensor's bytes as an integer fingerprint,
+        summed over the quorum through torchft with a count of the groups that took part (a healing
+        group's part is zeros): equal replicas make the sum the count times each one's own.
+        Skipped in a step whose quorum failed since (it is trained again)."""
         named = self.run.strategy.replicated(self.run.model)
-        sums = torch.stack([checksums(t) for _, t in named]).to(self.run.ctx.comm_device)
-        low, high = sums.clone(), sums.clone()
-        self.manager.allreduce(low, reduce_op=dist.ReduceOp.MIN).wait()
-        self.manager.allreduce(high, reduce_op=dist.ReduceOp.MAX).wait()
-        if self.manager.errored() is None and (first := differing(low, high)) is not None:
-            self.run.ctx.fail_together(f"replica check at step {step}: {named[first][0]} differs across replica "
-                                       "groups; the groups drifted apart")
+        own = torch.stack([*(fingerprint(t) for _, t in named), torch.ones((), dtype=torch.int64)])
+        summed = own.to(self.run.ctx.comm_device, copy=True)
+        self.manager.allreduce(summed, reduce_op=dist.ReduceOp.SUM).wait()
+        summed = summed.cpu()
+        differs = (summed[:-1] != summed[-1] * own[:-1]).nonzero()
+        if self.manager.errored() is None and len(differs):
+            self.run.ctx.fail_together(f"replica check at step {step}: {named[int(differs[0])][0]} differs across "
+                                       "replica groups; the groups drifted apart")
+
+
+def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
+    """An int64 of the tensor's bytes, each weighted by its position: equal bits, equal fingerprints;
+    a changed or moved byte changes it (sums wrap around the same way everywhere)."""
+    data = tensor.detach().cpu().contiguous().reshape(-1).view(torch.uint8).long()
+    return (data * (torch.arange(len(data)) % 65_521 + 1)).sum()
 
 
 class LighthouseLost(UserError):

@@ -162,6 +162,22 @@ def test_slots_are_dealt_to_the_ranks_of_the_groups_in_the_quorum_once_each():
         assert sorted(sum(dealt(slots, groups, ranks), [])) == list(range(slots))
 
 
+@pytest.mark.quick
+def test_the_cross_group_replica_check_tells_equal_bits_from_a_changed_or_moved_value():
+    from train_ft import fingerprint
+
+    weights = torch.randn(1000)
+    assert fingerprint(weights) == fingerprint(weights.clone())
+    nudged = weights.clone()
+    nudged[417] = torch.nextafter(nudged[417], torch.tensor(1e9))  # the last bit of one value
+    swapped = weights.clone()
+    swapped[[3, 7]] = swapped[[7, 3]]
+    assert len({int(fingerprint(t)) for t in (weights, nudged, swapped)}) == 3
+    # the check's arithmetic: the quorum's sum is the count times each group's own only when all are equal
+    own, other = fingerprint(weights), fingerprint(nudged)
+    assert own + own == 2 * own and own + other != 2 * own and own + other != 2 * other
+
+
 REFUSALS = [
     ([], "--groups is missing: launch/ft.sh sets it"),
     (["--groups", "2"], "--group-id is missing"),
@@ -216,6 +232,7 @@ def test_a_group_killed_mid_epoch_comes_back_healed_and_the_weights_are_the_plan
     assert run.job.finish() == 0, run.job.text()[-6000:]
     text = run.job.text()
     step = int(match[1])
+    assert "is trained again" not in text[text.index("group 1 healed from"):], text[-4000:]  # healed in step
     assert STEPS_PER_EPOCH < step < EPOCHS * STEPS_PER_EPOCH, text[-4000:]
     assert every_sample_once(text, 0) == [STEPS_PER_EPOCH * BATCH] * EPOCHS, text[-4000:]
     dw = max_dw(final_weights(tmp_path), planned)
@@ -264,7 +281,7 @@ def test_a_third_group_joins_mid_run_and_a_stopped_group_leaves_without_a_restar
     its slot; then group 1, stopped with SIGTERM, leaves after the step it is in (launch/ft.sh does
     not restart it) and the others go on without a restart. With --exact-sums the weights and the
     BatchNorm statistics are the fault-free run's, bit for bit."""
-    training = [*SLOW, *flags(mnist_root, tmp_path, *EXACT)]
+    training = [*SLOW, *flags(mnist_root, tmp_path, *EXACT, "--check-replicas", "5")]
     run = FtRun(tmp_path, 2, training)
     run.job.wait_for(r"\[g1\] epoch 1/3 ")
     started = time.monotonic()

@@ -9,7 +9,7 @@ from common.parallel.context import DistContext
 RELATIVE_TOLERANCE = 1e-6  # ranks on different device types (CPU + CUDA) differ in the last bits
 
 
-def checksums(tensor: torch.Tensor) -> torch.Tensor:
+def _checksums(tensor: torch.Tensor) -> torch.Tensor:
     """Plain and position-weighted sums: equal replicas give equal pairs, and a permutation or a
     single changed element changes the pair."""
     flat = tensor.detach().double().flatten()
@@ -22,18 +22,13 @@ def check_replicas(named: list[tuple[str, torch.Tensor]], ctx: DistContext, step
     stops together, naming the first tensor that differs."""
     if not named:  # e.g. FSDP on a model without buffers: its parameters exist once, in shards
         return
-    sums = torch.stack([checksums(t) for _, t in named]).to(ctx.comm_device)
+    sums = torch.stack([_checksums(t) for _, t in named]).to(ctx.comm_device)
     low, high = sums.clone(), sums.clone()
     dist.all_reduce(low, op=dist.ReduceOp.MIN)
     dist.all_reduce(high, op=dist.ReduceOp.MAX)
-    first = differing(low, high)
-    if first is not None:
+    differs = ((high - low).abs() > RELATIVE_TOLERANCE * high.abs().clamp(min=1.0)).any(dim=1)
+    if differs.any():
+        first = int(differs.nonzero()[0])
         ctx.fail_together(f"replica check at step {step}: {named[first][0]} differs across ranks "
                           f"(checksum {low[first, 0].item():.9g} .. {high[first, 0].item():.9g}); "
                           "the strategy let the replicas drift apart")
-
-
-def differing(low: torch.Tensor, high: torch.Tensor) -> int | None:
-    """The first tensor whose checksums' min and max over the replicas differ, or None."""
-    differs = ((high - low).abs() > RELATIVE_TOLERANCE * high.abs().clamp(min=1.0)).any(dim=1)
-    return int(differs.nonzero()[0]) if differs.any() else None
