@@ -1,5 +1,5 @@
 # shellcheck shell=bash disable=SC2034  # `received` is read by the launcher that sources this
-# Sourced by the launchers that stay alive beside what they start (multi_node.sh reads torchrun's
+# Sourced by the launchers that stay alive beside what they start (multi_node.sh and elastic.sh read torchrun's
 # stderr, local_two_nodes.sh runs two agents). Each child runs in a process group of its own, so a
 # TERM or INT reaches it once, from forward() (a Ctrl-C in a terminal reaches the launcher's group
 # only); the launcher then waits for every child and exits with their status.
@@ -29,5 +29,17 @@ wait_child() {  # $1: pid; returns its exit status, waiting on when a forwarded 
         code=0
         wait "$1" || code=$?
     done
+    return "$code"
+}
+
+run_keeping_stderr() {  # runs "$@" as the child, its stderr shown and kept in the file $errors; returns its status
+    errors=$(mktemp)
+    trap 'rm -f "$errors"' EXIT
+    exec 3> >(trap '' INT TERM; exec tee "$errors" >&2)  # a copy of stderr that outlives a Ctrl-C
+    local tee_pid=$! code=0
+    start_child "$@" 2>&3 3>&-
+    exec 3>&-
+    wait_child "${children[0]}" || code=$?
+    wait "$tee_pid" 2>/dev/null || true
     return "$code"
 }

@@ -102,19 +102,11 @@ then
     exit 2
 fi
 
-# torchrun runs in the background, so that this script stays alive to read its stderr; signals
-# reach it through forward() (launch/children.sh), and torchrun passes them on to the workers.
+# torchrun runs in the background, so that this script stays alive to read its stderr (in $errors).
 # shellcheck source=launch/children.sh
 source "$(dirname "$0")/children.sh"
-errors=$(mktemp)
-trap 'rm -f "$errors"' EXIT
-exec 3> >(trap '' INT TERM; exec tee "$errors" >&2)  # a copy of stderr that outlives a Ctrl-C
-tee_pid=$!
-start_child "${cmd[@]}" 2>&3 3>&-
-exec 3>&-
 status=0
-wait_child "${children[0]}" || status=$?
-wait "$tee_pid" 2>/dev/null || true
+run_keeping_stderr "${cmd[@]}" || status=$?
 if [[ -n "$received" ]] && (( status != 0 )); then
     echo "left the job after SIG${received}: the other nodes, if any, continue from the checkpoint saved at the" \
          "stop; run this command again to join again" >&2

@@ -70,19 +70,11 @@ then
     exit 2
 fi
 
-# torchrun runs in the background, so that this script stays alive to read its stderr; signals
-# reach it through forward() (launch/children.sh), and torchrun passes them on to the workers.
+# torchrun runs in the background, so that this script stays alive to read its stderr (in $errors).
 # shellcheck source=launch/children.sh
 source "$(dirname "$0")/children.sh"
-errors=$(mktemp)
-trap 'rm -f "$errors"' EXIT
-exec 3> >(trap '' INT TERM; exec tee "$errors" >&2)  # a copy of stderr that outlives a Ctrl-C
-tee_pid=$!
-start_child "${cmd[@]}" 2>&3 3>&-
-exec 3>&-
 status=0
-wait_child "${children[0]}" || status=$?
-wait "$tee_pid" 2>/dev/null || true
+run_keeping_stderr "${cmd[@]}" || status=$?
 if (( status != 0 )) && grep -q "RendezvousTimeoutError" "$errors"; then
     echo "error: the rendezvous at ${RDZV_ENDPOINT} did not complete within ${join_timeout} s: start this command" \
          "on all ${NNODES} nodes, and check that each reaches ${RDZV_ENDPOINT}" >&2
