@@ -204,6 +204,12 @@ class FaultTolerantStrategy(Strategy):
             offset += p.numel()
         return flat[gradients.numel():]
 
+    def vector_length(self) -> int:
+        """The values synchronize() sends: gradients (a row per slot with --exact-sums), the slots'
+        coverage, the buffers."""
+        gradients = sum(p.numel() for p in self.params) * (self.slots if self.exact else 1)
+        return gradients + self.slots + sum(b.numel() for b in self.buffers)
+
     @staticmethod
     def _grad(p: nn.Parameter) -> torch.Tensor:
         return p.grad if p.grad is not None else torch.zeros_like(p)
@@ -235,6 +241,7 @@ class FaultTolerantTrainer(Trainer):
         self.slots = SlotBatches(self.run, strategy.slots)
         self.quorum: Quorum | None = None
         self.healed_from: int | None = None
+        self.agreed_in = -1  # the quorum whose groups were found to train this run alike
         self.agent = os.getppid()  # torchrun's agent: a worker left behind by it ends (ft.sh restarts the group)
         self.stop.CHECK_EVERY = 1  # a stopped group leaves after the step it is in: the others wait for none
         self.manager.register_state_dict_fn("run", self.load_peer_state, self.peer_state)
@@ -316,12 +323,35 @@ class FaultTolerantTrainer(Trainer):
                                  f"--quorum-timeout-s {self.ft.options['quorum_timeout_s']:g} "
                                  f"({type(error).__name__})", at) from None
         quorum = Quorum(self.manager.num_participants(), self.manager.participating_rank())
+        self.agree_on_the_run(quorum)
         if quorum != self.quorum:
             place = "is healing" if quorum.index is None else f"is number {quorum.index}"
             self.log.info(f"quorum of {quorum.groups} group(s) at step {self.run.global_step(at) + 1}: this group "
                           f"(group {self.ft.group_id}) {place}")
             self.quorum = quorum
         return quorum
+
+    def agree_on_the_run(self, quorum: Quorum) -> None:
+        """Once per quorum, before any gradient crosses: every group must train this run and cut its
+        batch alike (a vector of another length aborts gloo's process; another run's weights would
+        be taken silently). Integers summed with a count, as the replica check does: a healing group
+        (the newcomer) contributes zeros, so the one that differs is the one that finds out."""
+        quorum_id = self.manager._quorum_id  # torchft 0.2.0 keeps each quorum's id to itself
+        if quorum_id == self.agreed_in:
+            return
+        own = torch.tensor([self.ft.slots, self.ft.vector_length(), int(self.run.cfg.run_id, 16), 1])
+        summed = own.to(self.run.ctx.comm_device, copy=True)
+        self.manager.allreduce(summed, reduce_op=dist.ReduceOp.SUM).wait()
+        if self.manager.errored() is not None:  # the step fails and is tried again, with a new quorum
+            return
+        summed = summed.cpu()
+        count = int(summed[-1])
+        if not torch.equal(summed[:-1], count * own[:-1]):
+            raise UserError(f"group {self.ft.group_id} met groups that train another run or cut the batch "
+                            f"otherwise at the Lighthouse {self.ft.lighthouse} (this group: run "
+                            f"{self.run.cfg.run_id}, {self.ft.slots} slots): start every group with the same "
+                            "flags, --groups and ranks per group, or give each run its own Lighthouse (FT_PORT)")
+        self.agreed_in = quorum_id
 
     def end_heal(self, started: float) -> None:
         """This group trained the step it healed in with its peer's state and the step's sum: it is
@@ -401,16 +431,9 @@ class FaultTolerantTrainer(Trainer):
         return {"state": detached_copy(training_state(self.run, at)), "group": self.ft.group_id}
 
     def load_peer_state(self, received: dict[str, Any]) -> None:
-        """A live group's state, unless that group trains another run (another command behind the same
-        Lighthouse): its weights would silently replace this run's."""
-        state, mine = received["state"], self.run.cfg.identity()
-        if state["identity"] != mine:
-            differ = ", ".join(sorted(k for k in mine if state["identity"].get(k) != mine[k]))
-            raise UserError(f"group {self.ft.group_id} met another run's groups at the Lighthouse "
-                            f"{self.ft.lighthouse} (their {differ} differ): give each run a Lighthouse of its own "
-                            "(launch/ft.sh: FT_PORT)")
+        """A live group's state (of this run: agree_on_the_run() checked it in this quorum)."""
         self.healed_from = received["group"]
-        load_training_state(self.run, state)
+        load_training_state(self.run, received["state"])
 
     def saves(self) -> bool:
         """One group writes each checkpoint: the first of the last quorum (every group before one)."""

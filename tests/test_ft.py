@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -73,6 +74,34 @@ def exact3(mnist_root, tmp_path_factory) -> dict[str, torch.Tensor]:
     return final_weights(folder)
 
 
+STARTED: list[Job] = []  # every job of the running test: whatever a failed assertion leaves running is killed
+
+
+@pytest.fixture(autouse=True)
+def nothing_left_running():
+    yield
+    for job in STARTED:
+        job.kill_tree()
+    STARTED.clear()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (its groups' torchruns run in process groups of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
 class Job:
     """launch/ft.sh (or one more group's torchrun), its output read line by line with the time each
     line came."""
@@ -80,6 +109,7 @@ class Job:
     def __init__(self, command: list[str], env: dict[str, str]) -> None:
         self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
                                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        STARTED.append(self)
         self.lines: list[tuple[float, str]] = []
         self.reader = threading.Thread(target=self._read, daemon=True)
         self.reader.start()
@@ -111,6 +141,15 @@ class Job:
     def text(self) -> str:
         return "\n".join(line for _, line in self.lines)
 
+    def kill_tree(self) -> None:
+        for pid in [*descendants(self.process.pid), self.process.pid]:
+            for signum in (signal.SIGCONT, signal.SIGKILL):  # a frozen (SIGSTOPped) group too
+                try:
+                    os.kill(pid, signum)
+                except ProcessLookupError:
+                    pass
+        self.process.wait(10)
+
 
 class FtRun:
     """launch/ft.sh GROUPS 1 on a free port, its pid files and logs in `folder`."""
@@ -134,7 +173,8 @@ class FtRun:
         """One more group, started by hand as a user would on another machine."""
         env = {**self.env, "REPLICA_GROUP_ID": str(group), "FT_GROUPS": str(groups),
                "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{self.port}"}
-        return Job(["torchrun", "--standalone", "--nproc_per_node=1", *self.training], env)
+        return Job([sys.executable, "launch/quiet_torchrun.py", "--standalone", "--nproc_per_node=1", *self.training],
+                   env)
 
 
 def healed_at(text: str, group: int) -> list[int]:
@@ -341,9 +381,11 @@ def test_a_frozen_group_a_group_killed_while_healing_and_the_last_group_alone_ne
 
 
 # 5 -------------------------------------------------------------------------------------------
-def test_a_second_run_on_the_same_port_is_refused_and_ctrl_c_stops_every_group_saved(mnist_root, tmp_path):
+def test_another_run_or_batch_cut_is_refused_and_ctrl_c_stops_every_group_saved(mnist_root, tmp_path):
     """A second launch/ft.sh on the port of a running one must not send its groups into the other
-    run's quorum (they would heal from its weights): it ends at once, naming FT_PORT. A terminal's
+    run's quorum (they would heal from its weights): it ends at once, naming FT_PORT. A group that
+    cuts the batch otherwise (--groups 1) ends with one line, not gloo's abort, and the run goes on.
+    A terminal's
     Ctrl-C (SIGINT to ft.sh's whole process group) stops every group: the first saves, ft.sh ends
     after them, and no process of the run is left."""
     run = FtRun(tmp_path / "a", 2, [*SLOW, *flags(mnist_root, tmp_path / "a")])
@@ -351,6 +393,10 @@ def test_a_second_run_on_the_same_port_is_refused_and_ctrl_c_stops_every_group_s
     other = Job(["bash", "launch/ft.sh", "2", "1", "train_ft.py", *flags(mnist_root, tmp_path / "b")],
                 {**run.env, "FT_LOGS": str(tmp_path / "b-logs")})
     assert other.finish(timeout=30) == 2 and "set FT_PORT to a free port" in other.text(), other.text()
+    odd = run.extra_group(2, 1)  # --groups 1 by its FT_GROUPS: it would cut the batch otherwise
+    assert odd.finish(timeout=90) != 0, odd.text()
+    assert "met groups that train another run or cut the batch otherwise" in odd.text(), odd.text()[-3000:]
+    assert "Traceback" not in odd.text() and "SIGABRT" not in odd.text(), odd.text()[-3000:]
     pids = [run.worker(0), run.worker(1), int((run.logs / "group0.pid").read_text())]
     time.sleep(1.0)
     stopped = time.monotonic()
