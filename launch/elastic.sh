@@ -63,8 +63,12 @@ for setting in LAST_CALL DEAD_AFTER JOIN_TIMEOUT STORE_WAIT MAX_RESTARTS NPROC; 
         exit 2
     fi
 done
-host=${RDZV_ENDPOINT%:*}
-port=${RDZV_ENDPOINT##*:}
+if [[ ! "$RDZV_ENDPOINT" =~ ^([A-Za-z0-9._-]+):([0-9]{1,5})$ ]] || (( BASH_REMATCH[2] < 1 || BASH_REMATCH[2] > 65535 )); then
+    echo "error: RDZV_ENDPOINT=${RDZV_ENDPOINT} is not HOST:PORT (a host name or IPv4 address, a port 1-65535, e.g." \
+         "head:29400): where launch/elastic_store.py serves" >&2
+    exit 2
+fi
+host=${BASH_REMATCH[1]} port=${BASH_REMATCH[2]}
 rdzv_id=${RDZV_ID:-dp-suite-elastic}
 dead_after=${DEAD_AFTER:-5}
 gpus=$(nvidia-smi --list-gpus 2>/dev/null | wc -l || true)

@@ -191,7 +191,9 @@ def test_a_node_joins_and_leaves_without_losing_a_step(script, mnist_root, tmp_p
     ({"STORE_WAIT": "1"}, "error: no rendezvous store answers at 127.0.0.1:{port} (waited 1 s): start "
                           "'python3 launch/elastic_store.py --port {port}' on 127.0.0.1, a machine that stays up "
                           "for the whole job"),
-], ids=["fixed-size", "fraction", "no-store"])
+    ({"RDZV_ENDPOINT": "head:abc"}, "error: RDZV_ENDPOINT=head:abc is not HOST:PORT (a host name or IPv4 address, a "
+                                    "port 1-65535, e.g. head:29400): where launch/elastic_store.py serves"),
+], ids=["fixed-size", "fraction", "no-store", "bad-endpoint"])
 def test_elastic_sh_refuses_bad_settings_and_an_absent_store_in_one_line(env, line):
     port = free_port()
     result = subprocess.run(["bash", "launch/elastic.sh", "train_ddp.py"], cwd=ROOT, capture_output=True, text=True,
