@@ -281,9 +281,9 @@ class FaultTolerantTrainer(Trainer):
             started = time.perf_counter()
             if fresh:  # answered in a thread of torchft's, during the slots' forward and backward
                 self.manager.start_quorum()
-            assumed = self.quorum or self.settle(at, started)
+            assumed = self.quorum or self.settle(at)
             mine, batches, (stats, rows, extra) = self.train_share(assumed, at, clock)
-            quorum = self.settle(at, started) if fresh else assumed
+            quorum = self.settle(at) if fresh else assumed
             if quorum != assumed:  # the groups changed: this step's slots are dealt anew
                 mine, batches, (stats, rows, extra) = self.train_share(quorum, at, clock)
             summed = self.ft.synchronize(extra, rows)
@@ -312,8 +312,8 @@ class FaultTolerantTrainer(Trainer):
         clock.lap(COMPUTE)
         return mine, batches, trained
 
-    def settle(self, at: Position, started: float) -> Quorum:
-        """Wait for the quorum asked for at `started`. A group behind the others is not one of its
+    def settle(self, at: Position) -> Quorum:
+        """Wait for the quorum asked for as the step started. A group behind the others is not one of its
         participants (index None): it trains no slot, receives the step's sum, and loads a live
         group's state (taken before that group's update) as the step commits."""
         try:
@@ -323,7 +323,7 @@ class FaultTolerantTrainer(Trainer):
                                  f"--quorum-timeout-s {self.ft.options['quorum_timeout_s']:g} "
                                  f"({type(error).__name__})", at) from None
         quorum = Quorum(self.manager.num_participants(), self.manager.participating_rank())
-        self.agree_on_the_run(quorum)
+        self.agree_on_the_run()
         if quorum != self.quorum:
             place = "is healing" if quorum.index is None else f"is number {quorum.index}"
             self.log.info(f"quorum of {quorum.groups} group(s) at step {self.run.global_step(at) + 1}: this group "
@@ -331,7 +331,7 @@ class FaultTolerantTrainer(Trainer):
             self.quorum = quorum
         return quorum
 
-    def agree_on_the_run(self, quorum: Quorum) -> None:
+    def agree_on_the_run(self) -> None:
         """Once per quorum, before any gradient crosses: every group must train this run and cut its
         batch alike (a vector of another length aborts gloo's process; another run's weights would
         be taken silently). Integers summed with a count, as the replica check does: a healing group
