@@ -34,13 +34,13 @@ from torch import nn
 from common.config import Config, world_size_from_env
 from common.data.loader import TrainLoader
 from common.errors import ConfigError, UserError, first_line
-from common.parallel.comm import replicate_from_rank0
+from common.parallel.comm import flatten, replicate_from_rank0, unflatten
 from common.parallel.context import DistContext
 from common.train.app import main as run
 from common.train.checkpoint import detached_copy, load_training_state, training_state
 from common.train.preemption import SAVE_FAILED, Preempted
 from common.train.run import Position
-from common.train.step import COMPUTE, DATA, SYNC, StepClock, StepRecipe, backward, reseed, update
+from common.train.step import COMPUTE, DATA, SYNC, StepClock, backward, reseed, update
 from common.train.strategy import Strategy
 from common.train.trainer import Trainer
 
@@ -175,9 +175,14 @@ class FaultTolerantStrategy(Strategy):
 
     def take_gradients(self, row: torch.Tensor) -> None:
         """The slot's gradients into its row, and .grad cleared for the next slot."""
-        torch.cat([self._grad(p).reshape(-1) for p in self.params], out=row)
+        row.copy_(self.gradients())
         for p in self.params:
             p.grad = None
+
+    def gradients(self) -> torch.Tensor:
+        """This rank's gradients in one flat tensor (zeros for a parameter forward did not use)."""
+        return flatten([p.grad if p.grad is not None else torch.zeros_like(p) for p in self.params],
+                       self.params[0].device)
 
     def synchronize(self, extra: torch.Tensor, rows: torch.Tensor | None) -> torch.Tensor:
         """One vector, the gradients (or the slots' rows) then `extra`, summed over the group's ranks
@@ -185,8 +190,7 @@ class FaultTolerantStrategy(Strategy):
         they are then added in slot order: the same bits whichever groups trained which slots.
         Returns extra's sum. After a failed cross-group sum the values are garbage: should_commit()
         is then False and the step is retried."""
-        gradients = rows.reshape(-1) if rows is not None else \
-            torch.cat([self._grad(p).reshape(-1) for p in self.params])
+        gradients = rows.reshape(-1) if rows is not None else self.gradients()
         flat = torch.cat([gradients, extra.to(gradients.dtype)]).to(self.ctx.comm_device)
         if self.ctx.world_size > 1:
             dist.all_reduce(flat)
@@ -198,10 +202,8 @@ class FaultTolerantStrategy(Strategy):
             total = per_slot[0].clone()
             for row in per_slot[1:]:
                 total += row
-        offset = 0
-        for p in self.params:  # views of this step's own vector
-            p.grad = total[offset:offset + p.numel()].view_as(p)
-            offset += p.numel()
+        for p, grad in zip(self.params, unflatten(total, self.params)):  # views of this step's own vector
+            p.grad = grad
         return flat[gradients.numel():]
 
     def vector_length(self) -> int:
@@ -209,10 +211,6 @@ class FaultTolerantStrategy(Strategy):
         coverage, the buffers."""
         gradients = sum(p.numel() for p in self.params) * (self.slots if self.exact else 1)
         return gradients + self.slots + sum(b.numel() for b in self.buffers)
-
-    @staticmethod
-    def _grad(p: nn.Parameter) -> torch.Tensor:
-        return p.grad if p.grad is not None else torch.zeros_like(p)
 
 
 @dataclass(frozen=True)
@@ -291,8 +289,7 @@ class FaultTolerantTrainer(Trainer):
             if self.manager.should_commit():  # a healing group loads its peer's state here
                 self.count_samples(summed[:self.ft.slots], at)
                 self.restore_slot0_buffers(summed[self.ft.slots:])
-                norm = update(run.model, run.strategy, run.optimizer, run.scheduler, run.precision,
-                              StepRecipe.of(run.cfg))
+                norm = update(run.model, run.strategy, run.optimizer, run.scheduler, run.precision, self.recipe)
                 clock.lap(COMPUTE)
                 self.slots.done(at)
                 if quorum.index is None:
@@ -334,19 +331,15 @@ class FaultTolerantTrainer(Trainer):
     def agree_on_the_run(self) -> None:
         """Once per quorum, before any gradient crosses: every group must train this run and cut its
         batch alike (a vector of another length aborts gloo's process; another run's weights would
-        be taken silently). Integers summed with a count, as the replica check does: a healing group
-        (the newcomer) contributes zeros, so the one that differs is the one that finds out."""
+        be taken silently)."""
         quorum_id = self.manager._quorum_id  # torchft 0.2.0 keeps each quorum's id to itself
         if quorum_id == self.agreed_in:
             return
-        own = torch.tensor([self.ft.slots, self.ft.vector_length(), int(self.run.cfg.run_id, 16), 1])
-        summed = own.to(self.run.ctx.comm_device, copy=True)
-        self.manager.allreduce(summed, reduce_op=dist.ReduceOp.SUM).wait()
-        if self.manager.errored() is not None:  # the step fails and is tried again, with a new quorum
+        own = torch.tensor([self.ft.slots, self.ft.vector_length(), int(self.run.cfg.run_id, 16)])
+        differs = self.differing_across_groups(own)
+        if differs is None:  # the sum failed: the step is tried again, with a new quorum
             return
-        summed = summed.cpu()
-        count = int(summed[-1])
-        if not torch.equal(summed[:-1], count * own[:-1]):
+        if len(differs):
             raise UserError(f"group {self.ft.group_id} met groups that train another run or cut the batch "
                             f"otherwise at the Lighthouse {self.ft.lighthouse} (this group: run "
                             f"{self.run.cfg.run_id}, {self.ft.slots} slots): start every group with the same "
@@ -375,7 +368,7 @@ class FaultTolerantTrainer(Trainer):
         correct), the rows (None without the flag), and what goes along with the gradients: 1 for each of
         this rank's slots, and the buffers (BatchNorm's statistics) as slot 0's micro-batches left
         them, from the rank that trained slot 0 (zeros elsewhere)."""
-        run, recipe = self.run, StepRecipe.of(self.run.cfg)
+        run, recipe = self.run, self.recipe
         run.strategy.zero_grad(run.model, run.optimizer)
         stats = torch.zeros(2, device=run.ctx.device)
         coverage = torch.zeros(self.ft.slots, device=run.ctx.device)
@@ -391,7 +384,7 @@ class FaultTolerantTrainer(Trainer):
                 self.ft.take_gradients(rows[slot])
             coverage[slot] += 1
             if slot == 0 and self.ft.buffers:
-                buffers = torch.cat([b.reshape(-1).float() for b in self.ft.buffers])
+                buffers = flatten([b.float() for b in self.ft.buffers], run.ctx.device)
         for b, old in zip(self.ft.buffers, before):
             b.copy_(old)  # every rank takes slot 0's below, once the step commits
         return stats, rows, torch.cat([coverage, buffers])
@@ -413,10 +406,8 @@ class FaultTolerantTrainer(Trainer):
         return result
 
     def restore_slot0_buffers(self, values: torch.Tensor) -> None:
-        offset = 0
-        for b in self.ft.buffers:
-            b.copy_(values[offset:offset + b.numel()].view_as(b).to(b.dtype))
-            offset += b.numel()
+        for b, value in zip(self.ft.buffers, unflatten(values, self.ft.buffers)):
+            b.copy_(value)
 
     def end_without_lighthouse(self, lost: LighthouseLost) -> None:
         """No quorum means no step: the group saves where it stands and ends with one line."""
@@ -464,18 +455,25 @@ class FaultTolerantTrainer(Trainer):
 
     def check_groups_equal(self, step: int) -> None:
         """--check-replicas across groups, bit for bit: each tensor's bytes as an integer fingerprint,
-        summed over the quorum through torchft with a count of the groups that took part (a healing
-        group's part is zeros): equal replicas make the sum the count times each one's own.
-        Skipped in a step whose quorum failed since (it is trained again)."""
+        the same in every group of the quorum. Skipped in a step whose quorum failed since (it is
+        trained again)."""
         named = self.run.strategy.replicated(self.run.model)
-        own = torch.stack([*(fingerprint(t) for _, t in named), torch.ones((), dtype=torch.int64)])
-        summed = own.to(self.run.ctx.comm_device, copy=True)
-        self.manager.allreduce(summed, reduce_op=dist.ReduceOp.SUM).wait()
-        summed = summed.cpu()
-        differs = (summed[:-1] != summed[-1] * own[:-1]).nonzero()
-        if self.manager.errored() is None and len(differs):
+        differs = self.differing_across_groups(torch.stack([fingerprint(t) for _, t in named]))
+        if differs is not None and len(differs):
             self.run.ctx.fail_together(f"replica check at step {step}: {named[int(differs[0])][0]} differs across "
                                        "replica groups; the groups drifted apart")
+
+    def differing_across_groups(self, own: torch.Tensor) -> torch.Tensor | None:
+        """The positions where the quorum's groups hold other integers than this group (None if the
+        sum failed). Summed through torchft with a count of the groups that took part: a healing
+        group's part is zeros, so equal values make the sum the count times each one's own, and
+        the group that differs (a newcomer heals) is the one that finds out."""
+        summed = torch.cat([own, torch.ones(1, dtype=own.dtype)]).to(self.run.ctx.comm_device)
+        self.manager.allreduce(summed, reduce_op=dist.ReduceOp.SUM).wait()
+        if self.manager.errored() is not None:
+            return None
+        summed = summed.cpu()
+        return (summed[:-1] != summed[-1] * own).nonzero().flatten()
 
 
 def fingerprint(tensor: torch.Tensor) -> torch.Tensor:

@@ -108,14 +108,13 @@ def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Opti
 
 
 def backward(model: nn.Module, strategy: Strategy, precision: Precision, images: torch.Tensor,
-             targets: torch.Tensor, recipe: StepRecipe, divisor: int, sync_last: bool = True) -> torch.Tensor:
+             targets: torch.Tensor, recipe: StepRecipe, divisor: int) -> torch.Tensor:
     """Forward and backward of `accumulate` micro-batches, each mean loss divided by `divisor`, the
-    gradients summed into .grad; the strategy may communicate on the last one (sync_last), not
-    before. Returns (loss sum, correct) over the rows."""
+    gradients summed into .grad; the strategy may communicate on the last one, not before. Returns (loss sum, correct) over the rows."""
     stats = torch.zeros(2, device=images.device)
     micro = recipe.accumulate
     for i, (x, y) in enumerate(zip(images.chunk(micro), targets.chunk(micro))):
-        with strategy.no_sync(model) if i < micro - 1 or not sync_last else nullcontext():
+        with strategy.no_sync(model) if i < micro - 1 else nullcontext():
             with precision.autocast():
                 logits = model(x)
                 loss = F.cross_entropy(logits, y, label_smoothing=recipe.label_smoothing)

@@ -152,6 +152,7 @@ class Trainer:
     def __post_init__(self) -> None:
         self.steps = StepLog(self.run.ctx)
         self.random = uses_randomness(self.run.plain)
+        self.recipe = StepRecipe.of(self.run.cfg)
         self.stop_signal = 0  # agreed on, waiting for a synchronized step
         self.save_due = False
 
@@ -243,7 +244,7 @@ class Trainer:
         if self.random:
             reseed(run.cfg.seed, run.ctx.rank, run.global_step(at))
         stats, norm = train_step(run.step_model, run.strategy, run.optimizer, run.scheduler, run.precision, images,
-                                 labels, StepRecipe.of(run.cfg), clock)
+                                 labels, self.recipe, clock)
         return stats, norm, len(labels)
 
     def log_loader(self, at: Position) -> None:
