@@ -13,13 +13,18 @@ Grouped by concern, in layers; a module imports only from its own layer and the 
 The train_*.py scripts, evaluate.py, predict.py, export.py, tests, bench and launch stand above all
 of it; nothing here imports them.
 
-Importing the package does one thing besides: when a train_*.py is the program, Python's garbage
-collector pauses until training starts (common/collector.py says why). Every train_*.py imports
-the package first, so that its own import of torch is covered too.
+Importing the package does two things besides: when a train_*.py is the program, Python's garbage
+collector pauses until training starts (common/collector.py says why); in a worker of torchrun, a
+thread watches its agent, so that the worker ends if the agent dies, set-up included
+(common/orphans.py). Every train_*.py imports the package first, so that its own import of torch
+is covered too.
 """
 from common.collector import pause_during_set_up, started_as_a_training_script
+from common.orphans import end_when_the_agent_dies, launched_by_torchrun
 
 __version__ = "0.1.0"
 
 if started_as_a_training_script():
     pause_during_set_up()
+if launched_by_torchrun():
+    end_when_the_agent_dies()

@@ -13,6 +13,8 @@
 # run does; the same command resumes from it. Settings (environment):
 #   FT_PORT               the Lighthouse's port on 127.0.0.1 (default 29510)
 #   FT_RESTARTS           restarts per group, at most (default 3)
+#   FT_LIGHTHOUSE_RESTARTS  restarts of the Lighthouse, at most (default 10): the groups wait for it within
+#                         --quorum-timeout-s and go on, no group ends
 #   FT_HEARTBEAT_MS       a group silent this long is out of the quorum (default 3000)
 #   FT_JOIN_MS            how long a quorum waits for late groups once enough have joined (default 2000)
 #   FT_LOGS               where the Lighthouse's log goes (default: a new folder under /tmp)
@@ -25,9 +27,9 @@ if [[ $# -lt 3 || ! $1 =~ ^[1-9][0-9]*$ || ! $2 =~ ^[1-9][0-9]*$ ]]; then
 fi
 groups=$1 nproc=$2
 shift 2
-port=${FT_PORT:-29510} restarts=${FT_RESTARTS:-3}
+port=${FT_PORT:-29510} restarts=${FT_RESTARTS:-3} lighthouse_restarts=${FT_LIGHTHOUSE_RESTARTS:-10}
 logs=${FT_LOGS:-$(mktemp -d /tmp/ft-XXXXXX)}
-mkdir -p "$logs" && rm -f "$logs"/group*.pid "$logs/stopping"
+mkdir -p "$logs" && rm -f "$logs"/group*.pid "$logs/stopping" "$logs/lighthouse.pid"
 lighthouse_bin=$(command -v torchft_lighthouse) ||
     { echo "error: torchft_lighthouse is not on PATH; activate the environment of requirements.txt (torchft)" >&2; exit 2; }
 torchrun=$(command -v torchrun) || { echo "error: torchrun is not on PATH; activate the environment that has torch" >&2; exit 2; }
@@ -35,6 +37,7 @@ python=$(head -n 1 "$torchrun" | sed 's/^#!//')  # the interpreter torchrun belo
 root=$(cd "$(dirname "$0")/.." && pwd)
 
 say() { echo "ft: $*"; }
+ended() { if (( $1 > 128 )); then echo "killed by SIG$(kill -l $(($1 - 128)))"; else echo "exit $1"; fi; }
 
 # shellcheck disable=SC2317  # runs from the traps
 stop_all() {  # $1: TERM or INT, passed to every group's torchrun and workers (their own process groups)
@@ -55,22 +58,51 @@ probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closed connecti
 probe.bind(("127.0.0.1", int(sys.argv[1])))' "$port" 2>/dev/null ||
     { echo "error: port $port on 127.0.0.1 is in use (another run's Lighthouse?); set FT_PORT to a free port" >&2; exit 2; }
 
-# The Lighthouse in a process group of its own (a terminal's Ctrl-C is for the groups, which stop and save
-# first), told to end when this script does, even by SIGKILL (PR_SET_PDEATHSIG, kept across exec).
-set -m
-RUST_LOG=${RUST_LOG:-info} "$python" -c 'import ctypes, os, signal, sys
+# The Lighthouse, told to end when its supervisor does, even by SIGKILL (PR_SET_PDEATHSIG, kept across exec).
+start_lighthouse() {
+    RUST_LOG=${RUST_LOG:-info} "$python" -c 'import ctypes, os, signal, sys
 ctypes.CDLL(None).prctl(1, signal.SIGTERM)
 os.execv(sys.argv[1], sys.argv[1:])' "$lighthouse_bin" --min_replicas 1 --bind "127.0.0.1:$port" \
-    --heartbeat_timeout_ms "${FT_HEARTBEAT_MS:-3000}" --join_timeout_ms "${FT_JOIN_MS:-2000}" \
-    > "$logs/lighthouse.log" 2>&1 &
-lighthouse=$!
+        --heartbeat_timeout_ms "${FT_HEARTBEAT_MS:-3000}" --join_timeout_ms "${FT_JOIN_MS:-2000}" \
+        >> "$logs/lighthouse.log" 2>&1 &
+    echo $! > "$logs/lighthouse.pid"
+}
+
+# shellcheck disable=SC2317  # runs in the background
+supervise_lighthouse() {  # starts it, and again when it dies, FT_LIGHTHOUSE_RESTARTS times at most
+    local attempt=0 code pid
+    trap 'kill "$(cat "$logs/lighthouse.pid")" 2>/dev/null; exit 0' TERM
+    trap '' INT  # a terminal's Ctrl-C is for the groups, which stop and save first
+    while :; do
+        start_lighthouse
+        pid=$(cat "$logs/lighthouse.pid")
+        code=0
+        wait "$pid" 2>/dev/null || code=$?  # 2>/dev/null: bash's own "Killed" line, said below as ours
+        [[ -e "$logs/stopping" ]] && return 0
+        if (( attempt >= lighthouse_restarts )); then
+            say "the Lighthouse died ($(ended "$code")); no restarts left (FT_LIGHTHOUSE_RESTARTS=$lighthouse_restarts): each" \
+                "group ends, saved, within --quorum-timeout-s"
+            return 1
+        fi
+        attempt=$((attempt + 1))
+        say "the Lighthouse died ($(ended "$code")); restarted ($attempt of $lighthouse_restarts) on 127.0.0.1:$port: the" \
+            "groups wait for its quorum (--quorum-timeout-s) and go on"
+    done
+}
+
+# In a process group of its own (a terminal's Ctrl-C is for the groups).
+set -m
+supervise_lighthouse &
+supervisor=$!
 set +m
 for ((waited = 0; ; waited++)); do  # serving within 10 s, or one line
+    lighthouse=$(cat "$logs/lighthouse.pid" 2>/dev/null)
     (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && kill -0 "$lighthouse" 2>/dev/null && break
-    if ! kill -0 "$lighthouse" 2>/dev/null || (( waited >= 100 )); then
+    if ! kill -0 "$supervisor" 2>/dev/null || (( waited >= 100 )); then
         echo "error: the Lighthouse did not start on 127.0.0.1:$port ($(tail -n 1 "$logs/lighthouse.log")); set" \
              "FT_PORT to a free port" >&2
-        kill "$lighthouse" 2>/dev/null
+        touch "$logs/stopping"
+        kill "$supervisor" 2>/dev/null
         exit 2
     fi
     sleep 0.1
@@ -86,7 +118,10 @@ run_group() {  # $1: group number, then the script and its flags; restarts it wh
         # quiet_torchrun.py: torchrun, with a worker's one-line error instead of torchrun's dump (single_node.sh).
         # The prefixing sed ignores the stop (as this loop does): it passes on the group's last lines.
         (trap - INT TERM  # the group itself takes the stop
+         # TORCH_CPP_LOG_LEVEL: c10d's warnings (a peer's store gone, with C++ frames) would say again, as a dump,
+         # what the groups' own lines say
          REPLICA_GROUP_ID=$g FT_GROUPS=$groups TORCHFT_LIGHTHOUSE="http://127.0.0.1:$port" \
+             TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR} \
              PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec "$python" "$root/launch/quiet_torchrun.py" \
              --standalone "--nproc_per_node=$nproc" "$@") > >(exec sed -u "s/^/[g$g] /") 2>&1 &
         echo $! > "$logs/group$g.pid"
@@ -97,7 +132,7 @@ run_group() {  # $1: group number, then the script and its flags; restarts it wh
         [[ -e "$logs/stopping" ]] && return "$code"
         (( code == 2 )) && return 2  # a flag it refused: every restart would refuse it too
         if (( code == 130 || code == 143 )); then say "group $g left (stopped by SIG$(kill -l $((code - 128))))"; return "$code"; fi
-        kill -0 "$lighthouse" 2>/dev/null || { say "group $g ended (exit $code); the Lighthouse is gone"; return "$code"; }
+        kill -0 "$supervisor" 2>/dev/null || { say "group $g ended (exit $code); the Lighthouse is gone"; return "$code"; }
         (( attempt < restarts )) || { say "group $g lost (exit $code); no restarts left (FT_RESTARTS=$restarts)"; return "$code"; }
         attempt=$((attempt + 1))
         say "group $g lost (exit $code); restarted ($attempt of $restarts): it heals from a live group, if one is left"
@@ -118,6 +153,7 @@ for pid in "${supervisors[@]}"; do
     (( status == 0 )) && status=$code
 done
 [[ -n $finished && ! -e "$logs/stopping" ]] && status=0  # the run is done: the groups that finished trained it all
-kill "$lighthouse" 2>/dev/null
-wait "$lighthouse" 2>/dev/null
+touch "$logs/stopping"  # the run is over: the Lighthouse is not started again
+kill "$supervisor" 2>/dev/null
+wait "$supervisor" 2>/dev/null
 exit "$status"

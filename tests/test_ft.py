@@ -190,7 +190,7 @@ def every_sample_once(text: str, group: int) -> list[int]:
 # 0 -------------------------------------------------------------------------------------------
 @pytest.mark.quick
 def test_slots_are_dealt_to_the_ranks_of_the_groups_in_the_quorum_once_each():
-    from train_ft import Quorum, share
+    from common.train.ft import Quorum, share
 
     def dealt(slots: int, groups: int, ranks: int) -> list[list[int]]:
         return [share(slots, Quorum(groups, g), r, ranks) for g in range(groups) for r in range(ranks)]
@@ -204,7 +204,7 @@ def test_slots_are_dealt_to_the_ranks_of_the_groups_in_the_quorum_once_each():
 
 @pytest.mark.quick
 def test_the_cross_group_replica_check_tells_equal_bits_from_a_changed_or_moved_value():
-    from train_ft import fingerprint
+    from common.train.ft import fingerprint
 
     weights = torch.randn(1000)
     assert fingerprint(weights) == fingerprint(weights.clone())
@@ -231,13 +231,17 @@ REFUSALS = [
     (["--groups", "0", "--group-id", "0", "--lighthouse", "http://h:1"], "must be >= 1"),
     (["--groups", "2", "--group-id", "0", "--lighthouse", "http://h:1", "--ft-timeout-s", "0"],
      "--ft-timeout-s and --quorum-timeout-s must be > 0"),
+    (["--groups", "2", "--group-id", "0", "--lighthouse", "http://h:1", "--min-groups", "3"],
+     "--min-groups 3 is more than the --groups 2 the batch is planned for: no step could ever commit"),
+    (["--groups", "2", "--group-id", "0", "--lighthouse", "http://h:1"],  # plain python, not torchrun
+     "train_ft.py runs as replica groups, each one a torchrun job: launch/ft.sh"),
 ]
 
 
 @pytest.mark.quick
 @pytest.mark.parametrize("extra, says", REFUSALS, ids=[says.split(":")[0][:40] for _, says in REFUSALS])
 def test_train_ft_refuses_what_cannot_work_in_one_line_before_any_process_group(extra, says, capsys, monkeypatch):
-    for name in ("FT_GROUPS", "REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE"):
+    for name in ("FT_GROUPS", "REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE", "MASTER_ADDR"):
         monkeypatch.delenv(name, raising=False)
     code, err = refusal_in_process(["train_ft.py", "--dataset", "mnist", "--batch-size", "48", *extra],
                                    capsys, monkeypatch)
@@ -246,10 +250,10 @@ def test_train_ft_refuses_what_cannot_work_in_one_line_before_any_process_group(
 
 @pytest.mark.quick
 def test_without_torchft_train_ft_says_so_in_one_line(capsys, monkeypatch):
-    import train_ft
+    from common.train import ft
 
-    monkeypatch.setattr(train_ft, "Manager", None)
-    monkeypatch.setattr(train_ft, "TORCHFT_MISSING", "No module named 'torchft'", raising=False)
+    monkeypatch.setattr(ft, "Manager", None)
+    monkeypatch.setattr(ft, "TORCHFT_MISSING", "No module named 'torchft'", raising=False)
     code, err = refusal_in_process(["train_ft.py", "--groups", "2", "--group-id", "0", "--lighthouse", "http://h:1"],
                                    capsys, monkeypatch)
     assert code == 2 and err.count("\n") == 1 and "train_ft.py needs torchft (No module named 'torchft')" in err, err

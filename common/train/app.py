@@ -71,7 +71,7 @@ def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
     sub = strategy.log_subfolder()
     logged = replace(run.cfg, log_dir=os.path.join(run.cfg.log_dir, sub)) if sub else run.cfg
     log = make_logger(logged, ctx.rank, run_hparams(run), purge_step=run.global_step(start) + 1 if resumed else None)
-    stop, relay = StopRequest(ctx, checkpoints.save_failed), WarningRelay()
+    stop, relay = StopRequest(ctx, checkpoints.save_failed, strategy.stop_check_every), WarningRelay()
     profiler = StepProfiler(trace_folder(run.cfg.log_dir, cfg.run_id), ctx.rank, ctx.device, log) \
         if cfg.profile else NoProfiler()
     final = None

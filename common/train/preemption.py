@@ -1,6 +1,6 @@
 """SIGTERM / SIGINT: every rank stops at the same point, after a checkpoint.
 
-A signal only sets a flag. Every CHECK_EVERY steps the flag is all-reduced (MAX) asynchronously as
+A signal only sets a flag. Every CHECK_EVERY steps (a strategy may ask for another interval) the flag is all-reduced (MAX) asynchronously as
 a step starts, so the round trip hides behind the step, and read at its end: every rank sees the
 same verdict after the same step, at most CHECK_EVERY steps after the signal. Evaluation checks
 the same way every CHECK_EVERY of its batches, and a save checks once as it returns (a save can
@@ -59,10 +59,10 @@ class StopRequest:
     read as it ends, hidden behind it, and costs one small collective per CHECK_EVERY steps
     instead of one per step."""
 
-    CHECK_EVERY = 10
+    CHECK_EVERY = 10  # the default interval
 
-    def __init__(self, ctx: DistContext, save_failed: Callable[[], bool]) -> None:
-        self.ctx, self.save_failed = ctx, save_failed
+    def __init__(self, ctx: DistContext, save_failed: Callable[[], bool], check_every: int = CHECK_EVERY) -> None:
+        self.ctx, self.save_failed, self.check_every = ctx, save_failed, check_every
         self.received = 0  # the request: the first signal's number
         self.first_at: float | None = None  # when the watcher saw the first signal
         self.flag = torch.zeros(1, dtype=torch.int32, device=ctx.comm_device)
@@ -111,18 +111,24 @@ class StopRequest:
 
     def begin_step(self, index: int) -> None:
         """`index`: the global step about to run (counted from 0), or the evaluation batch."""
-        if index % self.CHECK_EVERY == 0:
+        if index % self.check_every == 0:
             self.flag.fill_(self._local_verdict())
             self.handle = dist.all_reduce(self.flag, op=dist.ReduceOp.MAX, async_op=True)
 
     def agreed_signal(self, index: int) -> int:
         """0, SAVE_FAILED, or the signal some rank received before this check began (same answer on
         every rank). `index`: the step (or evaluation batch) that just ran, as given to begin_step."""
-        if index % self.CHECK_EVERY or self.handle is None:
+        if index % self.check_every or self.handle is None:
             return 0
-        self.handle.wait()
-        self.handle = None
+        self.drain()
         return int(self.flag.item())
+
+    def drain(self) -> None:
+        """Wait for the check in flight, if any, and forget it: for a loop that leaves its step
+        before reading the verdict (a replica group moved to another step by a heal)."""
+        if self.handle is not None:
+            self.handle.wait()
+            self.handle = None
 
     def agree_now(self) -> int:
         """A blocking check (a collective), for a point every rank reaches together with no step to

@@ -17,6 +17,7 @@ from common.parallel.context import DistContext
 from common.errors import ConfigError
 from common.train.optim import entry_order, from_positions, make_optimizer, to_positions, whole_pieces
 from common.train.precision import Precision
+from common.train.preemption import StopRequest
 
 
 class Strategy:
@@ -32,6 +33,9 @@ class Strategy:
     # None: common/train/trainer.py's Trainer runs the steps; a strategy that owns its step loop (train_ft.py:
     # quorums, retries, healing) names its subclass of it
     trainer_class: type | None = None
+    # Steps between two checks for a stop request (common/train/preemption.py): a strategy whose jobs must
+    # not wait for one that was stopped (train_ft.py's replica groups) checks at every step
+    stop_check_every = StopRequest.CHECK_EVERY
     # False: several jobs train the run at once (train_ft.py's replica groups) and may write its checkpoints
     sole_writer = True
 

@@ -108,6 +108,11 @@ class StepLog:
         """host: samples, data s, compute s, sync s, steps."""
         self.rows.append((step, lr, grad_norm, stats, host, time.time()))
 
+    def discard_pending(self) -> None:
+        """Forget the rows not yet combined: steps this rank trained that its run left behind (a
+        replica group that healed to another step). Every rank of the job discards the same rows."""
+        self.rows.clear()
+
     def pending_steps(self) -> int:
         return int(sum(row[4][4] for row in self.rows))
 

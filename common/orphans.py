@@ -1,0 +1,36 @@
+"""A torchrun worker whose agent died ends, whatever it is doing.
+
+torchrun's agent supervises its workers: it restarts them, stops them, and tells the launcher how
+they ended. A worker whose agent is SIGKILLed (an out-of-memory kill, an operator, a chaos test) is
+re-parented and would go on unsupervised: a replica group nothing restarts or stops, holding its
+port and its GPU, or a rank that waits out a collective's timeout. Its agent may die at any moment,
+during set-up too (importing torch, reading data, joining the process group), so a thread started
+at the package's import watches the parent and ends the process with one line when it changes.
+"""
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+POLL_S = 0.5  # how soon an orphan notices; one getppid() per poll costs nothing
+
+
+def launched_by_torchrun() -> bool:
+    return "TORCHELASTIC_RUN_ID" in os.environ
+
+
+def end_when_the_agent_dies() -> None:
+    """Start the watch on this process's parent (torchrun's agent)."""
+    agent = os.getppid()
+    threading.Thread(target=_watch, args=(agent,), name="agent-watch", daemon=True).start()
+
+
+def _watch(agent: int) -> None:
+    while os.getppid() == agent:
+        time.sleep(POLL_S)
+    rank = os.environ.get("RANK", "?")
+    # os.write and os._exit: the main thread may be anywhere (printing, in a collective, in native code)
+    os.write(2, f"error: rank {rank}'s torchrun agent (pid {agent}) is gone: this worker stops rather than train on "
+                "unsupervised; its launcher restarts the job, if it is set to (the last checkpoint is kept)\n".encode())
+    os._exit(1)
