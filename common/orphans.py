@@ -32,5 +32,5 @@ def _watch(agent: int) -> None:
     rank = os.environ.get("RANK", "?")
     # os.write and os._exit: the main thread may be anywhere (printing, in a collective, in native code)
     os.write(2, f"error: rank {rank}'s torchrun agent (pid {agent}) is gone: this worker stops rather than train on "
-                "unsupervised; its launcher restarts the job, if it is set to (the last checkpoint is kept)\n".encode())
+                "unsupervised (its checkpoints are kept: the same command resumes)\n".encode())
     os._exit(1)
