@@ -19,7 +19,7 @@ from common.config import Config
 from common.parallel.comm import broadcast_coalesced, replicate_from_rank0
 from common.parallel.context import DistContext
 from common.errors import ConfigError
-from common.train.optim import TENSOR_STATE, Piece, decays, local, make_optimizer, whole_pieces
+from common.train.optim import Piece, decays, local, make_optimizer, tensor_state, whole_pieces
 
 import argparse
 import sys
@@ -83,7 +83,7 @@ class ZeroOne(Sharded):
     def make_optimizer(self, cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
         """Over the parts of each parameter in this rank's slice: each keeps its parameter's decay,
         and LARS/LAMB sum their norms over the ranks."""
-        self.state_keys = TENSOR_STATE[cfg.optimizer]
+        self.state_keys = tensor_state(cfg)
         return make_optimizer(cfg, self.flat.pieces(cfg), len(self.flat.everything), reduce=dist.all_reduce)
 
     def zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -18,7 +18,7 @@ from common.config import Config
 from common.parallel.comm import flatten, float_buffers, replicate_from_rank0, unflatten
 from common.parallel.context import DistContext
 from common.errors import ConfigError
-from common.train.optim import TENSOR_STATE
+from common.train.optim import tensor_state
 
 import argparse
 from typing import Any
@@ -118,7 +118,7 @@ class LocalSGDStrategy(Strategy):
     # state (momentum, Adam's moments) is not, so a checkpoint carries all of them.
 
     def make_optimizer(self, cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
-        self.state_keys = TENSOR_STATE[cfg.optimizer]
+        self.state_keys = tensor_state(cfg)
         return super().make_optimizer(cfg, model)
 
     def _own_state(self, optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:

@@ -26,6 +26,8 @@ BENCHMARKS = {  # name (a module of this package) -> what it measures
                 "batch; images/s of each optimizer on each strategy; AdamW's state per rank when sharded",
     "ft": "train_ft.py: images/s against DDP when nothing fails; a group SIGKILLed: time to the next step, steps "
           "lost, throughput while it is away, time to heal, beside DDP's restart from a checkpoint",
+    "chaos": "seeded random faults of every kind through a whole run (replica groups; checkpoint-and-restart): "
+             "survived, pauses, time back, and the fault-free run's weights, processes and files left",
     "gpu": "the GPU paths in one command (nccl, CUDA equivalence, DataParallel, cpu,cuda, resume): pass/fail",
 }
 

@@ -14,14 +14,11 @@ from typing import Any, Callable, Sequence
 
 from common.credentials import read_storage_options
 from common.models import MODELS, model_problem
+from common.optimizers import OPTIMIZERS
 from common.storage import log_url_problem, url_problem
 from common.weights import weights_problem
 
 DATASETS = ("cifar10", "mnist", "synthetic", "imagefolder", "shards")
-OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")
-ADAPTIVE = ("adamw", "lamb")  # per-coordinate step sizes: their own lr and weight decay scale
-ADAPTIVE_LR_PER_256 = 1e-3  # the default peak lr of adamw and lamb per 256 images of the global batch
-LARS_LR_SCALE = 10  # lars's default lr over sgd's: its trust ratio (eta 0.001) shrinks each layer's step
 SCHEDULES = ("onecycle", "cosine", "constant", "step")
 AUGMENTS = ("basic", "randaugment", "trivialaugment", "autoaugment")
 OWN_DATASETS = ("imagefolder", "shards")  # your own images (common/shards.py has their layouts)
@@ -290,7 +287,8 @@ def _add_optimizer_flags(group: argparse._ArgumentGroup) -> None:
         help="adamw and lamb's moment decays (default: 0.9,0.999)")
     add("--eps", type=float, default=1e-8, help="adamw and lamb's epsilon (default: %(default)s)")
     add("--weight-decay", type=float, default=None,
-        help="decoupled for adamw and lamb (default: 5e-4 for sgd and lars, 0.05 for adamw and lamb)")
+        help="decoupled for adamw and lamb (default: " + ", ".join(f"{r.weight_decay:g} for {name}" for name, r in
+                                                                    OPTIMIZERS.items()) + ")")
     add("--decay-norm-and-bias", action="store_true",
         help="decay every parameter; by default norm layers' weights and all biases get no weight decay (the "
              "torchvision and timm references' practice; before it, this suite decayed everything)")
@@ -411,13 +409,14 @@ def _refuse_unused(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """A setting the chosen optimizer or schedule does not read is a mistake to say, not to ignore."""
     defaults = {action.dest: action.default for action in p._actions}
     changed = {dest for dest in ("betas", "eps", "momentum", "gamma", "min_lr") if getattr(a, dest) != defaults[dest]}
-    unused = {"betas": a.optimizer not in ADAPTIVE, "eps": a.optimizer not in ADAPTIVE,
-              "momentum": a.optimizer in ADAPTIVE, "gamma": a.schedule != "step",
-              "min_lr": a.schedule not in ("onecycle", "cosine")}
+    reads = OPTIMIZERS[a.optimizer].reads
+    unused = {"betas": "betas" not in reads, "eps": "eps" not in reads, "momentum": "momentum" not in reads,
+              "gamma": a.schedule != "step", "min_lr": a.schedule not in ("onecycle", "cosine")}
+    readers = "; ".join(f"--{flag}: {', '.join(n for n, r in OPTIMIZERS.items() if flag in r.reads)}"
+                        for flag in ("betas", "eps", "momentum"))
     if wasted := sorted(dest for dest in changed if unused[dest]):
         p.error(f"{', '.join('--' + d.replace('_', '-') for d in wasted)} {'has' if len(wasted) == 1 else 'have'} no "
-                f"effect with --optimizer {a.optimizer} "
-                f"--schedule {a.schedule} (--betas and --eps: adamw, lamb; --momentum: sgd, lars; --gamma: step; "
+                f"effect with --optimizer {a.optimizer} --schedule {a.schedule} ({readers}; --gamma: step; "
                 "--min-lr: onecycle, cosine); drop it or choose what reads it")
 
 
@@ -504,12 +503,11 @@ def parse_args(argv: Sequence[str] | None = None, *, strategy: str, default_data
     a.model = a.model or recipe.model
     a.epochs = recipe.epochs if a.epochs is None else a.epochs
     a.batch_size = recipe.batch_size if a.batch_size is None else a.batch_size
+    rule = OPTIMIZERS[a.optimizer]
     if a.lr is None:  # linear scaling; a bad --batch-size is reported by _validate, not as a bad lr
-        per_image = ADAPTIVE_LR_PER_256 / 256 if a.optimizer in ADAPTIVE else \
-            recipe.lr / recipe.batch_size * (LARS_LR_SCALE if a.optimizer == "lars" else 1)
-        a.lr = per_image * max(a.batch_size, 1)
+        a.lr = rule.default_lr(recipe.lr, recipe.batch_size, max(a.batch_size, 1))
     if a.weight_decay is None:
-        a.weight_decay = 0.05 if a.optimizer in ADAPTIVE else 5e-4
+        a.weight_decay = rule.weight_decay
     if a.warmup is None:
         a.warmup = 0.25 if a.schedule == "onecycle" else 0.0
     _validate(p, a, world_size)

@@ -95,10 +95,10 @@ set -m
 supervise_lighthouse &
 supervisor=$!
 set +m
-for ((waited = 0; ; waited++)); do  # serving within 10 s, or one line
+for ((waited = 0; ; waited++)); do  # serving within 60 s, or one line (its entry point imports torch: 16 s seen on a loaded host)
     lighthouse=$(cat "$logs/lighthouse.pid" 2>/dev/null)
     (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && kill -0 "$lighthouse" 2>/dev/null && break
-    if ! kill -0 "$supervisor" 2>/dev/null || (( waited >= 100 )); then
+    if ! kill -0 "$supervisor" 2>/dev/null || (( waited >= 600 )); then
         echo "error: the Lighthouse did not start on 127.0.0.1:$port ($(tail -n 1 "$logs/lighthouse.log")); set" \
              "FT_PORT to a free port" >&2
         touch "$logs/stopping"

@@ -70,7 +70,7 @@ from common.config import IDENTITY, STORAGE_TIMEOUT_S
 from common.data.images import EVAL_CROP
 from common.parallel.context import DistContext
 from common.errors import UserError
-from common.train.optim import TENSOR_STATE
+from common.optimizers import OPTIMIZERS
 from common.train.run import Position, Run
 from common.storage import MISSING, Storage, StorageError, split, storage_for
 
@@ -624,7 +624,7 @@ def expected_bytes(run: Run) -> int:
     """About what one checkpoint takes: the model, once more per optimizer state tensor (momentum,
     Adam's two moments) and once more for an EMA."""
     model = sum(t.numel() * t.element_size() for t in run.plain.state_dict().values())
-    state = len(TENSOR_STATE[run.cfg.optimizer]) if run.cfg.optimizer != "sgd" or run.cfg.momentum else 0
+    state = len(OPTIMIZERS[run.cfg.optimizer].state_tensors(run.cfg.momentum))
     return model * (1 + state + bool(run.ema))
 
 

@@ -13,6 +13,8 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
 
+from common.optimizers import OPTIMIZERS
+
 if TYPE_CHECKING:
     from common.config import Config
 
@@ -41,10 +43,6 @@ def whole_pieces(params: Iterable[torch.Tensor], cfg: Config) -> list[Piece]:
     return [Piece(p, i, decays(p, cfg)) for i, p in enumerate(params)]
 
 
-# The state tensors of each optimizer, shaped like its parameter ("step" is a scalar beside them).
-TENSOR_STATE = {"sgd": ("momentum_buffer",), "lars": ("momentum_buffer",), "adamw": ("exp_avg", "exp_avg_sq"),
-                "lamb": ("exp_avg", "exp_avg_sq")}
-
 Reduce = Callable[[torch.Tensor], None]  # sums a tensor over the ranks that share the parameters, in place
 
 
@@ -55,15 +53,14 @@ def make_optimizer(cfg: Config, pieces: Sequence[Piece], parameter_count: int, r
     LARS and LAMB sum their per-parameter squares with it."""
     groups = [{"params": [p.tensor for p in pieces if p.decays == flag], "weight_decay": wd, "adapt": flag}
               for flag, wd in ((True, cfg.weight_decay), (False, 0.0))]
-    if cfg.optimizer == "sgd":
-        return torch.optim.SGD(strip(groups), lr=cfg.lr, momentum=cfg.momentum, nesterov=cfg.momentum > 0)
-    if cfg.optimizer == "adamw":
-        return torch.optim.AdamW(strip(groups), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
     owners = {id(p.tensor): p.owner for p in pieces}
     device = local(pieces[0].tensor).device if pieces else torch.device("cpu")
-    if cfg.optimizer == "lars":
-        return LARS(groups, owners, parameter_count, device, reduce, lr=cfg.lr, momentum=cfg.momentum)
-    return LAMB(groups, owners, parameter_count, device, reduce, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps)
+    return BUILDERS[cfg.optimizer](cfg, groups, owners, parameter_count, device, reduce)
+
+
+def tensor_state(cfg: Config) -> tuple[str, ...]:
+    """The optimizer's state tensors, each shaped like its parameter (common/optimizers.py)."""
+    return OPTIMIZERS[cfg.optimizer].tensor_state
 
 
 def strip(groups: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -226,3 +223,14 @@ def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, steps_per_epoc
     step count, and a resumed run with more --epochs stretches the schedule instead of failing."""
     total = cfg.epochs * steps_per_epoch
     return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg, step, total, steps_per_epoch))
+
+
+# The optimizers of common/optimizers.py's table, built over two groups of pieces (decayed, then not).
+BUILDERS: dict[str, Callable[..., torch.optim.Optimizer]] = {
+    "sgd": lambda cfg, groups, *_: torch.optim.SGD(strip(groups), lr=cfg.lr, momentum=cfg.momentum,
+                                                   nesterov=cfg.momentum > 0),
+    "adamw": lambda cfg, groups, *_: torch.optim.AdamW(strip(groups), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps),
+    "lars": lambda cfg, groups, *where: LARS(groups, *where, lr=cfg.lr, momentum=cfg.momentum),
+    "lamb": lambda cfg, groups, *where: LAMB(groups, *where, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps),
+}
+assert BUILDERS.keys() == OPTIMIZERS.keys(), "an optimizer of common/optimizers.py without a builder, or the reverse"

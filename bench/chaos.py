@@ -1,0 +1,548 @@
+"""Chaos: a seeded schedule of faults through a whole run, then the oracle.
+
+Two modes, each against its fault-free run:
+  ft       replica groups (launch/ft.sh, train_ft.py --exact-sums): the weights must be the fault-free
+           run's bit for bit, whatever failed when (faults: a worker SIGKILLed, frozen for 2-8 s, SIGKILLed
+           during its set-up or while it heals; its torchrun agent SIGKILLed; a group SIGTERMed, which
+           leaves, and started again by hand, which rejoins; the Lighthouse SIGKILLed, which ft.sh starts
+           again)
+  restart  checkpoint-and-restart (train_ddp.py at world 2 under torchrun --max-restarts): exact resume,
+           the uninterrupted run's weights (faults: a rank SIGKILLed, during its set-up, during a save,
+           during the epoch's evaluation; a rank frozen; torchrun's agent SIGKILLed, after which the
+           same command is run again, as a cluster's scheduler would)
+
+A fault is drawn at a training step (the run's progress, read from its TensorBoard points), not at
+a time, so that the schedule means the same on any host; it lands as soon as the run reaches it.
+Then one table: faults per kind, survived, steps trained again, the survivors' pause (median/max),
+time until the target is back, and for the run: exit status, max |dw|, processes and temporary
+files left, tracebacks in the output.
+
+    python -m bench chaos --mode ft --faults 30 --seed 1
+    python -m bench chaos --mode restart --faults 30 --seed 1
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from tests.conftest import child_env, free_port, latest_state
+from tests.datagen import write_mnist
+
+ROOT = Path(__file__).resolve().parent.parent
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+TAG = "train/loss"
+FT_KINDS = ("kill-worker", "freeze-worker", "kill-in-set-up", "kill-while-healing", "kill-agent", "leave-and-rejoin",
+            "kill-lighthouse")
+RESTART_KINDS = ("kill-rank", "freeze-rank", "kill-in-set-up", "kill-while-saving", "kill-during-evaluation",
+                 "kill-agent")
+SLOW_HEAL_S = 1.0  # ft mode: each heal's load waits this long first (tests/patched.py), a window to kill it in
+
+
+@dataclass
+class Fault:
+    kind: str
+    step: int  # lands once the run has trained this many steps
+    target: int  # a group (ft) or a rank (restart)
+    seconds: float  # how long a freeze lasts, or a group stays away
+    landed: float = 0.0  # time.monotonic() when it landed
+    back: float | None = None  # when its target trained again
+    notes: list[str] = field(default_factory=list)
+
+
+def draw(kinds: tuple[str, ...], count: int, steps: int, targets: int, seed: int) -> list[Fault]:
+    """`count` faults, every kind drawn (in turn, shuffled), at distinct steps between 10% and 85% of
+    the run, each on a random target."""
+    rng = random.Random(seed)
+    picked = [kinds[i % len(kinds)] for i in range(count)]
+    rng.shuffle(picked)
+    at = sorted(rng.sample(range(steps // 10, steps * 85 // 100), count))
+    return [Fault(kind, step, rng.randrange(targets), round(rng.uniform(2, 8), 1)) for kind, step in zip(picked, at)]
+
+
+class Progress:
+    """Step ends (step -> time.time()) from a run's TensorBoard files, read incrementally."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder, self.readers = folder, {}
+
+    def ends(self) -> dict[int, float]:
+        found: dict[int, float] = {}
+        for events in sorted(self.folder.rglob("events.out.tfevents.*")):
+            reader = self.readers.setdefault(events, EventAccumulator(str(events), size_guidance={"scalars": 0}))
+            reader.Reload()
+            if TAG in reader.Tags()["scalars"]:
+                for e in reader.Scalars(TAG):
+                    found[e.step] = max(found.get(e.step, 0.0), e.wall_time)
+        return found
+
+    def step(self) -> int:
+        return max(self.ends(), default=0)
+
+
+class Job:
+    """A launcher's process tree, its output kept with the time each line came."""
+
+    def __init__(self, command: list[str], env: dict[str, str], prefix: str = "") -> None:
+        self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, start_new_session=True)
+        self.lines: list[tuple[float, str]] = []
+        self.prefix = prefix
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        for line in self.process.stdout:
+            self.lines.append((time.monotonic(), self.prefix + line.rstrip("\n")))
+
+    def text(self) -> str:
+        return "\n".join(line for _, line in self.lines)
+
+
+def children(pid: int) -> list[int]:
+    try:
+        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
+    except OSError:
+        return []
+
+
+def worker_of(agent: int, script: str, timeout: float = 120) -> int | None:
+    """The training process under a torchrun agent (None if none comes within `timeout`)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in children(agent):
+            try:
+                if script in Path(f"/proc/{pid}/cmdline").read_text():
+                    return pid
+            except OSError:
+                continue
+        time.sleep(0.05)
+    return None
+
+
+def signal_pid(pid: int | None, signum: int) -> bool:
+    """False when there was no such process (it had ended, or never came)."""
+    if not pid:
+        return False
+    try:
+        os.kill(pid, signum)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def left_behind(folder: Path) -> list[int]:
+    """Processes whose command line names the run's folder (orphans included)."""
+    mine = str(folder)
+    found = []
+    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if mine in cmdline.read_text().replace("\0", " ") and int(cmdline.parent.name) != os.getpid():
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            continue
+    return found
+
+
+def temp_files(folder: Path) -> list[Path]:
+    return sorted(folder.rglob(".*.tmp-*"))
+
+
+def max_dw(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def tracebacks(text: str) -> int:
+    return text.count("Traceback (most recent call last)") + len(re.findall(r"^\S*\s*frame #0", text, re.M))
+
+
+class Chaos:
+    """One mode's run with its faults, and what the oracle needs of it."""
+
+    script = ""
+
+    model = "lenet"
+
+    def __init__(self, folder: Path, data: Path, epochs: int, batch: int, slow_steps: float) -> None:
+        self.folder, self.data, self.epochs, self.batch = folder, data, epochs, batch
+        self.patches = f"slow-steps={slow_steps}"  # steps long enough for a fault's recovery to be a part of the run
+        self.progress = Progress(folder / "tb")
+        self.job: Job | None = None
+
+    def flags(self) -> list[str]:
+        return ["--dataset", "mnist", "--data-dir", str(self.data), "--model", self.model, "--epochs", str(self.epochs),
+                "--batch-size", str(self.batch), "--lr", "0.05", "--log-every", "1",
+                "--checkpoint-dir", str(self.folder / "ckpt"), "--log-dir", str(self.folder / "tb")]
+
+    def run(self, faults: list[Fault]) -> int:
+        """Each fault lands once the run has reached its step and a target is free (its action in a
+        thread of its own, so that a slow one does not hold the schedule)."""
+        self.start()
+        self.landed: list[Fault] = []
+        for fault in faults:
+            while self.progress.step() < fault.step and self.running():
+                time.sleep(0.2)
+            deadline = time.monotonic() + 300
+            while self.running() and not self.free(fault) and time.monotonic() < deadline:
+                time.sleep(0.2)
+            if not self.running():
+                fault.notes.append("the run had ended")
+                continue
+            if not self.free(fault):
+                fault.notes.append("no target free within 300 s")
+                continue
+            fault.landed = time.monotonic()
+            self.landed.append(fault)
+            threading.Thread(target=getattr(self, fault.kind.replace("-", "_")), args=(fault,), daemon=True).start()
+        return self.finish()
+
+    def free(self, fault: Fault) -> bool:
+        """Whether the fault may land now (and on which target: it may change `fault.target`)."""
+        return all(f.back is not None for f in self.landed)
+
+    def back_at_next_step(self, fault: Fault, progress: Progress | None = None) -> None:
+        """The target is back when it trains a step after the fault (its own TensorBoard points)."""
+        progress = progress or self.progress
+        start = progress.step()
+
+        def wait() -> None:
+            while self.running() and progress.step() <= start:
+                time.sleep(0.2)
+            fault.back = time.monotonic()
+        threading.Thread(target=wait, daemon=True).start()
+
+    def start(self) -> None:
+        raise NotImplementedError
+
+    def running(self) -> bool:
+        raise NotImplementedError
+
+    def finish(self) -> int:
+        raise NotImplementedError
+
+    def output(self) -> str:
+        raise NotImplementedError
+
+
+class ReplicaGroups(Chaos):
+    script = "train_ft.py"
+    model = "convnet"  # BatchNorm: its statistics go through the faults too
+
+    def __init__(self, folder: Path, data: Path, epochs: int, batch: int, slow_steps: float, groups: int) -> None:
+        super().__init__(folder, data, epochs, batch, slow_steps)
+        self.groups, self.logs = groups, folder / "ft-logs"
+        self.env = {**child_env(), "FT_PORT": str(free_port()), "FT_LOGS": str(self.logs), "FT_RESTARTS": "100",
+                    "FT_LIGHTHOUSE_RESTARTS": "100"}
+        self.rejoined: dict[int, Job] = {}
+
+    def training(self) -> list[str]:
+        return ["tests/patched.py", f"{self.patches},slow-heal={SLOW_HEAL_S}", self.script, *self.flags(),
+                "--groups", str(self.groups), "--exact-sums", "--ft-timeout-s", "5"]
+
+    def start(self) -> None:
+        self.job = Job(["bash", "launch/ft.sh", str(self.groups), "1", *self.training()], self.env)
+
+    def running(self) -> bool:
+        return self.job.process.poll() is None
+
+    def finish(self) -> int:
+        code = self.job.process.wait(3600)
+        for job in self.rejoined.values():
+            job.process.wait(600)
+        return code
+
+    def output(self) -> str:
+        return "\n".join([self.job.text(), *(job.text() for job in self.rejoined.values())])
+
+    def agent(self, group: int) -> int | None:
+        if group in self.rejoined:
+            return self.rejoined[group].process.pid
+        try:
+            return int((self.logs / f"group{group}.pid").read_text())
+        except (OSError, ValueError):
+            return None
+
+    def worker(self, group: int) -> int | None:
+        agent = self.agent(group)
+        return worker_of(agent, self.script, timeout=60) if agent else None
+
+    def free(self, fault: Fault) -> bool:
+        """One group at least is never faulted at once: the run goes on through anything else. A
+        fault whose target is away moves to a group that is not."""
+        if fault.kind == "kill-lighthouse":
+            return all(f.back is not None for f in self.landed if f.kind == fault.kind)
+        away = {f.target for f in self.landed if f.back is None and f.kind != "kill-lighthouse"}
+        if len(away) + 1 >= self.groups:
+            return False
+        if fault.target in away:
+            fault.target = min(set(range(self.groups)) - away)
+        return True
+
+    def back_when_healed(self, fault: Fault) -> None:
+        """The target is back when it trains a step after the fault (it healed, or thawed)."""
+        self.back_at_next_step(fault, Progress(self.folder / "tb" / f"group{fault.target}"))
+
+    def kill_worker(self, fault: Fault) -> None:
+        signal_pid(self.worker(fault.target), signal.SIGKILL)
+        self.back_when_healed(fault)
+
+    def freeze_worker(self, fault: Fault) -> None:
+        worker = self.worker(fault.target)
+        signal_pid(worker, signal.SIGSTOP)
+        threading.Timer(fault.seconds, signal_pid, (worker, signal.SIGCONT)).start()
+        self.back_when_healed(fault)
+
+    def kill_in_set_up(self, fault: Fault) -> None:
+        """Killed, and its restarted worker killed again 1 s after it started (importing torch, joining)."""
+        old = self.worker(fault.target)
+        signal_pid(old, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            new = self.worker(fault.target)
+            if new and new != old:
+                time.sleep(1.0)
+                signal_pid(new, signal.SIGKILL)
+                break
+            time.sleep(0.1)
+        self.back_when_healed(fault)
+
+    def kill_while_healing(self, fault: Fault) -> None:
+        """Killed, and again while its restart loads a live peer's state (SLOW_HEAL_S into it)."""
+        signal_pid(self.worker(fault.target), signal.SIGKILL)
+        landed = time.monotonic()
+        deadline = landed + 120
+        while time.monotonic() < deadline:
+            heal = [at for at, line in list(self.job.lines)
+                    if at > landed and line.startswith(f"[g{fault.target}] loading a training state")]
+            if heal:
+                signal_pid(self.worker(fault.target), signal.SIGKILL)
+                break
+            time.sleep(0.02)
+        else:
+            fault.notes.append("no heal to interrupt")
+        self.back_when_healed(fault)
+
+    def kill_agent(self, fault: Fault) -> None:
+        signal_pid(self.agent(fault.target), signal.SIGKILL)
+        self.back_when_healed(fault)
+
+    def leave_and_rejoin(self, fault: Fault) -> None:
+        """SIGTERM: the group leaves (ft.sh does not restart it); started again by hand later."""
+        agent = self.agent(fault.target)
+        try:
+            os.killpg(agent, signal.SIGTERM)
+        except (ProcessLookupError, TypeError):
+            fault.notes.append("no group to stop")
+            return
+        def rejoin() -> None:
+            time.sleep(fault.seconds)
+            env = {**self.env, "REPLICA_GROUP_ID": str(fault.target), "FT_GROUPS": str(self.groups),
+                   "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{self.env['FT_PORT']}"}
+            self.rejoined[fault.target] = Job([sys.executable, "launch/quiet_torchrun.py", "--standalone",
+                                               "--nproc_per_node=1", *self.training()], env, f"[g{fault.target}] ")
+        threading.Thread(target=rejoin, daemon=True).start()
+        self.back_when_healed(fault)
+
+    def kill_lighthouse(self, fault: Fault) -> None:
+        try:
+            signal_pid(int((self.logs / "lighthouse.pid").read_text()), signal.SIGKILL)
+        except (OSError, ValueError):
+            fault.notes.append("no Lighthouse")
+        self.back_at_next_step(fault)
+
+
+class Restarts(Chaos):
+    script = "train_ddp.py"
+
+    def __init__(self, folder: Path, data: Path, epochs: int, batch: int, slow_steps: float, save_every: int) -> None:
+        super().__init__(folder, data, epochs, batch, slow_steps)
+        self.save_every, self.jobs = save_every, []
+        self.env = child_env()
+
+    def command(self) -> list[str]:
+        return [*TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=100", "tests/patched.py",
+                self.patches, self.script, *self.flags(),
+                "--save-every-steps", str(self.save_every)]
+
+    def start(self) -> None:
+        self.jobs.append(Job(self.command(), self.env))
+        self.job = self.jobs[-1]
+
+    def running(self) -> bool:
+        return self.job.process.poll() is None
+
+    def finish(self) -> int:
+        while True:
+            code = self.job.process.wait(3600)
+            if not getattr(self.job, "agent_killed", False):
+                return code
+            self.start()  # the agent was SIGKILLed: the scheduler runs the same command again
+
+    def output(self) -> str:
+        return "\n".join(job.text() for job in self.jobs)
+
+    def rank(self, rank: int) -> int | None:
+        """The worker of `rank`: torchrun's children in local-rank order."""
+        workers = [pid for pid in children(self.job.process.pid)
+                   if self.script in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
+        return sorted(workers)[rank] if len(workers) > rank else None
+
+    def kill_rank(self, fault: Fault) -> None:
+        signal_pid(self.rank(fault.target), signal.SIGKILL)
+        self.back_at_next_step(fault)
+
+    def freeze_rank(self, fault: Fault) -> None:
+        worker = self.rank(fault.target)
+        signal_pid(worker, signal.SIGSTOP)
+        threading.Timer(fault.seconds, signal_pid, (worker, signal.SIGCONT)).start()
+        self.back_at_next_step(fault)
+
+    def kill_in_set_up(self, fault: Fault) -> None:
+        old = self.rank(fault.target)
+        signal_pid(old, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            new = self.rank(fault.target)
+            if new and new != old:
+                time.sleep(1.0)
+                signal_pid(self.rank(fault.target), signal.SIGKILL)
+                break
+            time.sleep(0.1)
+        self.back_at_next_step(fault)
+
+    def kill_while_saving(self, fault: Fault) -> None:
+        """Rank 0 (the writer) as the run passes the next --save-every-steps step."""
+        due = (self.progress.step() // self.save_every + 1) * self.save_every
+        while self.progress.step() < due and self.running():
+            time.sleep(0.02)
+        signal_pid(self.rank(0), signal.SIGKILL)
+        self.back_at_next_step(fault)
+
+    def kill_during_evaluation(self, fault: Fault) -> None:
+        """As the epoch's last step ends (its evaluation follows)."""
+        per_epoch = 1200 // self.batch
+        due = (self.progress.step() // per_epoch + 1) * per_epoch
+        while self.progress.step() < due and self.running():
+            time.sleep(0.02)
+        signal_pid(self.rank(fault.target), signal.SIGKILL)
+        self.back_at_next_step(fault)
+
+    def kill_agent(self, fault: Fault) -> None:
+        self.job.agent_killed = True
+        signal_pid(self.job.process.pid, signal.SIGKILL)
+        self.back_at_next_step(fault)
+
+
+def survivors_pause(ends_by_run: dict[int, float], fault: Fault, step_s: float) -> float:
+    """The longest gap between two step ends in the 60 s after the fault, less a usual step."""
+    times = sorted(t for t in ends_by_run.values())
+    landed = time.time() - (time.monotonic() - fault.landed)
+    gaps = [b - max(a, landed) for a, b in zip(times, times[1:]) if b > landed and a < landed + 60]
+    return max(0.0, max(gaps, default=0.0) - step_s)
+
+
+def report(mode: str, faults: list[Fault], chaos: Chaos, code: int, dw: float, processes: list[int],
+           files: list[Path]) -> str:
+    ends = chaos.progress.ends()
+    steps = sorted(ends)
+    step_s = statistics.median([ends[s] - ends[s - 1] for s in steps[1:] if s - 1 in ends] or [0.0])
+    text = chaos.output()
+    again = len(re.findall(r"trained again on the same samples", text))
+    rows = [f"| fault ({mode}) | drawn | landed | survivors' pause, median / max (s) | back after, median / max (s) |",
+            "|---|---|---|---|---|"]
+    for kind in sorted({f.kind for f in faults}):
+        mine = [f for f in faults if f.kind == kind]
+        landed = [f for f in mine if f.landed]
+        pauses = [survivors_pause(ends, f, step_s) for f in landed]
+        backs = [f.back - f.landed for f in landed if f.back]
+        rows.append(f"| {kind} | {len(mine)} | {len(landed)} | {_stat(pauses)} | {_stat(backs)} ({len(backs)} back) |")
+    rows += ["", f"exit {code}; max |dw| against the fault-free run {dw:.3g}; steps trained again {again}; "
+                 f"processes left {len(processes)}; temporary files left {len(files)}; tracebacks {tracebacks(text)}; "
+                 f"median step {step_s * 1000:.0f} ms"]
+    notes = [f"{f.kind} at step {f.step}: {'; '.join(f.notes)}" for f in faults if f.notes]
+    return "\n".join(rows + notes)
+
+
+def _stat(values: list[float]) -> str:
+    return f"{statistics.median(values):.1f} / {max(values):.1f}" if values else "-"
+
+
+def fault_free(mode: str, folder: Path, data: Path, args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    chaos = make(mode, folder, data, args)
+    code = chaos.run([])
+    if code:
+        raise SystemExit(f"the fault-free {mode} run failed (exit {code}):\n{chaos.output()[-4000:]}")
+    return latest_state(folder / "ckpt")["model"]
+
+
+def make(mode: str, folder: Path, data: Path, args: argparse.Namespace) -> Chaos:
+    if mode == "ft":
+        return ReplicaGroups(folder, data, args.epochs, args.batch_size, args.slow_steps, args.groups)
+    return Restarts(folder, data, args.epochs, args.batch_size, args.slow_steps, args.save_every)
+
+
+def chaos_run(mode: str, seed: int, count: int, args: argparse.Namespace, tmp: Path, data: Path,
+              planned: dict[str, torch.Tensor]) -> tuple[str, bool]:
+    folder = tmp / f"{mode}-seed{seed}"
+    chaos = make(mode, folder, data, args)
+    steps = args.epochs * (1200 // args.batch_size)
+    kinds = FT_KINDS if mode == "ft" else RESTART_KINDS
+    faults = draw(kinds, count, steps, args.groups if mode == "ft" else 2, seed)
+    code = chaos.run(faults)
+    (folder / "output.txt").write_text(chaos.output())
+    time.sleep(5)  # what a fault orphaned has its deadline to end (a watch polls every 0.5 s)
+    if not any((folder / "ckpt").rglob("step-*.pt")):
+        raise SystemExit(f"the {mode} run under chaos saved nothing (exit {code}):\n{chaos.output()[-4000:]}")
+    state = latest_state(folder / "ckpt")
+    dw = max_dw(state["model"], planned)
+    processes, files = left_behind(folder), temp_files(folder)
+    for pid in processes:
+        signal_pid(pid, signal.SIGKILL)
+    table = report(mode, faults, chaos, code, dw, processes, files)
+    ok = code == 0 and dw == 0 and not processes and not files and not tracebacks(chaos.output())
+    return table, ok
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mode", choices=("ft", "restart", "both"), default="both")
+    p.add_argument("--faults", type=int, default=30, help="faults per run, every kind drawn (default: %(default)s)")
+    p.add_argument("--seeds", default="1,2,3", help="one run per seed (default: %(default)s)")
+    p.add_argument("--epochs", type=int, default=40, help="of 1,200 MNIST-format images (default: %(default)s)")
+    p.add_argument("--slow-steps", type=float, default=0.05,
+                   help="seconds added to each step, so that recoveries happen inside the run (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=24)
+    p.add_argument("--groups", type=int, default=3, help="ft mode: replica groups of one process")
+    p.add_argument("--save-every", type=int, default=20, help="restart mode: --save-every-steps")
+    p.add_argument("--keep", help="a folder to keep the runs' files in (default: a temporary one)")
+    args = p.parse_args()
+    seeds = [int(s) for s in args.seeds.split(",")]
+    modes = ("ft", "restart") if args.mode == "both" else (args.mode,)
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = Path(args.keep or scratch)
+        data = write_mnist(tmp / "mnist")
+        failed = False
+        for mode in modes:
+            planned = fault_free(mode, tmp / f"{mode}-fault-free", data, args)
+            for seed in seeds:
+                table, ok = chaos_run(mode, seed, args.faults, args, tmp, data, planned)
+                print(f"\n## {mode}, seed {seed}, {args.faults} faults: {'proved' if ok else 'NOT proved'}\n\n{table}",
+                      flush=True)
+                failed |= not ok
+        sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
