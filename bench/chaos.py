@@ -74,23 +74,43 @@ def draw(kinds: tuple[str, ...], count: int, steps: int, targets: int, seed: int
 
 
 class Progress:
-    """Step ends (step -> time.time()) from a run's TensorBoard files, read incrementally."""
+    """Step ends (step -> time.time()) from a run's TensorBoard files (one per process that wrote
+    points), read incrementally."""
 
     def __init__(self, folder: Path) -> None:
         self.folder, self.readers = folder, {}
 
-    def ends(self) -> dict[int, float]:
-        found: dict[int, float] = {}
+    def points(self) -> dict[Path, dict[int, float]]:
+        found = {}
         for events in sorted(self.folder.rglob("events.out.tfevents.*")):
             reader = self.readers.setdefault(events, EventAccumulator(str(events), size_guidance={"scalars": 0}))
             reader.Reload()
             if TAG in reader.Tags()["scalars"]:
-                for e in reader.Scalars(TAG):
-                    found[e.step] = max(found.get(e.step, 0.0), e.wall_time)
+                found[events] = {e.step: e.wall_time for e in reader.Scalars(TAG)}
         return found
+
+    def ends(self) -> dict[int, float]:
+        merged: dict[int, float] = {}
+        for ends in self.points().values():
+            for step, at in ends.items():
+                merged[step] = max(merged.get(step, 0.0), at)
+        return merged
 
     def step(self) -> int:
         return max(self.ends(), default=0)
+
+    def trained_after(self, wall: float, fresh: bool) -> bool:
+        """A step ended after `wall`, by a process started after it when `fresh`."""
+        return any(max(ends.values()) > wall and (not fresh or min(ends.values()) > wall)
+                   for ends in self.points().values() if ends)
+
+    def trained_again(self) -> int:
+        """Steps that more than one process logged (per folder of points: each group's own)."""
+        steps: dict[tuple[Path, int], int] = {}
+        for events, ends in self.points().items():
+            for step in ends:
+                steps[(events.parent, step)] = steps.get((events.parent, step), 0) + 1
+        return sum(n - 1 for n in steps.values())
 
 
 class Job:
@@ -212,13 +232,14 @@ class Chaos:
         """Whether the fault may land now (and on which target: it may change `fault.target`)."""
         return all(f.back is not None for f in self.landed)
 
-    def back_at_next_step(self, fault: Fault, progress: Progress | None = None) -> None:
-        """The target is back when it trains a step after the fault (its own TensorBoard points)."""
+    def back_when_trained(self, fault: Fault, progress: Progress | None = None, fresh: bool = True) -> None:
+        """The target is back when it trains a step after the fault: a process started after it (a
+        restart, a heal), or, `fresh` False, the same process (a freeze, after its thaw)."""
         progress = progress or self.progress
-        start = progress.step()
+        since = time.time() + (fault.seconds if not fresh else 0.0)
 
         def wait() -> None:
-            while self.running() and progress.step() <= start:
+            while self.running() and not progress.trained_after(since, fresh):
                 time.sleep(0.2)
             fault.back = time.monotonic()
         threading.Thread(target=wait, daemon=True).start()
@@ -290,9 +311,9 @@ class ReplicaGroups(Chaos):
             fault.target = min(set(range(self.groups)) - away)
         return True
 
-    def back_when_healed(self, fault: Fault) -> None:
-        """The target is back when it trains a step after the fault (it healed, or thawed)."""
-        self.back_at_next_step(fault, Progress(self.folder / "tb" / f"group{fault.target}"))
+    def back_when_healed(self, fault: Fault, fresh: bool = True) -> None:
+        """The target group is back when it trains a step after the fault (healed, or thawed)."""
+        self.back_when_trained(fault, Progress(self.folder / "tb" / f"group{fault.target}"), fresh)
 
     def kill_worker(self, fault: Fault) -> None:
         signal_pid(self.worker(fault.target), signal.SIGKILL)
@@ -302,7 +323,7 @@ class ReplicaGroups(Chaos):
         worker = self.worker(fault.target)
         signal_pid(worker, signal.SIGSTOP)
         threading.Timer(fault.seconds, signal_pid, (worker, signal.SIGCONT)).start()
-        self.back_when_healed(fault)
+        self.back_when_healed(fault, fresh=False)
 
     def kill_in_set_up(self, fault: Fault) -> None:
         """Killed, and its restarted worker killed again 1 s after it started (importing torch, joining)."""
@@ -360,7 +381,8 @@ class ReplicaGroups(Chaos):
             signal_pid(int((self.logs / "lighthouse.pid").read_text()), signal.SIGKILL)
         except (OSError, ValueError):
             fault.notes.append("no Lighthouse")
-        self.back_at_next_step(fault)
+        fault.seconds = 0.0  # back: the groups' next step
+        self.back_when_trained(fault, fresh=False)
 
 
 class Restarts(Chaos):
@@ -368,7 +390,7 @@ class Restarts(Chaos):
 
     def __init__(self, folder: Path, data: Path, epochs: int, batch: int, slow_steps: float, save_every: int) -> None:
         super().__init__(folder, data, epochs, batch, slow_steps)
-        self.save_every, self.jobs = save_every, []
+        self.save_every, self.jobs, self.restarting = save_every, [], False
         self.env = child_env()
 
     def command(self) -> list[str]:
@@ -381,14 +403,16 @@ class Restarts(Chaos):
         self.job = self.jobs[-1]
 
     def running(self) -> bool:
-        return self.job.process.poll() is None
+        return self.job.process.poll() is None or self.restarting
 
     def finish(self) -> int:
         while True:
-            code = self.job.process.wait(3600)
-            if not getattr(self.job, "agent_killed", False):
+            job = self.job
+            code = job.process.wait(3600)
+            while self.restarting:
+                time.sleep(0.2)
+            if self.job is job:
                 return code
-            self.start()  # the agent was SIGKILLed: the scheduler runs the same command again
 
     def output(self) -> str:
         return "\n".join(job.text() for job in self.jobs)
@@ -401,13 +425,13 @@ class Restarts(Chaos):
 
     def kill_rank(self, fault: Fault) -> None:
         signal_pid(self.rank(fault.target), signal.SIGKILL)
-        self.back_at_next_step(fault)
+        self.back_when_trained(fault)
 
     def freeze_rank(self, fault: Fault) -> None:
         worker = self.rank(fault.target)
         signal_pid(worker, signal.SIGSTOP)
         threading.Timer(fault.seconds, signal_pid, (worker, signal.SIGCONT)).start()
-        self.back_at_next_step(fault)
+        self.back_when_trained(fault, fresh=False)
 
     def kill_in_set_up(self, fault: Fault) -> None:
         old = self.rank(fault.target)
@@ -420,7 +444,7 @@ class Restarts(Chaos):
                 signal_pid(self.rank(fault.target), signal.SIGKILL)
                 break
             time.sleep(0.1)
-        self.back_at_next_step(fault)
+        self.back_when_trained(fault)
 
     def kill_while_saving(self, fault: Fault) -> None:
         """Rank 0 (the writer) as the run passes the next --save-every-steps step."""
@@ -428,7 +452,7 @@ class Restarts(Chaos):
         while self.progress.step() < due and self.running():
             time.sleep(0.02)
         signal_pid(self.rank(0), signal.SIGKILL)
-        self.back_at_next_step(fault)
+        self.back_when_trained(fault)
 
     def kill_during_evaluation(self, fault: Fault) -> None:
         """As the epoch's last step ends (its evaluation follows)."""
@@ -437,12 +461,17 @@ class Restarts(Chaos):
         while self.progress.step() < due and self.running():
             time.sleep(0.02)
         signal_pid(self.rank(fault.target), signal.SIGKILL)
-        self.back_at_next_step(fault)
+        self.back_when_trained(fault)
 
     def kill_agent(self, fault: Fault) -> None:
-        self.job.agent_killed = True
+        """torchrun's agent SIGKILLed: the job is gone (its workers end with it), and the same command is
+        run again, as a cluster's scheduler would."""
+        self.restarting = True
         signal_pid(self.job.process.pid, signal.SIGKILL)
-        self.back_at_next_step(fault)
+        self.job.process.wait(60)
+        self.start()
+        self.restarting = False
+        self.back_when_trained(fault)
 
 
 def survivors_pause(ends_by_run: dict[int, float], fault: Fault, step_s: float) -> float:
@@ -459,7 +488,8 @@ def report(mode: str, faults: list[Fault], chaos: Chaos, code: int, dw: float, p
     steps = sorted(ends)
     step_s = statistics.median([ends[s] - ends[s - 1] for s in steps[1:] if s - 1 in ends] or [0.0])
     text = chaos.output()
-    again = len(re.findall(r"trained again on the same samples", text))
+    # steps logged by two processes (redone after a restart), and steps a group retried in place (train_ft.py)
+    again = chaos.progress.trained_again() + len(re.findall(r"trained again on the same samples", text))
     rows = [f"| fault ({mode}) | drawn | landed | survivors' pause, median / max (s) | back after, median / max (s) |",
             "|---|---|---|---|---|"]
     for kind in sorted({f.kind for f in faults}):

@@ -21,7 +21,11 @@ def launched_by_torchrun() -> bool:
 
 
 def end_when_the_agent_dies() -> None:
-    """Start the watch on this process's parent (torchrun's agent)."""
+    """Start the watch on this process's parent (torchrun's agent). And, before torch is imported: no
+    C++ warnings from c10d by default (TORCH_CPP_LOG_LEVEL=WARNING brings them back), whose dumps of C++
+    frames (a store's connection closed when the agent or a peer died) would say again, as a
+    traceback, what the one line says."""
+    os.environ.setdefault("TORCH_CPP_LOG_LEVEL", "ERROR")
     agent = os.getppid()
     threading.Thread(target=_watch, args=(agent,), name="agent-watch", daemon=True).start()
 

@@ -118,10 +118,7 @@ run_group() {  # $1: group number, then the script and its flags; restarts it wh
         # quiet_torchrun.py: torchrun, with a worker's one-line error instead of torchrun's dump (single_node.sh).
         # The prefixing sed ignores the stop (as this loop does): it passes on the group's last lines.
         (trap - INT TERM  # the group itself takes the stop
-         # TORCH_CPP_LOG_LEVEL: c10d's warnings (a peer's store gone, with C++ frames) would say again, as a dump,
-         # what the groups' own lines say
          REPLICA_GROUP_ID=$g FT_GROUPS=$groups TORCHFT_LIGHTHOUSE="http://127.0.0.1:$port" \
-             TORCH_CPP_LOG_LEVEL=${TORCH_CPP_LOG_LEVEL:-ERROR} \
              PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec "$python" "$root/launch/quiet_torchrun.py" \
              --standalone "--nproc_per_node=$nproc" "$@") > >(exec sed -u "s/^/[g$g] /") 2>&1 &
         echo $! > "$logs/group$g.pid"
