@@ -20,6 +20,9 @@ Patches:
                          be interrupted
   slow-steps=S           every optimizer step (common.train.step.update) sleeps S seconds first: a run long
                          enough in steps for faults to land mid-epoch, at a few ms of compute per step
+  gate=WHO@POINT         held at a training step (or train_ft.py's heal) until the test releases it: a
+                         fault at a known step on a host of any speed (tests/gates.py; GATE_DIR names the
+                         folder of its markers)
 """
 from __future__ import annotations
 
@@ -151,6 +154,10 @@ def apply(patch: str) -> None:
         slow_storage(patch.removeprefix("slow-storage="))
     elif patch.startswith("slow-heal="):
         slow_heal(float(patch.removeprefix("slow-heal=")))
+    elif patch.startswith("gate="):
+        from tests.gates import install
+
+        install(patch.removeprefix("gate="))
     elif patch.startswith("slow-steps="):
         slow_steps(float(patch.removeprefix("slow-steps=")))
     else:
