@@ -6,13 +6,17 @@ for several points) stops at POINT and waits there until the test releases it:
   WHO    all, gN (replica group N of train_ft.py: REPLICA_GROUP_ID), rN (global rank: RANK) or nN
          (node: GROUP_RANK)
   POINT  a global step STEP (held after the STEP-th optimizer step, its checkpoint and stop check
-         done: a signal that comes while it is held is seen as the next step begins), or `heal`
-         (train_ft.py: held as the group loads a live peer's state, before it does)
+         done: a stop signal that comes while it is held is agreed on at the next stop check, so
+         with STEP a multiple of StopRequest.CHECK_EVERY the run stops after step STEP + 1), or
+         `heal` (train_ft.py: held as the group loads a live peer's state, before it does)
 
 Held, the process writes GATE_DIR/WHO@POINT.{pid}.held ("held at POINT pid P") and waits for
 GATE_DIR/WHO@POINT.go, which the test writes (Gate.release). A released gate stays open: a process
 restarted before that step passes it. Every wait has a deadline (GATE_DEADLINE_S, default 300 s):
-a gate never released ends the process with one line rather than hanging the suite.
+a gate never released ends the process with one line rather than hanging the suite. A stop
+signal taken while held is marked in GATE_DIR/WHO@POINT.{pid}.signalled (Gate.signalled): a test
+that signals a held job releases it once the signal is in, so the stop lands after a known step
+even where a launcher passes the signal on to the workers later.
 
 train_ft.py's groups also say when they ask the Lighthouse for a quorum: each request appends
 "pid P step S" to GATE_DIR/gN.quorum (Gate.asked_quorum), so that a test releases the groups it
@@ -27,6 +31,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 POLL_S = 0.02  # how often a held process looks for its release (and a test for a marker)
 DEADLINE_S = 300.0
@@ -39,15 +44,21 @@ def _who_matches(who: str) -> bool:
     return os.environ.get(env) == who[1:]
 
 
-def hold(folder: Path, point: str) -> None:
-    """Hold this process at `point` (WHO@POINT) until the test releases it, or end it at the deadline."""
+def hold(folder: Path, point: str, signalled: Callable[[], bool] = lambda: False) -> None:
+    """Hold this process at `point` (WHO@POINT) until the test releases it, or end it at the deadline.
+    A stop signal this process takes while held (`signalled`) is marked too, so that the test
+    releases it only once the signal is in: the stop lands after a known step."""
     go = folder / f"{point}.go"
     if go.exists():
         return
+    told = False
     (folder / f"{point}.{os.getpid()}.held").write_text(f"held at {point} pid {os.getpid()}\n")
     seconds = float(os.environ.get("GATE_DEADLINE_S", DEADLINE_S))
     deadline = time.monotonic() + seconds
     while not go.exists():
+        if not told and signalled():
+            (folder / f"{point}.{os.getpid()}.signalled").write_text(f"signalled at {point} pid {os.getpid()}\n")
+            told = True
         if time.monotonic() > deadline:
             print(f"error: gate {point}: not released within {seconds:g} s (GATE_DEADLINE_S); the test that set "
                   "it is gone or stuck", file=sys.stderr, flush=True)
@@ -76,7 +87,7 @@ def _gate_step(folder: Path, point: str, step: int) -> None:
     def after_step(self, done) -> None:
         real(self, done)
         if self.run.global_step(done) == step:
-            hold(folder, point)
+            hold(folder, point, lambda: bool(self.stop.received))
     Trainer.after_step = after_step
 
 
@@ -124,13 +135,20 @@ class Gate:
     def held(self, point: str, processes: int = 1, timeout: float = 180) -> list[int]:
         """Wait until `processes` processes are held at `point`; their pids. The deadline separates a
         run that reaches the step from one that hangs or ended before it: the run waits for us."""
+        return self._marked(point, "held", processes, timeout)
+
+    def signalled(self, point: str, processes: int = 1, timeout: float = 60) -> list[int]:
+        """Wait until `processes` processes held at `point` took a stop signal; their pids."""
+        return self._marked(point, "signalled", processes, timeout)
+
+    def _marked(self, point: str, what: str, processes: int, timeout: float) -> list[int]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            markers = list(self.folder.glob(f"{point}.*.held"))
+            markers = list(self.folder.glob(f"{point}.*.{what}"))
             if len(markers) >= processes:
                 return [int(m.read_text().split()[-1]) for m in markers]
             time.sleep(POLL_S)  # a poll with a deadline
-        raise AssertionError(f"no {processes} process(es) held at {point} within {timeout} s")
+        raise AssertionError(f"no {processes} process(es) {what} at {point} within {timeout} s")
 
     def release(self, point: str) -> None:
         (self.folder / f"{point}.go").write_text("go\n")

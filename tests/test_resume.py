@@ -20,6 +20,7 @@ from common.train.preemption import FORCE_AFTER_S
 from common.storage import TRANSIENT, LocalStorage, StorageError
 from tests.conftest import (ENDS_PROMPTLY_S, ROOT, TORCHRUN_GRACE_S, child_env, error_lines, latest_checkpoint, latest_state, one_launch,
                             run_script, saved_position, stop_after)
+from tests.gates import Gate
 from tests.save_loop import IDENTITY, state as loop_state
 
 # 8 steps per epoch, 3 epochs: small enough for CI, long enough to cut mid-epoch.
@@ -278,15 +279,17 @@ def test_pickle_payload_is_refused_and_never_runs(tmp_path):
 # 6 -------------------------------------------------------------------------------------------
 def test_sigterm_to_torchrun_saves_exits_and_resumes_losing_nothing(reference, tmp_path):
     ckpt = tmp_path / "ckpt"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "train_ddp.py",
-           *RUN, "--max-steps", "0", "--epochs", "20", "--checkpoint-dir", str(ckpt), "--log-dir", str(tmp_path / "tb")]
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    for line in proc.stdout:  # rank 0 prints it as the first step begins
-        if line.startswith("start-up:"):
-            break
-    time.sleep(1.0)  # 20 epochs of 312 steps: however fast the host, the signal comes mid-run
+    gate, hold = Gate(tmp_path / "gates"), "all@10"  # held after step 10 until the TERM reached both ranks
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", "tests/patched.py",
+           f"gate={hold}", "train_ddp.py", *RUN, "--max-steps", "0", "--epochs", "1", "--checkpoint-dir", str(ckpt),
+           "--log-dir", str(tmp_path / "tb")]
+    proc = subprocess.Popen(cmd, cwd=ROOT, env={**child_env(), **gate.env()}, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    gate.held(hold, processes=2)
     sent = time.monotonic()
     proc.send_signal(signal.SIGTERM)
+    gate.signalled(hold, processes=2)
+    gate.release(hold)
     _, stderr = proc.communicate(timeout=2 * ENDS_PROMPTLY_S)
     seconds = time.monotonic() - sent
     stopped = [line for line in stderr.splitlines() if line.startswith("stopped by SIGTERM after step")]
@@ -296,7 +299,7 @@ def test_sigterm_to_torchrun_saves_exits_and_resumes_losing_nothing(reference, t
     print(f"\nSIGTERM to torchrun: all processes gone after {seconds:.1f} s; stopped after step {step}, "
           f"checkpoint at step {state['global_step']}: {step - state['global_step']} steps lost")
     assert seconds < TORCHRUN_GRACE_S and state["global_step"] == step  # every rank ended by itself
-    assert 0 < step < 20 * 312  # before the end (10000 images / 32 a step, 20 epochs)
+    assert step == 11  # agreed on as the step after the one the ranks were held at begins
 
 
 # 7 -------------------------------------------------------------------------------------------
