@@ -65,9 +65,9 @@ os.execv(sys.argv[1], sys.argv[1:])' "$lighthouse_bin" --min_replicas 1 --bind "
     > "$logs/lighthouse.log" 2>&1 &
 lighthouse=$!
 set +m
-for ((waited = 0; ; waited++)); do  # serving within 10 s, or one line
+for ((waited = 0; ; waited++)); do  # serving within 60 s, or one line (its import takes seconds on a loaded host)
     (exec 3<>"/dev/tcp/127.0.0.1/$port") 2>/dev/null && kill -0 "$lighthouse" 2>/dev/null && break
-    if ! kill -0 "$lighthouse" 2>/dev/null || (( waited >= 100 )); then
+    if ! kill -0 "$lighthouse" 2>/dev/null || (( waited >= 600 )); then
         echo "error: the Lighthouse did not start on 127.0.0.1:$port ($(tail -n 1 "$logs/lighthouse.log")); set" \
              "FT_PORT to a free port" >&2
         kill "$lighthouse" 2>/dev/null

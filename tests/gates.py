@@ -127,6 +127,7 @@ class Gate:
 
     def __init__(self, folder: Path) -> None:
         self.folder = folder
+        self.job_output: Callable[[], str] | None = None
         folder.mkdir(parents=True, exist_ok=True)
 
     def env(self) -> dict[str, str]:
@@ -148,7 +149,11 @@ class Gate:
             if len(markers) >= processes:
                 return [int(m.read_text().split()[-1]) for m in markers]
             time.sleep(POLL_S)  # a poll with a deadline
-        raise AssertionError(f"no {processes} process(es) {what} at {point} within {timeout} s")
+        raise AssertionError(f"no {processes} process(es) {what} at {point} within {timeout} s{self.output()}")
+
+    def output(self) -> str:
+        """What the job printed, for a failed wait's message (self.job_output, set by the test)."""
+        return f":\n{self.job_output()[-6000:]}" if self.job_output else ""
 
     def release(self, point: str) -> None:
         (self.folder / f"{point}.go").write_text("go\n")
@@ -169,4 +174,5 @@ class Gate:
                 _, pid, _, step = lines[beyond].split()
                 return int(pid), int(step)
             time.sleep(POLL_S)  # a poll with a deadline
-        raise AssertionError(f"group {group} asked for no quorum beyond its first {beyond} within {timeout} s")
+        raise AssertionError(f"group {group} asked for no quorum beyond its first {beyond} within {timeout} s"
+                             f"{self.output()}")

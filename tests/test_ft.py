@@ -171,6 +171,8 @@ class FtRun:
                     "FT_RESTARTS": str(restarts), **(gate.env() if gate else {})}
         self.training = training
         self.job = Job(["bash", "launch/ft.sh", str(groups), "1", *training], self.env)
+        if gate:
+            gate.job_output = self.job.text
 
     def worker(self, group: int) -> int:
         """The group's training process (torchrun's child), not its agent."""
@@ -342,14 +344,14 @@ def test_the_lighthouse_killed_ends_every_group_saved_and_the_same_command_resum
 
 
 # 3 -------------------------------------------------------------------------------------------
-LEAVE = 50
+LEAVE = 45  # mid-epoch: held at an epoch's last step, a stop is honoured at the epoch's save, after that step
 
 
 def test_a_third_group_joins_mid_run_and_a_stopped_group_leaves_without_a_restart(mnist_root, exact3, tmp_path):
     """Two groups of convnet (BatchNorm) with a batch planned for three (--groups 3: one group trains 2 slots).
     A third group started by hand while the two are held at step 35 joins the quorum, heals from a live
     group at step 36 and takes its slot; then group 1, stopped with SIGTERM while all are held at step
-    50, leaves after step 51 (launch/ft.sh does
+    45, leaves after step 46 (launch/ft.sh does
     not restart it) and the others go on without a restart. With --exact-sums the weights and the
     BatchNorm statistics are the fault-free run's, bit for bit."""
     gate, join, leave = Gate(tmp_path / "gates"), f"all@{MID_EPOCH_2}", f"all@{LEAVE}"
