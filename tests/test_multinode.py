@@ -109,7 +109,7 @@ def test_two_nodes_in_separate_network_namespaces(tmp_path):
                 cmd = ["ip", "netns", "exec", ns, "bash", "launch/multi_node.sh", "train_ddp.py", *flags(tmp_path, "two")]
                 procs.append(subprocess.Popen(cmd, cwd=ROOT, env={**child_env(), **env}, stdout=subprocess.PIPE,
                                               stderr=subprocess.PIPE, text=True))
-                time.sleep(1)
+                time.sleep(1)  # not a point in training: node 0, the store's host, starts first
             outputs = [p.communicate(timeout=240) for p in procs]
     except subprocess.CalledProcessError as e:
         pytest.skip(f"could not build the namespaces: {' '.join(e.cmd)}: {e.stderr.strip()}")

@@ -112,7 +112,7 @@ def test_sigkill_during_saves_never_costs_the_newest_complete_checkpoint(tmp_pat
                                 env=child_env(), stdout=subprocess.PIPE, text=True)
         first = proc.stdout.readline()  # the writer is up and saving
         assert first.strip(), "the save loop did not start"
-        time.sleep(rng.uniform(0.0, 0.4))
+        time.sleep(rng.uniform(0.0, 0.4))  # a random point of an endless save loop, not of training: the chance is the test
         proc.send_signal(signal.SIGKILL)
         completed = [int(line) for line in [first, *proc.stdout.read().split()] if line.strip()]
         proc.wait()
