@@ -82,7 +82,7 @@ class Console:
         while time.monotonic() < deadline:
             if found := self.matches(pattern, after, name):
                 return found[0][0]
-            time.sleep(0.05)
+            time.sleep(0.05)  # a poll with a deadline: the lines come from reader threads
         raise AssertionError(f"no {what} within {ENDS_PROMPTLY_S} s:\n{self.text()}")
 
     def first_step_of_next_world(self, after: float, what: str) -> float:
@@ -247,8 +247,11 @@ def gated(script: str, args: list[str], gate: Path) -> None:
     begin_step = StopRequest.begin_step
 
     def held(self: StopRequest, index: int) -> None:
+        deadline = time.monotonic() + ENDS_PROMPTLY_S * 2  # the test is gone or stuck: end, not hang
         while index in GATES and gate.exists() and not self.received:
-            time.sleep(0.01)
+            if time.monotonic() > deadline:
+                raise SystemExit(f"error: held before step {index + 1} for {ENDS_PROMPTLY_S * 2} s: the test is gone")
+            time.sleep(0.01)  # a poll with a deadline: the gate is a file, the release a signal or its removal
         begin_step(self, index)
     StopRequest.begin_step = held
     sys.argv = [script, *args]
