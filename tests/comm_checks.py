@@ -28,7 +28,7 @@ def check_ring(rank: int, world: int) -> None:
         expected = integers.clone()
         dist.all_reduce(expected)
         assert torch.equal(ring_all_reduce(integers.clone()), expected), f"ring != all_reduce, integers, size {size}"
-        reals = torch.randn(size, generator=g, dtype=torch.float64)
+        reals = torch.randn(size, generator=g, dtype=torch.float64)  # float64: 1e-12 below is one sum's rounding
         expected = reals.clone()
         dist.all_reduce(expected)
         torch.testing.assert_close(ring_all_reduce(reals.clone()), expected, rtol=1e-12, atol=1e-12)
@@ -66,6 +66,7 @@ def check_buckets(rank: int, world: int, wire: str = "none", micro_batches: int 
     buckets = GradientBuckets(model, cap_mb=64 / 2**20, launch=launch_all_reduce("torch", transport), rank=rank,
                               device=torch.device("cpu"), scale=1.0 / world, root_buffers=float_buffers(model),
                               wire_dtype=wire_dtype)
+    # one sum per step of 3, against the plain all-reduce: float32 rounding (or fp16 on the wire), never grown
     tolerance = {"rtol": 1e-6, "atol": 1e-7} if wire_dtype is None else {"rtol": 2e-3, "atol": 1e-4}
     for step in range(3):
         model.zero_grad(set_to_none=True)
@@ -118,7 +119,7 @@ def check_shared_memory(rank: int, world: int) -> None:
                 getattr(transport, op)(got, *([] if op == "all_reduce" else [0 if op == "reduce" else world - 1])).wait()
                 if op != "reduce" or rank == 0:
                     assert torch.equal(got, expected), f"shm {op} != gloo's, {dtype}, size {size}"
-        reals = torch.randn(size, generator=g, dtype=torch.float64)
+        reals = torch.randn(size, generator=g, dtype=torch.float64)  # float64: 1e-12 below is one sum's rounding
         expected, got = reals.clone(), reals.clone()
         dist.all_reduce(expected)
         transport.all_reduce(got).wait()
@@ -154,6 +155,7 @@ def check_powersgd_factors(rank: int, world: int) -> None:
         p, q = p_memory[p_at:p_at + p_size], q_memory[q_at:q_at + q_size]
         expected = local[name].grad.reshape(p_size, -1).t() @ p
         dist.all_reduce(expected)
+        # one matrix product each side, summed in another order: float32 rounding of one step
         torch.testing.assert_close(q, expected / world, rtol=1e-4, atol=1e-6, msg=f"Q slice named {name} is not its Q")
         p_at, q_at = p_at + p_size, q_at + q_size
     shapes = [tuple(p.shape) for p in model.parameters()]

@@ -92,7 +92,7 @@ def inject(fault: str, optimizer: torch.optim.Optimizer) -> None:
     elif fault in ("sigint-job", "sigint-twice") and rank == 0:
         signal_job(signal.SIGINT)
         if fault == "sigint-twice":
-            time.sleep(FORCE_AFTER_S + 0.5)
+            time.sleep(FORCE_AFTER_S + 0.5)  # the pause under test: a deliberate second Ctrl-C comes this late
             print(f"second SIGINT sent at {time.time():.3f}", file=sys.stderr, flush=True)
             signal_job(signal.SIGINT)
     elif fault == "sigkill" and rank == 1 and first_attempt:
@@ -125,9 +125,9 @@ def signal_during_save(global_step: int) -> None:
 
     def slow_write(self: CheckpointFolder, run: str, state: dict, previous: str | None = None) -> str:
         if state["global_step"] == global_step:
-            time.sleep(0.5)
+            time.sleep(0.5)  # a slow store's 1 s write (the writer's thread, not training), signalled halfway
             signal_job(signal.SIGTERM, torchrun_first=False)
-            time.sleep(0.5)
+            time.sleep(0.5)  # the write's second half
         return write(self, run, state, previous)
     CheckpointFolder.write = slow_write
 

@@ -41,7 +41,7 @@ class FileServer:
         for start in range(0, end, chunk):
             out.write(body[start:min(start + chunk, end)])
             if self.bytes_per_s:
-                time.sleep(chunk / self.bytes_per_s)
+                time.sleep(chunk / self.bytes_per_s)  # a slow server on purpose (its bytes per second)
 
     def __enter__(self) -> "FileServer":
         self.thread.start()

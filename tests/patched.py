@@ -15,11 +15,9 @@ Patches:
   hang-preparing=PATH    on node 1, the node's data preparation writes its pid into PATH and never ends
   slow-storage=S@K       the K-th read or write of a local checkpoint folder by this process sleeps S seconds
                          first, saying so on stderr ("storage op K (write NAME) sleeps S s at UNIX_TIME in pid P")
-  slow-heal=S            every load of a training state (a checkpoint's, a peer's in train_ft.py's heal) says
-                         "loading a training state" on stderr and sleeps S seconds first: a heal long enough to
-                         be interrupted
-  slow-steps=S           every optimizer step (common.train.step.update) sleeps S seconds first: a run long
-                         enough in steps for faults to land mid-epoch, at a few ms of compute per step
+  gate=WHO@POINT         held at a training step (or train_ft.py's heal) until the test releases it: a
+                         fault at a known step on a host of any speed (tests/gates.py; GATE_DIR names the
+                         folder of its markers)
 """
 from __future__ import annotations
 
@@ -73,7 +71,7 @@ def hang_preparing(path: str) -> None:
             return real(*args, **kwargs)
         Path(path).write_text(str(os.getpid()))
         while True:
-            time.sleep(60)
+            time.sleep(60)  # the hang under test: the node never ends its preparation (the test kills it)
     fetch.decode_once = decode_once
 
 
@@ -89,34 +87,11 @@ def slow_storage(spec: str) -> None:
             if count[0] == int(op):
                 print(f"storage op {op} ({real.__name__} {name}) sleeps {seconds} s at {time.time():.3f} in pid "
                       f"{os.getpid()}", file=sys.stderr, flush=True)
-                time.sleep(float(seconds))
+                time.sleep(float(seconds))  # the slow store under test, not a point in training
             return real(self, name, *args)
         return operation
     for method in ("read", "write_from"):  # every write goes through write_from (a step file streams to disk)
         setattr(LocalStorage, method, slowed(getattr(LocalStorage, method)))
-
-
-def slow_steps(seconds: float) -> None:
-    from common.train import step
-
-    real = step.update
-
-    def update(*args, **kwargs):
-        time.sleep(seconds)
-        return real(*args, **kwargs)
-    step.update = update
-
-
-def slow_heal(seconds: float) -> None:
-    from common.train import checkpoint
-
-    real = checkpoint.load_training_state
-
-    def load_training_state(*args, **kwargs):
-        print(f"loading a training state, sleeping {seconds} s first", file=sys.stderr, flush=True)
-        time.sleep(seconds)
-        return real(*args, **kwargs)
-    checkpoint.load_training_state = load_training_state
 
 
 def apply(patch: str) -> None:
@@ -149,10 +124,10 @@ def apply(patch: str) -> None:
         hang_preparing(patch.removeprefix("hang-preparing="))
     elif patch.startswith("slow-storage="):
         slow_storage(patch.removeprefix("slow-storage="))
-    elif patch.startswith("slow-heal="):
-        slow_heal(float(patch.removeprefix("slow-heal=")))
-    elif patch.startswith("slow-steps="):
-        slow_steps(float(patch.removeprefix("slow-steps=")))
+    elif patch.startswith("gate="):
+        from tests.gates import install
+
+        install(patch.removeprefix("gate="))
     else:
         raise SystemExit(f"unknown patch {patch}")
 

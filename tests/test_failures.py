@@ -67,7 +67,7 @@ def test_a_rank_that_dies_is_named_in_one_line(launcher, transport, fault, tmp_p
 def _hold_region() -> subprocess.Popen:
     """A process that creates a region as rank 0's set-up does, prints its path and waits."""
     code = ("import sys, time; from common.parallel.transport import create_region; "
-            "region, _ = create_region(2); print(region.path, flush=True); time.sleep(60)")
+            "region, _ = create_region(2); print(region.path, flush=True); time.sleep(60)")  # killed by the test
     return subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, text=True)
 
 

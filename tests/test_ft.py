@@ -3,8 +3,10 @@
 outside, the Lighthouse killed. Every run must end with the weights of the planned schedule: a
 train_ddp.py run of the same flags at world 2, the global batch's slots (fixture `planned`).
 
-Each run is slowed by tests/patched.py slow-steps (a sleep before each optimizer step), so that
-faults land mid-epoch at a few ms of compute per step.
+Every fault lands at a known step whatever the host's speed: the groups are held at a step by
+tests/patched.py's gates (tests/gates.py) while the test acts, and released only once a group it
+started, restarted or thawed asks the Lighthouse for a quorum too. No wait is a race with the run's
+end: a deadline only tells a run that hangs from one that works.
 """
 from __future__ import annotations
 
@@ -21,14 +23,22 @@ import pytest
 import torch
 
 from tests.conftest import ROOT, child_env, free_port, latest_state, refusal_in_process, run_script
+from tests.gates import Gate
 
 pytest.importorskip("torchft", reason="torchft ships Linux x86_64 wheels only: train_ft.py refuses to run without it")
 
 EPOCHS, STEPS_PER_EPOCH, BATCH = 3, 25, 48  # 1200 MNIST images
 RUN = ["--dataset", "mnist", "--model", "lenet", "--epochs", str(EPOCHS), "--batch-size", str(BATCH), "--lr", "0.05",
        "--log-every", "5"]
-SLOW = ["tests/patched.py", "slow-steps=0.12", "train_ft.py"]
+# The fault-free schedule's bits by design, on any CPU: two groups of one rank sum two slot gradients
+# (a + b, the same in either order), each scaled by 1/2 (exact), as train_ddp.py at world 2 does;
+# one group alone sums the same two; a heal copies a peer's bits. 1e-5 only leaves room for nothing.
 BOUND = 1e-5
+
+
+def gated(*points: str) -> list[str]:
+    """train_ft.py held at each WHO@POINT until the test releases it (tests/gates.py)."""
+    return ["tests/patched.py", ",".join(f"gate={point}" for point in points), "train_ft.py"]
 
 
 def flags(mnist_root: Path, folder: Path, *extra: str) -> list[str]:
@@ -126,7 +136,7 @@ class Job:
                     return at, match
             if self.process.poll() is not None and not self.reader.is_alive():
                 break
-            time.sleep(0.05)
+            time.sleep(0.05)  # a poll with a deadline: the lines come from a reader thread
         raise AssertionError(f"no line matching {pattern!r} within {timeout} s:\n" + self.text()[-6000:])
 
     def finish(self, timeout: float = 180) -> int:
@@ -154,12 +164,16 @@ class Job:
 class FtRun:
     """launch/ft.sh GROUPS 1 on a free port, its pid files and logs in `folder`."""
 
-    def __init__(self, folder: Path, groups: int, training: list[str], restarts: int = 3) -> None:
+    def __init__(self, folder: Path, groups: int, training: list[str], restarts: int = 3,
+                 gate: Gate | None = None, lighthouse_restarts: int = 10) -> None:
         self.logs, self.port = folder / "ft-logs", free_port()
         self.env = {**child_env(), "FT_PORT": str(self.port), "FT_LOGS": str(self.logs),
-                    "FT_RESTARTS": str(restarts)}
+                    "FT_RESTARTS": str(restarts), "FT_LIGHTHOUSE_RESTARTS": str(lighthouse_restarts),
+                    **(gate.env() if gate else {})}
         self.training = training
         self.job = Job(["bash", "launch/ft.sh", str(groups), "1", *training], self.env)
+        if gate:
+            gate.job_output = self.job.text
 
     def worker(self, group: int) -> int:
         """The group's training process (torchrun's child), not its agent."""
@@ -175,6 +189,14 @@ class FtRun:
                "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{self.port}"}
         return Job([sys.executable, "launch/quiet_torchrun.py", "--standalone", "--nproc_per_node=1", *self.training],
                    env)
+
+
+def outliving(pids: list[int], grace_s: float = 2.0) -> list[int]:
+    """Those of `pids` still running `grace_s` after ft.sh ended (a killed process's exit is asynchronous)."""
+    deadline = time.monotonic() + grace_s
+    while (alive := [pid for pid in pids if Path(f"/proc/{pid}").exists()]) and time.monotonic() < deadline:
+        time.sleep(0.05)  # a poll with a deadline
+    return alive
 
 
 def healed_at(text: str, group: int) -> list[int]:
@@ -260,24 +282,31 @@ def test_without_torchft_train_ft_says_so_in_one_line(capsys, monkeypatch):
 
 
 # 1 -------------------------------------------------------------------------------------------
+MID_EPOCH_2 = 35  # past epoch 1's checkpoint, which a restarted group reads first
+
+
 def test_a_group_killed_mid_epoch_comes_back_healed_and_the_weights_are_the_planned_ones(mnist_root, planned,
                                                                                         tmp_path):
-    """SIGKILL of group 1's worker mid-epoch 2: launch/ft.sh says it was lost and starts it again; it
-    heals from group 0 (weights, optimizer state, position) and trains on; group 0 never stops. The
+    """SIGKILL of group 1's worker held at step 35 (mid-epoch 2): launch/ft.sh says it was lost and starts it again; it
+    heals from group 0 (weights, optimizer state, position) at step 36, where group 0, held until the
+    restarted group asks for a quorum, goes on. The
     replicas are checked bit-equal across groups at every step (--check-replicas 1), every committed
     step trained every slot once (counted), and the final weights are the planned schedule's."""
-    run = FtRun(tmp_path, 2, [*SLOW, *flags(mnist_root, tmp_path, "--check-replicas", "1")])
-    run.job.wait_for(r"\[g1\] epoch 1/3 ")
-    time.sleep(1.5)  # about 10 steps into epoch 2: past the epoch's checkpoint, which the restart reads first
+    gate, hold = Gate(tmp_path / "gates"), f"all@{MID_EPOCH_2}"
+    run = FtRun(tmp_path, 2, [*gated(hold), *flags(mnist_root, tmp_path, "--check-replicas", "1")], gate=gate)
+    gate.held(hold, processes=2)
+    asked = gate.quorum_requests(1)
     killed = time.monotonic()
     os.kill(run.worker(1), signal.SIGKILL)
     lost_at, _ = run.job.wait_for(r"^ft: group 1 lost \(exit \d+\); restarted \(1 of 3\)", after=killed)
+    gate.asked_quorum(1, beyond=asked)  # the restarted group waits in the quorum: group 0 meets it there
+    gate.release(hold)
     healed, match = run.job.wait_for(r"\[g1\] group 1 healed from group 0 at step (\d+)", after=killed)
     assert run.job.finish() == 0, run.job.text()[-6000:]
     text = run.job.text()
     step = int(match[1])
     assert "is trained again" not in text[text.index("group 1 healed from"):], text[-4000:]  # healed in step
-    assert STEPS_PER_EPOCH < step < EPOCHS * STEPS_PER_EPOCH, text[-4000:]
+    assert step == MID_EPOCH_2 + 1, text[-4000:]  # the first step after the one group 0 was held at
     assert every_sample_once(text, 0) == [STEPS_PER_EPOCH * BATCH] * EPOCHS, text[-4000:]
     dw = max_dw(final_weights(tmp_path), planned)
     print(f"\nSIGKILL of group 1 mid-epoch 2: ft.sh restarted it {lost_at - killed:.1f} s later, healed at step "
@@ -286,18 +315,25 @@ def test_a_group_killed_mid_epoch_comes_back_healed_and_the_weights_are_the_plan
 
 
 # 2 -------------------------------------------------------------------------------------------
-def test_the_lighthouse_killed_ends_every_group_saved_and_the_same_command_resumes(mnist_root, planned, tmp_path):
-    """No Lighthouse, no quorum, no step: each group notices within --quorum-timeout-s (5 s here), the
-    quorum's first group saves where they stand, both end with one line, and launch/ft.sh restarts
-    nothing. The same command, with a Lighthouse again, resumes from that checkpoint and ends with
-    the fault-free weights."""
-    training = [*SLOW, *flags(mnist_root, tmp_path, "--quorum-timeout-s", "5")]
-    run = FtRun(tmp_path, 2, training)
+LIGHTHOUSE_KILLS = (45, 55, 65)  # steps of the resumed run at which its Lighthouse is SIGKILLed, groups held
+
+
+def test_the_lighthouse_killed_for_good_ends_every_group_saved_and_when_started_again_ends_none(mnist_root, planned,
+                                                                                                tmp_path):
+    """The groups held at step 35, the Lighthouse SIGKILLed and not started again (FT_LIGHTHOUSE_RESTARTS=0): no
+    quorum, no step: each group notices within --quorum-timeout-s (5 s here), the quorum's first group saves
+    where they stand, both end with one line, and launch/ft.sh restarts nothing. The same command resumes from
+    that checkpoint; in it the Lighthouse is SIGKILLed three times (the groups held at steps 45, 55, 65, and
+    released at once): ft.sh starts it again each time, the groups ask again for their quorum and go on, no
+    group ends, and the run ends with the fault-free weights."""
+    gate, hold = Gate(tmp_path / "gates"), f"all@{MID_EPOCH_2}"
+    training = [*gated(hold), *flags(mnist_root, tmp_path, "--quorum-timeout-s", "5")]
+    run = FtRun(tmp_path, 2, training, gate=gate, lighthouse_restarts=0)
     _, match = run.job.wait_for(r"^ft: Lighthouse on \S+ \(pid (\d+)")
-    run.job.wait_for(r"\[g1\] epoch 1/3 ")
-    time.sleep(1.0)
+    gate.held(hold, processes=2)
     killed = time.monotonic()
     os.kill(int(match[1]), signal.SIGKILL)
+    gate.release(hold)
     assert run.job.finish(timeout=90) != 0
     text = run.job.text()
     ended = [at for at, line in run.job.lines if re.search(r"\[g\d\] error: no quorum from the Lighthouse", line)]
@@ -307,39 +343,61 @@ def test_the_lighthouse_killed_ends_every_group_saved_and_the_same_command_resum
     assert saved and "restarted" not in text and "the Lighthouse is gone" in text, text[-5000:]
     assert re.search(r"\[g1\] error: no quorum .* checkpoint none from this group", text), text[-5000:]
     step = int(saved[1])
-    assert STEPS_PER_EPOCH < step < 2 * STEPS_PER_EPOCH and Path(saved[2]).exists(), text[-3000:]
-    print(f"\nLighthouse SIGKILLed in epoch 2: both groups ended {max(ended) - killed:.1f} s later, saved at step {step}")
+    assert step == MID_EPOCH_2 and Path(saved[2]).exists(), text[-3000:]  # no quorum for the step after it
+    print(f"\nLighthouse SIGKILLed with the groups held at step {MID_EPOCH_2}: both groups ended {max(ended) - killed:.1f} s later, saved at step {step}")
 
-    again = FtRun(tmp_path, 2, training)
+    kills = [f"all@{at}" for at in LIGHTHOUSE_KILLS]
+    resumed = [*gated(hold, *kills), *flags(mnist_root, tmp_path)]  # the gate at 35 stays open: released
+    again = FtRun(tmp_path, 2, resumed, gate=gate)
+    for point in kills:
+        gate.held(point, processes=2)
+        os.kill(int((again.logs / "lighthouse.pid").read_text()), signal.SIGKILL)
+        gate.release(point)  # the groups' next quorum asks a Lighthouse that is down or starting again
     assert again.job.finish() == 0, again.job.text()[-5000:]
-    assert "saved at world 1)" in again.job.text() and f"step-{step:08d}.pt: " in again.job.text()
+    text = again.job.text()
+    assert "saved at world 1)" in text and f"step-{step:08d}.pt: " in text
+    assert text.count("ft: the Lighthouse died (killed by SIGKILL); restarted") == len(kills), text[-5000:]
+    assert "error:" not in text and " lost (" not in text and "Traceback" not in text, text[-5000:]
+    waits = re.findall(r"no quorum from the Lighthouse at \S+ at step (\d+) \(\w+\): asking again", text)
     dw = max_dw(final_weights(tmp_path), planned)
-    print(f"resumed from step {step}: max |dw| against the fault-free run = {dw:.3g}")
+    print(f"resumed from step {step}, the Lighthouse SIGKILLed at steps {LIGHTHOUSE_KILLS}: {len(waits)} quorum "
+          f"request(s) asked again, no group ended; max |dw| against the fault-free run = {dw:.3g}")
     assert dw <= BOUND
 
 
 # 3 -------------------------------------------------------------------------------------------
+LEAVE = 45  # mid-epoch: held at an epoch's last step, a stop is honoured at the epoch's save, after that step
+
+
 def test_a_third_group_joins_mid_run_and_a_stopped_group_leaves_without_a_restart(mnist_root, exact3, tmp_path):
     """Two groups of convnet (BatchNorm) with a batch planned for three (--groups 3: one group trains 2 slots).
-    A third group started by hand mid-epoch 2 joins the quorum, heals from a live group and takes
-    its slot; then group 1, stopped with SIGTERM, leaves after the step it is in (launch/ft.sh does
+    A third group started by hand while the two are held at step 35 joins the quorum, heals from a live
+    group at step 36 and takes its slot; then group 1, stopped with SIGTERM while all are held at step
+    45, leaves after step 46 (launch/ft.sh does
     not restart it) and the others go on without a restart. With --exact-sums the weights and the
     BatchNorm statistics are the fault-free run's, bit for bit."""
-    training = [*SLOW, *flags(mnist_root, tmp_path, *EXACT, "--check-replicas", "5")]
-    run = FtRun(tmp_path, 2, training)
-    run.job.wait_for(r"\[g1\] epoch 1/3 ")
+    gate, join, leave = Gate(tmp_path / "gates"), f"all@{MID_EPOCH_2}", f"all@{LEAVE}"
+    training = [*gated(join, leave), *flags(mnist_root, tmp_path, *EXACT, "--check-replicas", "5")]
+    run = FtRun(tmp_path, 2, training, gate=gate)
+    gate.held(join, processes=2)
     started = time.monotonic()
     third = run.extra_group(2, 3)
+    gate.asked_quorum(2, beyond=0)
+    gate.release(join)
     joined, match = third.wait_for(r"group 2 healed from group \d at step (\d+)")
     third.wait_for(r"quorum of 3 group\(s\) at step \d+: this group \(group 2\) is number 2")
-    time.sleep(1.0)
+    gate.held(leave, processes=3)
     stopped = time.monotonic()
     os.killpg(int((run.logs / "group1.pid").read_text()), signal.SIGTERM)
+    gate.signalled(leave)  # group 1's worker has it: agreed on as step 51 begins
+    gate.release(leave)
     left, gone = run.job.wait_for(r"\[g1\] group 1 stopped by SIGTERM after step (\d+) and left the quorum")
     run.job.wait_for(r"^ft: group 1 left \(stopped by SIGTERM\)")
     regrouped, _ = run.job.wait_for(r"\[g0\] quorum of 2 group\(s\) at step \d+", after=stopped)
     assert run.job.finish() == 0 and third.finish() == 0, run.job.text()[-5000:] + third.text()[-3000:]
     assert "restarted" not in run.job.text()
+    # held at a step, the SIGTERM is agreed on as the next step begins: the group leaves after it
+    assert (int(match[1]), int(gone[1])) == (MID_EPOCH_2 + 1, LEAVE + 1), run.job.text()[-5000:]
     dw = max_dw(final_weights(tmp_path), exact3)
     print(f"\na third group joined {joined - started:.1f} s after its start, healed at step {match[1]}; group 1 left "
           f"after step {gone[1]} {left - stopped:.1f} s after its SIGTERM, the others' next quorum "
@@ -348,34 +406,48 @@ def test_a_third_group_joins_mid_run_and_a_stopped_group_leaves_without_a_restar
 
 
 # 4 -------------------------------------------------------------------------------------------
+FREEZE_KILL_THAW = (30, 40, 60)
+
+
 def test_a_frozen_group_a_group_killed_while_healing_and_the_last_group_alone_never_hang(mnist_root, exact3,
                                                                                         tmp_path):
-    """Three groups, one restart each. Group 2 freezes (SIGSTOP): its heartbeat stops and the others
-    go on without it after --ft-timeout-s. Group 1 is SIGKILLed, restarted, and SIGKILLed again while
-    it loads its peer's state (a slowed heal): the source and the rest go on. With no restarts left,
-    group 0 trains alone. Group 2 thawed (SIGCONT) finds itself behind, heals and rejoins. Every
+    """Three groups, one restart each. Group 2 freezes (SIGSTOP) at step 30: its heartbeat stops and the
+    others go on without it. Group 1 is SIGKILLed at step 40, restarted, and SIGKILLed again while it
+    is held as it loads group 0's state (the heal): the source goes on. With no restarts left, group
+    0 trains alone to step 60, where it is held until group 2, thawed (SIGCONT), finds itself behind
+    in the quorum: it heals at step 61 and rejoins. Every
     wait is bounded; the weights and statistics are still the fault-free run's, bit for bit."""
-    training = ["tests/patched.py", "slow-steps=0.12,slow-heal=3", "train_ft.py",
-                *flags(mnist_root, tmp_path, *EXACT, "--ft-timeout-s", "4")]
-    run = FtRun(tmp_path, 3, training, restarts=1)
-    run.job.wait_for(r"\[g2\] epoch 1/3 ")
+    gate = Gate(tmp_path / "gates")
+    freeze, kill, thaw = (f"all@{step}" for step in FREEZE_KILL_THAW)
+    training = [*gated(freeze, kill, thaw, "g1@heal"), *flags(mnist_root, tmp_path, *EXACT, "--ft-timeout-s", "4")]
+    run = FtRun(tmp_path, 3, training, restarts=1, gate=gate)
+    gate.held(freeze, processes=3)
     frozen_worker = run.worker(2)
     os.kill(frozen_worker, signal.SIGSTOP)
     frozen = time.monotonic()
+    gate.release(freeze)  # groups 0 and 1 go on; group 2, frozen, stays where it was held
     left_behind, _ = run.job.wait_for(r"\[g0\] quorum of 2 group\(s\)", after=frozen)
 
+    gate.held(kill, processes=2)
+    asked = gate.quorum_requests(1)
     os.kill(run.worker(1), signal.SIGKILL)
     run.job.wait_for(r"^ft: group 1 lost \(exit \d+\); restarted \(1 of 1\)")
-    resumed, _ = run.job.wait_for(r"\[g1\] resumed from ")
-    run.job.wait_for(r"\[g1\] loading a training state", after=resumed + 0.01)  # the heal's, after the checkpoint's
+    gate.asked_quorum(1, beyond=asked)  # the restarted group is in the quorum: group 0 meets it there and heals it
+    gate.release(kill)
+    gate.held("g1@heal")  # group 1 has the step's sum and is about to load group 0's state
     os.kill(run.worker(1), signal.SIGKILL)
     killed_healing = time.monotonic()
     run.job.wait_for(r"^ft: group 1 lost \(exit \d+\); no restarts left")
-    alone, _ = run.job.wait_for(r"\[g0\] epoch [23]: \d+ samples", after=killed_healing)  # group 0 trains on alone
+    alone, _ = run.job.wait_for(r"\[g0\] epoch 2: \d+ samples", after=killed_healing)  # group 0 trains on alone
 
+    gate.held(thaw)
+    asked = gate.quorum_requests(2)
     os.kill(frozen_worker, signal.SIGCONT)
     thawed = time.monotonic()
-    healed, _ = run.job.wait_for(r"\[g2\] group 2 healed from group 0 at step \d+", after=thawed)
+    gate.asked_quorum(2, beyond=asked)  # the thawed group, behind, is in the quorum: group 0 meets it there
+    gate.release(thaw)
+    healed, at = run.job.wait_for(r"\[g2\] group 2 healed from group 0 at step (\d+)", after=thawed)
+    assert int(at[1]) == FREEZE_KILL_THAW[2] + 1, run.job.text()[-6000:]
     assert run.job.finish() == 0, run.job.text()[-6000:]
     dw = max_dw(final_weights(tmp_path), exact3)
     print(f"\nfrozen group left behind after {left_behind - frozen:.1f} s; group 0 ended an epoch alone "
@@ -392,26 +464,30 @@ def test_another_run_or_batch_cut_is_refused_and_ctrl_c_stops_every_group_saved(
     A terminal's
     Ctrl-C (SIGINT to ft.sh's whole process group) stops every group: the first saves, ft.sh ends
     after them, and no process of the run is left."""
-    run = FtRun(tmp_path / "a", 2, [*SLOW, *flags(mnist_root, tmp_path / "a")])
-    run.job.wait_for(r"\[g1\] quorum of 2 group")
+    gate, meet, stop = Gate(tmp_path / "gates"), "all@30", "all@45"
+    run = FtRun(tmp_path / "a", 2, [*gated(meet, stop), *flags(mnist_root, tmp_path / "a")], gate=gate)
+    gate.held(meet, processes=2)
     other = Job(["bash", "launch/ft.sh", "2", "1", "train_ft.py", *flags(mnist_root, tmp_path / "b")],
                 {**run.env, "FT_LOGS": str(tmp_path / "b-logs")})
     assert other.finish(timeout=30) == 2 and "set FT_PORT to a free port" in other.text(), other.text()
     odd = run.extra_group(2, 1)  # --groups 1 by its FT_GROUPS: it would cut the batch otherwise
+    gate.asked_quorum(2, beyond=0)  # the running groups meet it in their next quorum
+    gate.release(meet)
     assert odd.finish(timeout=90) != 0, odd.text()
     assert "met groups that train another run or cut the batch otherwise" in odd.text(), odd.text()[-3000:]
     assert "Traceback" not in odd.text() and "SIGABRT" not in odd.text(), odd.text()[-3000:]
+    gate.held(stop, processes=2)
     pids = [run.worker(0), run.worker(1), int((run.logs / "group0.pid").read_text())]
-    time.sleep(1.0)
     stopped = time.monotonic()
     os.killpg(run.job.process.pid, signal.SIGINT)
+    gate.signalled(stop, processes=2)
+    gate.release(stop)
     code = run.job.finish(timeout=60)
     ended = time.monotonic() - stopped
     text = run.job.text()
     saved = re.search(r"\[g0\] stopped by SIGINT after step (\d+) \(epoch \d+, step \d+\); checkpoint (\S+);", text)
-    assert code != 0 and saved and Path(saved[2]).exists(), text[-4000:]
-    time.sleep(0.5)
-    assert not [pid for pid in pids if Path(f"/proc/{pid}").exists()], "a process of the run outlived ft.sh"
+    assert code != 0 and saved and Path(saved[2]).exists() and int(saved[1]) == 46, text[-4000:]
+    assert not outliving(pids), "a process of the run outlived ft.sh"
     assert latest_state(tmp_path / "a" / "ckpt")["global_step"] == int(saved[1])
     print(f"\nCtrl-C: ft.sh ended {ended:.1f} s later, group 0 saved step {saved[1]}; a second ft.sh on the port "
           "refused")

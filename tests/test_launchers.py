@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from tests.conftest import ROOT, child_env, free_port
+from tests.gates import Gate
 
 LAUNCH = ROOT / "launch"
 PARAMETERS = {"NPROC", "NNODES", "RDZV_ENDPOINT", "RDZV_ID", "NODE_RANK", "LOCAL_ADDR", "MAX_RESTARTS", "JOIN_TIMEOUT",
@@ -44,23 +45,21 @@ def gone_within(tag: str, seconds: float) -> float | None:
     while ours(tag):
         if time.monotonic() - start > seconds:
             return None
-        time.sleep(0.1)
+        time.sleep(0.1)  # a poll with a deadline
     return time.monotonic() - start
 
 
 class Lines(threading.Thread):
-    """Reads a pipe to its end; `seen` is set once a line starts with `watch`."""
+    """Reads a pipe to its end."""
 
-    def __init__(self, stream, watch: str | None = None) -> None:
+    def __init__(self, stream) -> None:
         super().__init__(daemon=True)
-        self.stream, self.watch, self.lines, self.seen = stream, watch, [], threading.Event()
+        self.stream, self.lines = stream, []
         self.start()
 
     def run(self) -> None:
         for line in self.stream:
             self.lines.append(line)
-            if self.watch and line.startswith(self.watch):
-                self.seen.set()
 
     def text(self) -> str:
         return "".join(self.lines)
@@ -91,25 +90,27 @@ def as_from_a_terminal() -> None:
         "single_node-TERM", "single_node-TERM-twice"])
 def test_a_signal_to_the_launcher_stops_training_with_a_checkpoint(script, name, group, times, tmp_path):
     ckpt = tmp_path / "ckpt"  # unique to this test: names its processes for pgrep
-    # 312 steps an epoch, 20 epochs: however fast the host, the signal (1 s after the first step)
-    # comes mid-run, and the stop it asks for ends the run
+    # 312 steps: both workers are held after step 10 (tests/gates.py) until the signal reached them, so
+    # the stop it asks for lands after step 11 on a host of any speed
     flags = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
-             "--epochs", "20", "--log-dir", str(tmp_path / "tb"), "--checkpoint-dir", str(ckpt)]
-    env = launcher_env(**{k: v.format(port=free_port()) for k, v in LAUNCHED[script].items()})
-    proc = subprocess.Popen([str(LAUNCH / script), "train_ddp.py", *flags], cwd=ROOT, env=env,
+             "--epochs", "1", "--log-dir", str(tmp_path / "tb"), "--checkpoint-dir", str(ckpt)]
+    gate, hold = Gate(tmp_path / "gates"), "all@10"
+    env = launcher_env(**{k: v.format(port=free_port()) for k, v in LAUNCHED[script].items()}, **gate.env())
+    proc = subprocess.Popen([str(LAUNCH / script), "tests/patched.py", f"gate={hold}", "train_ddp.py", *flags],
+                            cwd=ROOT, env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             preexec_fn=as_from_a_terminal)
-    out, err = Lines(proc.stdout, watch="start-up:"), Lines(proc.stderr)  # rank 0, as the first step begins
+    out, err = Lines(proc.stdout), Lines(proc.stderr)
     try:
-        assert out.seen.wait(timeout=120), out.text()[-2000:] + err.text()[-3000:]
-        time.sleep(1.0)  # mid-epoch
+        gate.held(hold, processes=2, timeout=120)
         sent = time.monotonic()
         for _ in range(times):
             if group:
                 os.killpg(proc.pid, getattr(signal, name))
             else:
                 proc.send_signal(getattr(signal, name))  # to the launcher's pid only, as `kill -TERM PID` does
-            time.sleep(0.1)  # the next one comes while the agent waits for its workers to stop
+            gate.signalled(hold, processes=2)  # a second signal comes while the agent waits for its workers
+        gate.release(hold)
         proc.wait(timeout=60)
         exited = time.monotonic() - sent
         left_at_exit = ours(str(ckpt))
@@ -129,7 +130,7 @@ def test_a_signal_to_the_launcher_stops_training_with_a_checkpoint(script, name,
     assert not left_at_exit, f"the launcher exited before its children {left_at_exit}"
     assert gone is not None
     assert proc.returncode != 0  # training did not complete
-    assert len(stopped) == 1, err.text()[-3000:]
+    assert len(stopped) == 1 and stopped[0].startswith(f"stopped by {name} after step 11 "), err.text()[-3000:]
     if script == "single_node.sh":  # quiet_torchrun: no traceback from the agent, also after a second signal
         assert "Traceback" not in err.text(), err.text()[-3000:]
     assert saved, f"no checkpoint under {ckpt}"

@@ -17,6 +17,7 @@ from common.data.formats import CIFAR_DIR, MNIST_DIR
 from tests.conftest import (ENDS_PROMPTLY_S, ROOT, child_env, error_lines, free_port, one_launch, run_script, script_command,
                             split_runs, stop_after)
 from tests.datagen import write_cifar10, write_mnist, write_mnist_processed
+from tests.gates import Gate
 from tests.s3server import S3Server
 
 MNIST = ["--dataset", "mnist", "--model", "lenet", "--batch-size", "32", "--eval-batch-size", "301"]
@@ -162,7 +163,7 @@ def test_a_killed_worker_resumes_from_the_store_exactly(s3, tmp_path):
     assert final["epoch"] == 3
     dw = max_dw(final["model"], reference["model"])
     print(f"\nrank 1 killed at step 12, restarted, checkpoints in s3: max |dw| = {dw:.3g}")
-    assert dw <= 1e-6
+    assert dw <= 1e-6  # the same world and the same sums in the same order: the same bits by design, on any CPU
 
 
 def test_a_corrupt_newest_checkpoint_object_falls_back_to_the_previous(s3, tmp_path):
@@ -187,14 +188,18 @@ def test_the_store_going_away_ends_the_job_clearly_and_the_run_resumes_when_it_i
     flags = [*MNIST, "--epochs", "1", "--max-steps", "0", "--data-dir", "s3://data/mnist-raw",
              "--checkpoint-dir", "s3://ckpt/outage", "--save-every-steps", "4", "--cache-dir", str(tmp_path / "cache"),
              "--log-dir", str(tmp_path / "tb")]
-    proc = subprocess.Popen(script_command(["train_ddp.py", *flags], nproc=2), cwd=ROOT, env=env(s3),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    gate, hold = Gate(tmp_path / "gates"), "all@9"  # held mid-run, past the save of step 8, until the store is gone
+    proc = subprocess.Popen(script_command(["tests/patched.py", f"gate={hold}", "train_ddp.py", *flags], nproc=2),
+                            cwd=ROOT, env={**env(s3), **gate.env()}, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    gate.held(hold, processes=2)
     deadline = time.monotonic() + 120
     while not any(k.endswith("latest.json") for k in keys(s3, "ckpt", "outage")):  # names only: pruning goes on
         assert time.monotonic() < deadline and proc.poll() is None, "no checkpoint reached the store"
-        time.sleep(0.2)
+        time.sleep(0.2)  # a poll with a deadline: the background writer's upload, the ranks held meanwhile
     s3.stop()
     gone = time.monotonic()
+    gate.release(hold)
     try:
         out, err = proc.communicate(timeout=2 * ENDS_PROMPTLY_S)
         seconds = time.monotonic() - gone
@@ -207,7 +212,7 @@ def test_the_store_going_away_ends_the_job_clearly_and_the_run_resumes_when_it_i
     key, state = latest_in_store(s3, "ckpt", "outage")  # the last good checkpoint, whole
     if "failed at the run's pointer" in errors[0]:  # the store went away between a step file and its pointer
         key = errors[0].split("saving checkpoint s3://ckpt/")[1].split()[0]  # that file is whole and newer
-    print(f"\nstore stopped mid-run: every process ended {seconds:.1f} s later; last good checkpoint step "
+    print(f"\nstore stopped with the job held after step 9: every process ended {seconds:.1f} s later; last good checkpoint step "
           f"{state['global_step']} intact")
     assert seconds < ENDS_PROMPTLY_S
     resumed = run_script(["train_ddp.py", *flags, "--max-steps", str(state["global_step"] + 2)], nproc=2,
@@ -362,7 +367,7 @@ def test_wrong_credentials_are_named(tmp_path):
         deadline = time.monotonic() + 30
         while subprocess.run(["bash", "-c", f"exec 3<>/dev/tcp/127.0.0.1/{port}"], capture_output=True).returncode:
             assert time.monotonic() < deadline, "moto server did not start"
-            time.sleep(0.2)
+            time.sleep(0.2)  # a poll with a deadline: the server starting
         result = run_script(["train_ddp.py", *MNIST, "--data-dir", "s3://data/mnist", "--cache-dir",
                              str(tmp_path / "cache"), "--checkpoint-dir", str(tmp_path / "ckpt")], nproc=2, env=environ)
     finally:

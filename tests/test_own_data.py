@@ -275,7 +275,7 @@ def test_a_streamed_run_cut_mid_epoch_resumes_to_the_same_weights(fault, uninter
     assert state["epoch"] == 2
     dw = max((state["model"][k] - uninterrupted[k]).abs().max().item() for k in uninterrupted)
     print(f"\n{fault} mid-epoch with 2 workers per rank, resumed: max |dw| = {dw:.3g}")
-    assert dw <= 1e-5
+    assert dw <= 1e-5  # the same world and the same sums in the same order: the same bits by design, on any CPU
 
 
 def test_a_broken_image_met_while_streaming_ends_every_rank_with_one_line(sets, tmp_path):

@@ -109,7 +109,7 @@ def test_tensorboard_server_serves_scalars_and_hparams(runs):
         deadline = time.monotonic() + 90
         tags: dict = {}
         while time.monotonic() < deadline and set(tags) != {"ddp", "allreduce"}:
-            time.sleep(1)
+            time.sleep(1)  # a poll with a deadline: TensorBoard loading the finished runs
             try:
                 tags = _get(f"{base}/data/plugin/scalars/tags")
             except OSError:

@@ -19,17 +19,21 @@ from typing import Callable, Iterator
 
 import pytest
 
-from tests.conftest import ENDS_PROMPTLY_S, ROOT, free_port, latest_checkpoint, latest_state, saved_position
+from tests.conftest import ROOT, free_port, latest_checkpoint, latest_state, saved_position
+from tests.gates import Gate
 from tests.test_launchers import launcher_env
 
 PROGRAMS = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "scancel", "sinfo", "srun")
 SBIN = os.pathsep.join(("/usr/sbin", "/sbin"))  # the daemons' folder, on root's PATH or not
 # Steps of tens of ms (global batch 256): the ranks agree on a stop within 10 steps (StopRequest.CHECK_EVERY),
 # far longer than srun takes to SIGKILL its step, as with a real model (at batch 32, 5 ms steps, one stop
-# and its 10 ms save beat srun's SIGKILL). 5 epochs: a stop 1 s after the first step comes mid-run.
+# and its 10 ms save beat srun's SIGKILL). The stopped job is held after step HELD (tests/gates.py) until
+# its workers took the TERM: it stops after step HELD + 1 on a host of any speed.
 STEPS_PER_EPOCH = 39  # synthetic mnist: 10,000 images, global batch 256 at world 2
 EPOCHS = 5
-RUN = ["train_ddp.py", "--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet",
+HELD = 10  # a multiple of StopRequest.CHECK_EVERY
+HOLD = f"all@{HELD}"
+RUN = ["tests/patched.py", f"gate={HOLD}", "train_ddp.py", "--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet",
        "--batch-size", "256", "--epochs", str(EPOCHS)]
 PAUSE_BEFORE_SCANCEL_S = 2.0  # a cluster's scancel follows its TERM to every process
 STOP_LINE = re.compile(r"^stopped by SIGTERM after step (\d+) .*; checkpoint (\S+); ", re.M)
@@ -71,7 +75,7 @@ def within(seconds: float, ready: Callable[[], bool]) -> bool:
     while not ready():
         if time.monotonic() > deadline:
             return False
-        time.sleep(0.5)
+        time.sleep(0.5)  # a poll with a deadline
     return True
 
 
@@ -149,14 +153,14 @@ class Job:
         return self.out.read_text(errors="replace") if self.out.exists() else ""
 
 
-def submit(cluster: Cluster, tmp: Path, name: str) -> Job:
+def submit(cluster: Cluster, tmp: Path, name: str, gate: Gate) -> Job:
     """launch/slurm.sbatch from the repository's root, as a user submits it, on this cluster's one
     node: the flags replace the script's #SBATCH lines (2 nodes, 4 GPUs and 16 CPUs each) with what
-    this node has, and NPROC=2 runs two CPU processes."""
+    this node has, and NPROC=2 runs two CPU processes, held after step HELD until `gate` releases them."""
     out = tmp / f"{name}.out"
     job = cluster.run("sbatch", "--parsable", "--nodes=1", "--gpus-per-node=0", f"--cpus-per-task={cluster.cpus}",
                       "--time=10", f"--output={out}", "launch/slurm.sbatch", *RUN, "--checkpoint-dir",
-                      str(tmp / "ckpt"), "--log-dir", str(tmp / "tb"), NPROC="2")
+                      str(tmp / "ckpt"), "--log-dir", str(tmp / "tb"), NPROC="2", **gate.env())
     return Job(job.stdout.strip(), out)
 
 
@@ -172,35 +176,36 @@ def state_at_the_end(cluster: Cluster, job: Job) -> str:
     return re.search(r"JobState=(\w+)", cluster.run("scontrol", "show", "job", job.id).stdout)[1]
 
 
-def stop_as_proctrack_cgroup_does(cluster: Cluster, job: str) -> float:
-    """SIGTERM to every process of the job (the batch script, srun, torchrun, the workers), then,
-    after a pause, scancel. Returns the time of the SIGTERM (time.time(): a file's mtime is compared to it)."""
+def stop_as_proctrack_cgroup_does(cluster: Cluster, job: str, gate: Gate) -> float:
+    """SIGTERM to every process of the job (the batch script, srun, torchrun, the workers), held at
+    HOLD and released once both workers took it, then, after a pause, scancel. Returns the time of the SIGTERM (time.time(): a file's mtime is compared to it)."""
     listed = cluster.run("scontrol", "listpids", job).stdout.splitlines()[1:]  # below its header: PID JOBID ...
     sent = time.time()
     for pid in dict.fromkeys(int(line.split()[0]) for line in listed):  # in the listed order, once each
         with contextlib.suppress(ProcessLookupError):  # a process that ended since the listing
             os.kill(pid, signal.SIGTERM)
-    time.sleep(PAUSE_BEFORE_SCANCEL_S)
+    gate.signalled(HOLD, processes=2)
+    gate.release(HOLD)
+    time.sleep(PAUSE_BEFORE_SCANCEL_S)  # not a point in training: the cluster's own pause (KillWait) before scancel
     cluster.run("scancel", job, check=False)  # the job may have ended already
     return sent
 
 
 def test_a_job_stopped_like_proctrack_cgroup_saves_and_the_same_command_resumes(slurm, tmp_path):
     started = time.monotonic()
-    job = submit(slurm, tmp_path, "stopped")
-    assert within(ENDS_PROMPTLY_S, lambda: "\nstart-up:" in job.log() or ended(slurm, job)), \
-        f"job {job.id} took no step within {ENDS_PROMPTLY_S} s:\n{job.log()[-3000:]}"
-    time.sleep(1.0)  # mid-epoch
-    sent = stop_as_proctrack_cgroup_does(slurm, job.id)
+    gate = Gate(tmp_path / "gates")
+    job = submit(slurm, tmp_path, "stopped", gate)
+    gate.held(HOLD, processes=2)
+    sent = stop_as_proctrack_cgroup_does(slurm, job.id, gate)
     state, log = state_at_the_end(slurm, job), job.log()
     stopped = STOP_LINE.findall(log)
     assert len(stopped) == 1, f"job {job.id} ({state}) saved nothing:\n{log[-3000:]}"
     step, path = int(stopped[0][0]), Path(stopped[0][1])
-    assert 0 < step < EPOCHS * STEPS_PER_EPOCH  # mid-run
+    assert step == HELD + 1, log[-3000:]  # the TERM came while the job was held after step HELD
     assert latest_checkpoint(tmp_path / "ckpt") == path and latest_state(tmp_path / "ckpt")["global_step"] == step
     save_s = path.stat().st_mtime - sent
 
-    job = submit(slurm, tmp_path, "resumed")
+    job = submit(slurm, tmp_path, "resumed", gate)  # the gate is open: released above
     state, log = state_at_the_end(slurm, job), job.log()
     epoch, in_epoch = saved_position(step, STEPS_PER_EPOCH)
     assert f"resumed from {path}: epoch {epoch + 1}, step {in_epoch} " in log, log[-3000:]

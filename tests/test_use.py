@@ -152,7 +152,7 @@ def test_predict_prepares_images_as_the_evaluation_and_names_a_broken_file(train
         assert [p["class"] for p in top] == [str(p["index"]) for p in top]
         got = torch.zeros(10)
         got[[p["index"] for p in top]] = torch.tensor([p["probability"] for p in top])
-        assert torch.allclose(got, row, atol=1e-5), (file, got, row)
+        assert torch.allclose(got, row, atol=1e-5), (file, got, row)  # one forward, printed to 6 digits: no steps
 
     folder = shutil.copytree(trained.images / "val", tmp_path / "val")
     (folder / "3" / "broken.jpg").write_bytes(b"not a JPEG")
@@ -220,7 +220,7 @@ def test_export_writes_a_file_that_gives_pytorchs_outputs_and_states_its_preproc
             model = build_model(about["model"], 3, 24, 10, seed=1).eval()  # other initial weights: the file's count
             model.load_state_dict(load_file(str(path)))
             got = model(images)
-    assert (got - expected).abs().max().item() <= 1e-4
+    assert (got - expected).abs().max().item() <= 1e-4  # one forward of an exported model: rounding, never grown
 
 
 def test_a_checkpoint_the_programs_cannot_use_is_one_line(trained, tmp_path, capsys, monkeypatch):

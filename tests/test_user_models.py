@@ -110,6 +110,7 @@ def test_the_first_conv_of_a_grey_model_sees_the_rgb_weights_summed():
     rgb, grey = (build_model("torchvision:resnet18", channels, 32, 10, seed=3).eval() for channels in (3, 1))
     image = torch.rand(2, 1, 32, 32)
     with torch.no_grad():
+        # one forward: the summed filter against three channels' sum, a few roundings that no step grows
         assert torch.allclose(grey(image), rgb(image.expand(-1, 3, -1, -1)), atol=1e-5)
 
 

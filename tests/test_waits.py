@@ -54,7 +54,7 @@ def wait_for_pid(pid_file: Path, job: subprocess.Popen, timeout: float = 120) ->
     while not (pid_file.is_file() and pid_file.read_text()):
         assert job.poll() is None, job.communicate()
         assert time.monotonic() < deadline, "node 1 never started preparing its data"
-        time.sleep(0.2)
+        time.sleep(0.2)  # a poll with a deadline
     return int(pid_file.read_text())
 
 
@@ -111,9 +111,9 @@ def test_a_waiter_tells_a_slow_worker_from_a_dead_or_late_one(monkeypatch):
         wait_for_keys(store, ["late"], 0.5)  # alive, but silent past its deadline and the grace after it
     assert late.value.who == {"late": f" (host {os.uname().nodename}, pid {os.getpid()})"}
     with pytest.raises(DeadlinePassed):
-        run_with_heartbeat(store, "hung", lambda: time.sleep(60), 0.5)
+        run_with_heartbeat(store, "hung", lambda: time.sleep(60), 0.5)  # the hung work the deadline cuts
 
 
 def slow_work() -> int:
-    time.sleep(2.5)
+    time.sleep(2.5)  # work longer than the deadline, whose heartbeat keeps it alive: not a point in training
     return 7

@@ -33,6 +33,9 @@ SHM_FOLDER = "/dev/shm"
 SLOT_BYTES = 1 << 20  # one rank's share of a round; larger tensors go through in chunks of this
 FLAG_STRIDE = 8  # int64 entries between two ranks' flags: one 64-byte cache line each (round, pid)
 SPINS_BEFORE_YIELD = 64
+YIELDS_BEFORE_SLEEP = 192  # then the waiting rank sleeps: with more ranks than cores, a yielding one still
+# takes its turns (and system time) from the peer it waits for
+SLEEP_S = (20e-6, 1e-3)  # the first sleep, doubled up to the last: a late peer is met within twice its lateness
 PEER_CHECK_S = 0.02  # how often a waiting rank looks whether the late peers still run
 REGION_PREFIX = "dp-suite-"
 LEFTOVER_AFTER_S = 10.0  # a region this old whose creator holds no lock on it was left by a killed set-up
@@ -114,7 +117,8 @@ class SharedMemoryTransport:
     architectures keep the process group (see `shared_memory_problem`).
 
     Synchronous: every call returns after its exchange, with a done handle. A waiting rank spins
-    briefly, then yields its core, so more ranks than cores still make progress. Unlike a gloo
+    briefly, yields its core a while, then sleeps, from 20 us doubling to 1 ms, so that more ranks
+    than cores still make progress without spending the cores on the wait. Unlike a gloo
     socket, shared memory does not tell a rank that its peer died: each rank publishes its pid
     beside its flag, and a waiting rank gives up as soon as a late peer has exited (torchrun's
     SIGTERM would only ask it to finish the step it cannot finish), naming it (PeerVanished), or
@@ -178,18 +182,21 @@ class SharedMemoryTransport:
 
     def _wait_for(self, round_: int) -> None:
         flags, stride, spins, started, next_check = self.flags, FLAG_STRIDE, 0, 0.0, 0.0
-        peers = range(self.world)
+        peers, pause = range(self.world), SLEEP_S[0]
         while not all(flags[r * stride] >= round_ for r in peers):
             spins += 1
             if spins < SPINS_BEFORE_YIELD:
                 continue
-            os.sched_yield()
-            if spins % 256 == 0:
-                now = time.monotonic()
-                started = started or now
-                if now >= next_check:
-                    self._check_late_peers(round_, now - started)
-                    next_check = now + PEER_CHECK_S
+            if spins < SPINS_BEFORE_YIELD + YIELDS_BEFORE_SLEEP:
+                os.sched_yield()
+                continue
+            time.sleep(pause)
+            pause = min(2 * pause, SLEEP_S[1])
+            now = time.monotonic()
+            started = started or now
+            if now >= next_check:
+                self._check_late_peers(round_, now - started)
+                next_check = now + PEER_CHECK_S
 
     def _check_late_peers(self, round_: int, waited_s: float) -> None:
         late = [r for r in range(self.world) if self.flags[r * FLAG_STRIDE] < round_]

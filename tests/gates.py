@@ -1,0 +1,178 @@
+"""Step gates: a fault lands at a known training step whatever the host's speed.
+
+A training process started through tests/patched.py with `gate=WHO@POINT` (several such patches
+for several points) stops at POINT and waits there until the test releases it:
+
+  WHO    all, gN (replica group N of train_ft.py: REPLICA_GROUP_ID), rN (global rank: RANK) or nN
+         (node: GROUP_RANK)
+  POINT  a global step STEP (held after the STEP-th optimizer step, its checkpoint and stop check
+         done: a stop signal that comes while it is held is agreed on at the next stop check, so
+         with STEP a multiple of StopRequest.CHECK_EVERY the run stops after step STEP + 1), or
+         `heal` (train_ft.py: held as the group loads a live peer's state, before it does)
+
+Held, the process writes GATE_DIR/WHO@POINT.{pid}.held ("held at POINT pid P") and waits for
+GATE_DIR/WHO@POINT.go, which the test writes (Gate.release). A released gate stays open: a process
+restarted before that step passes it. Every wait has a deadline (GATE_DEADLINE_S, default 300 s):
+a gate never released ends the process with one line rather than hanging the suite. A stop
+signal taken while held is marked in GATE_DIR/WHO@POINT.{pid}.signalled (Gate.signalled): a test
+that signals a held job releases it once the signal is in, so the stop lands after a known step
+even where a launcher passes the signal on to the workers later.
+
+train_ft.py's groups also say when they ask the Lighthouse for a quorum: each request appends
+"pid P step S" to GATE_DIR/gN.quorum (Gate.asked_quorum), so that a test releases the groups it
+holds only once a group that starts or thaws is waiting in the quorum too (else the held groups'
+next quorum could form without it).
+
+The test's side is Gate below: `Gate(folder).env()` goes into the job's environment.
+"""
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+POLL_S = 0.02  # how often a held process looks for its release (and a test for a marker)
+DEADLINE_S = 300.0
+
+
+def _who_matches(who: str) -> bool:
+    if who == "all":
+        return True
+    env = {"g": "REPLICA_GROUP_ID", "r": "RANK", "n": "GROUP_RANK"}[who[0]]
+    return os.environ.get(env) == who[1:]
+
+
+def hold(folder: Path, point: str, signalled: Callable[[], bool] = lambda: False) -> None:
+    """Hold this process at `point` (WHO@POINT) until the test releases it, or end it at the deadline.
+    A stop signal this process takes while held (`signalled`) is marked too, so that the test
+    releases it only once the signal is in: the stop lands after a known step."""
+    go = folder / f"{point}.go"
+    if go.exists():
+        return
+    told = False
+    (folder / f"{point}.{os.getpid()}.held").write_text(f"held at {point} pid {os.getpid()}\n")
+    seconds = float(os.environ.get("GATE_DEADLINE_S", DEADLINE_S))
+    deadline = time.monotonic() + seconds
+    while not go.exists():
+        if not told and signalled():
+            (folder / f"{point}.{os.getpid()}.signalled").write_text(f"signalled at {point} pid {os.getpid()}\n")
+            told = True
+        if time.monotonic() > deadline:
+            print(f"error: gate {point}: not released within {seconds:g} s (GATE_DEADLINE_S); the test that set "
+                  "it is gone or stuck", file=sys.stderr, flush=True)
+            os._exit(3)
+        time.sleep(POLL_S)  # a poll with a deadline: the release is a file another process writes
+
+
+def install(point: str) -> None:
+    """Patch the training process (tests/patched.py's `gate=POINT`). Several calls add points."""
+    folder = Path(os.environ["GATE_DIR"])
+    who, at = point.split("@")
+    if not _who_matches(who):
+        return
+    if at == "heal":
+        _gate_heals(folder, point)
+    else:
+        _gate_step(folder, point, int(at))
+    _tell_quorums(folder)
+
+
+def _gate_step(folder: Path, point: str, step: int) -> None:
+    from common.train.trainer import Trainer
+
+    real = Trainer.after_step
+
+    def after_step(self, done) -> None:
+        real(self, done)
+        if self.run.global_step(done) == step:
+            hold(folder, point, lambda: bool(self.stop.received))
+    Trainer.after_step = after_step
+
+
+def _gate_heals(folder: Path, point: str) -> None:
+    from torchft import Manager
+
+    real = Manager.register_state_dict_fn
+
+    def register_state_dict_fn(self, key, load_state_dict, state_dict) -> None:
+        def load(received) -> None:
+            hold(folder, point)
+            load_state_dict(received)
+        real(self, key, load, state_dict)
+    Manager.register_state_dict_fn = register_state_dict_fn
+
+
+def _tell_quorums(folder: Path) -> None:
+    try:
+        from torchft import Manager
+    except ImportError:  # not a train_ft.py run
+        return
+    if getattr(Manager.start_quorum, "told", False):
+        return
+    real = Manager.start_quorum
+
+    def start_quorum(self, *args, **kwargs):
+        result = real(self, *args, **kwargs)
+        with open(folder / f"g{os.environ.get('REPLICA_GROUP_ID')}.quorum", "a") as told:
+            told.write(f"pid {os.getpid()} step {self.current_step()}\n")
+        return result
+    start_quorum.told = True
+    Manager.start_quorum = start_quorum
+
+
+class Gate:
+    """The test's side: where the markers go, waiting for a hold, releasing it."""
+
+    def __init__(self, folder: Path) -> None:
+        self.folder = folder
+        self.job_output: Callable[[], str] | None = None
+        folder.mkdir(parents=True, exist_ok=True)
+
+    def env(self) -> dict[str, str]:
+        return {"GATE_DIR": str(self.folder)}
+
+    def held(self, point: str, processes: int = 1, timeout: float = 180) -> list[int]:
+        """Wait until `processes` processes are held at `point`; their pids. The deadline separates a
+        run that reaches the step from one that hangs or ended before it: the run waits for us."""
+        return self._marked(point, "held", processes, timeout)
+
+    def signalled(self, point: str, processes: int = 1, timeout: float = 60) -> list[int]:
+        """Wait until `processes` processes held at `point` took a stop signal; their pids."""
+        return self._marked(point, "signalled", processes, timeout)
+
+    def _marked(self, point: str, what: str, processes: int, timeout: float) -> list[int]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            markers = list(self.folder.glob(f"{point}.*.{what}"))
+            if len(markers) >= processes:
+                return [int(m.read_text().split()[-1]) for m in markers]
+            time.sleep(POLL_S)  # a poll with a deadline
+        raise AssertionError(f"no {processes} process(es) {what} at {point} within {timeout} s{self.output()}")
+
+    def output(self) -> str:
+        """What the job printed, for a failed wait's message (self.job_output, set by the test)."""
+        return f":\n{self.job_output()[-6000:]}" if self.job_output else ""
+
+    def release(self, point: str) -> None:
+        (self.folder / f"{point}.go").write_text("go\n")
+
+    def quorum_requests(self, group: int) -> int:
+        """How many quorum requests group `group`'s processes made so far."""
+        told = self.folder / f"g{group}.quorum"
+        return len(told.read_text().splitlines()) if told.exists() else 0
+
+    def asked_quorum(self, group: int, beyond: int, timeout: float = 180) -> tuple[int, int]:
+        """Wait for group `group`'s quorum request number `beyond` + 1 (after a restart or a thaw, with
+        `beyond` counted before it): (the asking pid, the step its manager stood at)."""
+        told = self.folder / f"g{group}.quorum"
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            lines = told.read_text().splitlines() if told.exists() else []
+            if len(lines) > beyond:
+                _, pid, _, step = lines[beyond].split()
+                return int(pid), int(step)
+            time.sleep(POLL_S)  # a poll with a deadline
+        raise AssertionError(f"group {group} asked for no quorum beyond its first {beyond} within {timeout} s"
+                             f"{self.output()}")
