@@ -92,7 +92,7 @@ def _gate_step(folder: Path, point: str, step: int) -> None:
 
 
 def _gate_heals(folder: Path, point: str) -> None:
-    from torchft import Manager
+    from common.train.ft import Manager  # through train_ft.py's module: it sets torchft's log level first
 
     real = Manager.register_state_dict_fn
 
@@ -105,9 +105,9 @@ def _gate_heals(folder: Path, point: str) -> None:
 
 
 def _tell_quorums(folder: Path) -> None:
-    try:
-        from torchft import Manager
-    except ImportError:  # not a train_ft.py run
+    from common.train.ft import Manager  # through train_ft.py's module: it sets torchft's log level first
+
+    if Manager is None:  # no torchft: not a train_ft.py run
         return
     if getattr(Manager.start_quorum, "told", False):
         return
