@@ -27,7 +27,7 @@ from common.models import build_model
 from common.train.optim import make_scheduler
 from common.train.preemption import StopRequest
 from common.output.profiling import NoProfiler, StepProfiler, trace_folder
-from common.train.run import Position, Run
+from common.train.run import Position, Run, torch_memory_format
 from common.train.precision import Precision
 from common.train.strategy import Strategy
 from common.parallel.sync_batchnorm import convert_batchnorm
@@ -111,7 +111,7 @@ def build_run(cfg: Config, ctx: DistContext, strategy: Strategy) -> tuple[Run, L
     """The run, and what --weights put into its model (None without the flag), for the banner."""
     if ctx.device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed shapes: pick the fastest conv kernels once
-    memory_format = torch.channels_last if cfg.memory_format == "channels_last" else torch.contiguous_format
+    memory_format = torch_memory_format(cfg.memory_format)
     say = node_console(ctx)
     data = load_dataset(cfg.dataset, cfg.data_dir, ctx=ctx, say=say, allow_download=cfg.download,
                         download_from=cfg.download_from, cache_dir=cfg.cache_dir,

@@ -69,12 +69,10 @@ from common import __version__
 from common.config import IDENTITY, STORAGE_TIMEOUT_S
 from common.data.images import EVAL_CROP
 from common.parallel.context import DistContext
-from common.errors import UserError
+from common.errors import UserError, first_line
 from common.train.optim import TENSOR_STATE
 from common.train.run import Position, Run
 from common.storage import MISSING, Storage, StorageError, split, storage_for
-
-T = TypeVar("T")
 
 T = TypeVar("T")
 
@@ -111,10 +109,10 @@ def parse_checkpoint(data: bytes) -> dict[str, Any]:
     try:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise InvalidCheckpoint(f"holds objects that are not plain data and was refused unread ({_first_line(e)})") from None
+        raise InvalidCheckpoint(f"holds objects that are not plain data and was refused unread ({first_line(e)})") from None
     except Exception as e:  # noqa: BLE001 - any parse failure of untrusted bytes means "unusable"
         raise InvalidCheckpoint(f"is truncated or not a checkpoint ({len(data)} bytes): {type(e).__name__}: "
-                                f"{_first_line(e)}") from None
+                                f"{first_line(e)}") from None
     missing = [key for key in REQUIRED if not isinstance(state, dict) or key not in state]
     if missing:
         raise InvalidCheckpoint(f"lacks {', '.join(missing)} (written by another version?)")
@@ -129,10 +127,6 @@ def kept(previous: str | None) -> str:
     """What a failed save leaves: the run's previous checkpoint."""
     return (f"the previous checkpoint {previous} is intact and the same command resumes from it" if previous
             else "no earlier checkpoint of this run exists")
-
-
-def _first_line(error: BaseException) -> str:
-    return (str(error).splitlines() or [""])[0][:120]
 
 
 def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
@@ -536,7 +530,7 @@ class BackgroundWriter:
                 raise
             except Exception as e:  # noqa: BLE001 - serializing can fail too (out of memory): one line on every rank
                 url = folder.storage.url(step_name(run, state["global_step"]))
-                raise UserError(f"saving checkpoint {url} failed ({type(e).__name__}: {_first_line(e)}); "
+                raise UserError(f"saving checkpoint {url} failed ({first_line(e, with_type=True)}); "
                                 f"{kept(previous)}") from None
             try:
                 on_saved(path, time.perf_counter() - started)

@@ -32,7 +32,7 @@ from common.output.logger import node_console
 from common.parallel.context import DistContext, distributed
 from common.parallel.failures import told
 from common.train.precision import Precision
-from common.train.run import default_eval_batch
+from common.train.run import default_eval_batch, torch_memory_format
 from common.train.trainer import CONFUSION_MAX_CLASSES, Metrics, evaluate
 from common.use.program import check_storage, check_writable, make_parser, run_program
 from common.use.source import Preprocessing, Saved
@@ -109,7 +109,7 @@ def evaluate_on_every_rank(flags: argparse.Namespace, saved: Saved) -> None:
 def score(flags: Flags, saved: Saved, preprocessing: Preprocessing, ctx: DistContext) -> None:
     cfg = saved.config
     data = load_data(flags, saved, preprocessing, ctx)
-    memory_format = torch.channels_last if cfg["memory_format"] == "channels_last" else torch.contiguous_format
+    memory_format = torch_memory_format(cfg["memory_format"])
     model = ctx.together(lambda: saved.model(flags.ema)).to(ctx.device, memory_format=memory_format)
     batch = flags.batch_size or cfg.get("eval_batch_size") or default_eval_batch(ctx.device)
     metrics = evaluate(model, data, ctx, batch, Precision(cfg["precision"], ctx.device), memory_format)
