@@ -292,8 +292,32 @@ def test_no_launcher_echoes_a_credential(script, form):
     assert result.returncode == 0, result.stderr
     assert not leaked(result.stdout + result.stderr), result.stdout
     for line in result.stdout.splitlines():  # the rest of the command is intact
-        assert line.endswith(("train_ddp.py --storage-options *** --epochs 2", "--storage-options=*** --epochs 2",
-                              "--storage *** --epochs 2", "--data-dir https://reader:***@data.example/mnist --epochs 2"))
+        assert line.endswith(("train_ddp.py --storage-options '***' --epochs 2", "'--storage-options=***' --epochs 2",
+                              "--storage '***' --epochs 2", "--data-dir 'https://reader:***@data.example/mnist' --epochs 2"))
+
+
+ECHO_CASES = {  # an argument: how the launchers' echo shows it
+    "s3://AKIA:se@cret@host/b": "'s3://AKIA:***@host/b'",  # the password up to the LAST @ before the host
+    "https://tok:abc def@h/x": "'https://tok:***@h/x'",  # across a space
+    "--data-dir=ftp://u:p@w@h": "'--data-dir=ftp://u:***@h'",  # no path after the host
+    "https://a:b@h/ and s3://c:d@e@f/g": "'https://a:***@h/ and s3://c:***@f/g'",  # each URL of an argument
+    "https://host:8080/p@x": "https://host:8080/p@x",  # a port and an @ in the path: no password, shown as is
+    "/logs/my run": "'/logs/my run'",  # shell-quoted as shlex.quote does
+    "it's": shlex.quote("it's"),
+    "": "''",
+    "$(touch PWNED)": "'$(touch PWNED)'",
+}
+
+
+def test_the_echo_hides_a_urls_whole_password_and_is_shell_quoted(tmp_path):
+    result = subprocess.run(["bash", "-c", f"source {shlex.quote(str(LAUNCH / 'redact.sh'))}; "
+                             'for a in "$@"; do shown train_ddp.py "$a"; done', "-", *ECHO_CASES],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=30, check=True)
+    assert result.stdout.splitlines() == [f"train_ddp.py {echoed}" for echoed in ECHO_CASES.values()]
+    for line, arg in zip(result.stdout.splitlines(), ECHO_CASES):
+        if "***" not in line:  # pasted back, the line gives the script what it was given
+            assert shlex.split(line) == ["train_ddp.py", arg]
+    assert not (tmp_path / "PWNED").exists()
 
 
 @pytest.mark.parametrize("value", ["@/run/secrets/store.json", "env:STORAGE_OPTIONS"])
@@ -431,7 +455,7 @@ def test_slurm_finds_its_redaction_when_run_from_slurms_copy(submitted_from, tmp
                             capture_output=True, text=True, timeout=30)
     assert not leaked(result.stdout + result.stderr)
     if submitted_from == "repository":
-        assert result.returncode == 0 and result.stdout.rstrip().endswith("--storage-options ***"), result.stderr
+        assert result.returncode == 0 and result.stdout.rstrip().endswith("--storage-options '***'"), result.stderr
     else:
         assert result.returncode == 2 and result.stdout == "" and len(result.stderr.splitlines()) == 1
         assert "submit from the repository's root" in result.stderr
