@@ -488,18 +488,8 @@ def _validate_storage(p: argparse.ArgumentParser, a: argparse.Namespace) -> None
         p.error(f"--log-dir {a.log_dir}: {problem}")
 
 
-def parse_args(argv: Sequence[str] | None = None, *, strategy: str, default_dataset: str,
-               world_size: int | None = None,
-               add_flags: Callable[[argparse.ArgumentParser], None] | None = None,
-               identity_options: Sequence[str] = ()) -> Config:
-    """Parse and validate; exits 2 with a message naming the flag on bad input.
-    `add_flags` lets a strategy add its own flags; they land in Config.options. `identity_options`
-    names those of them that change the trained weights (part of the run's identity)."""
-    p = build_parser(strategy, default_dataset)
-    if add_flags is not None:
-        add_flags(p.add_argument_group(f"{strategy} strategy"))
-    a = p.parse_args(argv)
-    world_size = world_size_from_env() if world_size is None else world_size
+def _resolve_defaults(a: argparse.Namespace) -> None:
+    """The defaults that depend on other flags: the data set's recipe, the optimizer's lr and decay."""
     recipe = RECIPES.get(a.dataset, RECIPES["synthetic"])
     a.model = a.model or recipe.model
     a.epochs = recipe.epochs if a.epochs is None else a.epochs
@@ -512,6 +502,59 @@ def parse_args(argv: Sequence[str] | None = None, *, strategy: str, default_data
         a.weight_decay = 0.05 if a.optimizer in ADAPTIVE else 5e-4
     if a.warmup is None:
         a.warmup = 0.25 if a.schedule == "onecycle" else 0.0
+
+
+# The settings whose value changes other settings' defaults: given first, so that those follow.
+LEADING = ("dataset", "optimizer", "schedule", "batch_size")
+
+
+def settings_flags(identity: dict[str, Any]) -> list[str]:
+    """The fewest flags that give a run's identity: its --dataset (the scripts' defaults differ) and
+    each setting whose value is not the default that the flags before it give (an lr that follows
+    from --batch-size is left out; so is --momentum under adamw, which does not read it). A
+    strategy's own settings (not known here) follow as --NAME VALUE. Values are plain, as saved."""
+    p = build_parser("any", default_dataset=identity.get("dataset") or "synthetic")
+    actions = {a.dest: a for a in p._actions if a.option_strings}
+    argv = ["--dataset", str(identity.get("dataset"))]
+    order = [*LEADING, *(key for key in identity if key not in LEADING)]
+    for key in (k for k in order if k in actions and k in identity):
+        a = p.parse_args(argv)
+        _resolve_defaults(a)
+        default = vars(a)[key]
+        if _plain(default) != identity[key]:
+            argv += _flag(actions[key], identity[key])
+    extra = [key for key in identity if key not in actions and identity[key] not in (None, "", False)]
+    for key in extra:
+        flag = "--" + key.replace("_", "-")
+        argv += [flag] if identity[key] is True else [flag, str(identity[key])]
+    return argv
+
+
+def _plain(value: Any) -> Any:
+    """A parsed value as Config.as_plain_dict keeps it (a tuple as one comma-separated string)."""
+    return ",".join(map(str, value)) if isinstance(value, tuple) else value
+
+
+def _flag(action: argparse.Action, value: Any) -> list[str]:
+    """The arguments that set `action`'s setting to `value`: the flag alone for an on/off flag."""
+    if action.nargs == 0:
+        return [action.option_strings[0]] if value == action.const else []
+    return [action.option_strings[-1], str(value)]
+
+
+def parse_args(argv: Sequence[str] | None = None, *, strategy: str, default_dataset: str,
+               world_size: int | None = None,
+               add_flags: Callable[[argparse.ArgumentParser], None] | None = None,
+               identity_options: Sequence[str] = ()) -> Config:
+    """Parse and validate; exits 2 with a message naming the flag on bad input.
+    `add_flags` lets a strategy add its own flags; they land in Config.options. `identity_options`
+    names those of them that change the trained weights (part of the run's identity)."""
+    p = build_parser(strategy, default_dataset)
+    if add_flags is not None:
+        add_flags(p.add_argument_group(f"{strategy} strategy"))
+    a = p.parse_args(argv)
+    world_size = world_size_from_env() if world_size is None else world_size
+    _resolve_defaults(a)
     _validate(p, a, world_size)
     common = {f.name for f in fields(Config)}
     values = vars(a)

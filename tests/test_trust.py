@@ -2,6 +2,7 @@
 between ranks, errors printed once. Real torchrun processes (gloo, CPU) where ranks matter."""
 from __future__ import annotations
 
+import shlex
 import shutil
 import subprocess
 import time
@@ -84,6 +85,45 @@ def test_every_identity_row_resumes_unchanged_and_refuses_changed(row, tmp_path)
     assert f"{row} {base.identity().get(row)!r} -> {changed.identity()[row]!r}" in message
     assert "To continue it, rerun with its settings" in message and "pass --resume none" in message
     assert "\n" not in message
+
+
+def pasted(message: str) -> list[str]:
+    """The flags of the refusal's 'rerun with its settings: ...' command, as a shell reads them."""
+    command = message.split("rerun with its settings: ", 1)[1].split(" (with the flags that are not settings", 1)[0]
+    return shlex.split(command)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("row", list(IDENTITY_ROWS))
+def test_the_way_to_continue_is_a_command_of_the_flags_that_differ_from_the_defaults(row, tmp_path):
+    """Pasted, the command gives the saved run's identity back; it names no default (no --momentum
+    under adamw, which does not read it; no lr that follows from the batch) and no '(no --flag)'."""
+    other = config(*IDENTITY_ROWS[row])
+    folder = CheckpointFolder(LocalStorage(str(tmp_path)), keep=3)
+    folder.write("first", saved(other))
+    with pytest.raises(UserError) as refused:
+        folder.choose("auto", config().identity())
+    flags = pasted(str(refused.value))
+    assert parse_args(flags, strategy="ddp", default_dataset="cifar10", world_size=1).identity() == other.identity()
+    assert "(no" not in str(refused.value)
+    assert "--momentum" not in flags or row == "momentum"  # the default, and unread by adamw and lamb
+    assert "--lr" not in flags or row == "lr"
+    assert flags[:2] == ["--dataset", other.dataset] and len(flags) <= 2 + 2 * len(IDENTITY_ROWS[row]) + 8
+
+
+@pytest.mark.quick
+def test_the_way_to_continue_names_a_strategys_own_settings_and_quotes_what_needs_it(tmp_path):
+    from train_localsgd import LocalSGDStrategy
+    other = config("--weights", "my weights.pt", "--sync-every", "3", strategy=LocalSGDStrategy())
+    folder = CheckpointFolder(LocalStorage(str(tmp_path)), keep=3)
+    folder.write("first", saved(other))
+    with pytest.raises(UserError) as refused:
+        folder.choose("auto", config().identity())
+    assert "--weights 'my weights.pt'" in str(refused.value)
+    flags = pasted(str(refused.value))
+    again = parse_args(flags, strategy="localsgd", default_dataset="mnist", world_size=1,
+                       add_flags=LocalSGDStrategy.add_flags, identity_options=LocalSGDStrategy.identity_options)
+    assert again.identity() == other.identity()
 
 
 @pytest.mark.quick

@@ -56,6 +56,7 @@ import os
 import pickle
 import re
 import secrets
+import shlex
 import sys
 import time
 import zipfile
@@ -66,7 +67,7 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from common import __version__
-from common.config import IDENTITY, STORAGE_TIMEOUT_S
+from common.config import IDENTITY, STORAGE_TIMEOUT_S, settings_flags
 from common.data.images import EVAL_CROP
 from common.parallel.context import DistContext
 from common.errors import UserError, first_line
@@ -134,19 +135,6 @@ def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
             if saved.get(key) != now.get(key)]
 
 
-def as_flags(identity: dict[str, Any]) -> str:
-    """The command-line flags that recreate an identity, for the 'continue that run' way out (a
-    setting left at its empty default, such as no --weights, is left out)."""
-    flags = []
-    for key, value in identity.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            flags.append(flag if value else f"(no {flag})")
-        elif value is not None and value != "":
-            flags.append(f"{flag} {value}")
-    return " ".join(flags)
-
-
 def way_to_continue(saved: dict[str, Any], now: dict[str, Any]) -> str:
     """How to continue a run of another identity: its flags; or, for a run of an earlier version
     (whose identity lacks settings every run has now), that this version cannot."""
@@ -154,7 +142,8 @@ def way_to_continue(saved: dict[str, Any], now: dict[str, Any]) -> str:
         flags = ", ".join("--" + key.replace("_", "-") for key in newer[:3]) + (" ..." if len(newer) > 3 else "")
         return (f"It was written by an earlier version of the suite, before {flags} existed, and this version "
                 "cannot continue it: finish it with the version it was trained with")
-    return f"To continue it, rerun with its settings ({as_flags(saved)})"
+    return (f"To continue it, rerun with its settings: {shlex.join(settings_flags(saved))} (with the flags that are "
+            "not settings, such as --checkpoint-dir, as before)")
 
 
 @dataclass(frozen=True)
