@@ -65,11 +65,10 @@ class FaultTolerantStrategy(Strategy):
     def add_flags(cls, group: argparse._ArgumentGroup) -> None:
         group.add_argument("--groups", type=int, default=int(os.environ.get("FT_GROUPS", "0")) or None,
                            help="the replica groups the global batch is planned for: it is cut into this many x "
-                                "(ranks per group) micro-batches, shared among the groups alive at each step; a "
-                                "group beyond it joins but takes no samples (default: $FT_GROUPS, set by "
-                                "launch/ft.sh)")
+                                "(ranks per group) micro-batches, shared among the groups alive at each step "
+                                "(default: $FT_GROUPS, set by launch/ft.sh)")
         group.add_argument("--group-id", type=int, default=_env_int("REPLICA_GROUP_ID"),
-                           help="this group's number, 0.. (default: $REPLICA_GROUP_ID)")
+                           help="this group's number, 0 to --groups - 1 (default: $REPLICA_GROUP_ID)")
         group.add_argument("--lighthouse", default=os.environ.get(LIGHTHOUSE_ENV),
                            help=f"the torchft Lighthouse's URL, http://HOST:PORT (default: ${LIGHTHOUSE_ENV})")
         group.add_argument("--min-groups", type=int, default=1,
@@ -117,8 +116,18 @@ class FaultTolerantStrategy(Strategy):
             raise ConfigError("--check-equivalence is not available with train_ft.py: its weights are compared "
                               "with train_ddp.py's and with its own fault-free run's (tests/test_ft.py); check "
                               "the other strategies with it")
+        if self.group_id >= self.groups:
+            raise ConfigError(f"--group-id {self.group_id}: the groups are numbered 0 to {self.groups - 1} "
+                              f"(--groups {self.groups}); give each group its own number below --groups")
+        if options["min_groups"] > self.groups:  # no quorum could ever commit a step
+            raise ConfigError(f"--min-groups {options['min_groups']} is more than --groups {self.groups}: no step "
+                              "could commit; lower --min-groups or plan for more groups")
         self.slots = self.groups * world_size_from_env()
         self.check_slots(cfg)
+        if "MASTER_ADDR" not in os.environ:  # torchft's Manager reads the group's store address from torchrun
+            raise ConfigError("train_ft.py runs each replica group as a torchrun job: launch/ft.sh GROUPS "
+                              "NPROC_PER_GROUP train_ft.py [FLAGS...], or torchrun --standalone "
+                              "--nproc_per_node=N train_ft.py --groups G --group-id I")
         self.min_groups, self.options, self.exact = options["min_groups"], options, options["exact_sums"]
         self.quorum_every = options["quorum_every"]
 
@@ -322,9 +331,12 @@ class FaultTolerantTrainer(Trainer):
         quorum = Quorum(self.manager.num_participants(), self.manager.participating_rank())
         self.agree_on_the_run()
         if quorum != self.quorum:
-            place = "is healing" if quorum.index is None else f"is number {quorum.index}"
+            # torchft counts the groups that train the step: a healing group is not one of them yet.
+            place = ("is not one of them yet: it copies a live group's state first (healing)" if quorum.index is None
+                     else f"is number {quorum.index}")
+            # The wall time: how long a group trained alone reads from two of these lines.
             self.log.info(f"quorum of {quorum.groups} group(s) at step {self.run.global_step(at) + 1}: this group "
-                          f"(group {self.ft.group_id}) {place}")
+                          f"(group {self.ft.group_id}) {place} [{time.strftime('%H:%M:%S')}]")
             self.quorum = quorum
         return quorum
 

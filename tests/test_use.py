@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import re
 import shutil
@@ -33,6 +34,9 @@ from common.output.report import write_report
 from common.train.precision import Precision
 from common.train import trainer
 from common.train.trainer import evaluate
+from common.output.logger import EpochResult, _epoch_line
+from common.use import evaluating
+from common.use.exporting import current_umask
 from common.use.source import find_checkpoint
 from tests.conftest import error_lines, latest_checkpoint, one_launch, read_scalars, run_script, split_runs
 from tests.datagen import write_cifar10, write_imagefolder, write_shards
@@ -221,6 +225,7 @@ def test_export_writes_a_file_that_gives_pytorchs_outputs_and_states_its_preproc
             model.load_state_dict(load_file(str(path)))
             got = model(images)
     assert (got - expected).abs().max().item() <= 1e-4
+    assert path.stat().st_mode & 0o777 == Path(f"{path}.json").stat().st_mode & 0o777 == 0o666 & ~current_umask()
 
 
 def test_a_checkpoint_the_programs_cannot_use_is_one_line(trained, tmp_path, capsys, monkeypatch):
@@ -285,6 +290,27 @@ def test_evaluate_counts_top1_top5_and_the_confusion_matrix(monkeypatch):
     monkeypatch.setattr(trainer, "CONFUSION_MAX_CLASSES", 5)
     fewer = evaluate(Indexed(table), data, ctx, 2, Precision("fp32", ctx.device), torch.contiguous_format)
     assert (fewer.acc, fewer.acc_top5, fewer.confusion) == (3 / 5, 4 / 5, None)
+
+
+@pytest.mark.quick
+def test_no_top5_is_shown_with_five_classes_or_fewer(tmp_path, capsys):
+    """Every label is among the 5 highest scores of 5 classes: the epoch line, TensorBoard,
+    evaluate.py's line and metrics.json show no top-5 (not a 100% that says nothing)."""
+    labels = torch.tensor([0, 1, 2, 3, 4])
+    images = torch.arange(5, dtype=torch.uint8).view(5, 1, 1, 1).expand(5, 1, 2, 2).contiguous()
+    table = torch.eye(5)[[1, 1, 2, 0, 4]]  # 3 of 5 right
+    data = Dataset("five", DataSpec(1, 2, 5, (0.0,), (1.0,), "none"), Split(images, labels), Split(images, labels))
+    ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"), all_reduce_sum=lambda t: t.clone())
+    metrics = evaluate(Indexed(table), data, ctx, 2, Precision("fp32", ctx.device), torch.contiguous_format)
+    assert metrics.acc == 3 / 5 and math.isnan(metrics.acc_top5)
+    line = _epoch_line(EpochResult(1, 3, math.nan, math.nan, metrics.loss, metrics.acc, 5, 0.0, 0.0, None,
+                                   test_acc_top5=metrics.acc_top5), 1)
+    assert line.endswith("test acc 60.00% (5 images)") and "top-5" not in line
+    saved = SimpleNamespace(path="ckpt.pt", step=3)
+    evaluating.report(SimpleNamespace(ema=False, output_dir=str(tmp_path)), saved, data, list("abcde"), metrics, 1)
+    assert "top-1 60.00% (3/5)  loss" in capsys.readouterr().out
+    written = json.loads((tmp_path / "metrics.json").read_text())
+    assert written["top5"] is None and written["top5_correct"] is None and written["top1_correct"] == 3
 
 
 @pytest.mark.quick
@@ -374,9 +400,19 @@ def test_export_of_a_model_that_does_not_export_names_the_operator(tmp_path, cap
     (["export.py", "--checkpoint", "c.pt", "--format", "onnx", "--output", "/proc/none/m.onnx"],
      "--output /proc/none/m.onnx: cannot create the folder"),
     (["export.py", "--checkpoint", "c.pt", "--format", "onnx", "--output", "tests"], "--output tests: is a folder"),
+    # a folder that exists and refuses the file (root passes os.access's check of /proc)
+    (["export.py", "--checkpoint", "c.pt", "--format", "onnx", "--output", "/proc/m.onnx"],
+     "--output /proc/m.onnx: not writable"),
+    (["export.py", "--checkpoint", "c.pt", "--format", "torchscript", "--output", "/proc/m.pt"],
+     "--output /proc/m.pt: not writable"),
+    (["export.py", "--checkpoint", "c.pt", "--format", "safetensors", "--output", "/proc/m.st"],
+     "--output /proc/m.st: not writable"),
+    (["evaluate.py", "--checkpoint", "c.pt", "--output-dir", "/proc"], "--output-dir /proc: not writable"),
+    (["predict.py", "--checkpoint", "c.pt", "x.png", "--output", "/proc/p.csv"], "--output /proc/p.csv: not writable"),
     (["predict.py", "--checkpoint", "c.pt", "x.png", "--storage-timeout-s", "nan"], "--storage-timeout-s must be > 0"),
 ], ids=["predict-output", "predict-top-k", "evaluate-batch", "evaluate-dataset", "export-format", "predict-path",
-        "evaluate-path", "export-path", "export-folder", "timeout"])
+        "evaluate-path", "export-path", "export-folder", "export-onnx-proc", "export-torchscript-proc",
+        "export-safetensors-proc", "evaluate-proc", "predict-proc", "timeout"])
 def test_bad_flags_are_one_line_exit_2(argv, message, capsys):
     import importlib
 

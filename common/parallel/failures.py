@@ -35,7 +35,9 @@ SPOKEN = "failure-told/"  # store key prefix: this rank printed its own failure
 VANISH_GRACE_S = 2.0  # a closed socket comes a little before its process is gone: how long to look for it
 LOST_CONNECTION = ("/gloo/transport/", "Connection closed by peer", "Connection reset by peer")
 
-SIGNAL_HINTS = {signal.SIGKILL: " (out of memory?)", signal.SIGSEGV: " (a crash in native code)",
+# SIGKILL: a user's kill -9 and a scheduler send it too, so the OOM killer is a possibility, not the cause.
+SIGNAL_HINTS = {signal.SIGKILL: " (the out-of-memory killer sends it too: dmesg names what it killed)",
+                signal.SIGSEGV: " (a crash in native code)",
                 signal.SIGBUS: " (a crash in native code, or /dev/shm ran out)",
                 signal.SIGABRT: " (aborted by native code)", signal.SIGILL: " (a crash in native code)",
                 signal.SIGFPE: " (a crash in native code)"}

@@ -28,6 +28,7 @@ FLUSH_STEPS = 50  # step-level points are combined over ranks in one collective 
 # Evaluation counts a confusion matrix of (classes x classes) float64 values on the device: 134 MB
 # at this many classes (8 MB for ImageNet's 1000); above it, none is kept.
 CONFUSION_MAX_CLASSES = 4096
+TOP_K = 5  # top-5 accuracy
 
 
 @dataclass(frozen=True)
@@ -35,7 +36,7 @@ class Metrics:
     loss: float
     acc: float
     samples: int
-    acc_top5: float = math.nan  # evaluation's: the label among the 5 highest logits (any of them, with <= 5 classes)
+    acc_top5: float = math.nan  # evaluation's: the label among the 5 highest logits; NaN (not shown) with <= 5 classes
     # evaluation's: int64 (classes, classes) counts, row the label, column the prediction (up to CONFUSION_MAX_CLASSES)
     confusion: torch.Tensor | None = None
 
@@ -74,7 +75,7 @@ def evaluate(model: nn.Module, data: Dataset, ctx: DistContext, batch: int, prec
         predicted = logits.argmax(1)
         totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
         totals[1] += (predicted == labels).sum()
-        totals[2] += (logits.topk(min(5, classes), 1).indices == labels[:, None]).any(1).sum()
+        totals[2] += (logits.topk(min(TOP_K, classes), 1).indices == labels[:, None]).any(1).sum()
         totals[3] += len(labels)
         if cells:
             confusion.put_(labels * classes + predicted, confusion.new_ones(labels.shape),
@@ -85,7 +86,8 @@ def evaluate(model: nn.Module, data: Dataset, ctx: DistContext, batch: int, prec
     loss_sum, correct, top5, count = reduced[:4].tolist()
     if int(count) != len(data.test):
         raise RuntimeError(f"evaluation counted {int(count)} samples, the test set has {len(data.test)}")
-    return Metrics(loss_sum / count, correct / count, int(count), top5 / count,
+    # With 5 classes or fewer every label is among the 5 highest: a top-5 of 100% that says nothing.
+    return Metrics(loss_sum / count, correct / count, int(count), top5 / count if classes > TOP_K else math.nan,
                    reduced[4:].round().long().view(classes, classes) if cells else None)
 
 

@@ -147,18 +147,20 @@ def load_data(flags: Flags, saved: Saved, preprocessing: Preprocessing, ctx: Dis
 
 def report(flags: Flags, saved: Saved, data: Dataset, names: Sequence[str], metrics: Metrics, world: int) -> None:
     """The console's lines, and metrics.json, per_class.csv and confusion.png in --output-dir."""
-    correct, top5 = round(metrics.acc * metrics.samples), round(metrics.acc_top5 * metrics.samples)
+    correct = round(metrics.acc * metrics.samples)
+    has_top5 = math.isfinite(metrics.acc_top5)  # not with 5 classes or fewer: every label is among the 5 highest
+    top5 = round(metrics.acc_top5 * metrics.samples) if has_top5 else None
     weights = "the moving average's weights" if flags.ema else "its weights"
     print(f"checkpoint {saved.path} (step {saved.step}), {weights}: {data.name}, {metrics.samples} test images, "
           f"world {world}", flush=True)
-    print(f"top-1 {100 * metrics.acc:.2f}% ({correct}/{metrics.samples})  top-5 {100 * metrics.acc_top5:.2f}% "
-          f"({top5}/{metrics.samples})  loss {metrics.loss:.4f}", flush=True)
+    top5_text = f"  top-5 {100 * metrics.acc_top5:.2f}% ({top5}/{metrics.samples})" if has_top5 else ""
+    print(f"top-1 {100 * metrics.acc:.2f}% ({correct}/{metrics.samples}){top5_text}  loss {metrics.loss:.4f}", flush=True)
     out = Path(flags.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     counts = None if metrics.confusion is None else metrics.confusion.tolist()
     summary = {"checkpoint": saved.path, "step": saved.step, "weights": "ema" if flags.ema else "model",
                "data": data.name, "world_size": world, "samples": metrics.samples, "top1": metrics.acc,
-               "top1_correct": correct, "top5": metrics.acc_top5, "top5_correct": top5, "loss": metrics.loss,
+               "top1_correct": correct, "top5": metrics.acc_top5 if has_top5 else None, "top5_correct": top5, "loss": metrics.loss,
                "classes": list(names), "confusion": counts}
     (out / "metrics.json").write_text(json.dumps(summary, indent=1) + "\n")
     if counts is None:

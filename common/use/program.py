@@ -6,6 +6,7 @@ import argparse
 import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -58,9 +59,20 @@ def check_writable(p: argparse.ArgumentParser, flag: str, file: Path, folder: bo
         target.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         p.error(f"{flag} {file}: cannot create the folder {target} ({e.strerror}); give a path you can write")
-    if (not folder and file.is_dir()) or not os.access(target, os.W_OK):
-        p.error(f"{flag} {file}: {'is a folder' if file.is_dir() and not folder else 'not writable'}; give a "
-                "file path you can write")
+    if not folder and file.is_dir():
+        p.error(f"{flag} {file}: is a folder; give a file path you can write")
+    # Written to, not asked (os.access): root passes every permission check, yet /proc, a read-only
+    # mount or a full disk still refuse the file after the work.
+    try:
+        probe, name = tempfile.mkstemp(prefix=".write-check-", dir=target)
+        os.close(probe)
+        os.unlink(name)
+        if not folder and file.exists():
+            with open(file, "ab"):
+                pass
+    except OSError as e:
+        p.error(f"{flag} {file}: not writable ({e.strerror}); give a {'folder' if folder else 'file'} path you "
+                "can write")
 
 
 def read_checkpoint(flags: argparse.Namespace) -> Saved:
