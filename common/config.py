@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 from common.credentials import read_storage_options
 from common.models import MODELS, model_problem
 from common.storage import log_url_problem, url_problem
-from common.weights import weights_problem
+from common.weights import NORMALIZATIONS, weights_problem
 
 DATASETS = ("cifar10", "mnist", "synthetic", "imagefolder", "shards")
 OPTIMIZERS = ("sgd", "adamw", "lars", "lamb")
@@ -70,6 +70,7 @@ class Config:
     verify_data: bool
     model: str
     weights: str
+    normalization: str
     epochs: int
     batch_size: int
     lr: float
@@ -151,6 +152,8 @@ IDENTITY = ("dataset", "model", "weights", "batch_size", "lr", "momentum", "weig
 def run_identity(flags: dict[str, Any], strategy_options: Sequence[str] = ()) -> dict[str, Any]:
     """The identity of a run from its flags (a Config's, or those saved in a checkpoint)."""
     keys = [*IDENTITY, *(["synthetic_shape"] if flags.get("dataset") == "synthetic" else []),
+            # only when chosen: a run of the default keeps the identity it had before the flag existed
+            *(["normalization"] if flags.get("normalization", "auto") != "auto" else []),
             *(["data_dir", "image_size"] if flags.get("dataset") in OWN_DATASETS else []), *strategy_options]
     return {key: flags.get(key) for key in keys}
 
@@ -219,6 +222,11 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
         help="start from trained weights: for torchvision:NAME a weights name of its registry (DEFAULT, "
              "IMAGENET1K_V1, ...), read from the torch hub cache; for any model a file or URL of a state dict or of "
              "a checkpoint of this suite (its weights only). A head of another shape is replaced (docs/recipes.md)")
+    add("--normalization", default="auto", choices=NORMALIZATIONS,
+        help="with --weights, the mean and std images are normalized with: auto (the weights' own where they are "
+             "torchvision's, by name or as a file of its registry, found by its name or its content; else the data "
+             "set's statistics), data (the data set's), imagenet (ImageNet's, for weights trained on it elsewhere, "
+             "such as timm's) (default: %(default)s)")
     add("--epochs", type=int, default=None, help="training epochs (default: per data set)")
     add("--batch-size", type=int, default=None, help="GLOBAL batch, split evenly across ranks (default: per data set)")
     add("--seed", type=int, default=0, help="seed of weights, shuffling and augmentation (default: %(default)s)")
@@ -386,6 +394,9 @@ def _validate(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int
     _validate_optimizer(p, a)
     _validate_regularization(p, a, world_size)
     _validate_storage(p, a)
+    if a.normalization != "auto" and not a.weights:
+        p.error(f"--normalization {a.normalization} chooses how images are normalized for --weights; without "
+                "--weights the data set's statistics are used: drop it or give --weights")
     if problem := weights_problem(a.weights, a.model):
         p.error(f"--weights {a.weights} {problem}")
 

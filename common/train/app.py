@@ -117,15 +117,15 @@ def build_run(cfg: Config, ctx: DistContext, strategy: Strategy) -> tuple[Run, L
                         download_from=cfg.download_from, cache_dir=cfg.cache_dir,
                         storage_options=cfg.storage_options, synthetic_shape=cfg.synthetic_shape,
                         deadline_s=cfg.storage_timeout_s, own_data=own_data(cfg, ctx))
-    data = normalized_for_weights(cfg, data)
-    loader = ctx.together(lambda: TrainLoader(data.train, data.spec, cfg.batch_size, ctx.rank, ctx.world_size,
-                                              cfg.seed, ctx.device, cfg.max_steps, memory_format, cfg.augment,
-                                              cfg.random_erase))
     model = ctx.together(lambda: build_model(cfg.model, data.spec.channels, data.spec.size, data.spec.classes,
                                              cfg.seed))
     # Into the plain model on every rank, before wrap() replicates and shards it.
     weights = load_weights(cfg, ctx, model, data.spec.channels, say) if cfg.weights else None
     cfg = pinned(cfg, weights) if weights else cfg
+    data = normalized_for_weights(data, weights)  # the weights' content says which torchvision file they are
+    loader = ctx.together(lambda: TrainLoader(data.train, data.spec, cfg.batch_size, ctx.rank, ctx.world_size,
+                                              cfg.seed, ctx.device, cfg.max_steps, memory_format, cfg.augment,
+                                              cfg.random_erase))
     model = model.to(ctx.device, memory_format=memory_format)
     if cfg.sync_bn:
         convert_batchnorm(model)
@@ -147,16 +147,15 @@ def load_weights(cfg: Config, ctx: DistContext, model: torch.nn.Module, channels
     data = ctx.after_primary(f"weights read from {source.text}",
                              lambda: source.read(cfg.storage_options, cfg.download, say), cfg.storage_timeout_s)
     data = ctx.broadcast_bytes(data if ctx.is_primary else None)
-    return ctx.together(lambda: load_into(model, data, source, channels, cfg.seed))
+    return ctx.together(lambda: load_into(model, data, source, channels, cfg.seed, cfg.normalization))
 
 
-def normalized_for_weights(cfg: Config, data: Dataset) -> Dataset:
-    """Weights that carry their own input normalization (torchvision's) are fed images normalized
-    their way instead of with the data set's measured statistics."""
-    normalization = Source.parse(cfg.weights, cfg.model).normalization(data.spec.channels) if cfg.weights else None
-    if normalization is None:
+def normalized_for_weights(data: Dataset, weights: Loaded | None) -> Dataset:
+    """Images normalized as the weights' normalization says (their own, torchvision's, or ImageNet's
+    with --normalization imagenet) instead of with the data set's measured statistics."""
+    if weights is None or weights.normalization is None:
         return data
-    mean, std = normalization
+    mean, std = weights.normalization
     return replace(data, spec=replace(data.spec, mean=mean, std=std))
 
 

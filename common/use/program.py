@@ -54,13 +54,19 @@ def check_storage(p: argparse.ArgumentParser, a: argparse.Namespace, *flags: str
 def check_writable(p: argparse.ArgumentParser, flag: str, file: Path, folder: bool = False) -> None:
     """A file (or, folder: a folder) the program will write, checked before any work: one line naming
     the flag (exit 2), not a traceback after it."""
+    if problem := writable_problem(flag, file, folder):
+        p.error(problem)
+
+
+def writable_problem(flag: str, file: Path, folder: bool = False) -> str | None:
+    """Why the program could not write `file` (or, folder: files into it), in words naming the flag; None if it can."""
     target = file if folder else file.parent
     try:
         target.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        p.error(f"{flag} {file}: cannot create the folder {target} ({e.strerror}); give a path you can write")
+        return f"{flag} {file}: cannot create the folder {target} ({e.strerror}); give a path you can write"
     if not folder and file.is_dir():
-        p.error(f"{flag} {file}: is a folder; give a file path you can write")
+        return f"{flag} {file}: is a folder; give a file path you can write"
     # Written to, not asked (os.access): root passes every permission check, yet /proc, a read-only
     # mount or a full disk still refuse the file after the work.
     try:
@@ -71,8 +77,8 @@ def check_writable(p: argparse.ArgumentParser, flag: str, file: Path, folder: bo
             with open(file, "ab"):
                 pass
     except OSError as e:
-        p.error(f"{flag} {file}: not writable ({e.strerror}); give a {'folder' if folder else 'file'} path you "
-                "can write")
+        return f"{flag} {file}: not writable ({e.strerror}); give a {'folder' if folder else 'file'} path you can write"
+    return None
 
 
 def read_checkpoint(flags: argparse.Namespace) -> Saved:
