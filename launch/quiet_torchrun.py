@@ -101,8 +101,11 @@ def main() -> None:
     elastic.propagate = False
     resume_for_training()  # the agent watches its workers for the whole run: its garbage is collected
     os.environ[LAUNCHER_NAMES_FAILURES] = "1"  # the workers leave the naming of a vanished peer to signal_lines
+    args = parse_args(sys.argv[1:])
+    if str(args.nproc_per_node).isdigit() and int(args.nproc_per_node) > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets then, without its five-line banner
     try:
-        run(parse_args(sys.argv[1:]))
+        run(args)
     except ChildFailedError as error:
         stopped = stopped_by_torchrun(held.buffer)
         status, lines = handled(error, stopped), signal_lines(error, stopped)

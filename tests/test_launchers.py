@@ -10,6 +10,7 @@ import re
 import shlex
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import ROOT, child_env, free_port
+from tests.conftest import ENDS_PROMPTLY_S, ROOT, child_env, free_port
 
 LAUNCH = ROOT / "launch"
 PARAMETERS = {"NPROC", "NNODES", "RDZV_ENDPOINT", "RDZV_ID", "NODE_RANK", "LOCAL_ADDR", "MAX_RESTARTS", "JOIN_TIMEOUT",
@@ -459,3 +460,50 @@ def test_slurm_finds_its_redaction_when_run_from_slurms_copy(submitted_from, tmp
     else:
         assert result.returncode == 2 and result.stdout == "" and len(result.stderr.splitlines()) == 1
         assert "submit from the repository's root" in result.stderr
+
+
+# A flag error through every launcher that runs torchrun on this machine -------------------------
+FLAG_ERROR = "train_ddp.py: error: --lr must be > 0 and finite (got -1.0) (see --help)"
+
+
+@pytest.mark.parametrize("launcher", ["single_node.sh", "multi_node.sh", "elastic.sh"])
+def test_a_flag_error_is_one_line_and_status_2_through_every_launcher(launcher, tmp_path):
+    """The README's promise: a bad flag is one line and exit status 2, without torchrun's failure
+    dump or the launcher's traceback after it (launch/quiet_torchrun.py runs the agent of each)."""
+    env = {"NPROC": "1"}
+    store = None
+    if launcher == "multi_node.sh":
+        env.update(NNODES="1", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}")
+    elif launcher == "elastic.sh":
+        store = subprocess.Popen([sys.executable, str(LAUNCH / "elastic_store.py"), "--port", "0"],
+                                 stdout=subprocess.PIPE, text=True, env=child_env())
+        port = re.search(r"port (\d+)", store.stdout.readline())[1]
+        env.update(NNODES="1:2", RDZV_ENDPOINT=f"127.0.0.1:{port}", RDZV_ID=f"flag-{port}")
+    try:
+        result = subprocess.run(["bash", str(LAUNCH / launcher), "train_ddp.py", "--dataset", "synthetic", "--lr", "-1"],
+                                cwd=ROOT, env=launcher_env(**env), capture_output=True, text=True,
+                                timeout=ENDS_PROMPTLY_S)
+    finally:
+        if store is not None:
+            store.terminate()
+            store.wait(timeout=30)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [FLAG_ERROR], result.stderr
+    assert len(result.stdout.strip().splitlines()) == 1  # the echoed command
+
+
+@pytest.mark.quick
+def test_an_elastic_restart_reads_as_a_membership_change_and_a_stop_as_a_stop(tmp_path, monkeypatch):
+    """launch/elastic.sh makes its marker file before it passes on a stop of its own: a SIGTERM
+    without it came from torchrun's agent, restarting the workers for a membership change."""
+    from common.train.trainer import LEAVING_MARKER, membership_change
+
+    marker = tmp_path / "leaving"
+    monkeypatch.delenv(LEAVING_MARKER, raising=False)
+    assert not membership_change(signal.SIGTERM)  # not under elastic.sh: a stop
+    monkeypatch.setenv(LEAVING_MARKER, str(marker))
+    assert membership_change(signal.SIGTERM) and not membership_change(signal.SIGINT)
+    marker.touch()  # this node was told to leave
+    assert not membership_change(signal.SIGTERM)
+    script = (LAUNCH / "elastic.sh").read_text()
+    assert "trap 'touch \"$leaving\"; forward TERM' TERM" in script and "export DP_SUITE_LEAVING_MARKER=" in script

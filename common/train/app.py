@@ -21,7 +21,7 @@ from common.data.loader import Dataset, TrainLoader
 from common.parallel.context import DistContext, check_same_flags, distributed
 from common.train.equivalence import check_equivalence
 from common.data.fetch import load_dataset
-from common.parallel.failures import is_handled, told
+from common.parallel.failures import is_handled, parsed_telling_torchrun, told
 from common.output.logger import NullLogger, make_logger, node_console
 from common.models import build_model
 from common.train.optim import make_scheduler
@@ -42,8 +42,9 @@ def main(strategy: Strategy, argv: Sequence[str] | None = None) -> None:
     pause_during_set_up()
     try:
         strategy.check_world(world_size_from_env())
-        cfg = parse_args(argv, strategy=strategy.name, default_dataset=strategy.default_dataset,
-                         add_flags=strategy.add_flags, identity_options=strategy.identity_options)
+        cfg = parsed_telling_torchrun(lambda: parse_args(
+            argv, strategy=strategy.name, default_dataset=strategy.default_dataset, add_flags=strategy.add_flags,
+            identity_options=strategy.identity_options))
         strategy.configure(cfg)
         with distributed(cfg) as ctx:
             try:
@@ -86,8 +87,10 @@ def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
                      "again, pass --resume none (a new run beside this one, whose files are kept)")
             return
         if resumed:
+            saved_world = resumed.state["world_size"]
+            moved = f"; restarting at world {ctx.world_size}" if saved_world != ctx.world_size else ""
             log.info(f"resumed from {resumed.path}: epoch {start.epoch + 1}, step {start.step} "
-                     f"(saved at world {resumed.state['world_size']})")
+                     f"(saved at world {saved_world}){moved}")
         resume_for_training()
         if cfg.check_equivalence:
             check_equivalence(run, log)

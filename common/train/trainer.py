@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import resource
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -303,9 +304,25 @@ class Trainer:
         if verdict == SAVE_FAILED or saved:
             self.checkpoints.finish()  # ends every rank with a failed save's error; else it is committed
         path = saved or self.save(at, wait=True, check_stop=False)
-        raise Preempted(f"stopped by {signal.Signals(verdict).name} after step {self.run.global_step(at)} "
-                        f"({where(at)}){during}; checkpoint {path}; run the same command again to resume", verdict,
-                        printing=self.run.ctx.is_primary)
+        if membership_change(verdict):
+            message = (f"membership change (a node joined or left the elastic job): saved after step "
+                       f"{self.run.global_step(at)} ({where(at)}){during}; checkpoint {path}; the workers restart "
+                       "from it at the new world size")
+        else:
+            message = (f"stopped by {signal.Signals(verdict).name} after step {self.run.global_step(at)} ({where(at)})"
+                       f"{during}; checkpoint {path}; run the same command again to resume")
+        raise Preempted(message, verdict, printing=self.run.ctx.is_primary)
+
+
+def membership_change(verdict: int) -> bool:
+    """A SIGTERM that torchrun's agent sent to restart the workers of an elastic job at a new world
+    size, not a stop: launch/elastic.sh names in LEAVING_MARKER a file it creates before it passes
+    on a stop of its own, so no file there means the agent stopped the workers by itself."""
+    marker = os.environ.get(LEAVING_MARKER)
+    return verdict == signal.SIGTERM and bool(marker) and not os.path.exists(marker)
+
+
+LEAVING_MARKER = "DP_SUITE_LEAVING_MARKER"  # set by launch/elastic.sh (membership_change)
 
 
 def where(at: Position) -> str:

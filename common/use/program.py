@@ -15,7 +15,7 @@ from common.config import STORAGE_TIMEOUT_S, RankZeroParser
 from common.errors import ConfigError
 from common.parallel.context import DeadlinePassed, abandon_hung_thread, run_within
 from common.credentials import read_storage_options
-from common.parallel.failures import told
+from common.parallel.failures import parsed_telling_torchrun, told
 from common.storage import url_problem
 from common.use.source import Saved, find_checkpoint
 
@@ -97,7 +97,7 @@ def run_program(parse: Callable[[], argparse.Namespace], use: Callable[[argparse
     """Parse the flags, find the checkpoint, use it; an error ends the process with its one line (a
     crash: its traceback, then a line) and its exit status."""
     try:
-        flags = parse()
+        flags = parsed_telling_torchrun(parse)
         use(flags, read_checkpoint(flags))
     except Exception as error:
         failure = told(error, None)
