@@ -72,6 +72,7 @@ class Config:
     weights: str
     normalization: str
     epochs: int
+    extend_to: int
     batch_size: int
     lr: float
     momentum: float
@@ -140,6 +141,11 @@ class Config:
     def run_id(self) -> str:
         return identity_digest(self.identity())
 
+    @property
+    def last_epoch(self) -> int:
+        """The epoch training ends at: --epochs, or --extend-to's."""
+        return self.extend_to or self.epochs
+
 
 # Settings that change the trained weights. --synthetic-shape matters only for --dataset synthetic;
 # --data-dir and --image-size only for your own images (the built-in sets are the same anywhere).
@@ -154,6 +160,7 @@ def run_identity(flags: dict[str, Any], strategy_options: Sequence[str] = ()) ->
     keys = [*IDENTITY, *(["synthetic_shape"] if flags.get("dataset") == "synthetic" else []),
             # only when chosen: a run of the default keeps the identity it had before the flag existed
             *(["normalization"] if flags.get("normalization", "auto") != "auto" else []),
+            *(["extend_to"] if flags.get("extend_to") else []),  # an extension: a run of its own
             *(["data_dir", "image_size"] if flags.get("dataset") in OWN_DATASETS else []), *strategy_options]
     return {key: flags.get(key) for key in keys}
 
@@ -308,6 +315,10 @@ def _add_optimizer_flags(group: argparse._ArgumentGroup) -> None:
     add("--warmup", type=float, default=None, metavar="N",
         help="steps of linear warm-up from 1/100 of the peak lr, or a fraction of the run when < 1 (default: 0.25 "
              "for onecycle, else 0)")
+    add("--extend-to", type=int, default=0, metavar="N",
+        help="train a finished run of this command on to epoch N: a new segment of the schedule over the added "
+             "epochs (--schedule again, its warm-up included; step keeps the lr the run ended at), from the run's "
+             "last checkpoint, saved as a run of its own beside it (0: no extension)")
     add("--min-lr", type=float, default=0.0, help="the lr that onecycle and cosine end at (default: %(default)s)")
     add("--milestones", type=_ints, default=(), metavar="E1,E2,...",
         help="with --schedule step: the epochs after which the lr is multiplied by --gamma")
@@ -346,8 +357,10 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def default_checkpoint_dir(cfg: Config) -> str:
-    """One folder per run identity: a changed command never continues another run."""
-    return os.path.join("checkpoints", f"{cfg.strategy}-{cfg.dataset}-{path_part(cfg.model)}-{cfg.run_id}")
+    """One folder per run identity: a changed command never continues another run. An extension
+    (--extend-to) lives in the folder of the run it extends, as a run of its own beside it."""
+    extended = replace(cfg, extend_to=0) if cfg.extend_to else cfg
+    return os.path.join("checkpoints", f"{cfg.strategy}-{cfg.dataset}-{path_part(cfg.model)}-{extended.run_id}")
 
 
 def default_log_dir(cfg: Config, world_size: int) -> str:
@@ -402,6 +415,9 @@ def _validate(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int
 
 
 def _validate_optimizer(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if a.extend_to and a.extend_to <= a.epochs:
+        p.error(f"--extend-to {a.extend_to} must be more than --epochs {a.epochs}: the epoch the extension trains "
+                "the finished run on to")
     if len(a.betas) != 2 or not all(0 <= b < 1 for b in a.betas):
         p.error(f"--betas takes two decays in [0, 1) as B1,B2 (got {','.join(map(str, a.betas))})")
     if not (0 < a.eps < math.inf and 0 <= a.weight_decay < math.inf and 0 <= a.momentum < 1):

@@ -82,9 +82,10 @@ def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
         describe(run, checkpoints, log)
         if weights:
             log.info(weights.banner())
-        if start.epoch >= cfg.epochs and not cfg.check_equivalence:
-            log.info(f"training already complete: {resumed.path} ends epoch {cfg.epochs} of {cfg.epochs}; to train "
-                     "again, pass --resume none (a new run beside this one, whose files are kept)")
+        if start.epoch >= cfg.last_epoch and not cfg.check_equivalence:
+            log.info(f"training already complete: {resumed.path} ends epoch {cfg.last_epoch} of {cfg.last_epoch}; to "
+                     "train on, pass --extend-to N (more epochs, a new schedule segment from this checkpoint); to "
+                     "train again, pass --resume none (a new run beside this one, whose files are kept)")
             return
         if resumed:
             saved_world = resumed.state["world_size"]
@@ -228,7 +229,7 @@ def describe(run: Run, checkpoints: Checkpoints, log: NullLogger) -> None:
     log.info(f"model {cfg.model}; "
              f"global batch {cfg.batch_size} = {cfg.batch_size // shares} per rank x {shares}"
              f"{f' in {cfg.accumulate} micro-batches' if cfg.accumulate > 1 else ''}; peak lr {cfg.lr:g}; "
-             f"{cfg.epochs} epoch(s); {cfg.precision}, {cfg.memory_format}{', compiled' if cfg.compile else ''}")
+             f"{cfg.epochs} epoch(s){f' extended to {cfg.extend_to}' if cfg.extend_to else ''}; {cfg.precision}, {cfg.memory_format}{', compiled' if cfg.compile else ''}")
     points = f"step-level points every {run.log_every} step(s)" + (
         "" if cfg.log_every else f" (chosen for {run.steps_per_epoch} steps per epoch; --log-every N to choose)")
     log.info(f"run {cfg.run_id}: checkpoints {checkpoints.url()}; TensorBoard {cfg.log_dir}; {points}")

@@ -61,7 +61,7 @@ import sys
 import time
 import zipfile
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, TypeVar
 
 import torch
@@ -239,6 +239,16 @@ class CheckpointFolder:
             return Choice(new_run_name(), request, tuple(self.patience.warnings()), data=data, state=state)
         runs = self.runs()
         same = [r for r in runs if r.identity == identity]
+        if not same and "extend_to" in identity:
+            base = {key: value for key, value in identity.items() if key != "extend_to"}
+            if other := next((r for r in runs if r.identity.get("extend_to")
+                              and {k: v for k, v in r.identity.items() if k != "extend_to"} == base), None):
+                raise UserError(f"--extend-to {identity['extend_to']}: run {self.storage.url(other.name)} already "
+                                f"extends this run to epoch {other.identity['extend_to']}, and an extension starts "
+                                f"from the run's own end (epoch {base['epochs']}); pass --extend-to "
+                                f"{other.identity['extend_to']} to continue that one, or --resume none for a new run")
+            if extended := [r for r in runs if r.identity == base]:
+                return self._extension(extended[0], base)
         if not same:
             if runs:
                 raise UserError(self._other_run_message(runs[0], identity))
@@ -272,6 +282,17 @@ class CheckpointFolder:
         raise UserError(f"run {self.storage.url(run.name)} has this command's settings, but none of its "
                         f"{len(candidates)} checkpoint(s) loads ({'; '.join(problems[:2])}"
                         f"{' ...' if len(problems) > 2 else ''}); nothing was started; {WAYS_OUT}")
+
+    def _extension(self, run: RunInfo, base: dict[str, Any]) -> Choice:
+        """--extend-to: a new run from the newest checkpoint of the finished run it extends (that run's
+        files are kept as they are). A run that has not finished is finished first, by its own command."""
+        choice = self._continue(run, base)
+        epoch, epochs = int(choice.state["epoch"]), int(base["epochs"])
+        if epoch < epochs:
+            raise UserError(f"--extend-to: run {self.storage.url(run.name)} has not finished (its newest checkpoint "
+                            f"is in epoch {epoch + 1} of {epochs}); finish it with the same command without "
+                            "--extend-to, then extend it")
+        return replace(choice, run=new_run_name())
 
     def _explicit(self, path: str, identity: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
         """--resume FILE: that checkpoint, which must belong to a run with this identity. The job

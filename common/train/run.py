@@ -89,7 +89,7 @@ class Run:
 
     @property
     def total_steps(self) -> int:
-        return self.cfg.epochs * self.steps_per_epoch
+        return self.cfg.last_epoch * self.steps_per_epoch
 
     def global_step(self, at: Position) -> int:
         return at.global_step(self.steps_per_epoch)

@@ -161,11 +161,11 @@ class Trainer:
 
     def fit(self, start: Position) -> EpochResult | None:
         result = None
-        for epoch in range(start.epoch, self.run.cfg.epochs):
+        for epoch in range(start.epoch, self.run.cfg.last_epoch):
             result = self.run_epoch(epoch, start.step if epoch == start.epoch else 0)
-            self.log.epoch(result, self.run.cfg.epochs)
+            self.log.epoch(result, self.run.cfg.last_epoch)
             self.relay.flush(self.run.ctx, self.log)
-            last = epoch + 1 == self.run.cfg.epochs
+            last = epoch + 1 == self.run.cfg.last_epoch
             self.save(Position(epoch + 1, 0), wait=last, check_stop=not last)  # the last: the run is done anyway
         return result
 
