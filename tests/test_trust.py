@@ -394,3 +394,14 @@ def test_extend_to_follows_the_schedule_then_a_segment_of_its_own():
             assert after == [lr_factor(base, 2 * steps, 2 * steps, steps)] * (3 * steps)
         else:  # a warm restart: the schedule again over the added epochs
             assert after == [lr_factor(segment, s, 3 * steps, steps) for s in range(3 * steps)]
+
+
+@pytest.mark.quick
+def test_the_way_to_continue_names_the_settings_only_some_runs_have():
+    """--extend-to and --normalization join the identity only when given: pasted back, they come too."""
+    from common.config import settings_flags
+
+    other = config("--extend-to", "4", "--weights", "w.pt", "--normalization", "imagenet")
+    flags = settings_flags(other.identity())
+    assert flags[-4:] == ["--normalization", "imagenet", "--extend-to", "4"]
+    assert parse_args(flags, strategy="ddp", default_dataset="cifar10", world_size=1).identity() == other.identity()
