@@ -408,14 +408,21 @@ def recording(tmp: Path, program: str) -> Path:
 @pytest.mark.parametrize("grace", [None, "600"], ids=["default", "600 s"])
 @pytest.mark.parametrize("script, program", [("slurm.sbatch", "srun"), ("multi_node.sh", "torchrun")])
 def test_launchers_raise_torchruns_grace_for_the_stop(script, program, grace, tmp_path):
-    env = {**ECHOED[script], "PATH": f"{recording(tmp_path, program)}{os.pathsep}{child_env()['PATH']}"}
+    fake = recording(tmp_path, program)
+    if program == "torchrun":  # run as quiet_torchrun.py by torchrun's own interpreter: record that one
+        recorded = "interpreter"
+        recording(tmp_path, recorded)
+        (fake / "torchrun").write_text(f"#!{fake / recorded}\n")
+    else:
+        recorded = program
+    env = {**ECHOED[script], "PATH": f"{fake}{os.pathsep}{child_env()['PATH']}"}
     if script == "multi_node.sh":
         env["RDZV_ENDPOINT"], env["NNODES"] = f"127.0.0.1:{free_port()}", "1"
     result = subprocess.run(["bash", str(LAUNCH / script), "train_ddp.py"], cwd=ROOT, capture_output=True, text=True,
                             env=launcher_env(**env, **({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": grace} if grace else {})),
                             timeout=30)
     assert result.returncode == 0, result.stderr
-    assert (tmp_path / f"{program}.got").read_text().splitlines()[0] == f"grace={grace or 120}"
+    assert (tmp_path / f"{recorded}.got").read_text().splitlines()[0] == f"grace={grace or 120}"
 
 
 @pytest.mark.quick
