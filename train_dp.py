@@ -5,7 +5,11 @@ outputs; gradients are summed onto the first GPU by autograd. On a CPU-only host
 """
 from __future__ import annotations
 
+# First, before torch and any sorted block: importing `common` pauses the garbage collector while torch
+# loads, and registers the collector's exit handler before any other (common/collector.py says why).
+# `isort: split` keeps an import sorter (isort, ruff's I rules) from moving torch above this line.
 from common.train.app import main as run
+# isort: split
 from common.train.strategy import Strategy
 from common.config import Config
 from common.parallel.context import DistContext

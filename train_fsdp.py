@@ -13,7 +13,11 @@ after, and gradients are reduce-scattered as backward goes.
 """
 from __future__ import annotations
 
+# First, before torch and any sorted block: importing `common` pauses the garbage collector while torch
+# loads, and registers the collector's exit handler before any other (common/collector.py says why).
+# `isort: split` keeps an import sorter (isort, ruff's I rules) from moving torch above this line.
 from common.train.app import main as run
+# isort: split
 from common.train.strategy import Strategy
 from common.config import Config
 from common.parallel.comm import broadcast_coalesced, replicate_from_rank0

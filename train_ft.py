@@ -45,11 +45,10 @@ class FaultTolerantStrategy(Strategy):
     def add_flags(cls, group: argparse._ArgumentGroup) -> None:
         group.add_argument("--groups", type=int, default=int(os.environ.get("FT_GROUPS", "0")) or None,
                            help="the replica groups the global batch is planned for: it is cut into this many x "
-                                "(ranks per group) micro-batches, shared among the groups alive at each step; a "
-                                "group beyond it joins but takes no samples (default: $FT_GROUPS, set by "
-                                "launch/ft.sh)")
+                                "(ranks per group) micro-batches, shared among the groups alive at each step "
+                                "(default: $FT_GROUPS, set by launch/ft.sh)")
         group.add_argument("--group-id", type=int, default=_env_int("REPLICA_GROUP_ID"),
-                           help="this group's number, 0.. (default: $REPLICA_GROUP_ID)")
+                           help="this group's number, 0 to --groups - 1 (default: $REPLICA_GROUP_ID)")
         group.add_argument("--lighthouse", default=os.environ.get(LIGHTHOUSE_ENV),
                            help=f"the torchft Lighthouse's URL, http://HOST:PORT (default: ${LIGHTHOUSE_ENV})")
         group.add_argument("--min-groups", type=int, default=1,
@@ -93,10 +92,10 @@ class FaultTolerantStrategy(Strategy):
                               "the other strategies with it")
         self.slots = self.groups * world_size_from_env()
         self.check_slots(cfg)
-        if "MASTER_ADDR" not in os.environ:  # each group is a torchrun job: its store is torchrun's
-            raise ConfigError("train_ft.py runs as replica groups, each one a torchrun job: launch/ft.sh GROUPS "
-                              "NPROC train_ft.py [FLAGS] on one machine, or torchrun ... train_ft.py --groups N "
-                              "--group-id G per group (docs/fault-tolerance.md)")
+        if "MASTER_ADDR" not in os.environ:  # torchft's Manager reads the group's store address from torchrun
+            raise ConfigError("train_ft.py runs each replica group as a torchrun job: launch/ft.sh GROUPS "
+                              "NPROC_PER_GROUP train_ft.py [FLAGS...], or torchrun --standalone "
+                              "--nproc_per_node=N train_ft.py --groups G --group-id I")
 
     def check_counts(self) -> None:
         if self.quorum_every < 1:
@@ -104,9 +103,12 @@ class FaultTolerantStrategy(Strategy):
         if self.groups < 1 or self.group_id < 0 or self.min_groups < 1:
             raise ConfigError(f"--groups ({self.groups}) and --min-groups ({self.min_groups}) must be >= 1, "
                               f"--group-id ({self.group_id}) >= 0")
-        if self.min_groups > self.groups:
-            raise ConfigError(f"--min-groups {self.min_groups} is more than the --groups {self.groups} the batch is "
-                              "planned for: no step could ever commit; lower --min-groups or plan for more groups")
+        if self.group_id >= self.groups:
+            raise ConfigError(f"--group-id {self.group_id}: the groups are numbered 0 to {self.groups - 1} "
+                              f"(--groups {self.groups}); give each group its own number below --groups")
+        if self.min_groups > self.groups:  # no quorum could ever commit a step
+            raise ConfigError(f"--min-groups {self.min_groups} is more than --groups {self.groups}: no step "
+                              "could commit; lower --min-groups or plan for more groups")
         if not self.ft_timeout_s > 0 or not self.quorum_timeout_s > 0:
             raise ConfigError("--ft-timeout-s and --quorum-timeout-s must be > 0 seconds")
 
@@ -122,9 +124,7 @@ class FaultTolerantStrategy(Strategy):
                               "; pass such a --batch-size, or another --groups")
 
     def describe(self) -> str:
-        spare = f" (group {self.group_id} is beyond --groups {self.groups}: a spare; at most {self.groups} groups " \
-                "train each step)" if self.group_id >= self.groups else ""
-        return f"ft/{self.groups}-groups{'/exact-sums' if self.exact else ''}{spare}"
+        return f"ft/{self.groups}-groups{'/exact-sums' if self.exact else ''}"
 
     def log_subfolder(self) -> str:
         return f"group{self.group_id}"

@@ -8,7 +8,11 @@ broadcasts the updated parameters.
 """
 from __future__ import annotations
 
+# First, before torch and any sorted block: importing `common` pauses the garbage collector while torch
+# loads, and registers the collector's exit handler before any other (common/collector.py says why).
+# `isort: split` keeps an import sorter (isort, ruff's I rules) from moving torch above this line.
 from common.train.app import main as run
+# isort: split
 from common.train.strategy import HandWrittenSync
 from common.config import Config
 from common.parallel.comm import Bucket, GradientBuckets, broadcast_coalesced, float_buffers

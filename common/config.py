@@ -16,7 +16,7 @@ from common.credentials import read_storage_options
 from common.models import MODELS, model_problem
 from common.optimizers import OPTIMIZERS
 from common.storage import log_url_problem, url_problem
-from common.weights import weights_problem
+from common.weights import NORMALIZATIONS, weights_problem
 
 DATASETS = ("cifar10", "mnist", "synthetic", "imagefolder", "shards")
 SCHEDULES = ("onecycle", "cosine", "constant", "step")
@@ -67,7 +67,9 @@ class Config:
     verify_data: bool
     model: str
     weights: str
+    normalization: str
     epochs: int
+    extend_to: int
     batch_size: int
     lr: float
     momentum: float
@@ -136,6 +138,11 @@ class Config:
     def run_id(self) -> str:
         return identity_digest(self.identity())
 
+    @property
+    def last_epoch(self) -> int:
+        """The epoch training ends at: --epochs, or --extend-to's."""
+        return self.extend_to or self.epochs
+
 
 # Settings that change the trained weights. --synthetic-shape matters only for --dataset synthetic;
 # --data-dir and --image-size only for your own images (the built-in sets are the same anywhere).
@@ -148,6 +155,9 @@ IDENTITY = ("dataset", "model", "weights", "batch_size", "lr", "momentum", "weig
 def run_identity(flags: dict[str, Any], strategy_options: Sequence[str] = ()) -> dict[str, Any]:
     """The identity of a run from its flags (a Config's, or those saved in a checkpoint)."""
     keys = [*IDENTITY, *(["synthetic_shape"] if flags.get("dataset") == "synthetic" else []),
+            # only when chosen: a run of the default keeps the identity it had before the flag existed
+            *(["normalization"] if flags.get("normalization", "auto") != "auto" else []),
+            *(["extend_to"] if flags.get("extend_to") else []),  # an extension: a run of its own
             *(["data_dir", "image_size"] if flags.get("dataset") in OWN_DATASETS else []), *strategy_options]
     return {key: flags.get(key) for key in keys}
 
@@ -216,6 +226,11 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
         help="start from trained weights: for torchvision:NAME a weights name of its registry (DEFAULT, "
              "IMAGENET1K_V1, ...), read from the torch hub cache; for any model a file or URL of a state dict or of "
              "a checkpoint of this suite (its weights only). A head of another shape is replaced (docs/recipes.md)")
+    add("--normalization", default="auto", choices=NORMALIZATIONS,
+        help="with --weights, the mean and std images are normalized with: auto (the weights' own where they are "
+             "torchvision's, by name or as a file of its registry, found by its name or its content; else the data "
+             "set's statistics), data (the data set's), imagenet (ImageNet's, for weights trained on it elsewhere, "
+             "such as timm's) (default: %(default)s)")
     add("--epochs", type=int, default=None, help="training epochs (default: per data set)")
     add("--batch-size", type=int, default=None, help="GLOBAL batch, split evenly across ranks (default: per data set)")
     add("--seed", type=int, default=0, help="seed of weights, shuffling and augmentation (default: %(default)s)")
@@ -298,6 +313,10 @@ def _add_optimizer_flags(group: argparse._ArgumentGroup) -> None:
     add("--warmup", type=float, default=None, metavar="N",
         help="steps of linear warm-up from 1/100 of the peak lr, or a fraction of the run when < 1 (default: 0.25 "
              "for onecycle, else 0)")
+    add("--extend-to", type=int, default=0, metavar="N",
+        help="train a finished run of this command on to epoch N: a new segment of the schedule over the added "
+             "epochs (--schedule again, its warm-up included; step keeps the lr the run ended at), from the run's "
+             "last checkpoint, saved as a run of its own beside it (0: no extension)")
     add("--min-lr", type=float, default=0.0, help="the lr that onecycle and cosine end at (default: %(default)s)")
     add("--milestones", type=_ints, default=(), metavar="E1,E2,...",
         help="with --schedule step: the epochs after which the lr is multiplied by --gamma")
@@ -336,8 +355,10 @@ def _ints(text: str) -> tuple[int, ...]:
 
 
 def default_checkpoint_dir(cfg: Config) -> str:
-    """One folder per run identity: a changed command never continues another run."""
-    return os.path.join("checkpoints", f"{cfg.strategy}-{cfg.dataset}-{path_part(cfg.model)}-{cfg.run_id}")
+    """One folder per run identity: a changed command never continues another run. An extension
+    (--extend-to) lives in the folder of the run it extends, as a run of its own beside it."""
+    extended = replace(cfg, extend_to=0) if cfg.extend_to else cfg
+    return os.path.join("checkpoints", f"{cfg.strategy}-{cfg.dataset}-{path_part(cfg.model)}-{extended.run_id}")
 
 
 def default_log_dir(cfg: Config, world_size: int) -> str:
@@ -384,11 +405,17 @@ def _validate(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int
     _validate_optimizer(p, a)
     _validate_regularization(p, a, world_size)
     _validate_storage(p, a)
+    if a.normalization != "auto" and not a.weights:
+        p.error(f"--normalization {a.normalization} chooses how images are normalized for --weights; without "
+                "--weights the data set's statistics are used: drop it or give --weights")
     if problem := weights_problem(a.weights, a.model):
         p.error(f"--weights {a.weights} {problem}")
 
 
 def _validate_optimizer(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if a.extend_to and a.extend_to <= a.epochs:
+        p.error(f"--extend-to {a.extend_to} must be more than --epochs {a.epochs}: the epoch the extension trains "
+                "the finished run on to")
     if len(a.betas) != 2 or not all(0 <= b < 1 for b in a.betas):
         p.error(f"--betas takes two decays in [0, 1) as B1,B2 (got {','.join(map(str, a.betas))})")
     if not (0 < a.eps < math.inf and 0 <= a.weight_decay < math.inf and 0 <= a.momentum < 1):
@@ -487,6 +514,59 @@ def _validate_storage(p: argparse.ArgumentParser, a: argparse.Namespace) -> None
         p.error(f"--log-dir {a.log_dir}: {problem}")
 
 
+def _resolve_defaults(a: argparse.Namespace) -> None:
+    """The defaults that depend on other flags: the data set's recipe, the optimizer's lr and decay."""
+    recipe = RECIPES.get(a.dataset, RECIPES["synthetic"])
+    a.model = a.model or recipe.model
+    a.epochs = recipe.epochs if a.epochs is None else a.epochs
+    a.batch_size = recipe.batch_size if a.batch_size is None else a.batch_size
+    rule = OPTIMIZERS[a.optimizer]
+    if a.lr is None:  # linear scaling; a bad --batch-size is reported by _validate, not as a bad lr
+        a.lr = rule.default_lr(recipe.lr, recipe.batch_size, max(a.batch_size, 1))
+    if a.weight_decay is None:
+        a.weight_decay = rule.weight_decay
+    if a.warmup is None:
+        a.warmup = 0.25 if a.schedule == "onecycle" else 0.0
+
+
+# The settings whose value changes other settings' defaults: given first, so that those follow.
+LEADING = ("dataset", "optimizer", "schedule", "batch_size")
+
+
+def settings_flags(identity: dict[str, Any]) -> list[str]:
+    """The fewest flags that give a run's identity: its --dataset (the scripts' defaults differ) and
+    each setting whose value is not the default that the flags before it give (an lr that follows
+    from --batch-size is left out; so is --momentum under adamw, which does not read it). A
+    strategy's own settings (not known here) follow as --NAME VALUE. Values are plain, as saved."""
+    p = build_parser("any", default_dataset=identity.get("dataset") or "synthetic")
+    actions = {a.dest: a for a in p._actions if a.option_strings}
+    argv = ["--dataset", str(identity.get("dataset"))]
+    order = [*LEADING, *(key for key in identity if key not in LEADING)]
+    for key in (k for k in order if k in actions and k in identity):
+        a = p.parse_args(argv)
+        _resolve_defaults(a)
+        default = vars(a)[key]
+        if _plain(default) != identity[key]:
+            argv += _flag(actions[key], identity[key])
+    extra = [key for key in identity if key not in actions and identity[key] not in (None, "", False)]
+    for key in extra:
+        flag = "--" + key.replace("_", "-")
+        argv += [flag] if identity[key] is True else [flag, str(identity[key])]
+    return argv
+
+
+def _plain(value: Any) -> Any:
+    """A parsed value as Config.as_plain_dict keeps it (a tuple as one comma-separated string)."""
+    return ",".join(map(str, value)) if isinstance(value, tuple) else value
+
+
+def _flag(action: argparse.Action, value: Any) -> list[str]:
+    """The arguments that set `action`'s setting to `value`: the flag alone for an on/off flag."""
+    if action.nargs == 0:
+        return [action.option_strings[0]] if value == action.const else []
+    return [action.option_strings[-1], str(value)]
+
+
 def parse_args(argv: Sequence[str] | None = None, *, strategy: str, default_dataset: str,
                world_size: int | None = None,
                add_flags: Callable[[argparse.ArgumentParser], None] | None = None,
@@ -499,17 +579,7 @@ def parse_args(argv: Sequence[str] | None = None, *, strategy: str, default_data
         add_flags(p.add_argument_group(f"{strategy} strategy"))
     a = p.parse_args(argv)
     world_size = world_size_from_env() if world_size is None else world_size
-    recipe = RECIPES.get(a.dataset, RECIPES["synthetic"])
-    a.model = a.model or recipe.model
-    a.epochs = recipe.epochs if a.epochs is None else a.epochs
-    a.batch_size = recipe.batch_size if a.batch_size is None else a.batch_size
-    rule = OPTIMIZERS[a.optimizer]
-    if a.lr is None:  # linear scaling; a bad --batch-size is reported by _validate, not as a bad lr
-        a.lr = rule.default_lr(recipe.lr, recipe.batch_size, max(a.batch_size, 1))
-    if a.weight_decay is None:
-        a.weight_decay = rule.weight_decay
-    if a.warmup is None:
-        a.warmup = 0.25 if a.schedule == "onecycle" else 0.0
+    _resolve_defaults(a)
     _validate(p, a, world_size)
     common = {f.name for f in fields(Config)}
     values = vars(a)

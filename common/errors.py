@@ -79,6 +79,10 @@ class Crashed(UserError):
     saying which rank, where and when."""
 
 
-def first_line(error: BaseException) -> str:
-    """An error's message cut to one line for a one-line error (its type's name if it has none)."""
-    return (str(error).splitlines() or [type(error).__name__])[0][:200]
+def first_line(error: BaseException, with_type: bool = False) -> str:
+    """An error's message cut to one line for a one-line error (its type's name if it has none);
+    with_type: as `Type: first line`, for an error whose type says what its message does not."""
+    lines = str(error).strip().splitlines()
+    if not lines:
+        return type(error).__name__
+    return f"{type(error).__name__}: {lines[0][:200]}" if with_type else lines[0][:200]

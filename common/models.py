@@ -17,7 +17,7 @@ from typing import Callable
 import torch
 from torch import nn
 
-from common.errors import UserError
+from common.errors import UserError, first_line
 
 Builder = Callable[[int, int, int], nn.Module]
 TORCHVISION = "torchvision:"
@@ -129,7 +129,7 @@ def build_model(name: str, channels: int, size: int, classes: int, seed: int) ->
         raise
     except Exception as e:  # the user's code or torchvision's: any failure is the flag's to report
         raise UserError(f"--model {name}: building it for (channels, size, classes) = ({channels}, {size}, {classes}) "
-                        f"raised {one_line(e)}") from e
+                        f"raised {first_line(e, with_type=True)}") from e
     if not isinstance(model, nn.Module):
         raise UserError(f"--model {name}: the builder returned a {type(model).__name__}, not a torch.nn.Module")
     check_on_dummy_batch(name, model, channels, size, classes)
@@ -143,13 +143,6 @@ def find_builder(name: str) -> Builder:
         return torchvision_builder(name[len(TORCHVISION):])
     module, _, function = name.rpartition(":")
     return user_builder(name, module, function)
-
-
-def one_line(error: BaseException) -> str:
-    """An exception as `Type: first line of its message`, short enough for a one-line error."""
-    text = str(error).strip().splitlines()
-    message = text[0] if text else ""
-    return f"{type(error).__name__}: {message[:200]}" if message else type(error).__name__
 
 
 # --- torchvision:NAME --------------------------------------------------------------------------------
@@ -248,9 +241,9 @@ def import_user_module(name: str, module_name: str) -> object:
         if e.name and (module_name == e.name or module_name.startswith(f"{e.name}.")):
             raise UserError(f"--model {name}: no module {module_name!r} in the current directory ({cwd}) or on "
                             "PYTHONPATH; run from the folder that holds it or add that folder to PYTHONPATH") from e
-        raise UserError(f"--model {name}: importing {module_name} failed: {one_line(e)}") from e
+        raise UserError(f"--model {name}: importing {module_name} failed: {first_line(e, with_type=True)}") from e
     except Exception as e:  # a syntax error, or the module's own code raising
-        raise UserError(f"--model {name}: importing {module_name} raised {one_line(e)}") from e
+        raise UserError(f"--model {name}: importing {module_name} raised {first_line(e, with_type=True)}") from e
 
 
 # --- the check every model passes ----------------------------------------------------------------------
@@ -298,7 +291,7 @@ def forward_failure(name: str, model: nn.Module, channels: int, size: int, error
                "torchvision:resnet18) or train on larger images" if fits else
                "check the model's forward on images of this shape")
     shape = (DUMMY_BATCH, channels, size, size)
-    return f"--model {name} fails on a batch of shape {shape} ({one_line(error)}); {way_out}"
+    return f"--model {name} fails on a batch of shape {shape} ({first_line(error, with_type=True)}); {way_out}"
 
 
 def runs_at(model: nn.Module, channels: int, size: int) -> bool:

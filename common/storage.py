@@ -1,4 +1,5 @@
-"""Where checkpoints live, behind one small interface: a local folder today, an object store next.
+"""Where checkpoints and data live, behind one small interface: a local folder or an object store
+(s3://, gs://, az://, ... through fsspec; LocalStorage and FsspecStorage below).
 
 Names are '/'-separated paths relative to the storage's root. `write` is all-or-nothing for
 readers: they see the old object or the new one, never part of one.

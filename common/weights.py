@@ -22,8 +22,12 @@ How a run takes them (load_weights, common/train/app.py):
    are spread over the channels as the model's own were (common/models.py, adapt_first_conv).
 3. The weights go into the plain model before the strategy wraps it: wrap() starts every rank from
    rank 0's weights and shards them (ZeRO-1, FSDP2) as it does a fresh model's.
-4. Weights that carry their own input normalization (torchvision's) are fed images normalized their
-   way, not with the data set's measured statistics.
+4. Weights that carry their own input normalization are fed images normalized their way, not with
+   the data set's measured statistics: torchvision's, given by name or as a file of its registry
+   (a path such as resnet18-f37072fd.pth, what an offline cluster downloads: recognized by its file
+   name, or by its content's sha256 when renamed, as torch.hub's file names carry its first digits).
+   --normalization chooses otherwise: data (the set's statistics) or imagenet (ImageNet's mean and
+   std, for weights trained on ImageNet elsewhere, such as timm's). The banner says which was used.
 
 The file's content joins the run's identity: --weights becomes SOURCE@sha256:HEX (the first
 DIGEST_CHARS hex digits of its sha256), so a changed file starts a new run instead of resuming one
@@ -62,6 +66,9 @@ PREFIXES = ("module.", "_orig_mod.")  # DDP's and DataParallel's wrapper, torch.
 # torchvision builds these with transform_input=True when it loads their weights: the weights expect
 # pixels normalized by 0.5 and 0.5, which is what that transform turns ImageNet's normalization into.
 HALF_NORMALIZED = ("googlenet", "inception_v3")
+IMAGENET = ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))  # torchvision's and timm's ImageNet statistics
+NORMALIZATIONS = ("auto", "data", "imagenet")  # --normalization
+Stats = tuple[tuple[float, ...], tuple[float, ...]]
 
 
 @dataclass(frozen=True)
@@ -112,21 +119,23 @@ class Source:
 
         return tv.get_model_weights(self.torchvision_model)[self.text]
 
-    def normalization(self, channels: int) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
-        """The mean and std the weights were trained with, for `channels` channels (the channels'
-        average for another count than the weights' own), or None where they carry none."""
-        if not self.is_name or weights_names(self.torchvision_model) is None:  # no model: --model's error says so
+    def torchvision_entry(self, digest: str) -> Any | None:
+        """torchvision's registry entry these weights are, or None: a name's own entry, or for a file
+        the entry whose file name it has (torch.hub's, e.g. resnet18-f37072fd.pth) or whose file name's
+        hash prefix its content's sha256 (`digest`) starts with (the same file renamed)."""
+        if self.is_name:
+            return self.registry_entry()
+        if not self.torchvision_model or weights_names(self.torchvision_model) is None:
             return None
-        if self.torchvision_model in HALF_NORMALIZED:
-            mean, std = [0.5] * 3, [0.5] * 3
-        else:
-            transform = self.registry_entry().transforms()
-            mean, std = getattr(transform, "mean", None), getattr(transform, "std", None)
-            if mean is None or std is None:
-                return None
-        if len(mean) != channels:
-            mean, std = [sum(mean) / len(mean)] * channels, [sum(std) / len(std)] * channels
-        return tuple(mean), tuple(std)
+        import torchvision.models as tv
+
+        name = Path(urlparse(self.text).path).name
+        for entry in tv.get_model_weights(self.torchvision_model):
+            file = Path(urlparse(entry.url).path).name
+            prefix = torch.hub.HASH_REGEX.search(file)
+            if file == name or (prefix and digest.startswith(prefix[1])):
+                return entry
+        return None
 
     def read(self, options: dict[str, Any], allow_download: bool, say: Say) -> bytes:
         """The file's bytes (rank 0's work). Raises UserError naming --weights."""
@@ -149,6 +158,35 @@ class Source:
         except OSError as e:
             raise UserError(f"--weights {self.text}: reading {path} failed ({first_line(e)}); make it readable or "
                             f"delete it to download it again") from None
+
+
+def normalization(choice: str, entry: Any | None, model: str, channels: int) -> tuple[Stats | None, str]:
+    """The mean and std images are normalized with (None: the data set's statistics), and the banner's
+    words for it. choice: --normalization; entry: torchvision's registry entry the weights are, if any."""
+    if choice == "data":
+        return None, "images normalized with the data set's statistics (--normalization data)"
+    if choice == "imagenet":
+        stats, words = IMAGENET, "ImageNet's mean and std (--normalization imagenet)"
+    else:
+        stats = entry_statistics(entry, model.removeprefix(TORCHVISION)) if entry is not None else None
+        if stats is None:
+            return None, ("images normalized with the data set's statistics: the weights carry none of their own "
+                          "(for weights trained on ImageNet elsewhere, pass --normalization imagenet)")
+        words = f"the statistics {type(entry).__name__}.{entry.name} was trained with, not the data set's"
+    mean, std = stats
+    if len(mean) != channels:  # the channels' average for another count than the weights' own
+        mean, std = (sum(mean) / len(mean),) * channels, (sum(std) / len(std),) * channels
+    shown = [",".join(f"{v:.4g}" for v in values) for values in (mean, std)]
+    return (tuple(mean), tuple(std)), f"images normalized with {words} (mean {shown[0]}, std {shown[1]})"
+
+
+def entry_statistics(entry: Any, model: str) -> Stats | None:
+    """The mean and std (RGB) a torchvision registry entry's weights were trained with, or None."""
+    if model in HALF_NORMALIZED:
+        return (0.5,) * 3, (0.5,) * 3
+    transform = entry.transforms()
+    mean, std = getattr(transform, "mean", None), getattr(transform, "std", None)
+    return (tuple(mean), tuple(std)) if mean is not None and std is not None else None
 
 
 def weights_problem(flag: str, model: str) -> str | None:
@@ -339,7 +377,8 @@ class Loaded:
     flag: str  # SOURCE@sha256:HEX
     what: str  # where it came from and what it was
     fitted: Fitted
-    normalization: tuple[tuple[float, ...], tuple[float, ...]] | None
+    normalization: Stats | None  # the mean and std images are normalized with; None: the data set's
+    normalized: str  # the banner's words for it
     seed: int
 
     def banner(self) -> str:
@@ -352,16 +391,14 @@ class Loaded:
             notes.append(f"{len(f.unused)} tensors of auxiliary heads unused (the model is built without them)")
         if f.adapted:
             notes.append(f"{', '.join(f.adapted)}: RGB weights spread over this data set's channels")
-        if self.normalization:
-            mean, std = (",".join(f"{v:.4g}" for v in values) for values in self.normalization)
-            notes.append(f"images normalized as the weights expect (mean {mean}, std {std}), not with the data set's "
-                         "statistics")
+        notes.append(self.normalized)
         return f"weights {self.flag} ({self.what}): {'; '.join(notes)}"
 
 
-def load_into(model: nn.Module, data: bytes, source: Source, channels: int, seed: int) -> Loaded:
+def load_into(model: nn.Module, data: bytes, source: Source, channels: int, seed: int,
+              choice: str = "auto") -> Loaded:
     """The file's bytes into the plain model (on every rank, the same bytes): checked against a pinned
-    digest, parsed, fitted and loaded."""
+    digest, parsed, fitted and loaded; with the normalization --normalization (`choice`) gives them."""
     digest = hashlib.sha256(data).hexdigest()
     if source.pin and not digest.startswith(source.pin):
         raise UserError(f"--weights {source.text}@sha256:{source.pin}: the file's sha256 is {digest[:len(source.pin)]}"
@@ -370,7 +407,10 @@ def load_into(model: nn.Module, data: bytes, source: Source, channels: int, seed
     weights, what = parse_weights(data, source.text)
     fitted = fit(weights, model, source, channels)
     model.load_state_dict(fitted.state, strict=False)  # fit() checked every key: only the head may stay as built
+    entry = source.torchvision_entry(digest)
     if source.is_name:
-        entry = source.registry_entry()
         what = f"torchvision {type(entry).__name__}.{entry.name}, {hub_path(entry.url)}"
-    return Loaded(f"{source.where}@sha256:{digest[:DIGEST_CHARS]}", what, fitted, source.normalization(channels), seed)
+    elif entry is not None:
+        what += f", torchvision's {type(entry).__name__}.{entry.name} file"
+    stats, normalized = normalization(choice, entry, source.model, channels)
+    return Loaded(f"{source.where}@sha256:{digest[:DIGEST_CHARS]}", what, fitted, stats, normalized, seed)

@@ -109,8 +109,15 @@ fi
 # torchrun runs in the background, so that this script stays alive to read its stderr (in $errors).
 # shellcheck source=launch/children.sh
 source "$(dirname "$0")/children.sh"
+# A file made before a stop of this node is passed on: the workers stopped without it were stopped by
+# their agent for a membership change, and say so (common/train/trainer.py, membership_change).
+leaving=$(mktemp -u /tmp/dp-suite-leaving-XXXXXX)
+export DP_SUITE_LEAVING_MARKER=$leaving
+trap 'touch "$leaving"; forward TERM' TERM
+trap 'touch "$leaving"; forward INT' INT
 status=0
-run_keeping_stderr "${cmd[@]}" || status=$?
+run_keeping_stderr torchrun_quietly "${cmd[@]:1}" || status=$?
+rm -f "$leaving"
 if [[ -n "$received" ]] && (( status != 0 )); then
     echo "left the job after SIG${received}: the other nodes, if any, continue from the checkpoint saved at the" \
          "stop; run this command again to join again" >&2

@@ -8,7 +8,8 @@
 #
 # One line per event: "ft: group G lost (...); restarted (...)", "ft: group G left (stopped by SIGTERM)" (a
 # group stopped on its own is not restarted; the others go on without it); the groups' own lines
-# (prefixed [gG]) say "quorum of N group(s) at step S" and "group G healed from group K at step S".
+# (prefixed [gG]) say "quorum of N group(s) at step S: this group (group G) is number I [HH:MM:SS]" and
+# "group G healed from group K at step S". The events and the quorums end with the wall time.
 # Ctrl-C or SIGTERM stops every group: the quorum's first group saves the stop checkpoint, as a plain
 # run does; the same command resumes from it. Settings (environment):
 #   FT_PORT               the Lighthouse's port on 127.0.0.1 (default 29510)
@@ -36,7 +37,7 @@ torchrun=$(command -v torchrun) || { echo "error: torchrun is not on PATH; activ
 python=$(head -n 1 "$torchrun" | sed 's/^#!//')  # the interpreter torchrun belongs to
 root=$(cd "$(dirname "$0")/.." && pwd)
 
-say() { echo "ft: $*"; }
+say() { printf 'ft: %s [%(%H:%M:%S)T]\n' "$*" -1; }  # the wall time: how long a group was away or alone
 ended() { if (( $1 > 128 )); then echo "killed by SIG$(kill -l $(($1 - 128)))"; else echo "exit $1"; fi; }
 
 # shellcheck disable=SC2317  # runs from the traps

@@ -14,6 +14,9 @@ and what the job was doing then (from the survivors' error files), and exits 1. 
 (a crash: the worker printed its traceback and a line) gets torchrun's full report, as plain
 torchrun would.
 
+A run whose workers refused a flag (exit 2) is not restarted (--max-restarts): every restart would
+refuse it again.
+
 It also gives the workers STOP_GRACE_S (not torchrun's 30 s) to stop after a TERM or INT, and then
 ends with one line and status 128+N, not torchrun's traceback of the signal.
 """
@@ -91,6 +94,23 @@ def survivor_saw(failure: ProcessFailure) -> str:
     return failure.error_file_data["message"]["extraInfo"].get("where", "")
 
 
+def no_restart_after_a_refused_flag() -> None:
+    """torchrun restarts failed workers up to --max-restarts times (elastic.sh: 20): a refused flag
+    (a ConfigError, exit 2) is refused again by every restart, so a run whose failed workers all
+    reported one ends at once, with its line. Wraps the agent's check of its workers."""
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    monitor = LocalElasticAgent._monitor_workers
+
+    def monitored(agent: LocalElasticAgent, group: object) -> object:
+        result = monitor(agent, group)
+        ended = [f for f in result.failures.values() if f.exitcode > 0]  # not those torchrun signalled
+        if ended and all(text(f.message).startswith("ConfigError") for f in ended):
+            agent._remaining_restarts = 0
+        return result
+    LocalElasticAgent._monitor_workers = monitored
+
+
 def main() -> None:
     # torchrun's own log lines ("failed (exitcode: 1)", "Sending process ... SIGTERM") are held back
     # and shown only if the failure turns out not to be a handled one.
@@ -101,8 +121,12 @@ def main() -> None:
     elastic.propagate = False
     resume_for_training()  # the agent watches its workers for the whole run: its garbage is collected
     os.environ[LAUNCHER_NAMES_FAILURES] = "1"  # the workers leave the naming of a vanished peer to signal_lines
+    no_restart_after_a_refused_flag()
+    args = parse_args(sys.argv[1:])
+    if str(args.nproc_per_node).isdigit() and int(args.nproc_per_node) > 1:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets then, without its five-line banner
     try:
-        run(parse_args(sys.argv[1:]))
+        run(args)
     except ChildFailedError as error:
         stopped = stopped_by_torchrun(held.buffer)
         status, lines = handled(error, stopped), signal_lines(error, stopped)

@@ -4,6 +4,7 @@ as hyphens, -1, -2, ... for repeats)."""
 from __future__ import annotations
 
 import re
+import subprocess
 from pathlib import Path
 from typing import Iterator
 
@@ -48,3 +49,15 @@ def test_the_readme_links_every_page():
     """A page nobody can reach from the front door is caught too."""
     linked = {(ROOT / t.partition("#")[0]).resolve() for t in links(ROOT / "README.md") if t.startswith("docs/")}
     assert set(PAGES[1:]) <= linked, sorted(p.name for p in set(PAGES[1:]) - linked)
+
+
+def test_the_layout_page_names_every_file():
+    """docs/layout.md's "Every file" block names each tracked file (by path, or by name in launch/'s
+    entry); tests/, bench/ and docs/ keep their own indexes (tests/README.md, python -m bench, README)."""
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    block = (ROOT / "docs" / "layout.md").read_text().split("## Every file", 1)[1]
+    named = set(re.findall(r"[\w./-]+", block))
+    unnamed = [f for f in tracked if not f.startswith(("tests/", "bench/", "docs/"))
+               and f not in named and not (f.startswith("launch/") and Path(f).name in named)
+               and not f.endswith("/__init__.py")]
+    assert not unnamed, f"docs/layout.md does not name {unnamed}"

@@ -13,13 +13,15 @@ from pathlib import Path
 
 import pytest
 
+from common.parallel.failures import how_it_ended
 from common.parallel.transport import SHM_FOLDER, create_region
 from tests.conftest import ENDS_PROMPTLY_S, ROOT, child_env, error_lines, script_command
 
 FLAGS = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
          "--epochs", "1", "--max-steps", "40"]
 FAULT_STEP = 3  # rank 1 fails after its 3rd step: rank 0 is then in step 4's gradient exchange
-HOW = {"sigkill": "was killed by SIGKILL (out of memory?) during the gradient exchange at step 4",
+HOW = {"sigkill": "was killed by SIGKILL (the out-of-memory killer sends it too: dmesg names what it killed) during the "
+                  "gradient exchange at step 4",
        "segfault": "was killed by SIGSEGV (a crash in native code) during the gradient exchange at step 4",
        "raise": "failed with RuntimeError during the training step at step 3 (traceback above)"}
 
@@ -99,3 +101,11 @@ def test_a_killed_set_up_leaves_no_region_for_good(tmp_path):
         live.wait()
         if os.path.exists(live_path):
             os.unlink(live_path)
+
+
+@pytest.mark.quick
+def test_a_sigkill_is_not_blamed_on_memory():
+    """A kill -9 the user sent reads as SIGKILL, with the OOM killer as a possibility, not a verdict."""
+    said = how_it_ended(-signal.SIGKILL)
+    assert said.startswith("was killed by SIGKILL (") and "out of memory?" not in said
+    assert "the out-of-memory killer sends it too" in said

@@ -253,10 +253,6 @@ REFUSALS = [
     (["--groups", "0", "--group-id", "0", "--lighthouse", "http://h:1"], "must be >= 1"),
     (["--groups", "2", "--group-id", "0", "--lighthouse", "http://h:1", "--ft-timeout-s", "0"],
      "--ft-timeout-s and --quorum-timeout-s must be > 0"),
-    (["--groups", "2", "--group-id", "0", "--lighthouse", "http://h:1", "--min-groups", "3"],
-     "--min-groups 3 is more than the --groups 2 the batch is planned for: no step could ever commit"),
-    (["--groups", "2", "--group-id", "0", "--lighthouse", "http://h:1"],  # plain python, not torchrun
-     "train_ft.py runs as replica groups, each one a torchrun job: launch/ft.sh"),
 ]
 
 

@@ -10,6 +10,7 @@ import re
 import shlex
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -17,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import ROOT, child_env, free_port
+from tests.conftest import ENDS_PROMPTLY_S, ROOT, child_env, free_port
 from tests.gates import Gate
 
 LAUNCH = ROOT / "launch"
@@ -293,8 +294,32 @@ def test_no_launcher_echoes_a_credential(script, form):
     assert result.returncode == 0, result.stderr
     assert not leaked(result.stdout + result.stderr), result.stdout
     for line in result.stdout.splitlines():  # the rest of the command is intact
-        assert line.endswith(("train_ddp.py --storage-options *** --epochs 2", "--storage-options=*** --epochs 2",
-                              "--storage *** --epochs 2", "--data-dir https://reader:***@data.example/mnist --epochs 2"))
+        assert line.endswith(("train_ddp.py --storage-options '***' --epochs 2", "'--storage-options=***' --epochs 2",
+                              "--storage '***' --epochs 2", "--data-dir 'https://reader:***@data.example/mnist' --epochs 2"))
+
+
+ECHO_CASES = {  # an argument: how the launchers' echo shows it
+    "s3://AKIA:se@cret@host/b": "'s3://AKIA:***@host/b'",  # the password up to the LAST @ before the host
+    "https://tok:abc def@h/x": "'https://tok:***@h/x'",  # across a space
+    "--data-dir=ftp://u:p@w@h": "'--data-dir=ftp://u:***@h'",  # no path after the host
+    "https://a:b@h/ and s3://c:d@e@f/g": "'https://a:***@h/ and s3://c:***@f/g'",  # each URL of an argument
+    "https://host:8080/p@x": "https://host:8080/p@x",  # a port and an @ in the path: no password, shown as is
+    "/logs/my run": "'/logs/my run'",  # shell-quoted as shlex.quote does
+    "it's": shlex.quote("it's"),
+    "": "''",
+    "$(touch PWNED)": "'$(touch PWNED)'",
+}
+
+
+def test_the_echo_hides_a_urls_whole_password_and_is_shell_quoted(tmp_path):
+    result = subprocess.run(["bash", "-c", f"source {shlex.quote(str(LAUNCH / 'redact.sh'))}; "
+                             'for a in "$@"; do shown train_ddp.py "$a"; done', "-", *ECHO_CASES],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=30, check=True)
+    assert result.stdout.splitlines() == [f"train_ddp.py {echoed}" for echoed in ECHO_CASES.values()]
+    for line, arg in zip(result.stdout.splitlines(), ECHO_CASES):
+        if "***" not in line:  # pasted back, the line gives the script what it was given
+            assert shlex.split(line) == ["train_ddp.py", arg]
+    assert not (tmp_path / "PWNED").exists()
 
 
 @pytest.mark.parametrize("value", ["@/run/secrets/store.json", "env:STORAGE_OPTIONS"])
@@ -384,14 +409,21 @@ def recording(tmp: Path, program: str) -> Path:
 @pytest.mark.parametrize("grace", [None, "600"], ids=["default", "600 s"])
 @pytest.mark.parametrize("script, program", [("slurm.sbatch", "srun"), ("multi_node.sh", "torchrun")])
 def test_launchers_raise_torchruns_grace_for_the_stop(script, program, grace, tmp_path):
-    env = {**ECHOED[script], "PATH": f"{recording(tmp_path, program)}{os.pathsep}{child_env()['PATH']}"}
+    fake = recording(tmp_path, program)
+    if program == "torchrun":  # run as quiet_torchrun.py by torchrun's own interpreter: record that one
+        recorded = "interpreter"
+        recording(tmp_path, recorded)
+        (fake / "torchrun").write_text(f"#!{fake / recorded}\n")
+    else:
+        recorded = program
+    env = {**ECHOED[script], "PATH": f"{fake}{os.pathsep}{child_env()['PATH']}"}
     if script == "multi_node.sh":
         env["RDZV_ENDPOINT"], env["NNODES"] = f"127.0.0.1:{free_port()}", "1"
     result = subprocess.run(["bash", str(LAUNCH / script), "train_ddp.py"], cwd=ROOT, capture_output=True, text=True,
                             env=launcher_env(**env, **({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": grace} if grace else {})),
                             timeout=30)
     assert result.returncode == 0, result.stderr
-    assert (tmp_path / f"{program}.got").read_text().splitlines()[0] == f"grace={grace or 120}"
+    assert (tmp_path / f"{recorded}.got").read_text().splitlines()[0] == f"grace={grace or 120}"
 
 
 @pytest.mark.quick
@@ -432,7 +464,54 @@ def test_slurm_finds_its_redaction_when_run_from_slurms_copy(submitted_from, tmp
                             capture_output=True, text=True, timeout=30)
     assert not leaked(result.stdout + result.stderr)
     if submitted_from == "repository":
-        assert result.returncode == 0 and result.stdout.rstrip().endswith("--storage-options ***"), result.stderr
+        assert result.returncode == 0 and result.stdout.rstrip().endswith("--storage-options '***'"), result.stderr
     else:
         assert result.returncode == 2 and result.stdout == "" and len(result.stderr.splitlines()) == 1
         assert "submit from the repository's root" in result.stderr
+
+
+# A flag error through every launcher that runs torchrun on this machine -------------------------
+FLAG_ERROR = "train_ddp.py: error: --lr must be > 0 and finite (got -1.0) (see --help)"
+
+
+@pytest.mark.parametrize("launcher", ["single_node.sh", "multi_node.sh", "elastic.sh"])
+def test_a_flag_error_is_one_line_and_status_2_through_every_launcher(launcher, tmp_path):
+    """The README's promise: a bad flag is one line and exit status 2, without torchrun's failure
+    dump or the launcher's traceback after it (launch/quiet_torchrun.py runs the agent of each)."""
+    env = {"NPROC": "1"}
+    store = None
+    if launcher == "multi_node.sh":
+        env.update(NNODES="1", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}")
+    elif launcher == "elastic.sh":
+        store = subprocess.Popen([sys.executable, str(LAUNCH / "elastic_store.py"), "--port", "0"],
+                                 stdout=subprocess.PIPE, text=True, env=child_env())
+        port = re.search(r"port (\d+)", store.stdout.readline())[1]
+        env.update(NNODES="1:2", RDZV_ENDPOINT=f"127.0.0.1:{port}", RDZV_ID=f"flag-{port}")
+    try:
+        result = subprocess.run(["bash", str(LAUNCH / launcher), "train_ddp.py", "--dataset", "synthetic", "--lr", "-1"],
+                                cwd=ROOT, env=launcher_env(**env), capture_output=True, text=True,
+                                timeout=ENDS_PROMPTLY_S)
+    finally:
+        if store is not None:
+            store.terminate()
+            store.wait(timeout=30)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines() == [FLAG_ERROR], result.stderr
+    assert len(result.stdout.strip().splitlines()) == 1  # the echoed command
+
+
+@pytest.mark.quick
+def test_an_elastic_restart_reads_as_a_membership_change_and_a_stop_as_a_stop(tmp_path, monkeypatch):
+    """launch/elastic.sh makes its marker file before it passes on a stop of its own: a SIGTERM
+    without it came from torchrun's agent, restarting the workers for a membership change."""
+    from common.train.trainer import LEAVING_MARKER, membership_change
+
+    marker = tmp_path / "leaving"
+    monkeypatch.delenv(LEAVING_MARKER, raising=False)
+    assert not membership_change(signal.SIGTERM)  # not under elastic.sh: a stop
+    monkeypatch.setenv(LEAVING_MARKER, str(marker))
+    assert membership_change(signal.SIGTERM) and not membership_change(signal.SIGINT)
+    marker.touch()  # this node was told to leave
+    assert not membership_change(signal.SIGTERM)
+    script = (LAUNCH / "elastic.sh").read_text()
+    assert "trap 'touch \"$leaving\"; forward TERM' TERM" in script and "export DP_SUITE_LEAVING_MARKER=" in script

@@ -240,7 +240,7 @@ def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
     errors = error_lines(result.stderr)
     assert len(errors) == 1, result.stderr[-3000:]
     for part in ("with other settings", "batch_size 32 -> 64", "model 'lenet' -> 'cifar_net'",
-                 "To continue it, rerun with its settings (", "--model lenet", "pass --resume none"):
+                 "To continue it, rerun with its settings: --dataset ", "--model lenet", "pass --resume none"):
         assert part in errors[0]
     print(f"\nmismatched checkpoint: exit {result.returncode} after {seconds:.1f} s (process start included)")
     # Found before the first step: a mismatch met in a collective would wait out its timeout (300 s).

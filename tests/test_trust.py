@@ -2,6 +2,7 @@
 between ranks, errors printed once. Real torchrun processes (gloo, CPU) where ranks matter."""
 from __future__ import annotations
 
+import shlex
 import shutil
 import subprocess
 import time
@@ -11,6 +12,7 @@ from concurrent.futures import wait
 from typing import Iterator
 
 import pytest
+import torch
 
 from common.train.checkpoint import BackgroundWriter, CheckpointFolder, parse_checkpoint
 from common.config import parse_args
@@ -84,6 +86,45 @@ def test_every_identity_row_resumes_unchanged_and_refuses_changed(row, tmp_path)
     assert f"{row} {base.identity().get(row)!r} -> {changed.identity()[row]!r}" in message
     assert "To continue it, rerun with its settings" in message and "pass --resume none" in message
     assert "\n" not in message
+
+
+def pasted(message: str) -> list[str]:
+    """The flags of the refusal's 'rerun with its settings: ...' command, as a shell reads them."""
+    command = message.split("rerun with its settings: ", 1)[1].split(" (with the flags that are not settings", 1)[0]
+    return shlex.split(command)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("row", list(IDENTITY_ROWS))
+def test_the_way_to_continue_is_a_command_of_the_flags_that_differ_from_the_defaults(row, tmp_path):
+    """Pasted, the command gives the saved run's identity back; it names no default (no --momentum
+    under adamw, which does not read it; no lr that follows from the batch) and no '(no --flag)'."""
+    other = config(*IDENTITY_ROWS[row])
+    folder = CheckpointFolder(LocalStorage(str(tmp_path)), keep=3)
+    folder.write("first", saved(other))
+    with pytest.raises(UserError) as refused:
+        folder.choose("auto", config().identity())
+    flags = pasted(str(refused.value))
+    assert parse_args(flags, strategy="ddp", default_dataset="cifar10", world_size=1).identity() == other.identity()
+    assert "(no" not in str(refused.value)
+    assert "--momentum" not in flags or row == "momentum"  # the default, and unread by adamw and lamb
+    assert "--lr" not in flags or row == "lr"
+    assert flags[:2] == ["--dataset", other.dataset] and len(flags) <= 2 + 2 * len(IDENTITY_ROWS[row]) + 8
+
+
+@pytest.mark.quick
+def test_the_way_to_continue_names_a_strategys_own_settings_and_quotes_what_needs_it(tmp_path):
+    from train_localsgd import LocalSGDStrategy
+    other = config("--weights", "my weights.pt", "--sync-every", "3", strategy=LocalSGDStrategy())
+    folder = CheckpointFolder(LocalStorage(str(tmp_path)), keep=3)
+    folder.write("first", saved(other))
+    with pytest.raises(UserError) as refused:
+        folder.choose("auto", config().identity())
+    assert "--weights 'my weights.pt'" in str(refused.value)
+    flags = pasted(str(refused.value))
+    again = parse_args(flags, strategy="localsgd", default_dataset="mnist", world_size=1,
+                       add_flags=LocalSGDStrategy.add_flags, identity_options=LocalSGDStrategy.identity_options)
+    assert again.identity() == other.identity()
 
 
 @pytest.mark.quick
@@ -303,3 +344,64 @@ def test_a_background_write_commits_or_fails_with_one_line(tmp_path):
     assert error.startswith(f"saving checkpoint {tmp_path}/run/step-00000004.pt failed (") and "\n" not in error
     assert f"the previous checkpoint {tmp_path}/run/step-00000002.pt is intact" in error
     assert len(reported) == 1 and not (tmp_path / "run" / "step-00000004.pt").exists()
+
+
+# ---------------------------------------------------------------- --extend-to, in process
+
+@pytest.mark.quick
+def test_extend_to_is_a_run_of_its_own_in_the_folder_of_the_run_it_extends(tmp_path, capsys):
+    """The extension's identity adds extend_to (a run of its own) but its default folder is the
+    finished run's; a finished run is continued from its last checkpoint as a new run; an unfinished
+    one is refused with the way out; --extend-to must pass --epochs."""
+    base, extended = config(), config("--extend-to", "5")
+    assert extended.identity() == {**base.identity(), "extend_to": 5} and "extend_to" not in base.identity()
+    assert extended.checkpoint_dir == base.checkpoint_dir and extended.last_epoch == 5 and base.last_epoch == 2
+    folder = CheckpointFolder(LocalStorage(str(tmp_path)), keep=3)
+    folder.write("first", {**saved(base, step=8), "epoch": 2, "step_in_epoch": 0})  # the end of epoch 2 of 2
+    choice = folder.choose("auto", extended.identity())
+    assert choice.run != "first" and choice.checkpoint.endswith("first/step-00000008.pt") and choice.state["epoch"] == 2
+    folder.write(choice.run, {**saved(extended, step=12), "epoch": 3, "step_in_epoch": 0})
+    again = folder.choose("auto", extended.identity())  # the extension, cut and run again: it continues itself
+    assert again.run == choice.run and again.state["global_step"] == 12
+    with pytest.raises(UserError) as refused:  # another extension of the same run: not from the first one's end
+        folder.choose("auto", config("--extend-to", "7").identity())
+    assert "already extends this run to epoch 5" in str(refused.value) and "pass --extend-to 5" in str(refused.value)
+    cut = CheckpointFolder(LocalStorage(str(tmp_path / "cut")), keep=3)
+    cut.write("first", {**saved(base, step=4), "epoch": 1, "step_in_epoch": 0})
+    with pytest.raises(UserError) as refused:
+        cut.choose("auto", extended.identity())
+    assert "has not finished (its newest checkpoint is in epoch 2 of 2); finish it with the same command without " \
+           "--extend-to" in str(refused.value)
+    with pytest.raises(SystemExit):
+        config("--extend-to", "2")
+    assert "--extend-to 2 must be more than --epochs 2" in capsys.readouterr().err
+
+
+@pytest.mark.quick
+def test_extend_to_follows_the_schedule_then_a_segment_of_its_own():
+    from common.train.optim import lr_factor, make_scheduler
+
+    steps = 10
+    for schedule in ("onecycle", "cosine", "step"):
+        flags = ["--schedule", schedule] + (["--milestones", "1"] if schedule == "step" else [])
+        base, extended = config(*flags), config(*flags, "--extend-to", "5")
+        segment = config(*flags, "--epochs", "3")  # the added epochs, alone
+        optimizer = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1.0)
+        factor = make_scheduler(extended, optimizer, steps).lr_lambdas[0]
+        assert [factor(s) for s in range(2 * steps)] == [lr_factor(base, s, 2 * steps, steps) for s in range(2 * steps)]
+        after = [factor(2 * steps + s) for s in range(3 * steps)]
+        if schedule == "step":  # its milestones are the run's: the lr it ended at
+            assert after == [lr_factor(base, 2 * steps, 2 * steps, steps)] * (3 * steps)
+        else:  # a warm restart: the schedule again over the added epochs
+            assert after == [lr_factor(segment, s, 3 * steps, steps) for s in range(3 * steps)]
+
+
+@pytest.mark.quick
+def test_the_way_to_continue_names_the_settings_only_some_runs_have():
+    """--extend-to and --normalization join the identity only when given: pasted back, they come too."""
+    from common.config import settings_flags
+
+    other = config("--extend-to", "4", "--weights", "w.pt", "--normalization", "imagenet")
+    flags = settings_flags(other.identity())
+    assert flags[-4:] == ["--normalization", "imagenet", "--extend-to", "4"]
+    assert parse_args(flags, strategy="ddp", default_dataset="cifar10", world_size=1).identity() == other.identity()

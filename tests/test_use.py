@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import re
 import shutil
@@ -33,6 +34,9 @@ from common.output.report import write_report
 from common.train.precision import Precision
 from common.train import trainer
 from common.train.trainer import evaluate
+from common.output.logger import EpochResult, _epoch_line
+from common.use import evaluating, predicting
+from common.use.exporting import current_umask
 from common.use.source import find_checkpoint
 from tests.conftest import error_lines, latest_checkpoint, one_launch, read_scalars, run_script, split_runs
 from tests.datagen import write_cifar10, write_imagefolder, write_shards
@@ -51,6 +55,7 @@ class Trained:
     train_console: str
     evaluations: dict[int, tuple[str, dict]]  # world size -> (console, metrics.json)
     ema: dict  # evaluate.py --ema's metrics.json (W=2)
+    folders: dict[int, Path]  # world size -> evaluate.py's output folder (W=1: its default, in the run folder)
 
     @property
     def checkpoint(self) -> Path:
@@ -72,19 +77,25 @@ def trained(tmp_path_factory) -> Trained:
     launched = run_script(one_launch(runs), nproc=2)
     assert launched.returncode == 0, launched.stdout[-3000:] + launched.stderr[-3000:]
     train_console, w2_console, _ = split_runs(launched.stdout)
-    one = run_script(["evaluate.py", "--checkpoint", str(latest_checkpoint(checkpoints).parent), "--output-dir",
-                      str(root / "eval-w1")])
+    # Without --output-dir: evaluation/step-N in the checkpoint's run folder.
+    newest = latest_checkpoint(checkpoints)
+    one = run_script(["evaluate.py", "--checkpoint", str(newest.parent)], cwd=root)
     assert one.returncode == 0, one.stderr[-3000:]
-    metrics = {name: json.loads((root / f"eval-{name}" / "metrics.json").read_text()) for name in ("w1", "w2", "ema")}
+    step = int(re.search(r"step-(\d+)\.pt", newest.name)[1])
+    folders = {1: newest.parent / "evaluation" / f"step-{step:08d}", 2: root / "eval-w2"}
+    assert f"wrote {folders[1] / 'metrics.json'}" in one.stdout and not (root / "evaluation").exists()
+    metrics = {name: json.loads((folder / "metrics.json").read_text())
+               for name, folder in (("w1", folders[1]), ("w2", folders[2]), ("ema", root / "eval-ema"))}
     return Trained(root, images, checkpoints, log_dir, train_console,
-                   {1: (one.stdout, metrics["w1"]), 2: (w2_console, metrics["w2"])}, metrics["ema"])
+                   {1: (one.stdout, metrics["w1"]), 2: (w2_console, metrics["w2"])}, metrics["ema"], folders)
 
 
 def test_evaluate_equals_the_training_runs_last_evaluation_at_any_world_size(trained):
     """Covers: top-1, top-5, the count and the confusion matrix equal at W=1 and W=2 and equal to
     the training run's epoch line and TensorBoard (scalars, and the confusion matrix it keeps for
     the report); the loss up to summation order; per_class.csv and confusion.png written; the
-    --checkpoint-dir and the run folder both lead to the run's checkpoint."""
+    --checkpoint-dir and the run folder both lead to the run's checkpoint; without --output-dir the
+    files go to evaluation/step-N in the checkpoint's run folder, not the current directory."""
     (acc, count, top5), = EPOCH_LINE.findall(trained.train_console)
     _, scalars = read_scalars(trained.log_dir)
     tb_counts, tb_names = confusion.from_json(trained_confusion_json(trained.log_dir))
@@ -97,7 +108,7 @@ def test_evaluate_equals_the_training_runs_last_evaluation_at_any_world_size(tra
         assert metrics["loss"] == pytest.approx(scalars["test/loss"][-1][1], rel=1e-5)
         assert metrics["confusion"] == tb_counts and metrics["classes"] == tb_names == [str(i) for i in range(10)]
         assert np.trace(metrics["confusion"]) == metrics["top1_correct"]
-        folder = trained.root / f"eval-w{world}"
+        folder = trained.folders[world]
         rows = list(csv.DictReader((folder / "per_class.csv").open()))
         assert [int(r["images"]) for r in rows] == np.sum(tb_counts, axis=1).tolist()
         with Image.open(folder / "confusion.png") as picture:
@@ -139,7 +150,8 @@ def test_predict_prepares_images_as_the_evaluation_and_names_a_broken_file(train
     """Covers: the probabilities of every test image equal the model's on the pixels the training
     run's own data pipeline gave its evaluation (decoding, resize, crop, normalization), class names
     from the checkpoint, --top-k, JSON; a folder searched recursively, a file that is not an image
-    named in one line (exit 1) while the others are predicted, a non-image extension left alone, CSV."""
+    named in one line (exit 3) while the others are predicted, a non-image extension left alone and
+    named in a note, CSV; --skip-broken (exit 0); nothing predicted (exit 1)."""
     import predict
 
     predict.main(["--checkpoint", str(trained.checkpoint), str(trained.images / "val"), "--top-k", "10", "--output",
@@ -156,18 +168,31 @@ def test_predict_prepares_images_as_the_evaluation_and_names_a_broken_file(train
 
     folder = shutil.copytree(trained.images / "val", tmp_path / "val")
     (folder / "3" / "broken.jpg").write_bytes(b"not a JPEG")
-    (folder / "notes.txt").write_text("not an image, and not named: left alone")
+    (folder / "notes.txt").write_text("not an image: left alone, and named")
     output = tmp_path / "preds.csv"
     with pytest.raises(SystemExit) as ended:
         predict.main(["--checkpoint", str(trained.checkpoint), str(folder), "--output", str(output)])
     err = capsys.readouterr().err
-    assert ended.value.code == 1
-    assert error_lines(err) == [f"error: {folder / '3' / 'broken.jpg'} is not a readable image (cannot identify "
-                                "image file); replace or delete it"], err
+    assert ended.value.code == predicting.SOME_NOT_PREDICTED == 3  # some predicted and written, one not
+    broken = (f"{folder / '3' / 'broken.jpg'} is not a readable image (cannot identify image file); replace or "
+              "delete it")
+    assert error_lines(err) == [f"error: {broken}"], err
+    notes = [line for line in err.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and notes[0].startswith(f"note: {folder}: 1 file(s) not predicted, not being images (")
+    assert notes[0].endswith("): notes.txt"), notes
     rows = list(csv.DictReader(output.open()))
     assert len(rows) == 40 and all(len(row) == 1 + 2 * 5 for row in rows)
     right = sum(Path(row["file"]).parent.name == row["class_1"] for row in rows)
     assert right == trained.evaluations[1][1]["top1_correct"]
+    # --skip-broken: the same files, the broken one named as skipped, exit status 0
+    output.unlink()
+    predict.main(["--checkpoint", str(trained.checkpoint), str(folder), "--output", str(output), "--skip-broken"])
+    err = capsys.readouterr().err
+    assert error_lines(err) == [] and f"skipped: {broken}" in err and len(list(csv.DictReader(output.open()))) == 40
+    # nothing predicted: exit status 1
+    with pytest.raises(SystemExit) as ended:
+        predict.main(["--checkpoint", str(trained.checkpoint), str(folder / "3" / "broken.jpg")])
+    assert ended.value.code == predicting.NONE_PREDICTED == 1
 
 
 def evaluation_probabilities(trained: Trained) -> tuple[list[str], torch.Tensor]:
@@ -221,6 +246,7 @@ def test_export_writes_a_file_that_gives_pytorchs_outputs_and_states_its_preproc
             model.load_state_dict(load_file(str(path)))
             got = model(images)
     assert (got - expected).abs().max().item() <= 1e-4  # one forward of an exported model: rounding, never grown
+    assert path.stat().st_mode & 0o777 == Path(f"{path}.json").stat().st_mode & 0o777 == 0o666 & ~current_umask()
 
 
 def test_a_checkpoint_the_programs_cannot_use_is_one_line(trained, tmp_path, capsys, monkeypatch):
@@ -285,6 +311,38 @@ def test_evaluate_counts_top1_top5_and_the_confusion_matrix(monkeypatch):
     monkeypatch.setattr(trainer, "CONFUSION_MAX_CLASSES", 5)
     fewer = evaluate(Indexed(table), data, ctx, 2, Precision("fp32", ctx.device), torch.contiguous_format)
     assert (fewer.acc, fewer.acc_top5, fewer.confusion) == (3 / 5, 4 / 5, None)
+
+
+@pytest.mark.quick
+def test_no_top5_is_shown_with_five_classes_or_fewer(tmp_path, capsys):
+    """Every label is among the 5 highest scores of 5 classes: the epoch line, TensorBoard,
+    evaluate.py's line and metrics.json show no top-5 (not a 100% that says nothing)."""
+    labels = torch.tensor([0, 1, 2, 3, 4])
+    images = torch.arange(5, dtype=torch.uint8).view(5, 1, 1, 1).expand(5, 1, 2, 2).contiguous()
+    table = torch.eye(5)[[1, 1, 2, 0, 4]]  # 3 of 5 right
+    data = Dataset("five", DataSpec(1, 2, 5, (0.0,), (1.0,), "none"), Split(images, labels), Split(images, labels))
+    ctx = SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"), all_reduce_sum=lambda t: t.clone())
+    metrics = evaluate(Indexed(table), data, ctx, 2, Precision("fp32", ctx.device), torch.contiguous_format)
+    assert metrics.acc == 3 / 5 and math.isnan(metrics.acc_top5)
+    line = _epoch_line(EpochResult(1, 3, math.nan, math.nan, metrics.loss, metrics.acc, 5, 0.0, 0.0, None,
+                                   test_acc_top5=metrics.acc_top5), 1)
+    assert line.endswith("test acc 60.00% (5 images)") and "top-5" not in line
+    saved = SimpleNamespace(path="ckpt.pt", step=3)
+    evaluating.report(SimpleNamespace(ema=False, output_dir=str(tmp_path)), saved, data, list("abcde"), metrics, 1)
+    assert "top-1 60.00% (3/5)  loss" in capsys.readouterr().out
+    written = json.loads((tmp_path / "metrics.json").read_text())
+    assert written["top5"] is None and written["top5_correct"] is None and written["top1_correct"] == 3
+
+
+@pytest.mark.quick
+def test_evaluate_writes_beside_the_checkpoints_run_by_default_and_takes_image_size(tmp_path):
+    local = SimpleNamespace(path=str(tmp_path / "ckpt" / "run1" / "step-00000042.pt"), step=42)
+    assert evaluating.default_output_dir(local, ema=False) == tmp_path / "ckpt" / "run1" / "evaluation" / "step-00000042"
+    assert evaluating.default_output_dir(local, ema=True).name == "step-00000042-ema"
+    stored = SimpleNamespace(path="s3://bucket/ckpt/run1/step-00000042.pt", step=42)
+    assert evaluating.default_output_dir(stored, ema=False) == Path("evaluation") / "run1-step-00000042"
+    flags = evaluating.parse_flags(["--checkpoint", "c.pt", "--image-size", "32"])
+    assert (flags.image_size, flags.output_dir) == (32, None)  # the default is resolved once the checkpoint is read
 
 
 @pytest.mark.quick
@@ -365,7 +423,7 @@ def test_export_of_a_model_that_does_not_export_names_the_operator(tmp_path, cap
 @pytest.mark.parametrize("argv, message", [
     (["predict.py", "--checkpoint", "c.pt", "x.png", "--output", "preds.txt"], "--output preds.txt: name a .csv"),
     (["predict.py", "--checkpoint", "c.pt", "x.png", "--top-k", "0"], "--top-k and --batch-size must be >= 1"),
-    (["evaluate.py", "--checkpoint", "c.pt", "--batch-size", "0"], "--batch-size must be >= 1"),
+    (["evaluate.py", "--checkpoint", "c.pt", "--batch-size", "0"], "--batch-size and --image-size must be >= 1"),
     (["evaluate.py", "--checkpoint", "c.pt", "--dataset", "imagenet"], "--dataset 'imagenet' is unknown"),
     (["export.py", "--checkpoint", "c.pt", "--format", "tflite", "--output", "m"], "argument --format: invalid choice"),
     (["predict.py", "--checkpoint", "c.pt", "x.png", "--output", "/proc/none/p.csv"],
@@ -374,9 +432,19 @@ def test_export_of_a_model_that_does_not_export_names_the_operator(tmp_path, cap
     (["export.py", "--checkpoint", "c.pt", "--format", "onnx", "--output", "/proc/none/m.onnx"],
      "--output /proc/none/m.onnx: cannot create the folder"),
     (["export.py", "--checkpoint", "c.pt", "--format", "onnx", "--output", "tests"], "--output tests: is a folder"),
+    # a folder that exists and refuses the file (root passes os.access's check of /proc)
+    (["export.py", "--checkpoint", "c.pt", "--format", "onnx", "--output", "/proc/m.onnx"],
+     "--output /proc/m.onnx: not writable"),
+    (["export.py", "--checkpoint", "c.pt", "--format", "torchscript", "--output", "/proc/m.pt"],
+     "--output /proc/m.pt: not writable"),
+    (["export.py", "--checkpoint", "c.pt", "--format", "safetensors", "--output", "/proc/m.st"],
+     "--output /proc/m.st: not writable"),
+    (["evaluate.py", "--checkpoint", "c.pt", "--output-dir", "/proc"], "--output-dir /proc: not writable"),
+    (["predict.py", "--checkpoint", "c.pt", "x.png", "--output", "/proc/p.csv"], "--output /proc/p.csv: not writable"),
     (["predict.py", "--checkpoint", "c.pt", "x.png", "--storage-timeout-s", "nan"], "--storage-timeout-s must be > 0"),
 ], ids=["predict-output", "predict-top-k", "evaluate-batch", "evaluate-dataset", "export-format", "predict-path",
-        "evaluate-path", "export-path", "export-folder", "timeout"])
+        "evaluate-path", "export-path", "export-folder", "export-onnx-proc", "export-torchscript-proc",
+        "export-safetensors-proc", "evaluate-proc", "predict-proc", "timeout"])
 def test_bad_flags_are_one_line_exit_2(argv, message, capsys):
     import importlib
 
@@ -414,7 +482,7 @@ def test_a_checkpoint_store_that_never_answers_ends_the_program_at_its_deadline(
 def test_a_forward_that_branches_on_its_input_is_refused_as_torchscript_and_fifos_are_not_read(tmp_path):
     from common.errors import UserError
     from common.use.exporting import to_torchscript
-    from common.use.predicting import image_files
+    from common.use.predicting import Failures, image_files
 
     class Branching(torch.nn.Module):
         def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -423,6 +491,6 @@ def test_a_forward_that_branches_on_its_input_is_refused_as_torchscript_and_fifo
         to_torchscript(Branching(), torch.ones(2, 1, 4, 4), tmp_path / "m.pt")
     assert "the model's forward depends on its inputs' values" in str(refused.value)
     os.mkfifo(tmp_path / "pipe.png")
-    failed: list[str] = []
+    failed = Failures(skip=False)
     assert list(image_files([str(tmp_path), str(tmp_path / "pipe.png")], failed)) == []
-    assert any("pipe.png: not a regular file" in line for line in failed)
+    assert any("pipe.png: not a regular file" in line for line in failed.files)

@@ -186,9 +186,49 @@ def test_a_torchvision_name_is_read_from_the_hub_cache_and_normalizes_its_way(tm
                if k.startswith("features.") and k != "features.0.weight")
     assert "not loaded: classifier.1.weight, classifier.1.bias" in loaded.banner()
     assert "SqueezeNet1_0_Weights.IMAGENET1K_V1" in loaded.banner() and "mean 0.449, std 0.226" in loaded.banner()
-    cfg = parse("--model", TV, "--weights", "DEFAULT")
-    spec = normalized_for_weights(cfg, make_synthetic("cifar", 64, 16)).spec
-    assert (spec.mean, spec.std) == ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    spec = normalized_for_weights(make_synthetic("mnist", 64, 16), loaded).spec
+    assert (spec.mean, spec.std) == ((0.449,), (0.226,))
+
+
+@pytest.mark.quick
+def test_torchvisions_file_by_path_is_normalized_as_by_name_and_the_flag_chooses(tmp_path):
+    """The registry's file given by its path (an offline cluster's download) is recognized by its
+    name, or renamed by its content's sha256 (torch.hub's names carry its first hex digits), and
+    normalized as the same weights by name; --normalization data | imagenet chooses otherwise; the
+    banner says which."""
+    weights = squeezenet_weights()
+    path = tmp_path / "squeezenet1_0-b66bff10.pth"
+    torch.save(weights, path)
+    by_name, by_path = (load_into(build_model(TV, 3, 32, 10, 0), path.read_bytes(), Source.parse(flag, TV), 3, seed=0)
+                        for flag in ("IMAGENET1K_V1", str(path)))
+    assert by_path.normalization == by_name.normalization == ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    assert "torchvision's SqueezeNet1_0_Weights.IMAGENET1K_V1 file" in by_path.banner()
+    assert "images normalized with the statistics SqueezeNet1_0_Weights.IMAGENET1K_V1 was trained with" in \
+        by_path.banner()
+    renamed = Source.parse(str(tmp_path / "my-weights.pth"), TV)
+    assert renamed.torchvision_entry("b66bff10" + "0" * 56).name == "IMAGENET1K_V1"
+    assert renamed.torchvision_entry("0" * 64) is None
+    data = load_into(build_model(TV, 3, 32, 10, 0), path.read_bytes(), Source.parse(str(path), TV), 3, seed=0,
+                     choice="data")
+    assert data.normalization is None and "the data set's statistics (--normalization data)" in data.banner()
+    lenet_file = tmp_path / "lenet.pt"
+    torch.save(lenet(10, 1).state_dict(), lenet_file)
+    plain = load(lenet(10, 0), lenet_file.read_bytes(), str(lenet_file))
+    assert plain.normalization is None and "the weights carry none of their own" in plain.banner()
+    imagenet = load_into(lenet(10, 0), lenet_file.read_bytes(), Source.parse(str(lenet_file), "lenet"), 3, seed=0,
+                         choice="imagenet")
+    assert imagenet.normalization == ((0.485, 0.456, 0.406), (0.229, 0.224, 0.225))
+    assert "ImageNet's mean and std (--normalization imagenet)" in imagenet.banner()
+
+
+@pytest.mark.quick
+def test_the_normalization_flag_needs_weights_and_joins_the_identity_when_chosen(capsys):
+    assert "normalization" not in parse("--weights", "w.pt").identity()
+    assert parse("--weights", "w.pt", "--normalization", "imagenet").identity()["normalization"] == "imagenet"
+    with pytest.raises(SystemExit) as ended:
+        parse("--normalization", "imagenet")
+    assert ended.value.code == 2 and "--normalization imagenet chooses how images are normalized for --weights" in \
+        capsys.readouterr().err
 
 
 @pytest.mark.quick
@@ -270,7 +310,8 @@ def test_fsdp2_and_zero1_start_from_the_weights_sharded_on_two_ranks(tmp_path):
     assert all(torch.allclose(state["model"][k], fresh[k], atol=1e-6) for k in LENET_HEAD)
 
     assert "(torchvision SqueezeNet1_0_Weights.IMAGENET1K_V1" in zero and "not loaded: classifier.1.weight" in zero
-    assert "images normalized as the weights expect (mean 0.485,0.456,0.406, std 0.229,0.224,0.225)" in zero, zero
+    assert ("images normalized with the statistics SqueezeNet1_0_Weights.IMAGENET1K_V1 was trained with, not the data "
+            "set's (mean 0.485,0.456,0.406, std 0.229,0.224,0.225)") in zero, zero
     state, file = latest_state(tmp_path / "ck-zero"), squeezenet_weights()
     assert all(torch.allclose(state["model"][k], file[k], atol=1e-6) for k in file if k.startswith("features."))
 

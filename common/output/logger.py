@@ -156,7 +156,8 @@ class RankEcho(NullLogger):
 
 def _epoch_line(r: EpochResult, epochs: int) -> str:
     ema = "" if r.test_acc_ema is None else f", EMA {100 * r.test_acc_ema:.2f}%"
-    test = f"test acc {100 * r.test_acc:.2f}%{ema} ({r.test_samples} images)  top-5 {100 * r.test_acc_top5:.2f}%"
+    top5 = f"  top-5 {100 * r.test_acc_top5:.2f}%" if math.isfinite(r.test_acc_top5) else ""  # NaN: <= 5 classes
+    test = f"test acc {100 * r.test_acc:.2f}%{ema} ({r.test_samples} images){top5}"
     if not trained(r):
         return f"epoch {r.epoch}/{epochs}  (trained before the resume)  test loss {r.test_loss:.4f}  {test}"
     return (f"epoch {r.epoch}/{epochs}  train loss {r.train_loss:.4f}  test loss {r.test_loss:.4f}  {test}  "
@@ -204,8 +205,9 @@ class Logger(RankEcho):
     def epoch(self, r: EpochResult, epochs: int) -> None:
         super().epoch(r, epochs)
         self.best_acc = max(self.best_acc, r.test_acc)
-        scalars = {"test/loss": r.test_loss, "test/acc": r.test_acc, "test/acc_top5": r.test_acc_top5,
-                   "test/samples": r.test_samples}
+        scalars = {"test/loss": r.test_loss, "test/acc": r.test_acc, "test/samples": r.test_samples}
+        if math.isfinite(r.test_acc_top5):  # NaN with 5 classes or fewer, where top-5 says nothing
+            scalars["test/acc_top5"] = r.test_acc_top5
         if r.test_acc_ema is not None:
             scalars["test/acc_ema"] = r.test_acc_ema
         if trained(r):  # an epoch only evaluated here says nothing of its speed

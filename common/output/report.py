@@ -11,6 +11,7 @@ OUT/confusion-RUN.png (its confusion matrix), from its last evaluation.
 from __future__ import annotations
 
 import argparse
+import math
 import statistics
 from dataclasses import dataclass
 from pathlib import Path
@@ -100,11 +101,16 @@ def sync_share(run: Run) -> float:
     return sync / (data + compute + sync)
 
 
+def percent_or_dash(value: float) -> str:
+    """A share as a percentage; '-' where the run has none (top-5 of a set of 5 classes or fewer)."""
+    return f"{100 * value:.2f}%" if math.isfinite(value) else "-"
+
+
 def markdown_table(runs: Sequence[Run]) -> str:
     header = ("| run | strategy | world | final test acc | final top-5 | best test acc | wall time s | images/s | "
               "sync share |\n|---|---|---|---|---|---|---|---|---|")
     rows = [f"| {r.path.name} | {r.hparams.get('strategy', '?')} | {r.world} | "
-            f"{100 * r.last('summary/final_test_acc'):.2f}% | {100 * r.last('test/acc_top5'):.2f}% | "
+            f"{100 * r.last('summary/final_test_acc'):.2f}% | {percent_or_dash(r.last('test/acc_top5'))} | "
             f"{100 * r.last('summary/best_test_acc'):.2f}% | "
             f"{r.last('summary/wall_time_s'):.1f} | {r.last('summary/mean_images_per_s'):,.0f} | "
             f"{100 * sync_share(r):.1f}% |" for r in runs]

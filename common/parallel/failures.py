@@ -21,21 +21,24 @@ import sys
 import time
 import traceback
 from types import TracebackType
-from typing import TYPE_CHECKING, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
 from common.parallel.procs import exit_code, running
-from common.errors import Crashed, PeerVanished, UserError
+from common.errors import ConfigError, Crashed, PeerVanished, UserError
 
 if TYPE_CHECKING:
     from common.parallel.context import DistContext
 
+T = TypeVar("T")
 Peers = tuple[tuple[str, int], ...]  # every rank's (host, pid), in rank order
 LAUNCHER_NAMES_FAILURES = "DP_SUITE_LAUNCHER_NAMES_FAILURES"  # set by launch/quiet_torchrun.py for its workers
 SPOKEN = "failure-told/"  # store key prefix: this rank printed its own failure
 VANISH_GRACE_S = 2.0  # a closed socket comes a little before its process is gone: how long to look for it
 LOST_CONNECTION = ("/gloo/transport/", "Connection closed by peer", "Connection reset by peer")
 
-SIGNAL_HINTS = {signal.SIGKILL: " (out of memory?)", signal.SIGSEGV: " (a crash in native code)",
+# SIGKILL: a user's kill -9 and a scheduler send it too, so the OOM killer is a possibility, not the cause.
+SIGNAL_HINTS = {signal.SIGKILL: " (the out-of-memory killer sends it too: dmesg names what it killed)",
+                signal.SIGSEGV: " (a crash in native code)",
                 signal.SIGBUS: " (a crash in native code, or /dev/shm ran out)",
                 signal.SIGABRT: " (aborted by native code)", signal.SIGILL: " (a crash in native code)",
                 signal.SIGFPE: " (a crash in native code)"}
@@ -193,6 +196,17 @@ def _frames(tb: TracebackType | None) -> Iterator:
     while tb is not None:
         yield tb.tb_frame
         tb = tb.tb_next
+
+
+def parsed_telling_torchrun(parse: Callable[[], T]) -> T:
+    """parse(): argparse's refusal of a flag (SystemExit 2, its line printed by rank 0 alone) is also
+    told to torchrun as a handled error, so that launch/quiet_torchrun.py shows that line alone."""
+    try:
+        return parse()
+    except SystemExit as ended:
+        if ended.code:
+            report_to_torchrun(ConfigError("a flag was refused (the line above says which)"))
+        raise
 
 
 def report_to_torchrun(error: UserError) -> None:

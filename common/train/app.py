@@ -21,13 +21,13 @@ from common.data.loader import Dataset, TrainLoader
 from common.parallel.context import DistContext, check_same_flags, distributed
 from common.train.equivalence import check_equivalence
 from common.data.fetch import load_dataset
-from common.parallel.failures import is_handled, told
+from common.parallel.failures import is_handled, parsed_telling_torchrun, told
 from common.output.logger import NullLogger, make_logger, node_console
 from common.models import build_model
 from common.train.optim import make_scheduler
 from common.train.preemption import StopRequest
 from common.output.profiling import NoProfiler, StepProfiler, trace_folder
-from common.train.run import Position, Run
+from common.train.run import Position, Run, torch_memory_format
 from common.train.precision import Precision
 from common.train.strategy import Strategy
 from common.parallel.sync_batchnorm import convert_batchnorm
@@ -42,8 +42,9 @@ def main(strategy: Strategy, argv: Sequence[str] | None = None) -> None:
     pause_during_set_up()
     try:
         strategy.check_world(world_size_from_env())
-        cfg = parse_args(argv, strategy=strategy.name, default_dataset=strategy.default_dataset,
-                         add_flags=strategy.add_flags, identity_options=strategy.identity_options)
+        cfg = parsed_telling_torchrun(lambda: parse_args(
+            argv, strategy=strategy.name, default_dataset=strategy.default_dataset, add_flags=strategy.add_flags,
+            identity_options=strategy.identity_options))
         strategy.configure(cfg)
         with distributed(cfg) as ctx:
             try:
@@ -81,13 +82,16 @@ def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
         describe(run, checkpoints, log)
         if weights:
             log.info(weights.banner())
-        if start.epoch >= cfg.epochs and not cfg.check_equivalence:
-            log.info(f"training already complete: {resumed.path} ends epoch {cfg.epochs} of {cfg.epochs}; to train "
-                     "again, pass --resume none (a new run beside this one, whose files are kept)")
+        if start.epoch >= cfg.last_epoch and not cfg.check_equivalence:
+            log.info(f"training already complete: {resumed.path} ends epoch {cfg.last_epoch} of {cfg.last_epoch}; to "
+                     "train on, pass --extend-to N (more epochs, a new schedule segment from this checkpoint); to "
+                     "train again, pass --resume none (a new run beside this one, whose files are kept)")
             return
         if resumed:
+            saved_world = resumed.state["world_size"]
+            moved = f"; restarting at world {ctx.world_size}" if saved_world != ctx.world_size else ""
             log.info(f"resumed from {resumed.path}: epoch {start.epoch + 1}, step {start.step} "
-                     f"(saved at world {resumed.state['world_size']})")
+                     f"(saved at world {saved_world}){moved}")
         resume_for_training()
         if cfg.check_equivalence:
             check_equivalence(run, log)
@@ -111,21 +115,21 @@ def build_run(cfg: Config, ctx: DistContext, strategy: Strategy) -> tuple[Run, L
     """The run, and what --weights put into its model (None without the flag), for the banner."""
     if ctx.device.type == "cuda":
         torch.backends.cudnn.benchmark = True  # fixed shapes: pick the fastest conv kernels once
-    memory_format = torch.channels_last if cfg.memory_format == "channels_last" else torch.contiguous_format
+    memory_format = torch_memory_format(cfg.memory_format)
     say = node_console(ctx)
     data = load_dataset(cfg.dataset, cfg.data_dir, ctx=ctx, say=say, allow_download=cfg.download,
                         download_from=cfg.download_from, cache_dir=cfg.cache_dir,
                         storage_options=cfg.storage_options, synthetic_shape=cfg.synthetic_shape,
                         deadline_s=cfg.storage_timeout_s, own_data=own_data(cfg, ctx))
-    data = normalized_for_weights(cfg, data)
-    loader = ctx.together(lambda: TrainLoader(data.train, data.spec, cfg.batch_size, ctx.rank, ctx.world_size,
-                                              cfg.seed, ctx.device, cfg.max_steps, memory_format, cfg.augment,
-                                              cfg.random_erase))
     model = ctx.together(lambda: build_model(cfg.model, data.spec.channels, data.spec.size, data.spec.classes,
                                              cfg.seed))
     # Into the plain model on every rank, before wrap() replicates and shards it.
     weights = load_weights(cfg, ctx, model, data.spec.channels, say) if cfg.weights else None
     cfg = pinned(cfg, weights) if weights else cfg
+    data = normalized_for_weights(data, weights)  # the weights' content says which torchvision file they are
+    loader = ctx.together(lambda: TrainLoader(data.train, data.spec, cfg.batch_size, ctx.rank, ctx.world_size,
+                                              cfg.seed, ctx.device, cfg.max_steps, memory_format, cfg.augment,
+                                              cfg.random_erase))
     model = model.to(ctx.device, memory_format=memory_format)
     if cfg.sync_bn:
         convert_batchnorm(model)
@@ -147,16 +151,15 @@ def load_weights(cfg: Config, ctx: DistContext, model: torch.nn.Module, channels
     data = ctx.after_primary(f"weights read from {source.text}",
                              lambda: source.read(cfg.storage_options, cfg.download, say), cfg.storage_timeout_s)
     data = ctx.broadcast_bytes(data if ctx.is_primary else None)
-    return ctx.together(lambda: load_into(model, data, source, channels, cfg.seed))
+    return ctx.together(lambda: load_into(model, data, source, channels, cfg.seed, cfg.normalization))
 
 
-def normalized_for_weights(cfg: Config, data: Dataset) -> Dataset:
-    """Weights that carry their own input normalization (torchvision's) are fed images normalized
-    their way instead of with the data set's measured statistics."""
-    normalization = Source.parse(cfg.weights, cfg.model).normalization(data.spec.channels) if cfg.weights else None
-    if normalization is None:
+def normalized_for_weights(data: Dataset, weights: Loaded | None) -> Dataset:
+    """Images normalized as the weights' normalization says (their own, torchvision's, or ImageNet's
+    with --normalization imagenet) instead of with the data set's measured statistics."""
+    if weights is None or weights.normalization is None:
         return data
-    mean, std = normalization
+    mean, std = weights.normalization
     return replace(data, spec=replace(data.spec, mean=mean, std=std))
 
 
@@ -226,7 +229,7 @@ def describe(run: Run, checkpoints: Checkpoints, log: NullLogger) -> None:
     log.info(f"model {cfg.model}; "
              f"global batch {cfg.batch_size} = {cfg.batch_size // shares} per rank x {shares}"
              f"{f' in {cfg.accumulate} micro-batches' if cfg.accumulate > 1 else ''}; peak lr {cfg.lr:g}; "
-             f"{cfg.epochs} epoch(s); {cfg.precision}, {cfg.memory_format}{', compiled' if cfg.compile else ''}")
+             f"{cfg.epochs} epoch(s){f' extended to {cfg.extend_to}' if cfg.extend_to else ''}; {cfg.precision}, {cfg.memory_format}{', compiled' if cfg.compile else ''}")
     points = f"step-level points every {run.log_every} step(s)" + (
         "" if cfg.log_every else f" (chosen for {run.steps_per_epoch} steps per epoch; --log-every N to choose)")
     log.info(f"run {cfg.run_id}: checkpoints {checkpoints.url()}; TensorBoard {cfg.log_dir}; {points}")

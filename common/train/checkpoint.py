@@ -56,25 +56,24 @@ import os
 import pickle
 import re
 import secrets
+import shlex
 import sys
 import time
 import zipfile
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, TypeVar
 
 import torch
 
 from common import __version__
-from common.config import IDENTITY, STORAGE_TIMEOUT_S
+from common.config import IDENTITY, STORAGE_TIMEOUT_S, settings_flags
 from common.data.images import EVAL_CROP
 from common.parallel.context import DistContext
-from common.errors import UserError
+from common.errors import UserError, first_line
 from common.optimizers import OPTIMIZERS
 from common.train.run import Position, Run
 from common.storage import MISSING, Storage, StorageError, split, storage_for
-
-T = TypeVar("T")
 
 T = TypeVar("T")
 
@@ -111,10 +110,10 @@ def parse_checkpoint(data: bytes) -> dict[str, Any]:
     try:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise InvalidCheckpoint(f"holds objects that are not plain data and was refused unread ({_first_line(e)})") from None
+        raise InvalidCheckpoint(f"holds objects that are not plain data and was refused unread ({first_line(e)})") from None
     except Exception as e:  # noqa: BLE001 - any parse failure of untrusted bytes means "unusable"
         raise InvalidCheckpoint(f"is truncated or not a checkpoint ({len(data)} bytes): {type(e).__name__}: "
-                                f"{_first_line(e)}") from None
+                                f"{first_line(e)}") from None
     missing = [key for key in REQUIRED if not isinstance(state, dict) or key not in state]
     if missing:
         raise InvalidCheckpoint(f"lacks {', '.join(missing)} (written by another version?)")
@@ -131,26 +130,9 @@ def kept(previous: str | None) -> str:
             else "no earlier checkpoint of this run exists")
 
 
-def _first_line(error: BaseException) -> str:
-    return (str(error).splitlines() or [""])[0][:120]
-
-
 def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
     return [f"{key} {saved.get(key)!r} -> {now.get(key)!r}" for key in sorted(saved.keys() | now.keys())
             if saved.get(key) != now.get(key)]
-
-
-def as_flags(identity: dict[str, Any]) -> str:
-    """The command-line flags that recreate an identity, for the 'continue that run' way out (a
-    setting left at its empty default, such as no --weights, is left out)."""
-    flags = []
-    for key, value in identity.items():
-        flag = "--" + key.replace("_", "-")
-        if isinstance(value, bool):
-            flags.append(flag if value else f"(no {flag})")
-        elif value is not None and value != "":
-            flags.append(f"{flag} {value}")
-    return " ".join(flags)
 
 
 def way_to_continue(saved: dict[str, Any], now: dict[str, Any]) -> str:
@@ -160,7 +142,8 @@ def way_to_continue(saved: dict[str, Any], now: dict[str, Any]) -> str:
         flags = ", ".join("--" + key.replace("_", "-") for key in newer[:3]) + (" ..." if len(newer) > 3 else "")
         return (f"It was written by an earlier version of the suite, before {flags} existed, and this version "
                 "cannot continue it: finish it with the version it was trained with")
-    return f"To continue it, rerun with its settings ({as_flags(saved)})"
+    return (f"To continue it, rerun with its settings: {shlex.join(settings_flags(saved))} (with the flags that are "
+            "not settings, such as --checkpoint-dir, as before)")
 
 
 @dataclass(frozen=True)
@@ -256,6 +239,16 @@ class CheckpointFolder:
             return Choice(new_run_name(), request, tuple(self.patience.warnings()), data=data, state=state)
         runs = self.runs()
         same = [r for r in runs if r.identity == identity]
+        if not same and "extend_to" in identity:
+            base = {key: value for key, value in identity.items() if key != "extend_to"}
+            if other := next((r for r in runs if r.identity.get("extend_to")
+                              and {k: v for k, v in r.identity.items() if k != "extend_to"} == base), None):
+                raise UserError(f"--extend-to {identity['extend_to']}: run {self.storage.url(other.name)} already "
+                                f"extends this run to epoch {other.identity['extend_to']}, and an extension starts "
+                                f"from the run's own end (epoch {base['epochs']}); pass --extend-to "
+                                f"{other.identity['extend_to']} to continue that one, or --resume none for a new run")
+            if extended := [r for r in runs if r.identity == base]:
+                return self._extension(extended[0], base)
         if not same:
             if runs:
                 raise UserError(self._other_run_message(runs[0], identity))
@@ -289,6 +282,17 @@ class CheckpointFolder:
         raise UserError(f"run {self.storage.url(run.name)} has this command's settings, but none of its "
                         f"{len(candidates)} checkpoint(s) loads ({'; '.join(problems[:2])}"
                         f"{' ...' if len(problems) > 2 else ''}); nothing was started; {WAYS_OUT}")
+
+    def _extension(self, run: RunInfo, base: dict[str, Any]) -> Choice:
+        """--extend-to: a new run from the newest checkpoint of the finished run it extends (that run's
+        files are kept as they are). A run that has not finished is finished first, by its own command."""
+        choice = self._continue(run, base)
+        epoch, epochs = int(choice.state["epoch"]), int(base["epochs"])
+        if epoch < epochs:
+            raise UserError(f"--extend-to: run {self.storage.url(run.name)} has not finished (its newest checkpoint "
+                            f"is in epoch {epoch + 1} of {epochs}); finish it with the same command without "
+                            "--extend-to, then extend it")
+        return replace(choice, run=new_run_name())
 
     def _explicit(self, path: str, identity: dict[str, Any]) -> tuple[bytes, dict[str, Any]]:
         """--resume FILE: that checkpoint, which must belong to a run with this identity. The job
@@ -536,7 +540,7 @@ class BackgroundWriter:
                 raise
             except Exception as e:  # noqa: BLE001 - serializing can fail too (out of memory): one line on every rank
                 url = folder.storage.url(step_name(run, state["global_step"]))
-                raise UserError(f"saving checkpoint {url} failed ({type(e).__name__}: {_first_line(e)}); "
+                raise UserError(f"saving checkpoint {url} failed ({first_line(e, with_type=True)}); "
                                 f"{kept(previous)}") from None
             try:
                 on_saved(path, time.perf_counter() - started)

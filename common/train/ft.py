@@ -205,9 +205,12 @@ class FaultTolerantTrainer(Trainer):
         quorum = Quorum(self.manager.num_participants(), self.manager.participating_rank())
         self.agree_on_the_run()
         if quorum != self.quorum:
-            place = "is healing" if quorum.index is None else f"is number {quorum.index}"
+            # torchft counts the groups that train the step: a healing group is not one of them yet.
+            place = ("is not one of them yet: it copies a live group's state first (healing)" if quorum.index is None
+                     else f"is number {quorum.index}")
+            # The wall time: how long a group trained alone reads from two of these lines.
             self.log.info(f"quorum of {quorum.groups} group(s) at step {self.run.global_step(at) + 1}: this group "
-                          f"(group {self.ft.group_id}) {place}")
+                          f"(group {self.ft.group_id}) {place} [{time.strftime('%H:%M:%S')}]")
             self.quorum = quorum
         return quorum
 

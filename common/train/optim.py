@@ -8,7 +8,7 @@ out the same however a parameter is cut: the pieces' squared norms are summed ov
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
@@ -220,9 +220,23 @@ def lr_factor(cfg: Config, step: int, total: int, steps_per_epoch: int) -> float
 def make_scheduler(cfg: Config, optimizer: torch.optim.Optimizer, steps_per_epoch: int,
                    ) -> torch.optim.lr_scheduler.LambdaLR:
     """Stepped once per optimizer step. A pure function of the step, so a checkpoint stores only the
-    step count, and a resumed run with more --epochs stretches the schedule instead of failing."""
+    step count. With --extend-to, the steps after --epochs follow a segment of their own."""
     total = cfg.epochs * steps_per_epoch
-    return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg, step, total, steps_per_epoch))
+    if not cfg.extend_to:
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(cfg, step, total, steps_per_epoch))
+    segment = replace(cfg, epochs=cfg.extend_to - cfg.epochs, extend_to=0)
+    added = segment.epochs * steps_per_epoch
+    return torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda step: extended_lr_factor(cfg, segment, step, total, added, steps_per_epoch))
+
+
+def extended_lr_factor(cfg: Config, segment: Config, step: int, total: int, added: int, steps_per_epoch: int) -> float:
+    """--extend-to: the run's schedule up to its end, then the same schedule again over the added
+    epochs (a warm restart: warm-up, peak, decay); --schedule step keeps the factor it ended at (its
+    milestones are the run's epochs)."""
+    if step < total or cfg.schedule == "step":
+        return lr_factor(cfg, step, total, steps_per_epoch)
+    return lr_factor(segment, step - total, added, steps_per_epoch)
 
 
 # The optimizers of common/optimizers.py's table, built over two groups of pieces (decayed, then not).

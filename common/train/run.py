@@ -23,6 +23,11 @@ AUTO_MAX_INTERVAL = 50
 EVAL_BATCH_LARGE, EVAL_BATCH_CPU = 1000, 64
 
 
+def torch_memory_format(name: str) -> torch.memory_format:
+    """--memory-format's value (as a Config or a checkpoint's config holds it) as torch's layout."""
+    return torch.channels_last if name == "channels_last" else torch.contiguous_format
+
+
 def default_eval_batch(device: torch.device, collective_forward: bool = False) -> int:
     """--eval-batch-size left unset: cache-sized on a CPU, unless each forward is a collective."""
     return EVAL_BATCH_CPU if device.type == "cpu" and not collective_forward else EVAL_BATCH_LARGE
@@ -65,7 +70,7 @@ class Run:
 
     @property
     def memory_format(self) -> torch.memory_format:
-        return torch.channels_last if self.cfg.memory_format == "channels_last" else torch.contiguous_format
+        return torch_memory_format(self.cfg.memory_format)
 
     @property
     def log_every(self) -> int:
@@ -84,7 +89,7 @@ class Run:
 
     @property
     def total_steps(self) -> int:
-        return self.cfg.epochs * self.steps_per_epoch
+        return self.cfg.last_epoch * self.steps_per_epoch
 
     def global_step(self, at: Position) -> int:
         return at.global_step(self.steps_per_epoch)

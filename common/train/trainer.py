@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import math
 import resource
+import os
 import signal
 import time
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ FLUSH_STEPS = 50  # step-level points are combined over ranks in one collective 
 # Evaluation counts a confusion matrix of (classes x classes) float64 values on the device: 134 MB
 # at this many classes (8 MB for ImageNet's 1000); above it, none is kept.
 CONFUSION_MAX_CLASSES = 4096
+TOP_K = 5  # top-5 accuracy
 
 
 @dataclass(frozen=True)
@@ -35,7 +37,7 @@ class Metrics:
     loss: float
     acc: float
     samples: int
-    acc_top5: float = math.nan  # evaluation's: the label among the 5 highest logits (any of them, with <= 5 classes)
+    acc_top5: float = math.nan  # evaluation's: the label among the 5 highest logits; NaN (not shown) with <= 5 classes
     # evaluation's: int64 (classes, classes) counts, row the label, column the prediction (up to CONFUSION_MAX_CLASSES)
     confusion: torch.Tensor | None = None
 
@@ -74,7 +76,7 @@ def evaluate(model: nn.Module, data: Dataset, ctx: DistContext, batch: int, prec
         predicted = logits.argmax(1)
         totals[0] += F.cross_entropy(logits.float(), labels, reduction="sum")
         totals[1] += (predicted == labels).sum()
-        totals[2] += (logits.topk(min(5, classes), 1).indices == labels[:, None]).any(1).sum()
+        totals[2] += (logits.topk(min(TOP_K, classes), 1).indices == labels[:, None]).any(1).sum()
         totals[3] += len(labels)
         if cells:
             confusion.put_(labels * classes + predicted, confusion.new_ones(labels.shape),
@@ -85,7 +87,8 @@ def evaluate(model: nn.Module, data: Dataset, ctx: DistContext, batch: int, prec
     loss_sum, correct, top5, count = reduced[:4].tolist()
     if int(count) != len(data.test):
         raise RuntimeError(f"evaluation counted {int(count)} samples, the test set has {len(data.test)}")
-    return Metrics(loss_sum / count, correct / count, int(count), top5 / count,
+    # With 5 classes or fewer every label is among the 5 highest: a top-5 of 100% that says nothing.
+    return Metrics(loss_sum / count, correct / count, int(count), top5 / count if classes > TOP_K else math.nan,
                    reduced[4:].round().long().view(classes, classes) if cells else None)
 
 
@@ -163,11 +166,11 @@ class Trainer:
 
     def fit(self, start: Position) -> EpochResult | None:
         result = None
-        for epoch in range(start.epoch, self.run.cfg.epochs):
+        for epoch in range(start.epoch, self.run.cfg.last_epoch):
             result = self.run_epoch(epoch, start.step if epoch == start.epoch else 0)
-            self.log.epoch(result, self.run.cfg.epochs)
+            self.log.epoch(result, self.run.cfg.last_epoch)
             self.relay.flush(self.run.ctx, self.log)
-            last = epoch + 1 == self.run.cfg.epochs
+            last = epoch + 1 == self.run.cfg.last_epoch
             self.save(Position(epoch + 1, 0), wait=last, check_stop=not last)  # the last: the run is done anyway
         return result
 
@@ -306,9 +309,25 @@ class Trainer:
         if verdict == SAVE_FAILED or saved:
             self.checkpoints.finish()  # ends every rank with a failed save's error; else it is committed
         path = saved or self.save(at, wait=True, check_stop=False)
-        raise Preempted(f"stopped by {signal.Signals(verdict).name} after step {self.run.global_step(at)} "
-                        f"({where(at)}){during}; checkpoint {path}; run the same command again to resume", verdict,
-                        printing=self.run.ctx.is_primary)
+        if membership_change(verdict):
+            message = (f"membership change (a node joined or left the elastic job): saved after step "
+                       f"{self.run.global_step(at)} ({where(at)}){during}; checkpoint {path}; the workers restart "
+                       "from it at the new world size")
+        else:
+            message = (f"stopped by {signal.Signals(verdict).name} after step {self.run.global_step(at)} ({where(at)})"
+                       f"{during}; checkpoint {path}; run the same command again to resume")
+        raise Preempted(message, verdict, printing=self.run.ctx.is_primary)
+
+
+def membership_change(verdict: int) -> bool:
+    """A SIGTERM that torchrun's agent sent to restart the workers of an elastic job at a new world
+    size, not a stop: launch/elastic.sh names in LEAVING_MARKER a file it creates before it passes
+    on a stop of its own, so no file there means the agent stopped the workers by itself."""
+    marker = os.environ.get(LEAVING_MARKER)
+    return verdict == signal.SIGTERM and bool(marker) and not os.path.exists(marker)
+
+
+LEAVING_MARKER = "DP_SUITE_LEAVING_MARKER"  # set by launch/elastic.sh (membership_change)
 
 
 def where(at: Position) -> str:

@@ -13,28 +13,27 @@ used is one line, exit 2.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-import torch
 
 from common.config import DATASETS, OWN_DATASETS
 from common.data.fetch import load_dataset
 from common.data.images import default_workers
 from common.data.loader import Dataset
 from common.data.own import OwnData
+from common.errors import ConfigError
 from common.output import confusion
 from common.output.logger import node_console
 from common.parallel.context import DistContext, distributed
 from common.parallel.failures import told
 from common.train.precision import Precision
-from common.train.run import default_eval_batch
+from common.train.run import default_eval_batch, torch_memory_format
 from common.train.trainer import CONFUSION_MAX_CLASSES, Metrics, evaluate
-from common.use.program import check_storage, check_writable, make_parser, run_program
+from common.use.program import check_storage, check_writable, make_parser, run_program, writable_problem
 from common.use.source import Preprocessing, Saved
 
 
@@ -54,7 +53,8 @@ class Flags:
     skip_broken: bool
     workers: int | None
     batch_size: int | None
-    output_dir: str
+    image_size: int | None
+    output_dir: str | None  # None: default_output_dir, once the checkpoint is read
     device: str
     backend: str
     timeout_s: float
@@ -76,8 +76,12 @@ def parse_flags(argv: Sequence[str] | None = None) -> Flags:
     add("--batch-size", type=int, default=None,
         help="per-rank evaluation batch (default: the training run's --eval-batch-size, else 64 on a CPU, 1000 on "
              "a GPU); it never changes the counts")
-    add("--output-dir", default="evaluation",
-        help="where metrics.json, per_class.csv and confusion.png are written (default: %(default)s)")
+    add("--image-size", type=int, default=None, metavar="S",
+        help="your own images: resize and centre-crop them to S x S, as training does with --image-size; needed when "
+             "the set's images differ in size (default: the training run's --image-size; S must be the model's input)")
+    add("--output-dir", default=None,
+        help="where metrics.json, per_class.csv and confusion.png are written (default: evaluation/step-N, or "
+             "step-N-ema, in the checkpoint's run folder; ./evaluation/RUN-step-N for a checkpoint in an object store)")
     add("--device", default="auto", help="auto | cpu | cuda, as for training (default: %(default)s)")
     add("--backend", default="auto", choices=("auto", "gloo", "nccl"), help="as for training (default: %(default)s)")
     add("--timeout-s", type=float, default=300.0, help="process-group timeout (default: %(default)s)")
@@ -85,20 +89,36 @@ def parse_flags(argv: Sequence[str] | None = None) -> Flags:
     if a.dataset is not None and a.dataset not in DATASETS:
         p.error(f"--dataset {a.dataset!r} is unknown; choose one of {', '.join(DATASETS)}")
     if (a.batch_size is not None and a.batch_size < 1) or (a.workers is not None and a.workers < 0) or \
-            not 0 < a.timeout_s < math.inf:
-        p.error("--batch-size must be >= 1, --workers >= 0 and --timeout-s > 0 (finite)")
+            not 0 < a.timeout_s < math.inf or (a.image_size is not None and a.image_size < 1):
+        p.error("--batch-size and --image-size must be >= 1, --workers >= 0 and --timeout-s > 0 (finite)")
     check_storage(p, a, "data_dir")
-    check_writable(p, "--output-dir", Path(a.output_dir), folder=True)
+    if a.output_dir is not None:
+        check_writable(p, "--output-dir", Path(a.output_dir), folder=True)
     return Flags(**vars(a))
+
+
+def default_output_dir(saved: Saved, ema: bool) -> Path:
+    """evaluation/step-N[-ema] in the checkpoint's run folder, beside what it evaluates; for a
+    checkpoint in an object store, ./evaluation/RUN-step-N[-ema] (the files are written locally)."""
+    name = f"step-{saved.step:08d}{'-ema' if ema else ''}"
+    if "://" in saved.path:
+        run = saved.path.rstrip("/").split("/")[-2]
+        return Path("evaluation") / f"{run}-{name}"
+    return Path(saved.path).parent / "evaluation" / name
 
 
 def main(argv: Sequence[str] | None = None) -> None:
     run_program(lambda: parse_flags(argv), evaluate_on_every_rank)
 
 
-def evaluate_on_every_rank(flags: argparse.Namespace, saved: Saved) -> None:
+def evaluate_on_every_rank(flags: Flags, saved: Saved) -> None:
     preprocessing = saved.preprocessing()
     saved.weights(flags.ema)  # --ema without a moving average: refused before the process group
+    if flags.output_dir is None:
+        output = default_output_dir(saved, flags.ema)
+        if problem := writable_problem("--output-dir (default)", output, folder=True):
+            raise ConfigError(f"{problem}, or pass --output-dir")
+        flags = replace(flags, output_dir=str(output))
     with distributed(flags) as ctx:
         try:
             score(flags, saved, preprocessing, ctx)
@@ -109,7 +129,7 @@ def evaluate_on_every_rank(flags: argparse.Namespace, saved: Saved) -> None:
 def score(flags: Flags, saved: Saved, preprocessing: Preprocessing, ctx: DistContext) -> None:
     cfg = saved.config
     data = load_data(flags, saved, preprocessing, ctx)
-    memory_format = torch.channels_last if cfg["memory_format"] == "channels_last" else torch.contiguous_format
+    memory_format = torch_memory_format(cfg["memory_format"])
     model = ctx.together(lambda: saved.model(flags.ema)).to(ctx.device, memory_format=memory_format)
     batch = flags.batch_size or cfg.get("eval_batch_size") or default_eval_batch(ctx.device)
     metrics = evaluate(model, data, ctx, batch, Precision(cfg["precision"], ctx.device), memory_format)
@@ -126,7 +146,8 @@ def load_data(flags: Flags, saved: Saved, preprocessing: Preprocessing, ctx: Dis
     own = None
     if dataset in OWN_DATASETS:
         own = OwnData(dataset, data_dir, cache_dir, flags.storage_options,
-                      cfg["image_size"],  # the model's input, made as the run made it (0: the images as they are)
+                      # the model's input, made as the run made it (0: the images as they are)
+                      cfg["image_size"] if flags.image_size is None else flags.image_size,
                       default_workers(ctx.local_world_size) if flags.workers is None else flags.workers,
                       default_workers(1) + 1, flags.skip_broken, cfg["cache_gb"], cfg["shard_cache_gb"],
                       cfg["verify_data"])
@@ -147,18 +168,20 @@ def load_data(flags: Flags, saved: Saved, preprocessing: Preprocessing, ctx: Dis
 
 def report(flags: Flags, saved: Saved, data: Dataset, names: Sequence[str], metrics: Metrics, world: int) -> None:
     """The console's lines, and metrics.json, per_class.csv and confusion.png in --output-dir."""
-    correct, top5 = round(metrics.acc * metrics.samples), round(metrics.acc_top5 * metrics.samples)
+    correct = round(metrics.acc * metrics.samples)
+    has_top5 = math.isfinite(metrics.acc_top5)  # not with 5 classes or fewer: every label is among the 5 highest
+    top5 = round(metrics.acc_top5 * metrics.samples) if has_top5 else None
     weights = "the moving average's weights" if flags.ema else "its weights"
     print(f"checkpoint {saved.path} (step {saved.step}), {weights}: {data.name}, {metrics.samples} test images, "
           f"world {world}", flush=True)
-    print(f"top-1 {100 * metrics.acc:.2f}% ({correct}/{metrics.samples})  top-5 {100 * metrics.acc_top5:.2f}% "
-          f"({top5}/{metrics.samples})  loss {metrics.loss:.4f}", flush=True)
+    top5_text = f"  top-5 {100 * metrics.acc_top5:.2f}% ({top5}/{metrics.samples})" if has_top5 else ""
+    print(f"top-1 {100 * metrics.acc:.2f}% ({correct}/{metrics.samples}){top5_text}  loss {metrics.loss:.4f}", flush=True)
     out = Path(flags.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     counts = None if metrics.confusion is None else metrics.confusion.tolist()
     summary = {"checkpoint": saved.path, "step": saved.step, "weights": "ema" if flags.ema else "model",
                "data": data.name, "world_size": world, "samples": metrics.samples, "top1": metrics.acc,
-               "top1_correct": correct, "top5": metrics.acc_top5, "top5_correct": top5, "loss": metrics.loss,
+               "top1_correct": correct, "top5": metrics.acc_top5 if has_top5 else None, "top5_correct": top5, "loss": metrics.loss,
                "classes": list(names), "confusion": counts}
     (out / "metrics.json").write_text(json.dumps(summary, indent=1) + "\n")
     if counts is None:

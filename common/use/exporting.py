@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import warnings
 from pathlib import Path
@@ -157,11 +158,19 @@ def to_torchscript(model: nn.Module, example: torch.Tensor, output: Path) -> Run
         return torch.jit.load(str(output))
 
 
+def current_umask() -> int:
+    """The process's umask (reading it means setting it: set back at once)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
 def to_safetensors(model: nn.Module, output: Path, build: Callable[[], nn.Module], about: dict[str, Any]) -> Runner:
     """The weights, read back into a freshly built (untrained) model: the file alone carries them."""
     from safetensors.torch import load_model, save_model
 
     save_model(model, str(output), metadata={"format": "pt", "description": json.dumps(about)})
+    output.chmod(0o666 & ~current_umask())  # safetensors creates it 0600: readable as the other formats are
     fresh = build().eval()
     load_model(fresh, str(output))
     return fresh

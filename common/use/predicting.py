@@ -5,10 +5,13 @@ normalized by the run's mean and std).
 
     python predict.py --checkpoint FILE IMAGE_OR_FOLDER... [--top-k K] [--output preds.csv|preds.json]
 
-A folder is searched recursively for images (the extensions ImageFolder reads; other files are left
-alone). A file that cannot be predicted (not an image, unreadable, or of another size where the
-model takes images as they are) is named in one line on stderr and the others are predicted; the
-exit status is then 1. One process, batched, in float32, on the GPU when there is one.
+A folder is searched recursively for images (the extensions ImageFolder reads); the other files
+in it are left alone, counted and named in one line. A file that cannot be predicted (not an
+image, unreadable, or of another size where the model takes images as they are) is named in one
+line on stderr and the others are predicted and written. Exit status: 0 every file predicted (with
+--skip-broken: every file that could be), 3 some predicted and written and others not, 1 none
+predicted (or the checkpoint unusable), 2 a bad flag. One process, batched, in float32, on the GPU
+when there is one.
 """
 from __future__ import annotations
 
@@ -29,6 +32,9 @@ from common.use.program import check_storage, check_writable, make_parser, run_p
 from common.use.source import Preprocessing, Saved
 
 OUTPUT_FORMATS = (".csv", ".json")
+SOME_NOT_PREDICTED = 3  # the exit status when some files were predicted (and written) and others not
+NONE_PREDICTED = 1
+LISTED = 5  # of the files a folder holds that are not images: named, the rest counted
 
 
 @dataclass(frozen=True)
@@ -45,6 +51,10 @@ def parse_flags(argv: Sequence[str] | None = None) -> argparse.Namespace:
     add("--output", default=None, metavar="FILE.csv|FILE.json",
         help="write the predictions to a CSV or JSON file instead of the console")
     add("--batch-size", type=int, default=64, help="images per forward (default: %(default)s)")
+    add("--skip-broken", action="store_true",
+        help=f"a file that cannot be predicted is named as skipped and the exit status stays 0 (default: it is "
+             f"named as an error and the exit status is {SOME_NOT_PREDICTED}, or {NONE_PREDICTED} when no file "
+             "was predicted)")
     add("--device", default="auto", choices=("auto", "cpu", "cuda"),
         help="auto: the GPU when there is one (default: %(default)s)")
     a = p.parse_args(argv)
@@ -68,40 +78,67 @@ def predict_with(flags: argparse.Namespace, saved: Saved) -> None:
     preprocessing = saved.preprocessing()
     device = torch.device(flags.device if flags.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     model = saved.model(flags.ema).to(device)
-    failed = []
+    failed = Failures(flags.skip_broken)
     predictions = list(predict(model, preprocessing, image_files(flags.images, failed), flags.top_k,
                                flags.batch_size, device, failed))
     write(predictions, flags.output)
-    if failed:
-        sys.exit(1)  # each failure has had its line
+    if status := exit_status(len(predictions), failed):
+        sys.exit(status)
 
 
-def image_files(paths: Sequence[str], failed: list[str]) -> Iterator[Path]:
+def exit_status(predicted: int, failed: Failures) -> int:
+    """0: nothing refused (or refusals skipped as asked); 3: some predicted, some refused; 1: none
+    predicted. Each refusal has had its line."""
+    if not predicted and failed.files:
+        return NONE_PREDICTED
+    return SOME_NOT_PREDICTED if failed.files and not failed.skip else 0
+
+
+class Failures:
+    """The files that could not be predicted, each said in one line as it is met: an error, or with
+    --skip-broken a skipped file."""
+
+    def __init__(self, skip: bool) -> None:
+        self.skip, self.files = skip, []
+
+    def add(self, message: str) -> None:
+        print(f"{'skipped' if self.skip else 'error'}: {message}", file=sys.stderr, flush=True)
+        self.files.append(message)
+
+
+def image_files(paths: Sequence[str], failed: Failures) -> Iterator[Path]:
     """The files named, and the images in the folders named (sorted, recursively); a path that is
-    neither, or a folder without an image, is said in one line and added to `failed`."""
+    neither, or a folder without an image, is said in one line and added to `failed`; the other
+    files of a folder are named in a note."""
     for given in map(Path, paths):
         if given.is_dir():
-            found = [f for f in layout.walk_files(given) if f.suffix.lower() in layout.FOLDER_EXTENSIONS
+            files = list(layout.walk_files(given))
+            found = [f for f in files if f.suffix.lower() in layout.FOLDER_EXTENSIONS
                      and f.is_file()]  # not a FIFO or a device: reading one would wait for ever
             if not found:
-                fail(failed, f"{given} holds no image ({', '.join(layout.FOLDER_EXTENSIONS)})")
+                failed.add(f"{given} holds no image ({', '.join(layout.FOLDER_EXTENSIONS)})")
+            elif others := sorted(set(files) - set(found), key=files.index):
+                note_left_alone(given, others)
             yield from found
         elif given.is_file():
             yield given
         elif given.exists():
-            fail(failed, f"{given}: not a regular file (a FIFO, a socket or a device is never read)")
+            failed.add(f"{given}: not a regular file (a FIFO, a socket or a device is never read)")
         else:
-            fail(failed, f"{given}: no such file or folder")
+            failed.add(f"{given}: no such file or folder")
 
 
-def fail(failed: list[str], message: str) -> None:
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    failed.append(message)
+def note_left_alone(folder: Path, others: list[Path]) -> None:
+    """One line naming the files of `folder` that are not images (the first few, and how many)."""
+    names = ", ".join(str(f.relative_to(folder)) for f in others[:LISTED])
+    more = f" and {len(others) - LISTED} more" if len(others) > LISTED else ""
+    print(f"note: {folder}: {len(others)} file(s) not predicted, not being images "
+          f"({', '.join(layout.FOLDER_EXTENSIONS)}): {names}{more}", file=sys.stderr, flush=True)
 
 
 @torch.no_grad()
 def predict(model: torch.nn.Module, p: Preprocessing, files: Iterator[Path], top_k: int, batch: int,
-            device: torch.device, failed: list[str]) -> Iterator[Prediction]:
+            device: torch.device, failed: Failures) -> Iterator[Prediction]:
     """Predictions of the files that decode, `batch` at a time; the others go to `failed`."""
     normalize = Normalizer(p.spec, device, torch.contiguous_format)
     k = min(top_k, len(p.classes))
@@ -113,23 +150,23 @@ def predict(model: torch.nn.Module, p: Preprocessing, files: Iterator[Path], top
             yield Prediction(name, [(p.classes[i], i, v) for i, v in zip(row_indices, row_values)])
 
 
-def decoded(files: Iterator[Path], p: Preprocessing, failed: list[str]) -> Iterator[tuple[str, torch.Tensor]]:
+def decoded(files: Iterator[Path], p: Preprocessing, failed: Failures) -> Iterator[tuple[str, torch.Tensor]]:
     """Each file's name and image, decoded as the training run decoded its test images."""
     for path in files:
         try:
             data = path.read_bytes()
         except OSError as e:
-            fail(failed, f"{path}: {e.strerror or e}; check that it is readable")
+            failed.add(f"{path}: {e.strerror or e}; check that it is readable")
             continue
         try:
             (width, height), _ = header(data)
             if not p.resize and (width, height) != (p.size, p.size):
-                fail(failed, f"{path} is {width}x{height}; the model takes {p.size}x{p.size} images as they are "
+                failed.add(f"{path} is {width}x{height}; the model takes {p.size}x{p.size} images as they are "
                              "(its run trained without --image-size)")
                 continue
             image = decode(data, p.stored, p.channels)
         except Exception as e:  # noqa: BLE001 - any decoder failure is this file's problem, said in one line
-            fail(failed, broken_message(str(path), e, skip_hint=False))
+            failed.add(broken_message(str(path), e, skip_hint=False))
             continue
         yield str(path), image
 

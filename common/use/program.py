@@ -6,6 +6,7 @@ import argparse
 import math
 import os
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -14,7 +15,7 @@ from common.config import STORAGE_TIMEOUT_S, RankZeroParser
 from common.errors import ConfigError
 from common.parallel.context import DeadlinePassed, abandon_hung_thread, run_within
 from common.credentials import read_storage_options
-from common.parallel.failures import told
+from common.parallel.failures import parsed_telling_torchrun, told
 from common.storage import url_problem
 from common.use.source import Saved, find_checkpoint
 
@@ -53,14 +54,31 @@ def check_storage(p: argparse.ArgumentParser, a: argparse.Namespace, *flags: str
 def check_writable(p: argparse.ArgumentParser, flag: str, file: Path, folder: bool = False) -> None:
     """A file (or, folder: a folder) the program will write, checked before any work: one line naming
     the flag (exit 2), not a traceback after it."""
+    if problem := writable_problem(flag, file, folder):
+        p.error(problem)
+
+
+def writable_problem(flag: str, file: Path, folder: bool = False) -> str | None:
+    """Why the program could not write `file` (or, folder: files into it), in words naming the flag; None if it can."""
     target = file if folder else file.parent
     try:
         target.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        p.error(f"{flag} {file}: cannot create the folder {target} ({e.strerror}); give a path you can write")
-    if (not folder and file.is_dir()) or not os.access(target, os.W_OK):
-        p.error(f"{flag} {file}: {'is a folder' if file.is_dir() and not folder else 'not writable'}; give a "
-                "file path you can write")
+        return f"{flag} {file}: cannot create the folder {target} ({e.strerror}); give a path you can write"
+    if not folder and file.is_dir():
+        return f"{flag} {file}: is a folder; give a file path you can write"
+    # Written to, not asked (os.access): root passes every permission check, yet /proc, a read-only
+    # mount or a full disk still refuse the file after the work.
+    try:
+        probe, name = tempfile.mkstemp(prefix=".write-check-", dir=target)
+        os.close(probe)
+        os.unlink(name)
+        if not folder and file.exists():
+            with open(file, "ab"):
+                pass
+    except OSError as e:
+        return f"{flag} {file}: not writable ({e.strerror}); give a {'folder' if folder else 'file'} path you can write"
+    return None
 
 
 def read_checkpoint(flags: argparse.Namespace) -> Saved:
@@ -79,7 +97,7 @@ def run_program(parse: Callable[[], argparse.Namespace], use: Callable[[argparse
     """Parse the flags, find the checkpoint, use it; an error ends the process with its one line (a
     crash: its traceback, then a line) and its exit status."""
     try:
-        flags = parse()
+        flags = parsed_telling_torchrun(parse)
         use(flags, read_checkpoint(flags))
     except Exception as error:
         failure = told(error, None)
