@@ -26,6 +26,9 @@ BENCHMARKS = {  # name (a module of this package) -> what it measures
                 "batch; images/s of each optimizer on each strategy; AdamW's state per rank when sharded",
     "ft": "train_ft.py: images/s against DDP when nothing fails; a group SIGKILLed: time to the next step, steps "
           "lost, throughput while it is away, time to heal, beside DDP's restart from a checkpoint",
+    "forecast": "each strategy on 8 to 1,024 GPUs from a cost model (step, images/s, efficiency, bytes, memory, "
+                "launch command); --published: against Goyal et al. and the DDP paper; --calibrate: against this "
+                "machine's own step times",
     "gpu": "the GPU paths in one command (nccl, CUDA equivalence, DataParallel, cpu,cuda, resume): pass/fail",
 }
 
