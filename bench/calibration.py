@@ -19,6 +19,7 @@ import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Callable
@@ -155,7 +156,7 @@ def measure_collectives(world: int) -> dict[str, dict[str, list[float]]]:
 def lines_of(probes: list[dict[str, dict[str, list[float]]]]) -> dict[str, dict[str, tuple[float, float]]]:
     """Per wire and op: the line through the median (over rounds) time of each size."""
     return {wire: {op: fit(SIZES, [statistics.median(p[wire][op][i] for p in probes) for i in range(len(SIZES))])
-                   for op in ops} for wire, ops in probes[0].items()}
+                   for op in ops} for wire, ops in probes[0].items() if wire != "step"}
 
 
 def convnet_workload(compute_s: float) -> cm.Workload:
@@ -192,6 +193,7 @@ def main(repeats: int, worlds: list[int], as_json: bool) -> None:
     steps: dict[tuple[str, int], list[float]] = {}
     memory: dict[tuple[str, int], float] = {}
     probes: dict[int, list[dict[str, dict[str, list[float]]]]] = {}
+    raw = Path(tempfile.gettempdir()) / f"forecast-calibration-{time.strftime('%Y%m%d-%H%M%S')}.json"
     for round_ in range(repeats):
         for world in worlds:
             if world > 1:
@@ -200,16 +202,27 @@ def main(repeats: int, worlds: list[int], as_json: bool) -> None:
                 ms, mb = measured_step(script, world)
                 steps.setdefault((label, world), []).append(ms)
                 memory[(label, world)] = mb
-            print(f"  round {round_ + 1}, W={world} done", file=sys.stderr)
-    doc = report(steps, memory, {w: lines_of(p) for w, p in probes.items()}, worlds)
+        raw.write_text(json.dumps({"steps": [[k, w, v] for (k, w), v in steps.items()],
+                                   "memory": [[k, w, v] for (k, w), v in memory.items()], "probes": probes}))
+        print(f"  round {round_ + 1} of {repeats} done; every timing so far: {raw}", file=sys.stderr)
+    doc = report(steps, memory, probes, worlds)
     if as_json:
         print(json.dumps(doc, indent=1))
     else:
         print_report(doc)
 
 
+def in_process(probes: list[dict], lines: dict[str, dict[str, tuple[float, float]]], world: int) -> dict[str, float]:
+    """The probe's own step check: the suite's buckets over shared memory against the model."""
+    nosync = statistics.median(t for p in probes for t in p["step"]["nosync"])
+    buckets = statistics.median(t for p in probes for t in p["step"]["buckets"])
+    return {"nosync_ms": nosync, "buckets_ms": buckets,
+            "model_ms": model_ms("allreduce", "shm", nosync / 1000, world, lines, 1)[0]}
+
+
 def report(steps: dict[tuple[str, int], list[float]], memory: dict[tuple[str, int], float],
-           lines: dict[int, dict[str, dict[str, tuple[float, float]]]], worlds: list[int]) -> dict:
+           probes: dict[int, list[dict]], worlds: list[int]) -> dict:
+    lines = {w: lines_of(p) for w, p in probes.items()}
     compute = {w: statistics.median(steps[("nosync", w)]) / 1000 for w in worlds}
     rows = []
     for label, (script, kind, wire) in ROWS.items():
@@ -229,7 +242,8 @@ def report(steps: dict[tuple[str, int], list[float]], memory: dict[tuple[str, in
              for world, by_wire in lines.items()}
     per_sample = {w: 1000 * compute[w] / PER_RANK for w in worlds}
     return {"compute_ms_per_sample": per_sample, "nosync_ms": {w: 1000 * compute[w] for w in worlds},
-            "collectives": links, "rows": rows}
+            "collectives": links, "rows": rows,
+            "in_process": {w: in_process(p, lines[w], w) for w, p in probes.items()}}
 
 
 def print_report(doc: dict) -> None:
@@ -243,6 +257,12 @@ def print_report(doc: dict) -> None:
                 alpha = f"{f['alpha_us']:.1f}" if "alpha_us" in f else ""
                 beta = f"{f['beta_gbps']:.1f}" if "beta_gbps" in f else ""
                 print(f"| {world} | {wire} | {op} | {f['a_us']:.1f} | {f['b_ns_per_byte']:.3f} | {alpha} | {beta} |")
+    print("\nin the probe's processes: the convnet's step without sync, with the suite's buckets over shared memory "
+          "(train_allreduce.py's sync), and the model (the first plus the fitted all-reduce)\n")
+    print("| W | no sync ms | buckets ms | model ms | model / measured |\n|---|---|---|---|---|")
+    for world, r in doc["in_process"].items():
+        print(f"| {world} | {r['nosync_ms']:.2f} | {r['buckets_ms']:.2f} | {r['model_ms']:.2f} | "
+              f"{r['model_ms'] / r['buckets_ms']:.2f} |")
     print("\nthe model against the suite's step time (median over rounds; target: within 15%)\n")
     print("| strategy | W | measured ms (range) | model ms | model / measured | state MB: model / logged |\n"
           "|---|---|---|---|---|---|")

@@ -200,14 +200,12 @@ def test_one_calibration_at_world_2(capsys):
     the measured step. The bound is loose (a shared machine: the 15% target is the benchmark's,
     `python -m bench forecast --calibrate`): it catches a model off by its units, not noise."""
     probes = calibration.measure_collectives(2)
-    step = probes.pop("step")
     lines = calibration.lines_of([probes])
     for wire in ("shm", "gloo"):
         a, b = lines[wire]["all_reduce"]
         assert a >= 0 and b > 0, (wire, a, b)
-    nosync, measured = (sorted(step[k])[len(step[k]) // 2] for k in ("nosync", "buckets"))
-    predicted, _ = calibration.model_ms("allreduce", "shm", nosync / 1000, 2, lines, 1)
+    check = calibration.in_process([probes], lines, 2)
     with capsys.disabled():
-        print(f"\nW=2: no sync {nosync:.2f} ms, with the suite's buckets {measured:.2f} ms, model {predicted:.2f} ms; "
-              f"shm all-reduce a={1e6 * lines['shm']['all_reduce'][0]:.1f} us, gloo a={1e6 * lines['gloo']['all_reduce'][0]:.1f} us")
-    assert 0.5 < predicted / measured < 2.0
+        print(f"\nW=2: {check}; shm all-reduce a={1e6 * lines['shm']['all_reduce'][0]:.1f} us, "
+              f"gloo a={1e6 * lines['gloo']['all_reduce'][0]:.1f} us")
+    assert 0.5 < check["model_ms"] / check["buckets_ms"] < 2.0
