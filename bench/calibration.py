@@ -15,6 +15,7 @@ one difference: CPU ranks have no spare core, so nothing overlaps the backward.
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -122,12 +123,35 @@ def suite_steps(shm: object, rank: int, world: int) -> dict[str, list[float]]:
     y = torch.randint(0, 10, (PER_RANK,))
     buckets = GradientBuckets(model, 25, launch_all_reduce("torch", shm), rank=rank, device=torch.device("cpu"),
                               scale=1.0 / world)
-    timed: dict[str, list[float]] = {"nosync": [], "buckets": []}
+    timed: dict[str, list[float]] = {"nosync": [], "buckets": [], "slowest": [], "mean": []}
     for _ in range(5):
         with buckets.paused():
             timed["nosync"].append(median_ms(steps(None), 10))
+            slowest, mean = stragglers(steps(None), world, 10)
+            timed["slowest"].append(slowest)
+            timed["mean"].append(mean)
         timed["buckets"].append(median_ms(steps(buckets), 10))
     return timed
+
+
+def stragglers(step: Callable[[], None], world: int, calls: int) -> tuple[float, float]:
+    """(median slowest rank's, median mean rank's) ms of steps started together: a synchronized step
+    waits for its slowest rank, which on a shared machine is well behind the mean."""
+    import torch
+    import torch.distributed as dist
+
+    slowest, mean = [], []
+    for _ in range(calls):
+        dist.barrier()
+        start = time.perf_counter()
+        step()
+        took = torch.tensor([1000 * (time.perf_counter() - start)])
+        total = took.clone()
+        dist.all_reduce(took, op=dist.ReduceOp.MAX)
+        dist.all_reduce(total)
+        slowest.append(took.item())
+        mean.append(total.item() / world)
+    return statistics.median(slowest), statistics.median(mean)
 
 
 # --- the driver ---------------------------------------------------------------------------------------
@@ -179,8 +203,6 @@ def model_ms(kind: str, wire: str, compute_s: float, world: int, lines: dict[str
     """(ms per step, state MB) the model gives, from the measured compute and collectives."""
     w = convnet_workload(compute_s)
     net = cm.Fitted(world if wire != "none" and world > 1 else 1, lines.get(wire, {}))
-    if kind == "fsdp2":  # all-gathers and reduce-scatters per block
-        net = cm.Fitted(net.local, {**lines.get("gloo", {})})
     s = cm.Strategy(kind, "", sync_every=sync_every)
     step = cm.step(kind, w, s, net, False, world)
     return 1000 * step.seconds, step.memory_bytes / cm.MB
@@ -212,23 +234,45 @@ def main(repeats: int, worlds: list[int], as_json: bool) -> None:
         print_report(doc)
 
 
+def straggling(probes: list[dict]) -> float:
+    """How much longer a step started on every rank at once takes to finish on the slowest rank than
+    on the mean one (the probes' median): what a synchronized step waits for, beyond the mean."""
+    ratios = [s / m for p in probes if "slowest" in p["step"] for s, m in zip(p["step"]["slowest"], p["step"]["mean"])]
+    return statistics.median(ratios) if ratios else 1.0
+
+
+def waits_for_slowest(kind: str, factor: float, sync_every: int) -> float:
+    """What of the slowest rank's lead a strategy waits for: all of it where it synchronizes every
+    step, none in one process (DataParallel); local SGD waits once per H steps, by when independent
+    leads have grown as sqrt(H) against H steps of compute."""
+    if kind == "dp":
+        return 1.0
+    return 1 + (factor - 1) / math.sqrt(sync_every)
+
+
 def in_process(probes: list[dict], lines: dict[str, dict[str, tuple[float, float]]], world: int) -> dict[str, float]:
-    """The probe's own step check: the suite's buckets over shared memory against the model."""
+    """The probe's own step check: the suite's buckets over shared memory against the model (the
+    no-sync step, times the slowest rank's lead, plus the fitted all-reduce)."""
     nosync = statistics.median(t for p in probes for t in p["step"]["nosync"])
     buckets = statistics.median(t for p in probes for t in p["step"]["buckets"])
-    return {"nosync_ms": nosync, "buckets_ms": buckets,
-            "model_ms": model_ms("allreduce", "shm", nosync / 1000, world, lines, 1)[0]}
+    factor = straggling(probes)
+    return {"nosync_ms": nosync, "buckets_ms": buckets, "straggling": factor,
+            "model_ms": model_ms("allreduce", "shm", factor * nosync / 1000, world, lines, 1)[0]}
 
 
 def report(steps: dict[tuple[str, int], list[float]], memory: dict[tuple[str, int], float],
            probes: dict[int, list[dict]], worlds: list[int]) -> dict:
+    """The model's compute at W: the no-sync run's step at W (its ranks share the cores as the
+    strategies' do) times the slowest rank's lead measured at W (1 at W=1)."""
     lines = {w: lines_of(p) for w, p in probes.items()}
-    compute = {w: statistics.median(steps[("nosync", w)]) / 1000 for w in worlds}
+    factor = {w: straggling(probes[w]) if w in probes else 1.0 for w in worlds}
+    nosync = {w: statistics.median(steps[("nosync", w)]) / 1000 for w in worlds}
     rows = []
     for label, (script, kind, wire) in ROWS.items():
         every = int(script[script.index("--sync-every") + 1]) if "--sync-every" in script else 1
         for world in worlds:
-            predicted, model_mb = model_ms(kind, wire, compute[world], world, lines.get(world, {}), every)
+            compute = nosync[world] * waits_for_slowest(kind, factor[world], every)
+            predicted, model_mb = model_ms(kind, wire, compute, world, lines.get(world, {}), every)
             measured = steps[(label, world)]
             rows.append({"strategy": label, "world": world, "measured_ms": statistics.median(measured),
                          "measured_range_ms": [min(measured), max(measured)], "model_ms": predicted,
@@ -240,15 +284,18 @@ def report(steps: dict[tuple[str, int], list[float]], memory: dict[tuple[str, in
                                     if op == "all_reduce" and b > 0 else {})}
                              for op, (a, b) in ops.items()} for wire, ops in by_wire.items()}
              for world, by_wire in lines.items()}
-    per_sample = {w: 1000 * compute[w] / PER_RANK for w in worlds}
-    return {"compute_ms_per_sample": per_sample, "nosync_ms": {w: 1000 * compute[w] for w in worlds},
+    per_sample = {w: 1000 * nosync[w] / PER_RANK for w in worlds}
+    return {"compute_ms_per_sample": per_sample, "nosync_ms": {w: 1000 * nosync[w] for w in worlds},
+            "straggling": factor,
             "collectives": links, "rows": rows,
             "in_process": {w: in_process(p, lines[w], w) for w, p in probes.items()}}
 
 
 def print_report(doc: dict) -> None:
     print("\ncompute (the no-sync reference), ms per sample: "
-          + ", ".join(f"W={w}: {ms:.3f}" for w, ms in doc["compute_ms_per_sample"].items()))
+          + ", ".join(f"W={w}: {ms:.3f}" for w, ms in doc["compute_ms_per_sample"].items())
+          + "; the slowest rank's step over the mean rank's, steps started together: "
+          + ", ".join(f"W={w}: {f:.2f}" for w, f in doc["straggling"].items()))
     print("\ncollectives: fitted a + b n (median time per size), and a ring's alpha and beta read from the all-reduce\n")
     print("| W | wire | collective | a (us) | b (ns/byte) | ring alpha (us) | ring beta (Gb/s) |\n|---|---|---|---|---|---|---|")
     for world, wires in doc["collectives"].items():
@@ -259,9 +306,9 @@ def print_report(doc: dict) -> None:
                 print(f"| {world} | {wire} | {op} | {f['a_us']:.1f} | {f['b_ns_per_byte']:.3f} | {alpha} | {beta} |")
     print("\nin the probe's processes: the convnet's step without sync, with the suite's buckets over shared memory "
           "(train_allreduce.py's sync), and the model (the first plus the fitted all-reduce)\n")
-    print("| W | no sync ms | buckets ms | model ms | model / measured |\n|---|---|---|---|---|")
+    print("| W | no sync ms | slowest / mean | buckets ms | model ms | model / measured |\n|---|---|---|---|---|---|")
     for world, r in doc["in_process"].items():
-        print(f"| {world} | {r['nosync_ms']:.2f} | {r['buckets_ms']:.2f} | {r['model_ms']:.2f} | "
+        print(f"| {world} | {r['nosync_ms']:.2f} | {r['straggling']:.2f} | {r['buckets_ms']:.2f} | {r['model_ms']:.2f} | "
               f"{r['model_ms'] / r['buckets_ms']:.2f} |")
     print("\nthe model against the suite's step time (median over rounds; target: within 15%)\n")
     print("| strategy | W | measured ms (range) | model ms | model / measured | state MB: model / logged |\n"

@@ -249,8 +249,9 @@ def launch_commands(script: str, flags: list[str], nodes: int, per_node: int, ba
 
 def assumptions(args: argparse.Namespace) -> list[str]:
     return [
-        f"compute: {args.compute_ms:g} ms per step for {args.batch_per_gpu} images on one GPU (given), 2/3 of it "
-        "backward; the same on every GPU (no stragglers)",
+        f"compute: {args.compute_ms:g} ms per step for {args.batch_per_gpu} images on one GPU (given): the optimizer "
+        "step a pass over parameters, gradients and state at --memory-gbps, 2/3 of the rest backward; the same on "
+        "every GPU (no stragglers)",
         f"links: {args.intra_gbps:g} Gb/s inside a node (alpha {args.intra_alpha_us:g} us), {args.link_gbps:g} Gb/s "
         f"per node between nodes (alpha {args.link_alpha_us:g} us), the node's card shared by its "
         f"{args.gpus_per_node} GPUs; no congestion, a non-blocking fabric",
