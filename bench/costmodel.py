@@ -98,6 +98,7 @@ class Cluster:
     intra: Link
     inter: Link
     gamma_s_per_byte: float  # summing one byte into another in GPU memory
+    launch_s: float = 0.0  # fixed cost of starting one collective (a kernel launch, a Python hook)
     root: str = "chain"  # how reduce and broadcast go: NCCL's chain
 
     @property
@@ -113,32 +114,30 @@ class Cluster:
         GPUs' n/G shares side by side), inside: all-gather (NCCL's and Goyal et al.'s hierarchy)."""
         g, gamma = self.local, self.gamma_s_per_byte
         if self.nodes == 1:
-            return all_reduce(n, g, self.intra, gamma)
-        return (reduce_scatter(n, g, self.intra, gamma) + all_reduce(n, self.nodes, self.inter, gamma)
+            return self.launch_s + all_reduce(n, g, self.intra, gamma)
+        return (self.launch_s + reduce_scatter(n, g, self.intra, gamma) + all_reduce(n, self.nodes, self.inter, gamma)
                 + all_gather(n, g, self.intra))
 
     def reduce_broadcast(self, n: float) -> float:
         g, gamma = self.local, self.gamma_s_per_byte
-        if self.nodes == 1:
-            return reduce_broadcast(n, g, self.intra, gamma, self.root)
-        return reduce_broadcast(n, g, self.intra, gamma, self.root) + reduce_broadcast(n, self.nodes, self.inter, gamma,
-                                                                                      self.root)
+        inside = 2 * self.launch_s + reduce_broadcast(n, g, self.intra, gamma, self.root)
+        return inside if self.nodes == 1 else inside + reduce_broadcast(n, self.nodes, self.inter, gamma, self.root)
 
     def reduce_scatter(self, n: float) -> float:
         g, gamma = self.local, self.gamma_s_per_byte
-        inside = reduce_scatter(n, g, self.intra, gamma)
+        inside = self.launch_s + reduce_scatter(n, g, self.intra, gamma)
         return inside if self.nodes == 1 else inside + reduce_scatter(n, self.nodes, self.inter, gamma)
 
     def all_gather(self, n: float) -> float:
-        inside = all_gather(n, self.local, self.intra)
+        inside = self.launch_s + all_gather(n, self.local, self.intra)
         return inside if self.nodes == 1 else inside + all_gather(n, self.nodes, self.inter)
 
     def all_reduce_in_node(self, n: float) -> float:
-        return all_reduce(n, self.local, self.intra, self.gamma_s_per_byte)
+        return self.launch_s + all_reduce(n, self.local, self.intra, self.gamma_s_per_byte)
 
     def group_all_reduce(self, n: float) -> float:
         """The node's G ranks each all-reduce n with their peers: G n through one card."""
-        return all_reduce(self.local * n, self.nodes, self.inter, self.gamma_s_per_byte)
+        return self.launch_s + all_reduce(self.local * n, self.nodes, self.inter, self.gamma_s_per_byte)
 
 
 @dataclass(frozen=True)

@@ -117,7 +117,7 @@ class Row:
 
 def cluster(args: argparse.Namespace, gpus: int) -> Cluster:
     return Cluster(gpus, args.gpus_per_node, Link.of(args.intra_gbps, args.intra_alpha_us),
-                   Link.of(args.link_gbps, args.link_alpha_us), 3 * 8 / (args.memory_gbps * 1e9))
+                   Link.of(args.link_gbps, args.link_alpha_us), 3 * 8 / (args.memory_gbps * 1e9), args.launch_us * 1e-6)
 
 
 def workload(args: argparse.Namespace) -> Workload:
@@ -165,10 +165,12 @@ def forecast(args: argparse.Namespace, names: Sequence[str]) -> list[Row]:
 
 
 def best_bucket(args: argparse.Namespace, gpus: int) -> tuple[float, float, float]:
-    """(best bucket MB, its step, the 25 MB default's step) for the bucketed all-reduce."""
+    """(best bucket MB, its step, the 25 MB default's step) for the bucketed all-reduce. Not below
+    5 MB: the model charges a bucket nothing on the compute side (its copy, its kernels beside the
+    backward's), so it would favour ever smaller ones."""
     w, c = workload(args), cluster(args, gpus)
     steps = {mb: cm.step("ddp", w, STRATEGIES["ddp"][1].with_(bucket_mb=mb), c, True, gpus).seconds
-             for mb in (1, 2, 5, 10, 25, 50, 100)}
+             for mb in (5, 10, 25, 50, 100)}
     best = min(steps, key=steps.get)  # type: ignore[arg-type]
     return best, steps[best], steps[25]
 
@@ -253,7 +255,8 @@ def assumptions(args: argparse.Namespace) -> list[str]:
         "step a pass over parameters, gradients and state at --memory-gbps, 2/3 of the rest backward; the same on "
         "every GPU (no stragglers)",
         f"links: {args.intra_gbps:g} Gb/s inside a node (alpha {args.intra_alpha_us:g} us), {args.link_gbps:g} Gb/s "
-        f"per node between nodes (alpha {args.link_alpha_us:g} us), the node's card shared by its "
+        f"per node between nodes (alpha {args.link_alpha_us:g} us), {args.launch_us:g} us to start each collective, "
+        "the node's card shared by its "
         f"{args.gpus_per_node} GPUs; no congestion, a non-blocking fabric",
         "collectives: alpha-beta-gamma; all-reduce the faster of ring and halving-doubling, hierarchical "
         "(reduce-scatter inside, all-reduce across, all-gather inside); reduce and broadcast pipelined (NCCL); "
@@ -332,6 +335,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--link-gbps", type=float, default=100, help="each node's network, Gb/s (default: %(default)s)")
     p.add_argument("--intra-alpha-us", type=float, default=5.0, help="latency of a step inside a node (default: %(default)s)")
     p.add_argument("--link-alpha-us", type=float, default=10.0, help="latency of a step between nodes (default: %(default)s)")
+    p.add_argument("--launch-us", type=float, default=20.0,
+                   help="fixed cost of starting one collective: a kernel launch, a Python hook (default: %(default)s)")
     p.add_argument("--memory-gbps", type=float, default=2000 * 8, help="GPU memory bandwidth, Gb/s: the reduction's cost")
     p.add_argument("--gpus", default="8,64,512", help="comma list of GPU counts (default: %(default)s)")
     p.add_argument("--strategy", nargs="+", choices=list(STRATEGIES), help="the strategies to forecast (default: all)")
@@ -377,6 +382,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
         if not value > 0:
             p.error(f"{flag} must be > 0 (got {value})")
     for flag, value in {"--intra-alpha-us": a.intra_alpha_us, "--link-alpha-us": a.link_alpha_us,
+                        "--launch-us": a.launch_us,
                         "--sync-every": a.sync_every, "--optimizer-states": a.optimizer_states,
                         "--buffers": a.buffers, "--gpu-memory-gb": a.gpu_memory_gb}.items():
         if value < 0:
