@@ -48,6 +48,7 @@ STRATEGIES: dict[str, tuple[str, Strategy]] = {
 # one is recommended (the model's own error is of that order: stragglers, congestion, kernels it leaves out).
 EXACT = ("ddp", "allreduce", "master", "zero1", "fsdp2", "allreduce-ring", "dp", "ft")
 CLOSE = 0.95
+BUCKET_FLAG = ("train_allreduce.py", "train_master.py")  # the scripts with --bucket-mb
 COMPRESSES = ("ddp", "allreduce", "allreduce-ring", "master")  # the scripts with --grad-compression fp16|bf16
 
 # Published setups: every number with where it comes from (docs/benchmarks.md repeats this).
@@ -130,7 +131,7 @@ def workload(args: argparse.Namespace) -> Workload:
 
 def strategy_flags(s: Strategy) -> list[str]:
     flags = list(s.flags)
-    if s.script in ("train_allreduce.py", "train_master.py") and s.bucket_mb != 25:
+    if s.script in BUCKET_FLAG and s.bucket_mb != 25:
         flags += ["--bucket-mb", f"{s.bucket_mb:g}"]
     if s.script == "train_localsgd.py":
         flags += ["--sync-every", str(s.sync_every)]
@@ -158,7 +159,8 @@ def forecast(args: argparse.Namespace, names: Sequence[str]) -> list[Row]:
         c = cluster(args, gpus)
         for name in names:
             kind, s = STRATEGIES[name]
-            s = s.with_(bucket_mb=args.bucket_mb, sync_every=args.sync_every if args.sync_every else s.sync_every)
+            bucket = args.bucket_mb if s.script in BUCKET_FLAG else s.bucket_mb  # train_ddp.py keeps DDP's 25 MB
+            s = s.with_(bucket_mb=bucket, sync_every=args.sync_every if args.sync_every else s.sync_every)
             compression = args.grad_compression if name in COMPRESSES else "none"
             rows.append(forecast_row(kind, s, workload(replace_ns(args, grad_compression=compression)), c, compression))
     return rows
@@ -340,7 +342,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--memory-gbps", type=float, default=2000 * 8, help="GPU memory bandwidth, Gb/s: the reduction's cost")
     p.add_argument("--gpus", default="8,64,512", help="comma list of GPU counts (default: %(default)s)")
     p.add_argument("--strategy", nargs="+", choices=list(STRATEGIES), help="the strategies to forecast (default: all)")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size (default: %(default)s)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size of train_allreduce.py and train_master.py; DDP keeps "
+                                                               "its 25 (default: %(default)s)")
     p.add_argument("--sync-every", type=int, default=0, help="local SGD's H (default: 16)")
     p.add_argument("--grad-compression", choices=("none", "fp16", "bf16"), default="none")
     p.add_argument("--optimizer-states", type=int, default=1, help="floats per parameter: SGD 1, AdamW 2")

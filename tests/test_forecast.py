@@ -184,6 +184,15 @@ def test_the_recommended_launch_commands_use_flags_the_scripts_accept(argv, caps
 
 
 @pytest.mark.quick
+def test_a_model_by_name_brings_its_parameters_blocks_and_buffers():
+    from common.models import build_model
+
+    a = forecast.parse(["--model", "resnet18", "--compute-ms", "40", "--batch-per-gpu", "64", "--plot", "/dev/null"])
+    net = build_model("resnet18", 3, 224, 1000, 0)
+    assert a.params == sum(p.numel() for p in net.parameters()) and a.blocks > 4 and a.buffers > 0
+
+
+@pytest.mark.quick
 def test_a_line_is_fitted_through_timings_and_read_as_a_ring():
     sizes = calibration.SIZES
     ms = [0.05 + 2e-6 * n for n in sizes]
