@@ -199,8 +199,8 @@ def recommend(args: argparse.Namespace, rows: list[Row], gpus: int) -> Recommend
              "--batch-per-gpu")
     fastest = max(r.images_per_s for r in fits)
     top = min((r for r in fits if r.images_per_s >= CLOSE * fastest), key=lambda r: EXACT.index(r.strategy))
-    why = [f"{top.strategy}: the simplest exact strategy within {1 - CLOSE:.0%} of the most images/s "
-           f"({top.images_per_s:,.0f} against {fastest:,.0f})"]
+    why = [(f"{top.strategy}: the simplest exact strategy within {1 - CLOSE:.0%} of the most images/s "
+            f"({top.images_per_s:,.0f} against {fastest:,.0f})")]
     kind, strategy = STRATEGIES[top.strategy]
     chosen, compression = args, args.grad_compression
     if top.strategy in ("ddp", "allreduce"):
@@ -253,21 +253,20 @@ def launch_commands(script: str, flags: list[str], nodes: int, per_node: int, ba
 
 def assumptions(args: argparse.Namespace) -> list[str]:
     return [
-        f"compute: {args.compute_ms:g} ms per step for {args.batch_per_gpu} images on one GPU (given): the optimizer "
-        "step a pass over parameters, gradients and state at --memory-gbps, 2/3 of the rest backward; the same on "
-        "every GPU (no stragglers)",
-        f"links: {args.intra_gbps:g} Gb/s inside a node (alpha {args.intra_alpha_us:g} us), {args.link_gbps:g} Gb/s "
-        f"per node between nodes (alpha {args.link_alpha_us:g} us), {args.launch_us:g} us to start each collective, "
-        "the node's card shared by its "
-        f"{args.gpus_per_node} GPUs; no congestion, a non-blocking fabric",
-        "collectives: alpha-beta-gamma; all-reduce the faster of ring and halving-doubling, hierarchical "
-        "(reduce-scatter inside, all-reduce across, all-gather inside); reduce and broadcast pipelined (NCCL); "
-        "no protocol choices (NCCL's LL/LL128/Simple), no SHARP",
-        f"overlap: buckets ({args.bucket_mb:g} MB) of DDP and the hand-written all-reduce run beside the backward, "
-        "spread evenly over it, the last one exposed; ZeRO-1's, local SGD's and the replica groups' collectives "
-        "follow the backward; FSDP2 prefetches the next block's gather",
-        f"memory: parameters, gradients and {args.optimizer_states} optimizer state(s) per parameter in fp32, "
-        "sharded where the strategy shards; activations and the CUDA context left out (the same for all)",
+        (f"compute: {args.compute_ms:g} ms per step for {args.batch_per_gpu} images on one GPU (given): the optimizer "
+         "step a pass over parameters, gradients and state at --memory-gbps, 2/3 of the rest backward; the same on "
+         "every GPU (no stragglers)"),
+        (f"links: {args.intra_gbps:g} Gb/s inside a node (alpha {args.intra_alpha_us:g} us), {args.link_gbps:g} Gb/s "
+         f"per node between nodes (alpha {args.link_alpha_us:g} us), {args.launch_us:g} us to start each collective, "
+         f"the node's card shared by its {args.gpus_per_node} GPUs; no congestion, a non-blocking fabric"),
+        ("collectives: alpha-beta-gamma; all-reduce the faster of ring and halving-doubling, hierarchical "
+         "(reduce-scatter inside, all-reduce across, all-gather inside); reduce and broadcast pipelined (NCCL); "
+         "no protocol choices (NCCL's LL/LL128/Simple), no SHARP"),
+        (f"overlap: the buckets of DDP (25 MB) and the hand-written all-reduce ({args.bucket_mb:g} MB) run beside the "
+         "backward, spread evenly over it, the last one exposed; ZeRO-1's, local SGD's and the replica groups' "
+         "collectives follow the backward; FSDP2 prefetches the next block's gather"),
+        (f"memory: parameters, gradients and {args.optimizer_states} optimizer state(s) per parameter in fp32, "
+         "sharded where the strategy shards; activations and the CUDA context left out (the same for all)"),
         "local SGD and DiLoCo train differently from one GPU (not exact): never recommended on speed alone",
     ]
 
@@ -425,9 +424,8 @@ def print_forecast(doc: dict[str, Any], a: argparse.Namespace) -> None:
 # --- checked against published results -------------------------------------------------------------
 
 
-def preset_args(name: str, **changes: Any) -> argparse.Namespace:
-    return parse(["--preset", name, "--plot", os.devnull, *sum((["--" + k.replace("_", "-"), str(v)]
-                                                               for k, v in changes.items()), [])])
+def preset_args(name: str) -> argparse.Namespace:
+    return parse(["--preset", name, "--plot", os.devnull])
 
 
 def efficiency_between(args: argparse.Namespace, kind: str, strategy: Strategy, base: int, gpus: int) -> float:
@@ -480,7 +478,9 @@ def print_published(doc: dict[str, Any]) -> None:
 def main(argv: Sequence[str] | None = None) -> None:
     a = parse(sys.argv[1:] if argv is None else argv)
     if a.calibrate:
-        from bench import calibration  # torch and the suite load only for --calibrate (and --model)
+        from bench import (
+            calibration,  # torch and the suite load only for --calibrate (and --model)
+        )
         calibration.main(a.repeats, [int(w) for w in a.worlds.split(",")], a.json)
         return
     if a.published:

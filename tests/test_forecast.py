@@ -8,14 +8,13 @@ from __future__ import annotations
 import importlib
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 
-from bench import calibration, costmodel as cm, forecast
+from bench import calibration, forecast
+from bench import costmodel as cm
 from bench.costmodel import MB, Link, Strategy, Workload
-from tests.conftest import ROOT, child_env
+from tests.conftest import ROOT
 
 LINK = Link.of(100, 10)  # 100 Gb/s, 10 us
 GAMMA = 1e-12
