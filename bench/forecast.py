@@ -356,7 +356,15 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, default=3, help="--calibrate: interleaved rounds (default: %(default)s)")
     p.add_argument("--worlds", default="1,2,4", help="--calibrate: world sizes (default: %(default)s)")
     a = p.parse_args(argv)
-    if a.calibrate or a.published:
+    if a.calibrate:
+        try:
+            a.worlds = [int(w) for w in a.worlds.split(",")]
+        except ValueError:
+            p.error(f"--worlds {a.worlds}: a comma list of whole numbers, e.g. 1,2,4")
+        if a.repeats < 1 or min(a.worlds) < 1:
+            p.error("--repeats and every --worlds entry must be >= 1")
+        return a
+    if a.published:
         return a
     if a.preset:
         preset = PRESETS[a.preset]
@@ -481,7 +489,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         from bench import (
             calibration,  # torch and the suite load only for --calibrate (and --model)
         )
-        calibration.main(a.repeats, [int(w) for w in a.worlds.split(",")], a.json)
+        calibration.main(a.repeats, a.worlds, a.json)
         return
     if a.published:
         doc = published()

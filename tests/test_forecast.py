@@ -145,6 +145,8 @@ def test_the_json_document_has_the_documented_fields_and_the_plot_is_written(cap
     (["--params", "1000", "--compute-ms", "10", "--batch-per-gpu", "8", "--link-gbps", "0"], "--link-gbps"),
     (["--params", "1000", "--compute-ms", "10", "--batch-per-gpu", "8", "--strategy", "horovod"], "--strategy"),
     (["--model", "no_such_model", "--compute-ms", "10", "--batch-per-gpu", "8"], "--model"),
+    (["--calibrate", "--worlds", "1,two"], "--worlds"),
+    (["--calibrate", "--repeats", "0"], "--repeats"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(argv, names, capsys):
     code, out, err = run_cli([*argv, "--plot", "/dev/null"], capsys)
