@@ -74,6 +74,11 @@ def test_each_strategy_pays_what_its_design_says():
     h1 = cm.step("localsgd", w, Strategy("l", "", sync_every=1), c, True, 64)
     h16 = cm.step("localsgd", w, Strategy("l", "", sync_every=16), c, True, 64)
     assert h16.exposed_s == pytest.approx(h1.exposed_s / 16) and h16.bytes_sent == pytest.approx(h1.bytes_sent / 16)
+    # The hand-written ring: synchronous, and 2(W-1) latency steps over the network, against log2 steps.
+    big = cm.Cluster(1024, 8, Link.of(160, 5), Link.of(50, 50), 0)
+    ring_1024 = cm.step("allreduce-ring", w, Strategy("r", ""), big, True, 1024).exposed_s
+    assert ring_1024 - step["allreduce-ring"].exposed_s > 2 * 1023 * 50e-6 * 4 * 0.5  # 4 buckets of 25 MB
+    assert cm.step("ddp", w, Strategy("d", ""), big, True, 1024).exposed_s < ring_1024 / 5
     # The replica groups' cross-group sum is exposed: slower than DDP at the same bytes per GPU.
     assert step["ft"].seconds > step["ddp"].seconds
     # Memory: ZeRO-1 shards the optimizer state, FSDP2 everything (plus one block gathered).
