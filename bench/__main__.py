@@ -28,6 +28,9 @@ BENCHMARKS = {  # name (a module of this package) -> what it measures
           "lost, throughput while it is away, time to heal, beside DDP's restart from a checkpoint",
     "chaos": "seeded random faults of every kind through a whole run (replica groups; checkpoint-and-restart): "
              "survived, pauses, time back, and the fault-free run's weights, processes and files left",
+    "forecast": "each strategy on 8 to 1,024 GPUs from a cost model (step, images/s, efficiency, bytes, memory, "
+                "launch command); --published: against Goyal et al. and the DDP paper; --calibrate: against this "
+                "machine's own step times",
     "gpu": "the GPU paths in one command (nccl, CUDA equivalence, DataParallel, cpu,cuda, resume): pass/fail",
 }
 
