@@ -49,7 +49,6 @@ FT_KINDS = ("kill-worker", "freeze-worker", "kill-in-set-up", "kill-while-healin
             "kill-lighthouse")
 RESTART_KINDS = ("kill-rank", "freeze-rank", "kill-in-set-up", "kill-while-saving", "kill-during-evaluation",
                  "kill-agent")
-SLOW_HEAL_S = 1.0  # ft mode: each heal's load waits this long first (tests/patched.py), a window to kill it in
 
 
 @dataclass
@@ -269,7 +268,7 @@ class ReplicaGroups(Chaos):
         self.rejoined: dict[int, Job] = {}
 
     def training(self) -> list[str]:
-        return ["tests/patched.py", f"{self.patches},slow-heal={SLOW_HEAL_S}", self.script, *self.flags(),
+        return ["tests/patched.py", self.patches, self.script, *self.flags(),
                 "--groups", str(self.groups), "--exact-sums", "--ft-timeout-s", "5"]
 
     def start(self) -> None:
@@ -340,13 +339,14 @@ class ReplicaGroups(Chaos):
         self.back_when_healed(fault)
 
     def kill_while_healing(self, fault: Fault) -> None:
-        """Killed, and again while its restart loads a live peer's state (SLOW_HEAL_S into it)."""
+        """Killed, and again as its restart heals: once its quorum says it copies a live group's state
+        (the copy comes with the step's commit, a few ms to a few s later)."""
         signal_pid(self.worker(fault.target), signal.SIGKILL)
         landed = time.monotonic()
         deadline = landed + 120
+        healing = re.compile(rf"^\[g{fault.target}\] quorum of .*\(healing\)")
         while time.monotonic() < deadline:
-            heal = [at for at, line in list(self.job.lines)
-                    if at > landed and line.startswith(f"[g{fault.target}] loading a training state")]
+            heal = [at for at, line in list(self.job.lines) if at > landed and healing.search(line)]
             if heal:
                 signal_pid(self.worker(fault.target), signal.SIGKILL)
                 break

@@ -7,6 +7,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
@@ -144,6 +145,10 @@ class Config:
         return self.extend_to or self.epochs
 
 
+# Run identity: what defines a run (IDENTITY, run_identity), its name (identity_digest, the default
+# folders), how two runs differ (differences) and the flags that continue one (settings_flags,
+# way_to_continue). One module: checkpoints, resume and the banner read it from here.
+
 # Settings that change the trained weights. --synthetic-shape matters only for --dataset synthetic;
 # --data-dir and --image-size only for your own images (the built-in sets are the same anywhere).
 IDENTITY = ("dataset", "model", "weights", "batch_size", "lr", "momentum", "weight_decay", "schedule", "epochs", "seed",
@@ -165,6 +170,22 @@ def run_identity(flags: dict[str, Any], strategy_options: Sequence[str] = ()) ->
 def identity_digest(identity: dict[str, Any]) -> str:
     """Eight hex digits that name a run's identity in folder names and the banner."""
     return hashlib.sha256(json.dumps(identity, sort_keys=True).encode()).hexdigest()[:8]
+
+
+def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
+    return [f"{key} {saved.get(key)!r} -> {now.get(key)!r}" for key in sorted(saved.keys() | now.keys())
+            if saved.get(key) != now.get(key)]
+
+
+def way_to_continue(saved: dict[str, Any], now: dict[str, Any]) -> str:
+    """How to continue a run of another identity: its flags; or, for a run of an earlier version
+    (whose identity lacks settings every run has now), that this version cannot."""
+    if newer := sorted(key for key in IDENTITY if key in now and key not in saved):
+        flags = ", ".join("--" + key.replace("_", "-") for key in newer[:3]) + (" ..." if len(newer) > 3 else "")
+        return (f"It was written by an earlier version of the suite, before {flags} existed, and this version "
+                "cannot continue it: finish it with the version it was trained with")
+    return (f"To continue it, rerun with its settings: {shlex.join(settings_flags(saved))} (with the flags that are "
+            "not settings, such as --checkpoint-dir, as before)")
 
 
 class RankZeroParser(argparse.ArgumentParser):

@@ -17,11 +17,12 @@ import importlib.util
 import io
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Protocol, TypeVar
 
 from common.credentials import secrets_in
-from common.errors import first_line
+from common.errors import UserError, first_line
 
 T = TypeVar("T")
 
@@ -369,3 +370,47 @@ def storage_for(url: str, options: dict[str, Any] | None = None) -> Storage:
     if is_url(url):
         return FsspecStorage(url, options or {})
     return LocalStorage(url.removeprefix("file://"))
+
+
+# How long one start keeps asking a store that does not answer (unreachable, timed out, throttled)
+# before the job ends: seconds spent on failed requests and pauses, over all of the start's reads;
+# the pause between two asks grows from FIRST_PAUSE_S, doubling up to LONGEST_PAUSE_S.
+RESUME_RETRY_S = float(os.environ.get("DP_STORE_RETRY_S", "60"))
+FIRST_PAUSE_S, LONGEST_PAUSE_S = 1.0, 10.0
+T = TypeVar("T")
+
+
+class Patience:
+    """One start's allowance for a store that does not answer: a transient failure is retried after
+    a pause (1 s, doubling up to 10 s) while the time spent on failures stays within `bound_s`."""
+
+    def __init__(self, bound_s: float | None = None) -> None:
+        self.bound_s = RESUME_RETRY_S if bound_s is None else bound_s
+        self.spent_s, self.retries = 0.0, 0
+        self.last: StorageError | None = None
+
+    def call(self, action: Callable[[], T]) -> T:
+        pause = FIRST_PAUSE_S
+        while True:
+            started = time.monotonic()
+            try:
+                return action()
+            except StorageError as e:
+                if not e.transient:
+                    raise
+                self.spent_s += time.monotonic() - started
+                self.last = e
+                if self.spent_s + pause > self.bound_s:
+                    raise UserError(f"the store did not answer reading {e.url} for "
+                                    f"{self.spent_s:.0f} s ({e.cause}); nothing was started and no file was changed; "
+                                    "run the same command again once the store answers") from None
+                time.sleep(pause)
+                self.spent_s += pause
+                self.retries += 1
+                pause = min(2 * pause, LONGEST_PAUSE_S)
+
+    def warnings(self) -> list[str]:
+        if not self.retries:
+            return []
+        return [f"warning: the store did not answer at first ({self.last.url}: {self.last.cause}); it did after "
+                f"{self.retries} retries over {self.spent_s:.0f} s"]

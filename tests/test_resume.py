@@ -13,8 +13,9 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from common.train import checkpoint
-from common.train.checkpoint import CheckpointFolder, InvalidCheckpoint, model_mismatches, parse_checkpoint
+from common import storage
+from common.train.checkpoint import CheckpointFolder
+from common.train.state import InvalidCheckpoint, model_mismatches, parse_checkpoint
 from common.errors import UserError
 from common.train.preemption import FORCE_AFTER_S
 from common.storage import TRANSIENT, LocalStorage, StorageError
@@ -202,7 +203,7 @@ def test_a_store_gone_during_the_prune_is_left_to_the_next_save(tmp_path, monkey
     """The flake of test_object_storage's outage test, at its root: the prune listed the folder with
     the start's patience, waited a minute and ended the job with the start's words ("nothing was
     started"). It asks once and leaves the store's absence to the next save, whose error is right."""
-    monkeypatch.setattr(checkpoint, "RESUME_RETRY_S", 0.0)  # the start's patience, were it used, fails at once
+    monkeypatch.setattr(storage, "RESUME_RETRY_S", 0.0)  # the start's patience, were it used, fails at once
     _three_checkpoints(CheckpointFolder(LocalStorage(str(tmp_path)), keep=3))
     gone = GoneAfterThePointer(str(tmp_path))
     saved = CheckpointFolder(gone, keep=3).write("run", loop_state(12, torch.zeros(4)))

@@ -14,7 +14,8 @@ from typing import Iterator
 import pytest
 import torch
 
-from common.train.checkpoint import BackgroundWriter, CheckpointFolder, parse_checkpoint
+from common.train.checkpoint import BackgroundWriter, CheckpointFolder
+from common.train.state import parse_checkpoint
 from common.config import parse_args
 from common.errors import UserError
 from common.storage import LocalStorage

@@ -32,8 +32,8 @@ from common.models import build_model
 from common.output import confusion
 from common.output.report import write_report
 from common.train.precision import Precision
-from common.train import trainer
-from common.train.trainer import evaluate
+from common.train import evaluation
+from common.train.evaluation import evaluate
 from common.output.logger import EpochResult, _epoch_line
 from common.use import evaluating, predicting
 from common.use.exporting import current_umask
@@ -308,7 +308,7 @@ def test_evaluate_counts_top1_top5_and_the_confusion_matrix(monkeypatch):
     for label, predicted in [(0, 0), (1, 0), (2, 2), (3, 4), (3, 3)]:
         expected[label, predicted] += 1
     assert torch.equal(metrics.confusion, expected)
-    monkeypatch.setattr(trainer, "CONFUSION_MAX_CLASSES", 5)
+    monkeypatch.setattr(evaluation, "CONFUSION_MAX_CLASSES", 5)
     fewer = evaluate(Indexed(table), data, ctx, 2, Precision("fp32", ctx.device), torch.contiguous_format)
     assert (fewer.acc, fewer.acc_top5, fewer.confusion) == (3 / 5, 4 / 5, None)
 

@@ -16,7 +16,7 @@ from common.data.loader import make_synthetic
 from common.errors import UserError
 from common.models import build_model, spread_rgb
 from common.train.app import normalized_for_weights, pinned
-from common.train.checkpoint import parse_checkpoint
+from common.train.state import parse_checkpoint
 from common.weights import Source, fetch_into_hub, hub_path, load_into
 from tests.conftest import child_env, error_lines, latest_state, one_launch, run_script, split_runs
 from tests.httpserver import FileServer

@@ -26,7 +26,7 @@ holds one copy of it while saving (the detached copy); on an object store two (a
 A store that does not answer never starts a run over. Resume tells "the store did not answer"
 (unreachable, timed out, throttled, denied: common/storage.py's kinds) apart from "the file is not a
 checkpoint". A store that did not answer is asked again, with pauses growing from 1 s to 10 s, until
-failed requests and pauses have taken RESUME_RETRY_S (60 s; the environment variable
+failed requests and pauses have taken common/storage.py's RESUME_RETRY_S (60 s; the environment variable
 DP_STORE_RETRY_S changes it) for one start (the last request's own timeouts and retries may add a
 few seconds: a stopped S3 endpoint ends the job about 69 s after its start); then the job ends with
 one line naming the URL and the cause, having started and changed nothing. Denied and other
@@ -50,43 +50,30 @@ once the start is accepted (a resumed run is written by one job at a time).
 """
 from __future__ import annotations
 
-import io
 import json
-import os
-import pickle
 import re
 import secrets
-import shlex
 import sys
 import time
-import zipfile
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, TypeVar
 
 import torch
 
-from common import __version__
-from common.config import IDENTITY, STORAGE_TIMEOUT_S, settings_flags
-from common.data.images import EVAL_CROP
+from common.config import STORAGE_TIMEOUT_S, differences, way_to_continue
 from common.parallel.context import DistContext
 from common.errors import UserError, first_line
-from common.optimizers import OPTIMIZERS
 from common.train.run import Position, Run
-from common.storage import MISSING, Storage, StorageError, split, storage_for
+from common.train.state import (InvalidCheckpoint, data_entry, detached_copy, expected_bytes, load_training_state,
+                                model_mismatches, parse_checkpoint, training_state)
+from common.storage import MISSING, Patience, Storage, StorageError, split, storage_for
 
-T = TypeVar("T")
 
 POINTER = "latest.json"
 STEP_FILE = re.compile(r"step-(\d{8})\.pt$")
 RUN_STARTED = "%Y%m%d-%H%M%S"  # the time-sortable start of a run folder's name
-# How long one start keeps asking a store that does not answer (unreachable, timed out, throttled)
-# before the job ends: seconds spent on failed requests and pauses, over all of the start's reads.
-RESUME_RETRY_S = float(os.environ.get("DP_STORE_RETRY_S", "60"))
-FIRST_PAUSE_S, LONGEST_PAUSE_S = 1.0, 10.0
-REQUIRED = ("model", "optimizer", "scheduler", "epoch", "step_in_epoch", "global_step", "config", "world_size",
-            "identity")
-
+T = TypeVar("T")
 
 def _step_files(run: str, names: list[str]) -> list[str]:
     """The run's step files among a listing of its folder, oldest first."""
@@ -97,29 +84,6 @@ def step_name(run: str, global_step: int) -> str:
     return f"{run}/step-{global_step:08d}.pt"
 
 
-class InvalidCheckpoint(Exception):
-    pass
-
-
-def parse_checkpoint(data: bytes) -> dict[str, Any]:
-    """Load with weights_only=True; raise InvalidCheckpoint saying why the bytes are unusable."""
-    if not data:
-        raise InvalidCheckpoint("is empty")
-    if not zipfile.is_zipfile(io.BytesIO(data)):  # torch.save writes a zip; a cut write loses its directory
-        raise InvalidCheckpoint(f"is truncated or not a checkpoint ({len(data)} bytes, no complete zip archive)")
-    try:
-        state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        raise InvalidCheckpoint(f"holds objects that are not plain data and was refused unread ({first_line(e)})") from None
-    except Exception as e:  # noqa: BLE001 - any parse failure of untrusted bytes means "unusable"
-        raise InvalidCheckpoint(f"is truncated or not a checkpoint ({len(data)} bytes): {type(e).__name__}: "
-                                f"{first_line(e)}") from None
-    missing = [key for key in REQUIRED if not isinstance(state, dict) or key not in state]
-    if missing:
-        raise InvalidCheckpoint(f"lacks {', '.join(missing)} (written by another version?)")
-    return state
-
-
 WAYS_OUT = ("to load a checkpoint you trust, pass --resume FILE; to start a new run beside it (its files are kept), "
             "pass --resume none")
 
@@ -128,22 +92,6 @@ def kept(previous: str | None) -> str:
     """What a failed save leaves: the run's previous checkpoint."""
     return (f"the previous checkpoint {previous} is intact and the same command resumes from it" if previous
             else "no earlier checkpoint of this run exists")
-
-
-def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
-    return [f"{key} {saved.get(key)!r} -> {now.get(key)!r}" for key in sorted(saved.keys() | now.keys())
-            if saved.get(key) != now.get(key)]
-
-
-def way_to_continue(saved: dict[str, Any], now: dict[str, Any]) -> str:
-    """How to continue a run of another identity: its flags; or, for a run of an earlier version
-    (whose identity lacks settings every run has now), that this version cannot."""
-    if newer := sorted(key for key in IDENTITY if key in now and key not in saved):
-        flags = ", ".join("--" + key.replace("_", "-") for key in newer[:3]) + (" ..." if len(newer) > 3 else "")
-        return (f"It was written by an earlier version of the suite, before {flags} existed, and this version "
-                "cannot continue it: finish it with the version it was trained with")
-    return (f"To continue it, rerun with its settings: {shlex.join(settings_flags(saved))} (with the flags that are "
-            "not settings, such as --checkpoint-dir, as before)")
 
 
 @dataclass(frozen=True)
@@ -182,42 +130,6 @@ class Choice:
 
 class BadPointer(Exception):
     pass
-
-
-class Patience:
-    """One start's allowance for a store that does not answer: a transient failure is retried after
-    a pause (1 s, doubling up to 10 s) while the time spent on failures stays within `bound_s`."""
-
-    def __init__(self, bound_s: float | None = None) -> None:
-        self.bound_s = RESUME_RETRY_S if bound_s is None else bound_s
-        self.spent_s, self.retries = 0.0, 0
-        self.last: StorageError | None = None
-
-    def call(self, action: Callable[[], T]) -> T:
-        pause = FIRST_PAUSE_S
-        while True:
-            started = time.monotonic()
-            try:
-                return action()
-            except StorageError as e:
-                if not e.transient:
-                    raise
-                self.spent_s += time.monotonic() - started
-                self.last = e
-                if self.spent_s + pause > self.bound_s:
-                    raise UserError(f"the store did not answer reading {e.url} for "
-                                    f"{self.spent_s:.0f} s ({e.cause}); nothing was started and no file was changed; "
-                                    "run the same command again once the store answers") from None
-                time.sleep(pause)
-                self.spent_s += pause
-                self.retries += 1
-                pause = min(2 * pause, LONGEST_PAUSE_S)
-
-    def warnings(self) -> list[str]:
-        if not self.retries:
-            return []
-        return [f"warning: the store did not answer at first ({self.last.url}: {self.last.cause}); it did after "
-                f"{self.retries} retries over {self.spent_s:.0f} s"]
 
 
 class CheckpointFolder:
@@ -569,80 +481,6 @@ class BackgroundWriter:
         error = self.outcome()
         if error:
             print(f"warning: the job's last save did not complete: {error}", file=sys.stderr, flush=True)
-
-
-def training_state(run: Run, at: Position) -> dict[str, Any]:
-    """The checkpoint schema: everything training continues from, at `at`. The strategy gathers
-    sharded state (a collective on every rank). Also what a fault-tolerant group sends a peer
-    that heals from it (train_ft.py)."""
-    return {
-        "model": run.strategy.model_state(run.model),
-        "optimizer": run.strategy.optimizer_state(run.optimizer),
-        "scheduler": run.scheduler.state_dict(),
-        "scaler": run.precision.state_dict(),  # fp16's loss scale and its growth tracker
-        "strategy": run.strategy.state_dict(),  # e.g. PowerSGD's error feedback
-        "epoch": at.epoch, "step_in_epoch": at.step, "global_step": run.global_step(at),
-        "world_size": run.ctx.world_size, "config": run.cfg.as_plain_dict(), "identity": run.cfg.identity(),
-        "version": __version__,
-        **({"ema": run.ema.state(), "ema_steps": run.ema.steps} if run.ema else {}),  # full, like "model"
-    }
-
-
-def load_training_state(run: Run, state: dict[str, Any]) -> None:
-    """training_state() into the wrapped model (through the strategy), optimizer and schedule, on every rank."""
-    run.strategy.load_model_state(run.model, state["model"])
-    run.strategy.load_optimizer_state(run.optimizer, state["optimizer"])
-    run.scheduler.load_state_dict(state["scheduler"])
-    run.precision.load_state_dict(state.get("scaler", {}))
-    run.strategy.load_state_dict(state.get("strategy", {}))
-    if run.ema:
-        run.ema.load(state["ema"], int(state["ema_steps"]))
-
-
-def detached_copy(state: Any) -> Any:
-    """The state with every tensor copied to the CPU: training goes on changing the originals."""
-    if isinstance(state, torch.Tensor):
-        return state.detach().to("cpu", copy=True)
-    if isinstance(state, dict):  # the same type: a model's OrderedDict keeps its _metadata (module versions)
-        copy = type(state)((key, detached_copy(value)) for key, value in state.items())
-        if hasattr(state, "_metadata"):
-            copy._metadata = state._metadata
-        return copy
-    if isinstance(state, (list, tuple)):
-        return type(state)(detached_copy(value) for value in state)
-    return state
-
-
-def data_entry(run: Run) -> dict[str, Any]:
-    """What predict.py and export.py need besides the weights (common/use/): the classes' names
-    and the evaluation's preprocessing: decode to `channels`, resize the short side to `resize`
-    and centre-crop `size` (resize 0: the image must be size x size as it is), scale to [0, 1],
-    normalize by `mean` and `std`. Plain values: the file stays loadable with weights_only=True."""
-    cfg, spec = run.cfg, run.data.spec
-    return {"classes": run.data.names(),
-            "channels": spec.channels, "size": spec.size, "mean": list(spec.mean), "std": list(spec.std),
-            "resize": round(cfg.image_size / EVAL_CROP) if cfg.image_size else 0}  # as images.choose_geometry
-
-
-def expected_bytes(run: Run) -> int:
-    """About what one checkpoint takes: the model, once more per optimizer state tensor (momentum,
-    Adam's two moments) and once more for an EMA."""
-    model = sum(t.numel() * t.element_size() for t in run.plain.state_dict().values())
-    state = len(OPTIMIZERS[run.cfg.optimizer].state_tensors(run.cfg.momentum))
-    return model * (1 + state + bool(run.ema))
-
-
-def model_mismatches(saved: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> list[str]:
-    problems = []
-    if missing := [k for k in expected if k not in saved]:
-        problems.append(f"missing keys {missing[:5]}{' ...' if len(missing) > 5 else ''}")
-    if unexpected := [k for k in saved if k not in expected]:
-        problems.append(f"unexpected keys {unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}")
-    shapes = [f"{k} {tuple(saved[k].shape)} vs {tuple(v.shape)}" for k, v in expected.items()
-              if k in saved and tuple(saved[k].shape) != tuple(v.shape)]
-    if shapes:
-        problems.append(f"shape mismatch {shapes[:3]}")
-    return problems
 
 
 def _step_number(name: str) -> int:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from common.data.loader import TrainLoader
 from common.errors import ConfigError, UserError, first_line
 from common.parallel.comm import flatten, unflatten
-from common.train.checkpoint import detached_copy, load_training_state, training_state
+from common.train.state import detached_copy, load_training_state, training_state
 from common.train.preemption import SAVE_FAILED, Preempted
 from common.train.run import Position
 from common.train.step import COMPUTE, DATA, SYNC, StepClock, backward, reseed, update

@@ -32,7 +32,7 @@ from common.parallel.context import DistContext, distributed
 from common.parallel.failures import told
 from common.train.precision import Precision
 from common.train.run import default_eval_batch, torch_memory_format
-from common.train.trainer import CONFUSION_MAX_CLASSES, Metrics, evaluate
+from common.train.evaluation import CONFUSION_MAX_CLASSES, Metrics, evaluate
 from common.use.program import check_storage, check_writable, make_parser, run_program, writable_problem
 from common.use.source import Preprocessing, Saved
 

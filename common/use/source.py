@@ -15,8 +15,8 @@ from common.data.loader import DataSpec
 from common.errors import ConfigError, UserError
 from common.models import build_model
 from common.storage import MISSING, StorageError, is_url, split, storage_for
-from common.train.checkpoint import (POINTER, STEP_FILE, CheckpointFolder, InvalidCheckpoint, model_mismatches,
-                                     parse_checkpoint)
+from common.train.checkpoint import POINTER, STEP_FILE, CheckpointFolder
+from common.train.state import InvalidCheckpoint, model_mismatches, parse_checkpoint
 
 WHAT_TO_GIVE = "give a checkpoint file (step-*.pt), a run folder, or a --checkpoint-dir of a training run"
 
