@@ -81,6 +81,7 @@ def test_a_cut_download_leaves_nothing_that_passes_for_complete(mirror, tmp_path
     message = str(failed.value)
     assert "the download failed" in message and "\n" not in message
     assert not complete(data) and not (data / CIFAR_DIR).exists() and not leftovers(data)
+    assert not (data / ".download.lock").exists()  # no debris in the user's data folder
     with FileServer(folder) as server:  # the next run starts clean and completes
         ensure_local("cifar10", data, allow_download=True, download_from=server.url, say=print)
     assert complete(data) and not leftovers(data)

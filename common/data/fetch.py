@@ -32,7 +32,7 @@ from common.config import STORAGE_TIMEOUT_S
 from common.data.loader import Dataset, Split, make_synthetic
 from common.parallel.context import (DEADLINE_FLAG, PROGRESS_EVERY_S, DeadlinePassed, DistContext, Unanswered,
                                 run_with_heartbeat, wait_for_keys)
-from common.errors import UserError, WaitExpired
+from common.errors import UserError, WaitExpired, first_line
 from common.storage import StorageError, is_url, storage_for
 
 Say = Callable[[str], None]
@@ -107,7 +107,7 @@ def decode_once(name: str, root: Path, cache_dir: str) -> Path:
     except OSError as e:
         shutil.rmtree(staging, ignore_errors=True)
         if not (folder / META).is_file():  # another process may have won the race
-            raise UserError(f"--cache-dir {folder.parent}: {_brief(e)}; pass a writable --cache-dir") from None
+            raise UserError(f"--cache-dir {folder.parent}: {first_line(e)}; pass a writable --cache-dir") from None
     return folder
 
 
@@ -149,13 +149,18 @@ def ensure_local(name: str, root: Path, allow_download: bool, download_from: str
         return
     if not allow_download:
         raise UserError(formats.offline_message(name, root, missing, "--no-download is set"))
+    lock = root / ".download.lock"
     try:
         root.mkdir(parents=True, exist_ok=True)
-        with file_lock(root / ".download.lock", say):
+        with file_lock(lock, say):
             if formats.missing_files(name, root):  # another node sharing this folder may have done it
                 download(name, root, download_from, say)
     except (OSError, ValueError, tarfile.TarError, http.client.HTTPException) as e:  # URLError, timeouts: OSErrors
-        raise UserError(formats.offline_message(name, root, missing, f"the download failed ({_brief(e)})")) from None
+        # No debris in the user's data folder. A process still waiting on the old file may then download
+        # beside one that locks a new file: each file is verified and renamed into place whole, so the
+        # lock only saves a second download.
+        lock.unlink(missing_ok=True)
+        raise UserError(formats.offline_message(name, root, missing, f"the download failed ({first_line(e)})")) from None
     still = formats.missing_files(name, root)
     if still:
         raise UserError(formats.offline_message(name, root, still, "the download did not produce them"))
@@ -189,7 +194,7 @@ def fetch_from_mirrors(filename: str, md5: str, folder: Path, mirrors: list[str]
             os.replace(part, folder / filename)
             return
         except (OSError, ValueError, http.client.HTTPException) as e:
-            errors.append(f"{mirror}: {_brief(e)}")
+            errors.append(f"{mirror}: {first_line(e)}")
         finally:
             part.unlink(missing_ok=True)
     raise OSError("; ".join(errors))
@@ -252,7 +257,7 @@ def fetch_remote(name: str, url: str, root: Path, options: dict[str, Any], say: 
     except StorageError as e:
         raise UserError(f"--data-dir {e}; check the URL and the credentials") from None
     except OSError as e:
-        raise UserError(f"--cache-dir {root}: {_brief(e)}; pass a writable --cache-dir") from None
+        raise UserError(f"--cache-dir {root}: {first_line(e)}; pass a writable --cache-dir") from None
     size = sum((root / f).stat().st_size for f in fetched)
     say(f"{url}: fetched {len(fetched)} of {len(files)} file(s), {size / 2**20:.1f} MB, into {root} in "
         f"{time.monotonic() - started:.1f} s" + ("" if fetched else " (the cached copy is current)"))
@@ -297,7 +302,3 @@ def copy_if_changed(store: Any, rel: str, root: Path) -> bool:
     meta.with_suffix(".tmp").write_text(json.dumps(version))
     os.replace(meta.with_suffix(".tmp"), meta)
     return True
-
-
-def _brief(error: BaseException) -> str:
-    return (str(error).splitlines() or [type(error).__name__])[0][:200]
