@@ -125,7 +125,7 @@ def main() -> None:
           f"{a.threads} thread(s)/rank, gloo, global batch {a.batch_size}")
     for model in a.models:
         results = {}
-        for repeat in range(a.repeats):  # rows interleaved, so drift in machine load hits all of them
+        for _ in range(a.repeats):  # rows interleaved, so drift in machine load hits all of them
             for label, script in ROWS:
                 results.setdefault(label, []).append(run_row(script, model, a.batch_size, a.world, a.threads))
         print_table(model, a.batch_size, {label: best(t) for label, t in results.items()})

@@ -112,7 +112,7 @@ def pytest_runtest_call(item):
     """The quick tier stays quick: a test marked `quick` may start Python processes, never torchrun."""
     result = yield
     if item.get_closest_marker("quick"):
-        launched = [l for l in _launches if l.test == item.nodeid and l.kind in ("torchrun", "launcher")]
+        launched = [one for one in _launches if one.test == item.nodeid and one.kind in ("torchrun", "launcher")]
         if launched:
             pytest.fail(f"a quick test launched {' '.join(launched[0].argv)}: take the quick mark off, "
                         "or test it in-process", pytrace=False)
@@ -126,7 +126,7 @@ def pytest_runtest_logreport(report) -> None:
 def pytest_sessionfinish(session) -> None:
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:  # an xdist worker: hand the records to the controller
-        workeroutput["launches"] = json.dumps([{**asdict(l), "end": l.end or time.monotonic()} for l in _launches])
+        workeroutput["launches"] = json.dumps([{**asdict(one), "end": one.end or time.monotonic()} for one in _launches])
 
 
 def pytest_testnodedown(node, error) -> None:
@@ -138,7 +138,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
     if getattr(terminalreporter.config, "workerinput", None) is not None:
         return
     if path := terminalreporter.config.getoption("--launches-json"):
-        Path(path).write_text(json.dumps([{**asdict(l), "seconds": round(l.seconds, 2)} for l in _launches], indent=0))
+        Path(path).write_text(json.dumps([{**asdict(one), "seconds": round(one.seconds, 2)} for one in _launches], indent=0))
     if not _launches:
         return
     write = terminalreporter.write_line
@@ -150,15 +150,15 @@ def pytest_terminal_summary(terminalreporter) -> None:
         by_kind[launch.kind].append(launch)
         by_file[launch.test.split("::")[0]].append(launch)
         by_test[launch.test].append(launch)
-    total = sum(l.seconds for l in _launches)
+    total = sum(one.seconds for one in _launches)
     write(f"total: {len(_launches)} launches, {total:.0f} s of process time "
-          + ", ".join(f"{k} {len(v)} ({sum(l.seconds for l in v):.0f} s)" for k, v in sorted(by_kind.items())))
+          + ", ".join(f"{k} {len(v)} ({sum(one.seconds for one in v):.0f} s)" for k, v in sorted(by_kind.items())))
     write("per file (launches, seconds):")
-    for name, group in sorted(by_file.items(), key=lambda kv: -sum(l.seconds for l in kv[1])):
-        write(f"  {len(group):4d} {sum(l.seconds for l in group):7.0f} s  {name}")
-    for launch in (l for l in _launches if l.left_running):
+    for name, group in sorted(by_file.items(), key=lambda kv: -sum(one.seconds for one in kv[1])):
+        write(f"  {len(group):4d} {sum(one.seconds for one in group):7.0f} s  {name}")
+    for launch in (one for one in _launches if one.left_running):
         write(f"left running when its test ended: {' '.join(launch.argv)} ({launch.test})")
     write("ten most expensive tests (launches, launch seconds, test seconds):")
-    ranked = sorted(by_test.items(), key=lambda kv: -sum(l.seconds for l in kv[1]))[:10]
+    ranked = sorted(by_test.items(), key=lambda kv: -sum(one.seconds for one in kv[1]))[:10]
     for name, group in ranked:
-        write(f"  {len(group):4d} {sum(l.seconds for l in group):7.0f} s {_test_seconds.get(name, 0):7.0f} s  {name}")
+        write(f"  {len(group):4d} {sum(one.seconds for one in group):7.0f} s {_test_seconds.get(name, 0):7.0f} s  {name}")

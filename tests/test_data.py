@@ -179,7 +179,7 @@ def test_augmentation_follows_the_sample_not_the_rank():
         out = {}
         for rank in range(world):
             loader = TrainLoader(data.train, data.spec, 32, rank, world, seed=5, device=torch.device("cpu"))
-            for images, labels in loader.epoch(1):
+            for images, _ in loader.epoch(1):
                 for image in images:
                     out[image.numpy().tobytes()] = image
         return out

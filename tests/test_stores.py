@@ -236,7 +236,7 @@ def test_jobs_saving_every_step_into_one_folder_finish_while_others_start_there(
     finally:
         stop.touch()
     outcomes = [loop.communicate(timeout=60) for loop in loops]
-    for loop, (out, err) in zip(loops, outcomes):
+    for loop, (_, err) in zip(loops, outcomes):
         assert loop.returncode == 0, err[-3000:]
     steps = [len(out.split()) for out, _ in outcomes]
     print(f"\ntwo jobs saved {steps} times while two commands started in their folder")
