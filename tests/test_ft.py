@@ -169,6 +169,8 @@ class FtRun:
         self.logs, self.port = folder / "ft-logs", free_port()
         self.env = {**child_env(), "FT_PORT": str(self.port), "FT_LOGS": str(self.logs),
                     "FT_RESTARTS": str(restarts), **(gate.env() if gate else {})}
+        if gate:  # a quorum waits for every group whose heartbeat it hears, held ones too, however loaded the host
+            self.env["FT_JOIN_MS"] = "60000"
         self.training = training
         self.job = Job(["bash", "launch/ft.sh", str(groups), "1", *training], self.env)
         if gate:
