@@ -170,6 +170,8 @@ class FtRun:
         self.env = {**child_env(), "FT_PORT": str(self.port), "FT_LOGS": str(self.logs),
                     "FT_RESTARTS": str(restarts), "FT_LIGHTHOUSE_RESTARTS": str(lighthouse_restarts),
                     **(gate.env() if gate else {})}
+        if gate:  # a quorum waits for every group whose heartbeat it hears, held ones too, however loaded the host
+            self.env["FT_JOIN_MS"] = "60000"
         self.training = training
         self.job = Job(["bash", "launch/ft.sh", str(groups), "1", *training], self.env)
         if gate:
