@@ -13,6 +13,9 @@ Patches:
   no-module=NAME         `import NAME` fails, as if the package were not installed
   stale-after=S          a heartbeat that has not moved for S seconds is stale (common.parallel.context.STALE_AFTER_S)
   hang-preparing=PATH    on node 1, the node's data preparation writes its pid into PATH and never ends
+  slow-steps=S           every optimizer step (common.train.step.update) sleeps S seconds first: runs long
+                         enough in steps for recoveries to happen inside them (bench chaos), at a few ms of
+                         compute per step
   slow-storage=S@K       the K-th read or write of a local checkpoint folder by this process sleeps S seconds
                          first, saying so on stderr ("storage op K (write NAME) sleeps S s at UNIX_TIME in pid P")
   gate=WHO@POINT         held at a training step (or train_ft.py's heal) until the test releases it: a
@@ -94,6 +97,17 @@ def slow_storage(spec: str) -> None:
         setattr(LocalStorage, method, slowed(getattr(LocalStorage, method)))
 
 
+def slow_steps(seconds: float) -> None:
+    from common.train import step
+
+    real = step.update
+
+    def update(*args, **kwargs):
+        time.sleep(seconds)  # the patch's whole point: a longer step
+        return real(*args, **kwargs)
+    step.update = update
+
+
 def apply(patch: str) -> None:
     if patch == "no-object-collectives":
         for module in (dist, c10d):
@@ -124,6 +138,8 @@ def apply(patch: str) -> None:
         hang_preparing(patch.removeprefix("hang-preparing="))
     elif patch.startswith("slow-storage="):
         slow_storage(patch.removeprefix("slow-storage="))
+    elif patch.startswith("slow-steps="):
+        slow_steps(float(patch.removeprefix("slow-steps=")))
     elif patch.startswith("gate="):
         from tests.gates import install
 

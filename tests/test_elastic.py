@@ -50,8 +50,9 @@ EPOCHS, STEPS_PER_EPOCH = 2, 1200 // 32  # mnist_root's 1200 images, batch 32
 GATES = (20, 30)
 WORLD = re.compile(r"^[\w/+-]+: world (\d+) = ")  # the banner: "ddp: world 2 = ...", "fsdp/full: world 1 = ..."
 STARTED = re.compile(r"^start-up: ")
-STOPPED = re.compile(r"^stopped by SIGTERM after step (\d+) ")
-PASSED_ON = re.compile(r"closing signal SIGTERM")  # torchrun's line as it passes the TERM on to its workers
+# A stop on the node that leaves; the agent's restart at a new world size on the node that stays.
+STOPPED = re.compile(r"^(?:stopped by SIGTERM|membership change \(a node joined or left the elastic job\): saved) "
+                     r"after step (\d+) ")
 RESUMED = re.compile(r"^resumed from \S+/step-0*(\d+)\.pt: .*\(saved at world (\d+)\)")
 
 
@@ -111,7 +112,8 @@ class Store:
 
 
 def start_agent(name: str, console: Console, env: dict[str, str], args: list[str]) -> subprocess.Popen:
-    proc = subprocess.Popen(["bash", "launch/elastic.sh", *args], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen(["bash", "launch/elastic.sh", *args], cwd=ROOT, env={**env, "NODE_NAME": name},
+                            stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True)
     threading.Thread(target=console.read, args=(name, proc.stdout), daemon=True).start()
     return proc
@@ -146,7 +148,7 @@ def join_then_leave(script: str, flags: list[str], gate: Path) -> tuple[Console,
             world2 = console.first_step_of_next_world(joined, "join")
             left = console.now()
             agents[1].send_signal(signal.SIGTERM)
-            console.wait_for(PASSED_ON, left, "TERM passed on to the leaving node's worker", name="B")
+            signalled(gate, "B")  # the leaving agent passed the TERM on to its worker, held at the gate
             gate.unlink()
             world1 = console.first_step_of_next_world(left, "leave")
             agents[0].wait(timeout=ENDS_PROMPTLY_S)
@@ -183,6 +185,14 @@ def test_a_node_joins_and_leaves_without_losing_a_step(script, mnist_root, tmp_p
     dw = max_dw(final["model"], latest_state(reference)["model"])
     print(f"final weights vs the same schedule under plain torchrun: max |dw| = {dw:.3g}")
     assert dw == 0, "the same world sizes at the same steps: the same sums in the same order"
+
+
+def signalled(gate: Path, node: str) -> None:
+    """Wait until the node's worker, held at a gate, has taken its signal."""
+    marker, deadline = gate.with_name(f"signalled-{node}"), time.monotonic() + ENDS_PROMPTLY_S
+    while not marker.exists():
+        assert time.monotonic() < deadline, f"node {node}'s worker took no signal within {ENDS_PROMPTLY_S} s"
+        time.sleep(0.05)  # a poll with a deadline: the marker is a file the worker writes
 
 
 def same_schedule(script: str, flags: list[str]) -> Path:
@@ -243,7 +253,8 @@ def test_the_store_refuses_a_port_in_use_in_one_line():
 
 
 def gated(script: str, args: list[str], gate: Path) -> None:
-    """SCRIPT's own main with ARGS, held at GATES while `gate` exists (see the module's docstring)."""
+    """SCRIPT's own main with ARGS, held at GATES while `gate` exists (see the module's docstring). A
+    worker released by a signal says so in a file beside the gate, named for its node."""
     begin_step = StopRequest.begin_step
 
     def held(self: StopRequest, index: int) -> None:
@@ -252,6 +263,8 @@ def gated(script: str, args: list[str], gate: Path) -> None:
             if time.monotonic() > deadline:
                 raise SystemExit(f"error: held before step {index + 1} for {ENDS_PROMPTLY_S * 2} s: the test is gone")
             time.sleep(0.01)  # a poll with a deadline: the gate is a file, the release a signal or its removal
+        if index in GATES and gate.exists() and self.received:
+            gate.with_name(f"signalled-{os.environ.get('NODE_NAME', '?')}").touch()
         begin_step(self, index)
     StopRequest.begin_step = held
     sys.argv = [script, *args]

@@ -201,10 +201,6 @@ def outliving(pids: list[int], grace_s: float = 2.0) -> list[int]:
     return alive
 
 
-def healed_at(text: str, group: int) -> list[int]:
-    return [int(s) for s in re.findall(rf"group {group} healed from group \d+ at step (\d+)", text)]
-
-
 def every_sample_once(text: str, group: int) -> list[int]:
     """The samples the group's epoch lines count, for epochs it trained from their first step."""
     return [int(n) for n in re.findall(rf"\[g{group}\] epoch \d+: (\d+) samples in {STEPS_PER_EPOCH} committed steps "
