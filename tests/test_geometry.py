@@ -66,3 +66,29 @@ def test_a_samples_box_and_flip_depend_on_its_position_only_and_flip_half_the_ti
                                                          (10, 10, 224, Box(0, 0, 9, 9))])
 def test_the_evaluation_crop_is_the_centre_of_the_short_side_scaled_to_s_over_0_875(height, width, size, expected):
     assert eval_box(height, width, size) == expected
+
+
+@pytest.mark.quick
+def test_a_large_jpeg_decodes_reduced_only_where_the_crop_keeps_s_pixels_and_crops_alike():
+    """DCT scaling: 1/4 for a box 4 x 224 px across (2 x 224: 1/2; less: the whole decode), and the
+    crop from the reduced decode is the full decode's to a few grey levels (smooth photo-like pixels)."""
+    import io
+
+    from PIL import Image
+
+    from common.data.decoding import decode_whole, draft_scale
+    from common.data.geometry import scaled
+
+    coarse = torch.rand(3, 12, 16, generator=torch.Generator().manual_seed(3))
+    pixels = torch.nn.functional.interpolate(coarse[None], size=(1500, 2000), mode="bicubic")[0]
+    buffer = io.BytesIO()
+    Image.fromarray(pixels.clamp(0, 1).mul(255).byte().permute(1, 2, 0).numpy()).save(buffer, "JPEG", quality=90)
+    data = buffer.getvalue()
+    assert [draft_scale(data, Box(0, 0, side, side), 224) for side in (900, 500, 447)] == [4, 2, 1]
+    box = Box(100, 200, 1000, 1200)
+    whole = decode_whole(data, 3)
+    reduced = decode_whole(data, 3, draft_scale(data, box, 224))
+    assert whole.shape == (3, 1500, 2000) and reduced.shape == (3, 375, 500)
+    full = resized_crop(whole, box, 224).float()
+    cheap = resized_crop(reduced, scaled(box, 375, 500, 1500, 2000), 224).float()
+    assert (full - cheap).abs().mean() < 2.0
