@@ -45,7 +45,9 @@ from pathlib import Path
 import torch
 
 from common.data import own
-from common.data.images import Survey, as_is, choose_geometry, default_workers
+from common.data.geometry import choose_geometry
+from common.data.indexing import Survey, as_is
+from common.data.reading import default_workers
 from common.data.index import INDEX_FORMAT, TableWriter, map_index, publish, shapes_of, staging_for
 from common.data.loader import Dataset, TrainLoader, make_synthetic
 
@@ -157,7 +159,8 @@ def write_index(folder: Path, samples: int, val: int = 50_000, classes: int = 10
     for split, count in (("train", samples), ("test", val)):
         writer = TableWriter(staging, split, sharded=False)
         for start in range(0, count, CHUNK):
-            writer.add_images(*imagenet_names(split, start, min(start + CHUNK, count), count, classes))
+            names, labels = imagenet_names(split, start, min(start + CHUNK, count), count, classes)
+            writer.add_images(names, labels, [(500, 375)] * len(names))
         writer.close()
     survey = Survey()
     survey.saw("500x375", "train/n00000000/n00000000_0.JPEG", "RGB")

@@ -15,31 +15,32 @@ import json
 import math
 import os
 import shutil
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 
 from common import shards as layout
 from common.data.cache import (META, cache_folder, default_cache_dir, file_lock, hold_shared, lock_of, map_tensors,
                                read_meta, sweep_staging, unused, use_lock_of, write_atomically, write_tensors)
-from common.data.images import (STATS_SAMPLES, Geometry, Reader, ShardSamples, Stored, Survey, as_is, check_classes,
-                                choose_geometry, index_folder, index_shards, read_shard, stored_bytes)
-from common.data.index import (INDEX_FORMAT, SetIndex, TableWriter, map_index, publish, shapes_of,
-                               staging_for)
-from common.data.loader import DataSpec, Dataset, Split, to_device
-from common.data.shardcache import Prefetcher, ShardCache
+from common.data.geometry import Geometry, Stored, choose_geometry, stored_bytes
+from common.data.index import INDEX_FORMAT, SetIndex, TableWriter, map_index, publish, shapes_of, staging_for
+from common.data.indexing import ShardSamples, Survey, check_classes, index_folder, index_shards
+from common.data.loader import Dataset, DataSpec, Split
+from common.data.reading import Ragged, Reader, Request, Streamed, batches_of
+from common.data.shardcache import ShardCache
 from common.errors import UserError
+from common.data.shardformat import read_shard
 from common.storage import StorageError, is_url, storage_for
 
 Say = Callable[[str], None]
-DECODE_FORMAT = 2  # in each decoded set's key: what decode() produces (2: bounded resize, 16-bit and float scaled)
+DECODE_FORMAT = 3  # in each decoded set's key: what decoding produces (3: decode_jpeg, whole training images)
+STATS_SAMPLES = 2048  # training images the normalization statistics are measured on (evenly spaced)
 DECODE_CHUNK = 256  # images per worker task while decoding into the cache
 STATS_CHUNK = 32  # images per worker task while measuring the statistics
 STATS_SHARDS = 8  # shards the statistics are measured on
-LOADER_TIMEOUT_S = 600.0  # a worker may fetch a shard (bounded by the store's own timeouts) and decode a batch
 
 
 @dataclass(frozen=True)
@@ -284,10 +285,11 @@ def class_names(opts: OwnData, shard_set: layout.ShardSet, listing: dict[str, st
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
-def reader(index: SetIndex, split: str, geometry: Geometry, opts: OwnData) -> Reader:
+def reader(index: SetIndex, split: str, geometry: Geometry, opts: OwnData, store: Ragged | None = None) -> Reader:
     table = index.train if split == "train" else index.test
     stored = geometry.train if split == "train" else geometry.test
-    return Reader(table, index.root, stored, geometry.channels, opts.skip_broken, opts.shard_cache(index.versions))
+    return Reader(table, index.root, stored, geometry.channels, opts.skip_broken, opts.shard_cache(index.versions),
+                  geometry.augment if split == "train" else "none", store)
 
 
 def statistics(index: SetIndex, geometry: Geometry, opts: OwnData) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -305,9 +307,10 @@ def statistics(index: SetIndex, geometry: Geometry, opts: OwnData) -> tuple[tupl
     chunks = [picks[i:i + STATS_CHUNK] for i in range(0, len(picks), STATS_CHUNK)]
     sums = squares = torch.zeros(geometry.channels, dtype=torch.int64)
     count = 0
-    for images, _, _, _, _, error in batches_of(reader(index, "train", geometry, opts), chunks, opts.prepare_workers):
-        if error:
-            raise UserError(error)
+    for batch in batches_of(reader(index, "train", geometry, opts), chunks, opts.prepare_workers):
+        if batch.error:
+            raise UserError(batch.error)
+        images = batch.images
         histogram = pixel_histogram(images)
         sums = sums + histogram @ LEVELS
         squares = squares + histogram @ LEVELS.square()
@@ -347,26 +350,6 @@ def geometry_key(geometry: Geometry) -> str:
     return hashlib.sha256(json.dumps(asdict(geometry)).encode()).hexdigest()[:12]
 
 
-def batches_of(source: Reader, indices: Iterable[list[int]], workers: int, pin: bool = False) -> Iterator:
-    """The reader's collated batches of `indices`, in order, decoded by `workers` processes, forked
-    now (before the caller starts a thread that could hold a lock at the fork). A worker that
-    delivers nothing for LOADER_TIMEOUT_S (a hung file system) ends the rank."""
-    loader = torch.utils.data.DataLoader(source, batch_sampler=indices, num_workers=workers, collate_fn=as_is,
-                                         pin_memory=pin, prefetch_factor=4 if workers else None,
-                                         timeout=LOADER_TIMEOUT_S if workers else 0)
-    return _deadlined(iter(loader), source.root)
-
-
-def _deadlined(batches: Iterator, root: str) -> Iterator:
-    try:
-        yield from batches
-    except RuntimeError as e:
-        if "timed out" not in str(e):
-            raise
-        raise UserError(f"a DataLoader worker delivered no batch of {root} in {LOADER_TIMEOUT_S:g} s: its "
-                        "files or store hang; check them (a streamed set is read during training)") from None
-
-
 def decode_into_cache(index: SetIndex, geometry: Geometry, spec: DataSpec, opts: OwnData, say: Say) -> Path:
     """Every image decoded once at its stored geometry into raw uint8 files, named after the set's
     fingerprint, the geometry, the decoder's version and --skip-broken: found again by later runs,
@@ -389,7 +372,8 @@ def decode_all(index: SetIndex, geometry: Geometry, spec: DataSpec, opts: OwnDat
         if index.train.group is not None:
             index.train.group.numpy().tofile(staging / "train_groups")
         write_tensors(staging, {}, {"spec": asdict(spec), "skipped": skipped.skipped,
-                                    "skipped_count": skipped.skipped_count, "tensors": tensor_shapes(index, geometry)})
+                                    "skipped_count": skipped.skipped_count,
+                                    "tensors": tensor_shapes(index, geometry, staging)})
         os.rename(staging, folder)
     except OSError as e:
         raise UserError(f"--cache-dir {folder.parent}: {e.strerror or e}; pass a --cache-dir with room for "
@@ -417,25 +401,35 @@ def evict_decoded(parent: Path, budget: int) -> None:
 
 
 def decode_split(source: Reader, folder: Path, split: str, opts: OwnData, say: Say) -> Survey:
-    """Decode a split in order into folder/<split>_images and <split>_labels; the files skipped."""
-    chunks = [list(range(i, min(i + DECODE_CHUNK, len(source)))) for i in range(0, len(source), DECODE_CHUNK)]
+    """Decode a split in order into folder/<split>_images and <split>_labels (a split trained on
+    crops of the whole image: its whole images end to end, and <split>_dims); the files skipped."""
+    whole = source.view.whole
+    chunks = [Request(list(range(i, min(i + DECODE_CHUNK, len(source)))), whole=whole)
+              for i in range(0, len(source), DECODE_CHUNK)]
     skipped = Survey()
-    with open(folder / f"{split}_images", "wb") as images, open(folder / f"{split}_labels", "wb") as labels:
-        for batch, batch_labels, missed, _, _, error in batches_of(source, chunks, opts.prepare_workers):
-            if error:
-                raise UserError(error)
-            images.write(batch.numpy().tobytes())
-            labels.write(batch_labels.numpy().tobytes())
-            skipped.skip(missed)
+    with open(folder / f"{split}_images", "wb") as images, open(folder / f"{split}_labels", "wb") as labels, \
+            open(folder / f"{split}_dims", "wb") if whole else nullcontext() as dims:
+        for batch in batches_of(source, chunks, opts.prepare_workers):
+            if batch.error:
+                raise UserError(batch.error)
+            images.write(batch.images.numpy().tobytes())
+            labels.write(batch.labels.numpy().tobytes())
+            if whole:
+                dims.write(batch.dims.numpy().tobytes())
+            skipped.skip(batch.skipped)
     say(f"decoded {len(source)} {split} images into {folder.name.removeprefix('.').split('.tmp')[0]}"
         + (f" ({skipped.skipped_count} unreadable, replaced by their next sample)" if skipped.skipped_count else ""))
     return skipped
 
 
-def tensor_shapes(index: SetIndex, geometry: Geometry) -> dict[str, dict]:
+def tensor_shapes(index: SetIndex, geometry: Geometry, folder: Path) -> dict[str, dict]:
     c, shapes = geometry.channels, {}
     for split, table, stored in (("train", index.train, geometry.train), ("test", index.test, geometry.test)):
-        shapes[f"{split}_images"] = {"shape": [len(table), c, stored.side, stored.side], "dtype": "uint8"}
+        if stored.whole:  # ragged: the pixels end to end, and per image its stored and original sizes
+            shapes[f"{split}_images"] = {"shape": [(folder / f"{split}_images").stat().st_size], "dtype": "uint8"}
+            shapes[f"{split}_dims"] = {"shape": [len(table), 4], "dtype": "int64"}
+        else:
+            shapes[f"{split}_images"] = {"shape": [len(table), c, stored.side, stored.side], "dtype": "uint8"}
         shapes[f"{split}_labels"] = {"shape": [len(table)], "dtype": "int64"}
     if index.train.group is not None:
         shapes["train_groups"] = {"shape": [len(index.train)], "dtype": "int64"}
@@ -446,6 +440,10 @@ def tensor_shapes(index: SetIndex, geometry: Geometry) -> dict[str, dict]:
 
 def open_prepared(report: dict[str, Any], opts: OwnData) -> Dataset:
     name = f"{opts.kind} {opts.data_dir}"
+    hold_shared(use_lock_of(Path(report["index"])))
+    index = map_index(Path(report["index"]))
+    geometry = Geometry(report["geometry"]["channels"], Stored(**report["geometry"]["train"]),
+                        Stored(**report["geometry"]["test"]), report["geometry"]["size"], report["geometry"]["augment"])
     if "decoded" in report:
         folder = Path(report["decoded"])
         hold_shared(use_lock_of(folder))
@@ -455,12 +453,14 @@ def open_prepared(report: dict[str, Any], opts: OwnData) -> Dataset:
         if meta["skipped_count"]:
             held += f"; {meta['skipped_count']} unreadable file(s) replaced by their next sample: " + \
                 ", ".join(meta["skipped"][:5]) + (", ..." if meta["skipped_count"] > 5 else "")
-        return Dataset(name, spec, Split(tensors["train_images"], tensors["train_labels"], tensors.get("train_groups")),
-                       Split(tensors["test_images"], tensors["test_labels"]), held, tuple(report["class_names"]))
-    hold_shared(use_lock_of(Path(report["index"])))
-    index = map_index(Path(report["index"]))
-    geometry = Geometry(report["geometry"]["channels"], Stored(**report["geometry"]["train"]),
-                        Stored(**report["geometry"]["test"]), report["geometry"]["size"], report["geometry"]["augment"])
+        if geometry.train.whole:  # whole images: cropped by the workers, as a streamed set
+            store = Ragged(tensors["train_images"], tensors["train_dims"], tensors["train_labels"], geometry.channels)
+            train = Streamed(reader(index, "train", geometry, opts, store), opts.workers)
+            held += f"; {opts.workers} DataLoader worker(s) per rank crop each batch"
+        else:
+            train = Split(tensors["train_images"], tensors["train_labels"], tensors.get("train_groups"))
+        return Dataset(name, spec, train, Split(tensors["test_images"], tensors["test_labels"]), held,
+                       tuple(report["class_names"]))
     spec = DataSpec(**{**report["spec"], "mean": tuple(report["spec"]["mean"]), "std": tuple(report["spec"]["std"])})
     train, test = (Streamed(reader(index, split, geometry, opts), opts.workers) for split in ("train", "test"))
     where = f", through the shard cache {train.source.cache.folder} (at most {opts.shard_cache_gb:g} GB)" \
@@ -468,76 +468,3 @@ def open_prepared(report: dict[str, Any], opts: OwnData) -> Dataset:
     held = (f"streamed: {opts.workers} DataLoader worker(s) per rank decode each batch{where} "
             f"(decoded it would take {stored_bytes(index, geometry) / 2**30:.3g} GB, above --cache-gb {opts.cache_gb:g})")
     return Dataset(name, spec, train, test, held, tuple(report["class_names"]))
-
-
-class Plan:
-    """The batch sampler of an epoch: each batch's indices as a list when the loader asks for it
-    (a whole epoch as Python ints would cost ~36 bytes per sample in the rank)."""
-
-    def __init__(self, indices: list[torch.Tensor]) -> None:
-        self.indices = indices
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __iter__(self) -> Iterator[list[int]]:
-        return (index.tolist() for index in self.indices)
-
-
-class Streamed:
-    """A split decoded batch by batch by DataLoader workers; the same interface as Split.
-    Counts what the loader met: shard cache hits and misses, and skipped files."""
-
-    def __init__(self, source: Reader, workers: int) -> None:
-        self.source, self.workers = source, workers
-        self.groups = source.table.group
-        self.hits = self.misses = 0
-        self.skipped = Survey()  # this epoch's files that did not decode: counted, the first ones named
-
-    def __len__(self) -> int:
-        return len(self.source)
-
-    @property
-    def labels(self) -> torch.Tensor:
-        return self.source.table.labels
-
-    def batches(self, indices: list[torch.Tensor], device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        if not indices:
-            return
-        # The workers fork first: a fork while the prefetch thread holds a lock (fsspec's event-loop
-        # lock, mid-fetch) leaves the worker's copy of that lock held forever.
-        batches = batches_of(self.source, Plan(indices), self.workers, pin=device.type == "cuda")
-        prefetch, reached = self.prefetch(indices)
-        try:
-            for step, (images, labels, skipped, hits, misses, error) in enumerate(batches):
-                if error:
-                    raise UserError(error)
-                if prefetch:
-                    prefetch.reached(reached[step])
-                self.hits, self.misses = self.hits + hits, self.misses + misses
-                self.skipped.skip(skipped)
-                yield to_device(images, device), to_device(labels, device)
-        finally:
-            if prefetch:
-                prefetch.close()
-
-    def prefetch(self, indices: list[torch.Tensor]) -> tuple[Prefetcher | None, list[int]]:
-        """For shards from a URL: a prefetcher of the shards in the order the batches first need
-        them, and per batch the furthest position in that order it reads."""
-        cache = self.source.cache
-        if cache is None:
-            return None, []
-        first_use: dict[int, int] = {}
-        reached = []
-        for index in indices:
-            for shard in self.groups[index].tolist():
-                first_use.setdefault(shard, len(first_use))
-            reached.append(max((first_use[s] for s in set(self.groups[index].tolist())), default=0))
-        names = [self.source.table.names[shard] for shard in first_use]
-        return Prefetcher(cache, names, cache.ahead()), reached
-
-    def take_counts(self) -> tuple[dict[str, float], list[str]]:
-        counts = {"shard_cache_hits": self.hits, "shard_cache_misses": self.misses,
-                  "skipped_files": self.skipped.skipped_count}
-        skipped, self.skipped, self.hits, self.misses = self.skipped.skipped, Survey(), 0, 0
-        return counts, skipped

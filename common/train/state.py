@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from common import __version__
-from common.data.images import EVAL_CROP
+from common.data.geometry import EVAL_CROP
 from common.errors import first_line
 from common.optimizers import OPTIMIZERS
 from common.train.run import Position, Run
@@ -92,7 +92,7 @@ def data_entry(run: Run) -> dict[str, Any]:
     cfg, spec = run.cfg, run.data.spec
     return {"classes": run.data.names(),
             "channels": spec.channels, "size": spec.size, "mean": list(spec.mean), "std": list(spec.std),
-            "resize": round(cfg.image_size / EVAL_CROP) if cfg.image_size else 0}  # as images.choose_geometry
+            "resize": round(cfg.image_size / EVAL_CROP) if cfg.image_size else 0}  # as geometry.choose_geometry
 
 
 def expected_bytes(run: Run) -> int:
