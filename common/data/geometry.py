@@ -1,0 +1,101 @@
+"""Where a training or evaluation crop of an own image lies, and the crop itself, on uint8 tensors.
+
+One home for the reference recipe's geometry (torchvision's references/classification): training
+takes a RandomResizedCrop of the WHOLE image (area fraction U(0.08, 1), log aspect ratio
+U(log 3/4, log 4/3), ten tries, then a centre crop clamped to the ratio range) and mirrors it
+with probability 1/2; evaluation resizes the short side to S / 0.875 and takes the centre S x S.
+
+Every draw of a sample comes from its own torch.Generator seeded by (seed, epoch, step, global
+position in the batch): the same sample gets the same crop at any world size, worker count, or
+on resume, and whichever path (CPU workers, or the rank decoding on a GPU) draws it. The box is a
+Box in the source image's pixels; `resized_crop` makes the model's S x S input of it.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import torch
+
+from common.data.augment import sample_seed
+
+SCALE = (0.08, 1.0)  # torchvision's RandomResizedCrop defaults: area fraction of the image
+RATIO = (3 / 4, 4 / 3)  # ... and aspect ratio (width / height) of the box
+EVAL_CROP = 0.875  # evaluation: resize the short side to S / 0.875, centre-crop S (224 of 256)
+TRIES = 10
+
+
+class Box(NamedTuple):
+    """A crop of the source image in integer pixels (torchvision's (i, j, h, w) order), and
+    whether the crop is mirrored left-right."""
+
+    top: int
+    left: int
+    height: int
+    width: int
+    flip: bool = False
+
+
+def sample_generator(seed: int, epoch: int, step: int, position: int) -> torch.Generator:
+    """The generator of one sample's geometric draws (its box, then its flip): a function of the
+    run's seed and the sample's place in the epoch's global sample stream only."""
+    return torch.Generator().manual_seed(sample_seed(seed, epoch, step, position, "crop"))
+
+
+def random_resized_box(g: torch.Generator, height: int, width: int, scale: tuple[float, float] = SCALE,
+                       ratio: tuple[float, float] = RATIO) -> Box:
+    """torchvision's `RandomResizedCrop.get_params` for a height x width image, drawn from `g`:
+    from the same generator state it returns the same box, draw for draw (its float32 log-ratio
+    bounds, its rounding, its ten tries, then its centre fallback clamped to the ratio range)."""
+    area = height * width
+    log_ratio = torch.log(torch.tensor(ratio))  # float32, as torchvision computes it
+    for _ in range(TRIES):
+        target_area = area * torch.empty(1).uniform_(scale[0], scale[1], generator=g).item()
+        aspect = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1], generator=g)).item()
+        w = int(round(math.sqrt(target_area * aspect)))
+        h = int(round(math.sqrt(target_area / aspect)))
+        if 0 < w <= width and 0 < h <= height:
+            top = int(torch.randint(0, height - h + 1, size=(1,), generator=g).item())
+            left = int(torch.randint(0, width - w + 1, size=(1,), generator=g).item())
+            return Box(top, left, h, w)
+    in_ratio = width / height
+    if in_ratio < min(ratio):
+        w, h = width, int(round(width / min(ratio)))
+    elif in_ratio > max(ratio):
+        w, h = int(round(height * max(ratio))), height
+    else:
+        w, h = width, height
+    return Box((height - h) // 2, (width - w) // 2, h, w)
+
+
+def train_box(seed: int, epoch: int, step: int, position: int, height: int, width: int) -> Box:
+    """THE training crop of the sample at global `position` of step `step` of `epoch`, on its
+    height x width source image: torchvision's RandomResizedCrop box, then a flip with
+    probability 1/2 (the reference's RandomHorizontalFlip), both from the sample's own generator.
+    Every path that trains own images (CPU workers, a GPU decoding rank) asks this function."""
+    g = sample_generator(seed, epoch, step, position)
+    box = random_resized_box(g, height, width)
+    return box._replace(flip=bool(torch.rand(1, generator=g).item() < 0.5))
+
+
+def eval_box(height: int, width: int, size: int) -> Box:
+    """The evaluation crop: what resizing the short side to size / EVAL_CROP and centre-cropping
+    size x size keeps, as a box of the source (rounded to whole source pixels, then resized
+    once: one resampling instead of torchvision's two)."""
+    extent = min(height, width, max(1, round(size * min(height, width) / round(size / EVAL_CROP))))
+    return Box((height - extent) // 2, (width - extent) // 2, extent, extent)
+
+
+def resized_crop(image: torch.Tensor, box: Box, size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The box of a uint8 (C, H, W) image resized to (C, size, size) with torch's antialiased
+    bilinear uint8 kernel (torchvision's `v2.functional.resized_crop(..., antialias=True)` on the
+    same box), mirrored if box.flip; written into `out` (a row of a preallocated batch) if given."""
+    crop = image[None, :, box.top:box.top + box.height, box.left:box.left + box.width]
+    if crop.shape[-2:] != (size, size):
+        crop = torch.nn.functional.interpolate(crop, size=(size, size), mode="bilinear", align_corners=False,
+                                               antialias=True)
+    crop = crop[0].flip(-1) if box.flip else crop[0]
+    if out is None:
+        return crop.contiguous()
+    out.copy_(crop)
+    return out
