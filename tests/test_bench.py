@@ -73,3 +73,26 @@ def test_the_pipeline_bench_measures_every_row_on_a_tiny_photo_set(tmp_path):
     for row, line in zip(measured, lines):
         cells = [cell.strip() for cell in line.strip("|").split("|")]
         assert cells[0] == row.name and int(cells[3]) == round(pipeline.NODE_DEMAND / row.rate)
+
+
+def test_the_gpu_benchs_decode_rows_run_on_cpu_tensors(tmp_path):
+    """bench gpu's --decode gpu rows measure the real device path; here on the CPU (the GPU rows
+    run where a GPU is lent): each row passes with a rate, DALI's only where it is installed."""
+    import importlib.util
+
+    import torch
+
+    from bench.gpu import decode_rows
+    from tests.datagen import write_photos
+
+    photos = write_photos(tmp_path / "sources", train_size=2, test_size=1, classes=2)
+    sources = tmp_path / "flat"
+    sources.mkdir()
+    for n, path in enumerate(sorted(photos.glob("train/*/*.jpg"))):
+        (sources / f"{n}.jpg").write_bytes(path.read_bytes())
+    rows = decode_rows(sources, 12, torch.device("cpu"))
+    dali = importlib.util.find_spec("nvidia.dali") is not None
+    assert [row.label for row in rows][:2] == ["decode: nvJPEG batch decode alone",
+                                               "decode: --decode gpu, nvJPEG + crop + flip (ours)"]
+    assert len(rows) == 2 + dali
+    assert all(row.passed and row.images_per_s > 0 for row in rows[:2]), rows
