@@ -33,7 +33,8 @@ sample).
 --max-side N and --quality Q store smaller photos, as FFCV does: every image is decoded, scaled down
 (antialiased, aspect kept) so that its long side is at most N pixels, and re-encoded as a JPEG of
 quality Q (defaults: no scaling, quality 90), KEY.jpg; grayscale images stay grayscale, all others
-become 8-bit RGB (what the readers make of them anyway; an alpha channel is dropped as they drop it).
+become 8-bit RGB (what the readers make of them anyway; an alpha channel is dropped as they drop it);
+16-bit and float images are refused (convert such a set without these flags).
 Decoding costs in proportion to the pixels: see docs/data.md for when the lost detail is worth it.
 Every tar member is a plain file with mode 0644, mtime 0 and owner 0, so the same tree and
 seed give the same shard bytes (under a new generation's names). DEST is a folder (created) or any
@@ -320,13 +321,15 @@ def scaled_size(width: int, height: int, max_side: int | None) -> tuple[int, int
 
 
 def reencoded(path: Path, settings: Reencode) -> bytes:
-    """The image at `path` as --max-side / --quality store it: a JPEG's bytes."""
-    from common.data.images import to_8_bits  # the readers' rule for 16-bit and float images (imports this module)
-
+    """The image at `path` as --max-side / --quality store it: a JPEG's bytes. A 16-bit or float
+    image is refused, naming it: an 8-bit JPEG would lose what the readers' own scaling keeps."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # verify() refused the ones past MAX_PIXELS
         with Image.open(path) as image:
-            image = to_8_bits(image)
+            if image.mode == "F" or image.mode.startswith("I"):
+                raise UserError(f"{path} is a {image.mode} (16-bit, 32-bit or float) image, and --max-side/--quality "
+                                "store 8-bit JPEGs; convert this set without them (its files are then copied "
+                                "verbatim), or save its images as 8-bit first")
             image = image.convert("L" if image.mode in ("1", "L") else "RGB")
     size = scaled_size(*image.size, settings.max_side)
     if size != image.size:  # LANCZOS over the whole footprint: antialiased, as the readers' own resize
@@ -356,11 +359,11 @@ def convert(src: Path, dest: str, shard_mb: float = 64, seed: int = 0,
     for path, _ in splits[TRAIN] + splits[VAL]:
         verify(src / path)
     random.Random(seed).shuffle(splits[TRAIN])
-    storage = storage_for(dest, storage_options)
-    generation = new_generation()
     with tempfile.TemporaryDirectory(prefix="common.shards.") as scratch:
-        if reencode is not None:  # written to local scratch first: the shards are planned from the sizes
+        if reencode is not None:  # to local scratch first, before DEST is touched: the shards are planned from the sizes
             src, splits = Path(scratch), _reencode_tree(src, splits, reencode, Path(scratch))
+        storage = storage_for(dest, storage_options)
+        generation = new_generation()
         shards = {split: _write_split(storage, src, split, generation, samples, int(shard_mb * 2**20))
                   for split, samples in splits.items()}
     storage.write(CLASSES_FILE, "".join(f"{name}\n" for name in classes).encode())

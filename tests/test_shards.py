@@ -547,3 +547,16 @@ def test_training_reads_shards_of_smaller_photos(colour_tree, tmp_path):
         assert images.shape[1:] == (3, 20, 20) and torch.isfinite(images).all()
         labels += batch_labels.tolist()
     assert sorted(labels) == sorted(label for *_, label in source_samples(colour_tree, TRAIN))
+
+
+def test_smaller_photos_refuse_a_16_bit_image_before_writing_anything(tmp_path, capsys):
+    """An 8-bit JPEG would lose what the readers' scaling of a 16-bit image keeps: refused, named."""
+    deep = Image.fromarray((np.arange(12 * 16).reshape(12, 16) * 300).astype(np.uint16))
+    tree = write_tree(tmp_path / "tree", {"train/a/0.png": PNG, "train/b/deep.png": encoded(deep, "PNG"),
+                                          "val/a/1.png": PNG})
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tree), str(tmp_path / "out"), "--max-side", "8"])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == "" and not (tmp_path / "out").exists()
+    assert err.startswith(f"common.shards: error: {tree / 'train/b/deep.png'} is a I;16") and err.count("\n") == 1
+    assert "convert this set without them" in err
