@@ -246,6 +246,7 @@ def rows(tree: Path, tmp: Path, size: int, max_side: int) -> list[Row]:
         ("ours: worker + rank + RandAugment", our_path(ours, "randaugment")),
         ("ours: worker + rank + TrivialAugment", our_path(ours, "trivialaugment")),
         (f"decode_jpeg alone, --max-side {max_side}", decode_jpeg_alone(stored_files(small))),
+        (f"torchvision reference, --max-side {max_side}", reference(stored_files(small), size, None)),
         (f"ours, --max-side {max_side} shards: one worker", our_worker(smaller)),
         (f"ours, --max-side {max_side} shards: worker + rank", our_path(smaller, "basic")),
         (f"ours, --max-side {max_side} shards: worker + rank + RandAugment", our_path(smaller, "randaugment")),
