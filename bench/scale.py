@@ -157,7 +157,8 @@ def write_index(folder: Path, samples: int, val: int = 50_000, classes: int = 10
     for split, count in (("train", samples), ("test", val)):
         writer = TableWriter(staging, split, sharded=False)
         for start in range(0, count, CHUNK):
-            writer.add_images(*imagenet_names(split, start, min(start + CHUNK, count), count, classes))
+            names, labels = imagenet_names(split, start, min(start + CHUNK, count), count, classes)
+            writer.add_images(names, labels, [(500, 375)] * len(names))
         writer.close()
     survey = Survey()
     survey.saw("500x375", "train/n00000000/n00000000_0.JPEG", "RGB")

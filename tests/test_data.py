@@ -111,7 +111,7 @@ def _tiny_split(n: int) -> Split:
     return Split(images, torch.arange(n) % 10)
 
 
-SPEC = DataSpec(1, 2, 10, (0.0,), (1 / 255,), augment=False)  # normalization leaves pixel = sample id
+SPEC = DataSpec(1, 2, 10, (0.0,), (1 / 255,), augment="none")  # normalization leaves pixel = sample id
 
 
 def _ranks_batches(n: int, batch: int, world: int, epoch: int = 0) -> list[list[torch.Tensor]]:

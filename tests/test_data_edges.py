@@ -73,8 +73,8 @@ def test_skip_broken_takes_the_next_sample_and_wraps_around_at_the_end(small, tm
     source: Reader = data.train.source
     last = len(source) - 1
     (tree / source.table.names[last]).write_bytes((tree / source.table.names[last]).read_bytes()[:60])
-    images, _, skipped, _, _, error = source.__getitems__([last])
-    assert not error and skipped == [source.name(last)] and torch.equal(images[0], source.image(0))
+    batch = source.__getitems__([last])
+    assert not batch.error and batch.skipped == [source.name(last)] and torch.equal(batch.images[0], source[0][0])
 
 
 def test_statistics_are_exact_sums_in_chunks(small, tmp_path):
@@ -463,9 +463,9 @@ def test_a_run_of_undecodable_images_costs_one_decode_each_and_counts_once(small
     assert "; 12 unreadable file(s) replaced" in decoded.held
     reader: Reader = dataset(opts).train.source
     decodes = []
-    real = Reader.image
-    monkeypatch.setattr(Reader, "image", lambda self, i: decodes.append(i) or real(self, i))
-    images, _, skipped, _, _, error = reader.__getitems__(list(range(len(reader))))
+    real = Reader.pixels
+    monkeypatch.setattr(Reader, "pixels", lambda self, i, *rest: decodes.append(i) or real(self, i, *rest))
+    images, _, skipped, _, _, error, _ = reader.__getitems__(list(range(len(reader))))
     assert not error and len(images) == 40 and sorted(skipped) == sorted(str(tree / n) for n in names[10:22])
     assert sorted(decodes) == sorted([*range(40), *[22] * 12])  # each once; sample 22 for each of the run too
 

@@ -108,7 +108,9 @@ def test_varying_sizes_need_image_size_and_then_train_as_the_reference_recipe(se
         own.prepare(options(sets["varying"], tmp_path), lambda line: None)
     data = dataset(options(sets["varying"], tmp_path, image_size=24))
     assert (data.spec.channels, data.spec.size, data.spec.augment) == (3, 24, "resized-crop-flip")
-    assert data.train.images.shape[1:] == (3, 27, 27) and data.test.images.shape[1:] == (3, 24, 24)
+    assert data.test.images.shape[1:] == (3, 24, 24)  # evaluation: the centre crops, decoded once
+    store = data.train.source.store  # training: each image whole (the set's are small: within the bound)
+    assert [tuple(store.image(i).shape[1:]) for i in range(3)] == [store.original(i) for i in range(3)]
     images, _ = next(TrainLoader(data.train, data.spec, 24, 0, 1, 0, CPU).epoch(0))
     assert images.shape == (24, 3, 24, 24) and torch.isfinite(images).all()
 
@@ -201,8 +203,8 @@ def test_skip_broken_trains_without_the_files_and_names_them(sets, tmp_path):
     streamed = dataset(replace(opts, cache_gb=0.0))
     reader: Reader = streamed.train.source
     position = list(reader.table.names).index(str(truncated.relative_to(folder)))
-    images, labels, skipped, _, _, error = reader.__getitems__([position])
-    assert not error and skipped == [str(truncated)] and torch.equal(images[0], reader.image(position + 1))
+    batch = reader.__getitems__([position])
+    assert not batch.error and batch.skipped == [str(truncated)] and torch.equal(batch.images[0], reader[position + 1][0])
 
 
 # ---------------------------------------------------------------- whole jobs

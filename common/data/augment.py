@@ -1,21 +1,32 @@
 """--augment randaugment | trivialaugment | autoaugment and --random-erase P: torchvision's own
 transforms, applied one sample at a time with each sample's draws seeded from (seed, epoch, step,
-its position in the global batch).
+its position in the global batch), so every sample is augmented the same at any world size, any
+worker count and on resume.
 
-torchvision's transforms draw from torch's global CPU generator. Seeding that generator per sample
-from the sample's global position, not from the rank, makes every sample augmented the same at any
-world size and on resume; the global state is restored afterwards, so dropout's reseeding
-(common/train/step.py) sees what it would without augmentation.
+The policies draw their ops and magnitudes from a per-sample torch.Generator (Policy) and apply
+torchvision's ops; random erasing still seeds torch's global CPU generator per sample and restores
+it afterwards, so dropout's reseeding (common/train/step.py) sees what it would without it.
 """
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
 ERASE_SCALE = (0.02, 0.33)  # torchvision's RandomErasing defaults: area fraction and aspect ratio of the box
 ERASE_RATIO = (0.3, 3.3)
+
+
+class Draws(NamedTuple):
+    """What a training batch's random draws are a function of (never the rank or the worker); the
+    step is the first batch's where a run of batches is asked for."""
+
+    seed: int
+    epoch: int
+    step: int
+    global_batch: int
+    augment: str  # --augment: basic | randaugment | trivialaugment | autoaugment
 
 
 def draw_seed(*parts: object, bits: int = 63) -> int:
@@ -55,21 +66,80 @@ def make_eraser(probability: float) -> Callable[[torch.Tensor], torch.Tensor] | 
     return v2.RandomErasing(p=probability, scale=ERASE_SCALE, ratio=ERASE_RATIO, value=0, inplace=True)
 
 
+class Policy:
+    """torchvision's policy for --augment with every draw taken from a generator the caller gives
+    (one per sample, seeded from its global position), in torchvision's order: from the same
+    generator state it picks the ops and magnitudes torchvision's forward picks from the global
+    one, and applies them with torchvision's own ops. No global state is touched, so nothing needs
+    saving and restoring around each sample."""
+
+    def __init__(self, augment: str) -> None:
+        self.transform = make_policy(augment)
+
+    def __bool__(self) -> bool:
+        return self.transform is not None
+
+    def __call__(self, image: torch.Tensor, g: torch.Generator) -> torch.Tensor:
+        """The policy on one uint8 (C, H, W) image."""
+        t = self.transform
+        for op, magnitude in self.draw(g, *image.shape[-2:]):
+            image = t._apply_image_or_video_transform(image, op, magnitude, interpolation=t.interpolation, fill=t._fill)
+        return image
+
+    def draw(self, g: torch.Generator, height: int, width: int) -> list[tuple[str, float]]:
+        """The (op, magnitude) pairs the policy applies, drawn as torchvision's forward draws them."""
+        from torchvision.transforms import v2
+        t = self.transform
+        if isinstance(t, v2.AutoAugment):
+            policy = t._policies[int(torch.randint(len(t._policies), (), generator=g))]
+            ops = []
+            for op, probability, bin_ in policy:
+                if torch.rand((), generator=g) <= probability:
+                    ops.append(_signed(t, op, lambda magnitudes: magnitudes[bin_], 10, height, width, g))
+            return ops
+        space, keys = t._AUGMENTATION_SPACE, tuple(t._AUGMENTATION_SPACE)
+        if isinstance(t, v2.RandAugment):
+            return [_signed(t, keys[int(torch.randint(len(keys), (), generator=g))], lambda m: m[t.magnitude],
+                            t.num_magnitude_bins, height, width, g) for _ in range(t.num_ops)]
+        op = keys[int(torch.randint(len(keys), (), generator=g))]  # TrivialAugmentWide
+        return [_signed(t, op, lambda m: m[int(torch.randint(t.num_magnitude_bins, (), generator=g))],
+                        t.num_magnitude_bins, height, width, g)]
+
+
+def _signed(t: Any, op: str, pick: Callable[[torch.Tensor], torch.Tensor], bins: int, height: int, width: int,
+            g: torch.Generator) -> tuple[str, float]:
+    """op with its magnitude picked from torchvision's table, negated with probability 1/2 where
+    the op is signed (drawn only then, as torchvision draws it)."""
+    magnitudes_fn, signed = t._AUGMENTATION_SPACE[op]
+    magnitudes = magnitudes_fn(bins, height, width)
+    if magnitudes is None:
+        return op, 0.0
+    magnitude = float(pick(magnitudes))
+    if signed and torch.rand((), generator=g) <= 0.5:
+        magnitude *= -1
+    return op, magnitude
+
+
+def policy_generator(seed: int, epoch: int, step: int, position: int) -> torch.Generator:
+    """The generator of one sample's policy draws: a function of its global position only."""
+    return torch.Generator().manual_seed(sample_seed(seed, epoch, step, position, "policy"))
+
+
 class SampleAugment:
     """A policy on uint8 images and random erasing on normalized ones, each sample's draws a
     function of (seed, epoch, step, global position)."""
 
     def __init__(self, augment: str, random_erase: float) -> None:
-        self.policy = make_policy(augment)
+        self.policy = Policy(augment)
         self.eraser = make_eraser(random_erase)
 
     def apply_policy(self, images: torch.Tensor, seed: int, epoch: int, step: int,
                      positions: Sequence[int]) -> torch.Tensor:
-        """The policy on each image of the batch, as uint8 (row i is global position positions[i])."""
-        if self.policy is None:
-            return images
-        seeds = [sample_seed(seed, epoch, step, p, "policy") for p in positions]
-        return torch.stack(_each_seeded(self.policy, as_uint8(images), seeds))
+        """The policy on each uint8 image of the batch, in place (row i is global position positions[i])."""
+        if self.policy:
+            for i, p in enumerate(positions):
+                images[i] = self.policy(images[i], policy_generator(seed, epoch, step, p))
+        return images
 
     def erase(self, images: torch.Tensor, seed: int, epoch: int, step: int, positions: Sequence[int]) -> torch.Tensor:
         """Random erasing, in place, on each normalized image of the batch (each row a view: the
@@ -77,12 +147,6 @@ class SampleAugment:
         if self.eraser is not None:
             _each_seeded(self.eraser, images, [sample_seed(seed, epoch, step, p, "erase") for p in positions])
         return images
-
-
-def as_uint8(images: torch.Tensor) -> torch.Tensor:
-    """Resized crops come out as float pixel values; the policies work on uint8 images, as the
-    references' do (on crops of PIL images)."""
-    return images if images.dtype == torch.uint8 else images.round().clamp_(0, 255).to(torch.uint8)
 
 
 def _each_seeded(transform: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor,

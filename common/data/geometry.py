@@ -23,6 +23,7 @@ SCALE = (0.08, 1.0)  # torchvision's RandomResizedCrop defaults: area fraction o
 RATIO = (3 / 4, 4 / 3)  # ... and aspect ratio (width / height) of the box
 EVAL_CROP = 0.875  # evaluation: resize the short side to S / 0.875, centre-crop S (224 of 256)
 TRIES = 10
+LOG_RATIO = torch.log(torch.tensor(RATIO))  # float32, as torchvision computes it (made once, not per sample)
 
 
 class Box(NamedTuple):
@@ -48,7 +49,7 @@ def random_resized_box(g: torch.Generator, height: int, width: int, scale: tuple
     from the same generator state it returns the same box, draw for draw (its float32 log-ratio
     bounds, its rounding, its ten tries, then its centre fallback clamped to the ratio range)."""
     area = height * width
-    log_ratio = torch.log(torch.tensor(ratio))  # float32, as torchvision computes it
+    log_ratio = LOG_RATIO if ratio == RATIO else torch.log(torch.tensor(ratio))
     for _ in range(TRIES):
         target_area = area * torch.empty(1).uniform_(scale[0], scale[1], generator=g).item()
         aspect = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1], generator=g)).item()
@@ -78,12 +79,25 @@ def train_box(seed: int, epoch: int, step: int, position: int, height: int, widt
     return box._replace(flip=bool(torch.rand(1, generator=g).item() < 0.5))
 
 
-def eval_box(height: int, width: int, size: int) -> Box:
-    """The evaluation crop: what resizing the short side to size / EVAL_CROP and centre-cropping
-    size x size keeps, as a box of the source (rounded to whole source pixels, then resized
-    once: one resampling instead of torchvision's two)."""
-    extent = min(height, width, max(1, round(size * min(height, width) / round(size / EVAL_CROP))))
+def eval_box(height: int, width: int, size: int, short: int = 0) -> Box:
+    """The evaluation crop: what resizing the short side to `short` (default size / EVAL_CROP,
+    256 for 224) and centre-cropping size x size keeps, as a box of the source (rounded to whole
+    source pixels, then resized once: one resampling instead of torchvision's two)."""
+    short = short or round(size / EVAL_CROP)
+    extent = min(height, width, max(1, round(size * min(height, width) / short)))
     return Box((height - extent) // 2, (width - extent) // 2, extent, extent)
+
+
+def scaled(box: Box, height: int, width: int, source_height: int, source_width: int) -> Box:
+    """A box drawn on a source_height x source_width image, on the same image held at height x
+    width (a reduced JPEG decode, a cached copy bounded in size): the same region, rounded to
+    whole pixels of the smaller image."""
+    if (height, width) == (source_height, source_width):
+        return box
+    sy, sx = height / source_height, width / source_width
+    top, left = min(round(box.top * sy), height - 1), min(round(box.left * sx), width - 1)
+    return Box(top, left, max(1, min(round(box.height * sy), height - top)),
+               max(1, min(round(box.width * sx), width - left)), box.flip)
 
 
 def resized_crop(image: torch.Tensor, box: Box, size: int, out: torch.Tensor | None = None) -> torch.Tensor:

@@ -20,7 +20,7 @@ import torch
 
 from common.data.cache import META, map_tensors, staging_path
 
-INDEX_FORMAT = 3  # in each index's folder name: a later layout is never read as an earlier one
+INDEX_FORMAT = 4  # in each index's folder name: a later layout is never read as an earlier one
 SAMPLES_NAMED = 100  # skipped or ignored files whose names the index keeps (all are counted)
 
 
@@ -57,6 +57,8 @@ class Table:
     group: torch.Tensor | None = None  # int64
     offset: torch.Tensor | None = None  # int64
     size: torch.Tensor | None = None  # int64
+    height: torch.Tensor | None = None  # int64, each image's size as its header gives it: a training crop
+    width: torch.Tensor | None = None  # is drawn on the whole image, before (or instead of) decoding it whole
 
     def __len__(self) -> int:
         return len(self.labels)
@@ -133,21 +135,29 @@ class TableWriter:
         self.columns = {name: _ArrayFile(folder / f"{split}_{name}", np.int64) for name in ("group", "offset", "size")} \
             if sharded else {}
         self.keys = _StringsFile(folder, f"{split}_keys") if sharded else None
+        self.dims = {name: _ArrayFile(folder / f"{split}_{name}", np.int64) for name in ("height", "width")}
 
-    def add_images(self, paths: list[str], labels: list[int]) -> None:
+    def add_images(self, paths: list[str], labels: list[int], dims: list[tuple[int, int]]) -> None:
+        """Images by path, with their classes and (width, height)s."""
         self.names.append(paths)
         self.labels.append(labels)
+        self._add_dims(dims)
 
     def add_shard(self, name: str, group: int, offsets: list[int], sizes: list[int], keys: list[str],
-                  labels: list[int]) -> None:
+                  labels: list[int], dims: list[tuple[int, int]]) -> None:
         self.names.append([name])
         self.labels.append(labels)
         self.keys.append(keys)
         for column, values in (("group", [group] * len(labels)), ("offset", offsets), ("size", sizes)):
             self.columns[column].append(values)
+        self._add_dims(dims)
+
+    def _add_dims(self, dims: list[tuple[int, int]]) -> None:
+        self.dims["width"].append([w for w, _ in dims])
+        self.dims["height"].append([h for _, h in dims])
 
     def close(self) -> None:
-        for array in (self.labels, self.names, self.keys, *self.columns.values()):
+        for array in (self.labels, self.names, self.keys, *self.columns.values(), *self.dims.values()):
             if array:
                 array.close()
 
@@ -192,7 +202,8 @@ def map_index(folder: Path) -> SetIndex:
 def map_table(folder: Path, split: str) -> Table:
     arrays = map_tensors(folder, prefix=f"{split}_")
     strings = lambda name: Strings(arrays[f"{split}_{name}_blob"], arrays[f"{split}_{name}_ends"])  # noqa: E731
+    dims = {"height": arrays[f"{split}_height"], "width": arrays[f"{split}_width"]}
     if f"{split}_group" not in arrays:
-        return Table(folder, split, arrays[f"{split}_labels"], strings("names"))
+        return Table(folder, split, arrays[f"{split}_labels"], strings("names"), **dims)
     return Table(folder, split, arrays[f"{split}_labels"], strings("names"), strings("keys"), arrays[f"{split}_group"],
-                 arrays[f"{split}_offset"], arrays[f"{split}_size"])
+                 arrays[f"{split}_offset"], arrays[f"{split}_size"], **dims)

@@ -6,13 +6,12 @@ gets the files onto each node.
 """
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Iterator
 
 import torch
 
-from common.data.augment import SampleAugment, draw_seed
+from common.data.augment import Draws, SampleAugment, draw_seed
 from common.errors import UserError
 
 
@@ -39,6 +38,8 @@ class Split:
 
     def __len__(self) -> int:
         return len(self.labels)
+
+    augments = False  # its training batches are cropped and augmented by TrainLoader, on the rank
 
     def batches(self, indices: list[torch.Tensor], device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """uint8 images and labels of each index batch, on `device`."""
@@ -105,6 +106,13 @@ def _batch_generator(seed: int, epoch: int, step: int) -> torch.Generator:
     return torch.Generator().manual_seed(draw_seed(seed, epoch, step))
 
 
+def pad_crop_draws(seed: int, epoch: int, step: int, global_batch: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A global batch's pad-crop shifts (0..8 per axis) and flips, drawn from (seed, epoch, step):
+    row p is the sample at global position p, whichever rank or worker crops it."""
+    g = _batch_generator(seed, epoch, step)
+    return torch.randint(0, 9, (global_batch, 2), generator=g), torch.rand(global_batch, generator=g) < 0.5
+
+
 def crop_and_flip(images: torch.Tensor, shifts: torch.Tensor, flips: torch.Tensor, pad: int = 4) -> torch.Tensor:
     """Random-crop from a zero-padded image (shift in 0..2*pad per axis) and mirror, for a whole batch."""
     n, c, h, w = images.shape
@@ -144,15 +152,19 @@ def global_order(size: int, seed: int, epoch: int, groups: torch.Tensor | None =
 
 
 class Normalizer:
-    """uint8 images -> normalized float, in the layout the model wants (channels_last for conv nets)."""
+    """uint8 images -> normalized float, in the layout the model wants (channels_last for conv nets):
+    (x / 255 - mean) / std as shift + x * scale in one pass into the output, not a float copy per
+    arithmetic step."""
 
     def __init__(self, spec: DataSpec, device: torch.device, memory_format: torch.memory_format) -> None:
-        self.mean = torch.tensor(spec.mean, device=device).view(1, -1, 1, 1)
-        self.std = torch.tensor(spec.std, device=device).view(1, -1, 1, 1)
+        std = torch.tensor(spec.std, dtype=torch.float64)
+        self.scale = (1 / (255 * std)).float().to(device).view(1, -1, 1, 1)
+        self.shift = (-torch.tensor(spec.mean, dtype=torch.float64) / std).float().to(device).view(1, -1, 1, 1)
         self.memory_format = memory_format
 
     def __call__(self, images: torch.Tensor) -> torch.Tensor:
-        return ((images.float() / 255.0 - self.mean) / self.std).contiguous(memory_format=self.memory_format)
+        out = torch.empty_like(images, dtype=torch.float32, memory_format=self.memory_format)
+        return torch.addcmul(self.shift, images, self.scale, out=out)
 
 
 class TrainLoader:
@@ -163,6 +175,9 @@ class TrainLoader:
     (seed, epoch, step) and sliced the same way, so every sample is cropped and flipped the same
     whatever the world size: training is one sample stream, independent of W. --augment's policies
     and --random-erase draw per sample from its global position (common/data/augment.py), so they too.
+    A split that makes its training batches itself (own images: DataLoader workers crop, flip and
+    apply the policy on uint8, with the same draws) is handed the draws; the rank then only
+    normalizes and erases.
     """
 
     def __init__(self, split: Split, spec: DataSpec, global_batch: int, rank: int, world_size: int,
@@ -177,6 +192,7 @@ class TrainLoader:
         self.steps_per_epoch = min(full_steps, max_steps) if max_steps else full_steps
         self.normalize = Normalizer(spec, device, memory_format)
         self.per_sample = SampleAugment(augment, random_erase)
+        self.augment = augment
         self.positions = range(rank, global_batch, world_size)  # this rank's rows' places in the global batch
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
@@ -185,6 +201,12 @@ class TrainLoader:
         b = self.global_batch
         indices = [order[step * b + self.rank:(step + 1) * b:self.world_size]
                    for step in range(start_step, self.steps_per_epoch)]
+        if self.split.augments:
+            draws = Draws(self.seed, epoch, start_step, self.global_batch, self.augment)
+            for step, (images, labels) in enumerate(self.split.batches(indices, self.device, draws, self.positions),
+                                                    start=start_step):
+                yield self.per_sample.erase(self.normalize(images), self.seed, epoch, step, self.positions), labels
+            return
         for step, (images, labels) in enumerate(self.split.batches(indices, self.device), start=start_step):
             yield self._transform(images, epoch, step), labels
 
@@ -199,37 +221,11 @@ class TrainLoader:
         """Augmentation drawn for the whole global batch from (seed, epoch, step), then this rank's rows."""
         if self.spec.augment == "none":
             return images
-        g = _batch_generator(self.seed, epoch, step)
+        if self.spec.augment != "pad-crop-flip":  # own images' crops are cut from the whole image, in workers
+            raise ValueError(f"an in-memory split cannot be trained with {self.spec.augment}")
+        shifts, flips = pad_crop_draws(self.seed, epoch, step, self.global_batch)
         mine = slice(self.rank, None, self.world_size)
-        if self.spec.augment == "pad-crop-flip":
-            shifts = torch.randint(0, 9, (self.global_batch, 2), generator=g)[mine]
-            flips = (torch.rand(self.global_batch, generator=g) < 0.5)[mine]
-            return crop_and_flip(images, to_device(shifts, images.device), to_device(flips, images.device))
-        boxes = random_resized_boxes(self.global_batch, g)[mine]
-        return resized_crop(images.float(), to_device(boxes, images.device), self.spec.size)
-
-
-def random_resized_boxes(n: int, g: torch.Generator, scale: tuple[float, float] = (0.08, 1.0),
-                         ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> torch.Tensor:
-    """torchvision's RandomResizedCrop parameters for n images, as affine boxes in [-1, 1]
-    coordinates: (x scale, y scale, x centre, y centre); a negative x scale mirrors (the flip).
-    An area fraction and an aspect ratio are drawn once; a box that would leave the image is
-    shrunk to fit (torchvision retries, then falls back to a centre crop)."""
-    area = torch.empty(n).uniform_(*scale, generator=g)
-    aspect = torch.exp(torch.empty(n).uniform_(math.log(ratio[0]), math.log(ratio[1]), generator=g))
-    width, height = (area * aspect).sqrt().clamp(max=1.0), (area / aspect).sqrt().clamp(max=1.0)
-    cx = (torch.rand(n, generator=g) * 2 - 1) * (1 - width)
-    cy = (torch.rand(n, generator=g) * 2 - 1) * (1 - height)
-    flip = torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
-    return torch.stack([width * flip, height, cx, cy], dim=1)
-
-
-def resized_crop(images: torch.Tensor, boxes: torch.Tensor, size: int) -> torch.Tensor:
-    """Each image's box, resized (bilinear) to size x size: the whole batch in one grid_sample."""
-    theta = torch.zeros(len(images), 2, 3, device=images.device, dtype=images.dtype)
-    theta[:, 0, 0], theta[:, 1, 1], theta[:, 0, 2], theta[:, 1, 2] = boxes.to(images.dtype).unbind(1)
-    grid = torch.nn.functional.affine_grid(theta, [len(images), images.shape[1], size, size], align_corners=False)
-    return torch.nn.functional.grid_sample(images, grid, mode="bilinear", padding_mode="border", align_corners=False)
+        return crop_and_flip(images, to_device(shifts[mine], images.device), to_device(flips[mine], images.device))
 
 
 def eval_shard(size: int, rank: int, world_size: int) -> torch.Tensor:

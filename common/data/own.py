@@ -15,18 +15,21 @@ import json
 import math
 import os
 import shutil
-from contextlib import contextmanager
+import time
+from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 
 from common import shards as layout
+from common.data.augment import Draws
 from common.data.cache import (META, cache_folder, default_cache_dir, file_lock, hold_shared, lock_of, map_tensors,
                                read_meta, sweep_staging, unused, use_lock_of, write_atomically, write_tensors)
-from common.data.images import (STATS_SAMPLES, Geometry, Reader, ShardSamples, Stored, Survey, as_is, check_classes,
-                                choose_geometry, index_folder, index_shards, read_shard, stored_bytes)
+from common.data.images import (STATS_SAMPLES, Batch, Geometry, Ragged, Reader, Request, ShardSamples, Stored, Survey,
+                                as_is, check_classes, choose_geometry, index_folder, index_shards, read_shard,
+                                stored_bytes)
 from common.data.index import (INDEX_FORMAT, SetIndex, TableWriter, map_index, publish, shapes_of,
                                staging_for)
 from common.data.loader import DataSpec, Dataset, Split, to_device
@@ -35,10 +38,11 @@ from common.errors import UserError
 from common.storage import StorageError, is_url, storage_for
 
 Say = Callable[[str], None]
-DECODE_FORMAT = 2  # in each decoded set's key: what decode() produces (2: bounded resize, 16-bit and float scaled)
+DECODE_FORMAT = 3  # in each decoded set's key: what decoding produces (3: decode_jpeg, whole training images)
 DECODE_CHUNK = 256  # images per worker task while decoding into the cache
 STATS_CHUNK = 32  # images per worker task while measuring the statistics
 STATS_SHARDS = 8  # shards the statistics are measured on
+RATE_SAMPLES = 16  # samples the banner's loader rate is measured on
 LOADER_TIMEOUT_S = 600.0  # a worker may fetch a shard (bounded by the store's own timeouts) and decode a batch
 
 
@@ -284,10 +288,11 @@ def class_names(opts: OwnData, shard_set: layout.ShardSet, listing: dict[str, st
     return [line.strip() for line in text.splitlines() if line.strip()]
 
 
-def reader(index: SetIndex, split: str, geometry: Geometry, opts: OwnData) -> Reader:
+def reader(index: SetIndex, split: str, geometry: Geometry, opts: OwnData, store: Ragged | None = None) -> Reader:
     table = index.train if split == "train" else index.test
     stored = geometry.train if split == "train" else geometry.test
-    return Reader(table, index.root, stored, geometry.channels, opts.skip_broken, opts.shard_cache(index.versions))
+    return Reader(table, index.root, stored, geometry.channels, opts.skip_broken, opts.shard_cache(index.versions),
+                  geometry.augment if split == "train" else "none", store)
 
 
 def statistics(index: SetIndex, geometry: Geometry, opts: OwnData) -> tuple[tuple[float, ...], tuple[float, ...]]:
@@ -305,9 +310,10 @@ def statistics(index: SetIndex, geometry: Geometry, opts: OwnData) -> tuple[tupl
     chunks = [picks[i:i + STATS_CHUNK] for i in range(0, len(picks), STATS_CHUNK)]
     sums = squares = torch.zeros(geometry.channels, dtype=torch.int64)
     count = 0
-    for images, _, _, _, _, error in batches_of(reader(index, "train", geometry, opts), chunks, opts.prepare_workers):
-        if error:
-            raise UserError(error)
+    for batch in batches_of(reader(index, "train", geometry, opts), chunks, opts.prepare_workers):
+        if batch.error:
+            raise UserError(batch.error)
+        images = batch.images
         histogram = pixel_histogram(images)
         sums = sums + histogram @ LEVELS
         squares = squares + histogram @ LEVELS.square()
@@ -389,7 +395,8 @@ def decode_all(index: SetIndex, geometry: Geometry, spec: DataSpec, opts: OwnDat
         if index.train.group is not None:
             index.train.group.numpy().tofile(staging / "train_groups")
         write_tensors(staging, {}, {"spec": asdict(spec), "skipped": skipped.skipped,
-                                    "skipped_count": skipped.skipped_count, "tensors": tensor_shapes(index, geometry)})
+                                    "skipped_count": skipped.skipped_count,
+                                    "tensors": tensor_shapes(index, geometry, staging)})
         os.rename(staging, folder)
     except OSError as e:
         raise UserError(f"--cache-dir {folder.parent}: {e.strerror or e}; pass a --cache-dir with room for "
@@ -417,25 +424,35 @@ def evict_decoded(parent: Path, budget: int) -> None:
 
 
 def decode_split(source: Reader, folder: Path, split: str, opts: OwnData, say: Say) -> Survey:
-    """Decode a split in order into folder/<split>_images and <split>_labels; the files skipped."""
-    chunks = [list(range(i, min(i + DECODE_CHUNK, len(source)))) for i in range(0, len(source), DECODE_CHUNK)]
+    """Decode a split in order into folder/<split>_images and <split>_labels (a split trained on
+    crops of the whole image: its whole images end to end, and <split>_dims); the files skipped."""
+    whole = source.view.whole
+    chunks = [Request(list(range(i, min(i + DECODE_CHUNK, len(source)))), whole=whole)
+              for i in range(0, len(source), DECODE_CHUNK)]
     skipped = Survey()
-    with open(folder / f"{split}_images", "wb") as images, open(folder / f"{split}_labels", "wb") as labels:
-        for batch, batch_labels, missed, _, _, error in batches_of(source, chunks, opts.prepare_workers):
-            if error:
-                raise UserError(error)
-            images.write(batch.numpy().tobytes())
-            labels.write(batch_labels.numpy().tobytes())
-            skipped.skip(missed)
+    with open(folder / f"{split}_images", "wb") as images, open(folder / f"{split}_labels", "wb") as labels, \
+            open(folder / f"{split}_dims", "wb") if whole else nullcontext() as dims:
+        for batch in batches_of(source, chunks, opts.prepare_workers):
+            if batch.error:
+                raise UserError(batch.error)
+            images.write(batch.images.numpy().tobytes())
+            labels.write(batch.labels.numpy().tobytes())
+            if whole:
+                dims.write(batch.dims.numpy().tobytes())
+            skipped.skip(batch.skipped)
     say(f"decoded {len(source)} {split} images into {folder.name.removeprefix('.').split('.tmp')[0]}"
         + (f" ({skipped.skipped_count} unreadable, replaced by their next sample)" if skipped.skipped_count else ""))
     return skipped
 
 
-def tensor_shapes(index: SetIndex, geometry: Geometry) -> dict[str, dict]:
+def tensor_shapes(index: SetIndex, geometry: Geometry, folder: Path) -> dict[str, dict]:
     c, shapes = geometry.channels, {}
     for split, table, stored in (("train", index.train, geometry.train), ("test", index.test, geometry.test)):
-        shapes[f"{split}_images"] = {"shape": [len(table), c, stored.side, stored.side], "dtype": "uint8"}
+        if stored.whole:  # ragged: the pixels end to end, and per image its stored and original sizes
+            shapes[f"{split}_images"] = {"shape": [(folder / f"{split}_images").stat().st_size], "dtype": "uint8"}
+            shapes[f"{split}_dims"] = {"shape": [len(table), 4], "dtype": "int64"}
+        else:
+            shapes[f"{split}_images"] = {"shape": [len(table), c, stored.side, stored.side], "dtype": "uint8"}
         shapes[f"{split}_labels"] = {"shape": [len(table)], "dtype": "int64"}
     if index.train.group is not None:
         shapes["train_groups"] = {"shape": [len(index.train)], "dtype": "int64"}
@@ -446,6 +463,10 @@ def tensor_shapes(index: SetIndex, geometry: Geometry) -> dict[str, dict]:
 
 def open_prepared(report: dict[str, Any], opts: OwnData) -> Dataset:
     name = f"{opts.kind} {opts.data_dir}"
+    hold_shared(use_lock_of(Path(report["index"])))
+    index = map_index(Path(report["index"]))
+    geometry = Geometry(report["geometry"]["channels"], Stored(**report["geometry"]["train"]),
+                        Stored(**report["geometry"]["test"]), report["geometry"]["size"], report["geometry"]["augment"])
     if "decoded" in report:
         folder = Path(report["decoded"])
         hold_shared(use_lock_of(folder))
@@ -455,12 +476,14 @@ def open_prepared(report: dict[str, Any], opts: OwnData) -> Dataset:
         if meta["skipped_count"]:
             held += f"; {meta['skipped_count']} unreadable file(s) replaced by their next sample: " + \
                 ", ".join(meta["skipped"][:5]) + (", ..." if meta["skipped_count"] > 5 else "")
-        return Dataset(name, spec, Split(tensors["train_images"], tensors["train_labels"], tensors.get("train_groups")),
-                       Split(tensors["test_images"], tensors["test_labels"]), held, tuple(report["class_names"]))
-    hold_shared(use_lock_of(Path(report["index"])))
-    index = map_index(Path(report["index"]))
-    geometry = Geometry(report["geometry"]["channels"], Stored(**report["geometry"]["train"]),
-                        Stored(**report["geometry"]["test"]), report["geometry"]["size"], report["geometry"]["augment"])
+        if geometry.train.whole:  # whole images: cropped by the workers, as a streamed set
+            store = Ragged(tensors["train_images"], tensors["train_dims"], tensors["train_labels"], geometry.channels)
+            train = Streamed(reader(index, "train", geometry, opts, store), opts.workers)
+            held += f"; {opts.workers} DataLoader worker(s) per rank crop each batch"
+        else:
+            train = Split(tensors["train_images"], tensors["train_labels"], tensors.get("train_groups"))
+        return Dataset(name, spec, train, Split(tensors["test_images"], tensors["test_labels"]), held,
+                       tuple(report["class_names"]))
     spec = DataSpec(**{**report["spec"], "mean": tuple(report["spec"]["mean"]), "std": tuple(report["spec"]["std"])})
     train, test = (Streamed(reader(index, split, geometry, opts), opts.workers) for split in ("train", "test"))
     where = f", through the shard cache {train.source.cache.folder} (at most {opts.shard_cache_gb:g} GB)" \
@@ -471,22 +494,27 @@ def open_prepared(report: dict[str, Any], opts: OwnData) -> Dataset:
 
 
 class Plan:
-    """The batch sampler of an epoch: each batch's indices as a list when the loader asks for it
-    (a whole epoch as Python ints would cost ~36 bytes per sample in the rank)."""
+    """The batch sampler of an epoch: each batch's Request when the loader asks for it (a whole
+    epoch as Python ints would cost ~36 bytes per sample in the rank); a training epoch's with its
+    draws, batch k's step being draws.step + k."""
 
-    def __init__(self, indices: list[torch.Tensor]) -> None:
-        self.indices = indices
+    def __init__(self, indices: list[torch.Tensor], draws: Draws | None = None, positions: Sequence[int] = ()) -> None:
+        self.indices, self.draws, self.positions = indices, draws, tuple(positions)
 
     def __len__(self) -> int:
         return len(self.indices)
 
-    def __iter__(self) -> Iterator[list[int]]:
-        return (index.tolist() for index in self.indices)
+    def __iter__(self) -> Iterator[Request]:
+        for k, index in enumerate(self.indices):
+            draws = self.draws._replace(step=self.draws.step + k) if self.draws else None
+            yield Request(index.tolist(), self.positions, draws)
 
 
 class Streamed:
     """A split decoded batch by batch by DataLoader workers; the same interface as Split.
     Counts what the loader met: shard cache hits and misses, and skipped files."""
+
+    augments = True  # its training batches come cropped, flipped and augmented from the workers
 
     def __init__(self, source: Reader, workers: int) -> None:
         self.source, self.workers = source, workers
@@ -501,25 +529,37 @@ class Streamed:
     def labels(self) -> torch.Tensor:
         return self.source.table.labels
 
-    def batches(self, indices: list[torch.Tensor], device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    def batches(self, indices: list[torch.Tensor], device: torch.device, draws: Draws | None = None,
+                positions: Sequence[int] = ()) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """uint8 images and labels of each index batch, on `device`; with draws (training), each
+        row cropped and augmented by the workers as the sample at global `positions[row]`."""
         if not indices:
             return
         # The workers fork first: a fork while the prefetch thread holds a lock (fsspec's event-loop
         # lock, mid-fetch) leaves the worker's copy of that lock held forever.
-        batches = batches_of(self.source, Plan(indices), self.workers, pin=device.type == "cuda")
+        batches = batches_of(self.source, Plan(indices, draws, positions), self.workers, pin=device.type == "cuda")
         prefetch, reached = self.prefetch(indices)
         try:
-            for step, (images, labels, skipped, hits, misses, error) in enumerate(batches):
-                if error:
-                    raise UserError(error)
+            for step, batch in enumerate(batches):
+                if batch.error:
+                    raise UserError(batch.error)
                 if prefetch:
                     prefetch.reached(reached[step])
-                self.hits, self.misses = self.hits + hits, self.misses + misses
-                self.skipped.skip(skipped)
-                yield to_device(images, device), to_device(labels, device)
+                self.hits, self.misses = self.hits + batch.hits, self.misses + batch.misses
+                self.skipped.skip(batch.skipped)
+                yield to_device(batch.images, device), to_device(batch.labels, device)
         finally:
             if prefetch:
                 prefetch.close()
+
+    def rate_per_worker(self, draws: Draws) -> float:
+        """Training images one worker makes per CPU-second of this split (read, decode, crop, flip,
+        policy), measured here on its first RATE_SAMPLES samples after one to warm up (imports)."""
+        n = min(RATE_SAMPLES, len(self))
+        self.source.__getitems__(Request([0], (0,), draws))
+        start = time.process_time()
+        batch = self.source.__getitems__(Request(list(range(n)), tuple(range(n)), draws))
+        return n / max(time.process_time() - start, 1e-9) if not batch.error else math.nan
 
     def prefetch(self, indices: list[torch.Tensor]) -> tuple[Prefetcher | None, list[int]]:
         """For shards from a URL: a prefetcher of the shards in the order the batches first need

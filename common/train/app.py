@@ -15,6 +15,7 @@ from common.train.mixing import Mixing
 from common.collector import ended_cleanly, pause_during_set_up, resume_for_training
 from common.config import (OWN_DATASETS, Config, default_checkpoint_dir, default_log_dir, parse_args,
                            world_size_from_env)
+from common.data.augment import Draws
 from common.data.images import default_workers
 from common.data.own import OwnData
 from common.data.loader import Dataset, TrainLoader
@@ -211,6 +212,14 @@ def log_dir(cfg: Config, resumed: Resumed | None, world_size: int) -> str:
     return cfg.log_dir or (resumed and resumed.state["config"].get("log_dir")) or default_log_dir(cfg, world_size)
 
 
+def describe_loader(run: Run, log: NullLogger) -> None:
+    """What the DataLoader workers can deliver to each rank, from one worker's measured rate."""
+    cfg, workers = run.cfg, run.data.train.workers
+    rate = run.data.train.rate_per_worker(Draws(cfg.seed, 0, 0, cfg.batch_size, cfg.augment))
+    log.info(f"input: one worker makes {rate:.0f} training images per CPU-second here (--augment {cfg.augment}); "
+             f"{workers} worker(s) per rank deliver up to {rate * max(workers, 1):.0f} images/s per rank, a core each")
+
+
 def describe(run: Run, checkpoints: Checkpoints, log: NullLogger) -> None:
     cfg, ctx = run.cfg, run.ctx
     master = f"{os.environ.get('MASTER_ADDR', 'local')}:{os.environ.get('MASTER_PORT', '-')}"
@@ -222,6 +231,8 @@ def describe(run: Run, checkpoints: Checkpoints, log: NullLogger) -> None:
     log.info(f"{run.data.name}: {len(run.data.train)} train / {len(run.data.test)} test images "
              f"({run.data.spec.channels}x{run.data.spec.size}x{run.data.spec.size}, {run.data.spec.classes} classes), "
              f"{run.data.held}")
+    if run.data.train.augments:
+        describe_loader(run, log)
     shares = run.strategy.batch_shares(ctx.world_size)
     log.info(f"model {cfg.model}; "
              f"global batch {cfg.batch_size} = {cfg.batch_size // shares} per rank x {shares}"

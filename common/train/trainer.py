@@ -24,6 +24,7 @@ from common.train.step import DATA, SYNC, StepClock, StepRecipe, reseed, train_s
 from common.train.precision import Precision
 from common.output.warnings_relay import WarningRelay
 
+DATA_WAIT_SHARE = 0.10  # a step waiting for data longer than this share of it is said once a run
 FLUSH_STEPS = 50  # step-level points are combined over ranks in one collective about this often
 # Evaluation counts a confusion matrix of (classes x classes) float64 values on the device: 134 MB
 # at this many classes (8 MB for ImageNet's 1000); above it, none is kept.
@@ -103,6 +104,7 @@ class StepLog:
     ctx: DistContext
     rows: list[tuple[int, float, float, torch.Tensor, list[float], float]] = field(default_factory=list)
     epoch_totals: list[float] = field(default_factory=lambda: [0.0] * 7)
+    data_wait_said: bool = False
 
     def add(self, step: int, lr: float, grad_norm: float, stats: torch.Tensor, host: list[float]) -> None:
         """host: samples, data s, compute s, sync s, steps."""
@@ -124,10 +126,24 @@ class StepLog:
             if not samples:  # these ranks trained none of the interval's samples (a replica group beyond the plan)
                 continue
             times = StepTimes(*(1000 * t / steps for t in (data_s, compute_s, sync_s)))
+            self.check_data_wait(times, (step - steps) % run.steps_per_epoch == 0, run, log)
             log.step(step, StepRecord(loss_sum / samples, correct / samples, lr, batch_size / (times.step_ms / 1000),
                                       times, norm, rss_mb, state_mb, cuda_mb, at))
         self.epoch_totals = [sum(column) for column in zip(self.epoch_totals, *values)]
         self.rows.clear()
+
+    def check_data_wait(self, times: StepTimes, epoch_start: bool, run: Run, log: NullLogger) -> None:
+        """Once a run: a set fed by DataLoader workers whose steps wait for data more than
+        DATA_WAIT_SHARE of their time (an interval that starts an epoch waits for the workers'
+        start, and does not count)."""
+        if self.data_wait_said or epoch_start or not run.data.train.augments or \
+                times.data_ms <= DATA_WAIT_SHARE * times.step_ms:
+            return
+        self.data_wait_said = True
+        log.warn(f"the input pipeline holds training up: {times.data_ms:.0f} ms of each {times.step_ms:.0f} ms step "
+                 f"wait for data ({times.data_ms / times.step_ms:.0%}); give each rank more --workers (now "
+                 f"{run.data.train.workers}), decode on the GPU with --decode gpu, or convert the set to shards "
+                 "with --max-side (smaller stored images decode faster)")
 
     def take_epoch(self) -> tuple[Metrics, StepTimes]:
         """NaN loss and accuracy for an epoch whose steps all ran before a resume (a run stopped
