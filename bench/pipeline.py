@@ -6,9 +6,9 @@ limit); PIL open + convert("RGB") alone (the reference's loader); torchvision's 
 transform (its presets.ClassificationPresetTrain: PIL RandomResizedCrop(224) + RandomHorizontalFlip
 + PILToTensor + ConvertImageDtype(float) + Normalize, then its DataLoader's collate), and with
 RandAugment and TrivialAugmentWide; ours: one worker's work (the suite's own-data loader reading,
-decoding, cropping, flipping and augmenting batches, --workers 0) and the whole training input path (the same loader feeding
-TrainLoader: worker + rank, everything the step gets), from the original photos and from shards
-converted with --max-side 320. "cores/node" is what an 8-GPU node of ResNet-50 H100s needs at that
+decoding, cropping, flipping and augmenting batches, --workers 0) and the whole training input
+path (the same loader feeding TrainLoader: worker + rank, everything the step gets), from the
+original photos and from shards converted with --max-side 320. "cores/node" is what an 8-GPU node of ResNet-50 H100s needs at that
 rate (3,000 images/s per GPU, 24,000 a node).
 
 The photos: an ImageNet-like set derived from real photos (70% at 500x375 or 375x500, the rest up
