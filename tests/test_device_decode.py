@@ -105,3 +105,32 @@ def test_gpu_where_it_cannot_be_is_one_line_naming_the_ways_out(device, jpeg_onl
     with pytest.raises(UserError) as refused:
         choose_decode("gpu", torch.device(device), jpeg_only)
     assert str(refused.value).startswith(says) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_device_path_gives_the_cpu_workers_batch(tmp_path, world):
+    """The suite's CPU path (shards streamed, the worker cropping each sample by its global
+    position) against --decode gpu's rank side on the same samples' bytes: the same labels, and
+    the same pixels (the same boxes; S is chosen so that no reduced JPEG decode applies in the
+    worker: its boxes keep fewer than 2 S pixels across), for each rank's rows at world 1 and 2."""
+    from common.data import own
+    from common.data.augment import Draws
+    from common.shards import convert
+    from tests.datagen import write_imagefolder
+
+    tree = write_imagefolder(tmp_path / "tree", train_size=40, test_size=10, shape="cifar", formats=("jpg",),
+                             sizes=(40, 60))
+    convert(tree, str(tmp_path / "shards"))
+    opts = own.OwnData("shards", str(tmp_path / "shards"), str(tmp_path / "cache"), {}, image_size=32, workers=0,
+                       prepare_workers=0, skip_broken=False, cache_gb=0.0, shard_cache_gb=1.0)
+    data = own.open_prepared(own.prepare(opts, lambda line: None), opts)
+    order, batch = torch.randperm(len(data.train), generator=torch.Generator().manual_seed(0))[:16], 16
+    draws = Draws(seed=SEED, epoch=EPOCH, step=STEP, global_batch=batch, augment="basic")
+    for rank in range(world):
+        indices, positions = order[rank::world], range(rank, batch, world)
+        ((cpu_images, cpu_labels),) = data.train.batches([indices], CPU, draws, positions)
+        encoded = encoded_batch([data.train.source.read(int(i)) for i in indices], data.train.labels[indices].tolist())
+        boxes = train_boxes(encoded.sizes, SEED, EPOCH, STEP, positions)
+        assert max(min(box.height, box.width) for box in boxes) < 64
+        assert torch.equal(encoded.labels, cpu_labels)
+        assert torch.equal(decode_and_crop(encoded, boxes, 32, 3, CPU), cpu_images)
