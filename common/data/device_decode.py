@@ -7,8 +7,11 @@ torchvision.io.decode_jpeg(list, device=...) call (nvJPEG on CUDA) and makes eac
 with the same geometry as the CPU workers: the box is geometry.train_box of the sample's global
 position (torchvision's RandomResizedCrop and flip, drawn from the sample's own generator), the
 pixels geometry.resized_crop's (torch's antialiased bilinear kernel), so a sample gets the same
-crop whichever path made it. The functions take any device: on a host without a GPU they run on
-CPU tensors, which is how the tests check them against the CPU path.
+crop whichever path made it: on CPU tensors the very pixels of the CPU workers' batch, where the
+worker decodes at full scale (it decodes at 1/2, 1/4 or 1/8 where the box keeps 2, 4 or 8 times
+the model's size across; nvJPEG decodes at full scale; on CUDA, nvJPEG's IDCT and the device's
+resize may differ by a grey level). The functions take any device: on a host without a GPU they
+run on CPU tensors, which is how the tests check them against the CPU path.
 """
 from __future__ import annotations
 
