@@ -25,9 +25,9 @@ The converter checks the whole tree before it writes anything: every image must 
 1/8 scale, which is cheap) and have at most MAX_PIXELS pixels, or it stops naming the file. Each
 image is then copied into its shard verbatim (unless --max-side or --quality, below), as KEY.<its
 suffix, lowercased>: no re-encoding, no loss (16-bit PNGs and TIFFs, float TIFFs included), no time
-spent. KEY is the sample's 8-digit running index within its split (00000042). The training samples are shuffled (--seed) before writing, since
-readers shuffle only within a window of shards: each shard then holds a mix of classes. val/ keeps
-ImageFolder's order. A shard ends before it would pass --shard-mb MiB (it holds at least one
+spent. KEY is the sample's 8-digit running index within its split (00000042). The training samples
+are shuffled (--seed) before writing, since readers shuffle only within a window of shards: each
+shard then holds a mix of classes. val/ keeps ImageFolder's order. A shard ends before it would pass --shard-mb MiB (it holds at least one
 sample).
 
 --max-side N and --quality Q store smaller photos, as FFCV does: every image is decoded, scaled down
