@@ -27,8 +27,8 @@ image is then copied into its shard verbatim (unless --max-side or --quality, be
 suffix, lowercased>: no re-encoding, no loss (16-bit PNGs and TIFFs, float TIFFs included), no time
 spent. KEY is the sample's 8-digit running index within its split (00000042). The training samples
 are shuffled (--seed) before writing, since readers shuffle only within a window of shards: each
-shard then holds a mix of classes. val/ keeps ImageFolder's order. A shard ends before it would pass --shard-mb MiB (it holds at least one
-sample).
+shard then holds a mix of classes. val/ keeps ImageFolder's order. A shard ends before it would pass
+--shard-mb MiB (it holds at least one sample).
 
 --max-side N and --quality Q store smaller photos, as FFCV does: every image is decoded, scaled down
 (antialiased, aspect kept) so that its long side is at most N pixels, and re-encoded as a JPEG of
