@@ -34,7 +34,7 @@ from bench.strategies import run, timing
 from bench.wall import ROOT, one_run
 from common.data import own
 from common.data.formats import read_mnist
-from common.data.images import default_workers
+from common.data.reading import default_workers
 from common.data.loader import global_order
 from common.models import build_model
 

@@ -45,7 +45,9 @@ from pathlib import Path
 import torch
 
 from common.data import own
-from common.data.images import Survey, as_is, choose_geometry, default_workers
+from common.data.geometry import choose_geometry
+from common.data.indexing import Survey, as_is
+from common.data.reading import default_workers
 from common.data.index import INDEX_FORMAT, TableWriter, map_index, publish, shapes_of, staging_for
 from common.data.loader import Dataset, TrainLoader, make_synthetic
 

@@ -25,7 +25,9 @@ from PIL import Image
 from common.config import parse_args
 from common.data import own
 from common.data.cache import staging_path
-from common.data.images import Reader, Stored, decode
+from common.data.decoding import decode
+from common.data.geometry import Stored
+from common.data.reading import Reader
 from common.data.index import map_index
 from common.errors import UserError
 from tests.conftest import ROOT, child_env, free_port

@@ -6,7 +6,14 @@ import torch
 from torchvision.transforms import RandomResizedCrop
 from torchvision.transforms.v2 import functional as F
 
-from common.data.geometry import Box, eval_box, random_resized_box, resized_crop, sample_generator, train_box
+from common.data.geometry import (
+    Box,
+    eval_box,
+    random_resized_box,
+    resized_crop,
+    sample_generator,
+    train_box,
+)
 
 # photo shapes, an extreme panorama and a sliver (the centre fallback), a tiny image
 SHAPES = [(375, 500), (500, 375), (480, 640), (333, 1000), (40, 1000), (1000, 40), (7, 9)]

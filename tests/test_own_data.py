@@ -14,7 +14,7 @@ import torch
 
 from common.config import parse_args
 from common.data import own
-from common.data.images import Reader
+from common.data.reading import Reader
 from common.data.loader import TrainLoader, global_order
 from common.errors import UserError
 from common.shards import MANIFEST

@@ -23,7 +23,8 @@ import pytest
 import torch
 from PIL import Image
 
-from common.data.images import Stored, decode
+from common.data.decoding import decode
+from common.data.geometry import Stored
 from common.data import own
 from common.data.formats import read_cifar10
 from common.data.loader import DataSpec, Dataset, Normalizer, Split, make_synthetic

@@ -97,7 +97,7 @@ class Policy:
                 if torch.rand((), generator=g) <= probability:
                     ops.append(_signed(t, op, lambda magnitudes: magnitudes[bin_], 10, height, width, g))
             return ops
-        space, keys = t._AUGMENTATION_SPACE, tuple(t._AUGMENTATION_SPACE)
+        keys = tuple(t._AUGMENTATION_SPACE)
         if isinstance(t, v2.RandAugment):
             return [_signed(t, keys[int(torch.randint(len(keys), (), generator=g))], lambda m: m[t.magnitude],
                             t.num_magnitude_bins, height, width, g) for _ in range(t.num_ops)]

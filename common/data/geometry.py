@@ -13,11 +13,14 @@ Box in the source image's pixels; `resized_crop` makes the model's S x S input o
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
 
 from common.data.augment import sample_seed
+from common.data.index import SetIndex
+from common.errors import UserError
 
 SCALE = (0.08, 1.0)  # torchvision's RandomResizedCrop defaults: area fraction of the image
 RATIO = (3 / 4, 4 / 3)  # ... and aspect ratio (width / height) of the box
@@ -113,3 +116,71 @@ def resized_crop(image: torch.Tensor, box: Box, size: int, out: torch.Tensor | N
         return crop.contiguous()
     out.copy_(crop)
     return out
+
+
+# ---------------------------------------------------------------- a set's geometry
+
+WHOLE_SIDE = 2  # a cached training image keeps its long side within this many times the evaluation's short side
+GRAY_MODES = ("1", "L", "I", "F")  # modes (and I;16 and its kin) whose images train with one channel
+
+
+@dataclass(frozen=True)
+class Stored:
+    """A fixed view of an image: `side` x `side` pixels, after resizing its short side to `short`
+    and centre-cropping (short 0: as it is, and it must be side x side). `whole` > 0: the split
+    trains on random-resized crops of the whole image, and a cached copy keeps the whole image
+    with its long side at most `whole` (the view then serves only its statistics)."""
+
+    side: int
+    short: int = 0
+    whole: int = 0
+
+
+@dataclass(frozen=True)
+class Geometry:
+    channels: int
+    train: Stored
+    test: Stored
+    size: int  # the model's input side
+    augment: str  # "pad-crop-flip" or "resized-crop-flip"
+
+    def describe(self) -> str:
+        if not self.train.short:
+            return f"{self.size}x{self.size} as stored, {self.augment}"
+        return (f"model input {self.size}: training on random-resized crops of the whole image (cached with its "
+                f"long side at most {self.train.whole} px), evaluation on the centre {self.size} of the short side "
+                f"resized to {self.test.short}")
+
+
+# ---------------------------------------------------------------- geometry
+
+def choose_geometry(index: SetIndex, image_size: int) -> Geometry:
+    channels = 1 if all(mode.split(";")[0] in GRAY_MODES for mode in index.modes) else 3
+    if image_size:
+        short = round(image_size / EVAL_CROP)
+        return Geometry(channels, Stored(image_size, short, WHOLE_SIDE * short), Stored(image_size, short), image_size,
+                        "resized-crop-flip")
+    if len(index.sizes) > 1:
+        (a, path_a), (b, path_b) = sorted(index.sizes.items())[:2]
+        raise UserError(f"the images of --data-dir {index.root} differ in size ({path_a} is {a}, {path_b} is {b}); "
+                        "pass --image-size S to train at S x S (random-resized crops)")
+    ((dims, example),) = index.sizes.items()
+    width, height = map(int, dims.split("x"))
+    if width != height:
+        raise UserError(f"the images of --data-dir {index.root} are {dims}, not square (e.g. {example}); pass "
+                        f"--image-size S to train at S x S (random-resized crops)")
+    # Today's recipes at that size: CIFAR-10's pad-crop + flip for colour images; none for grayscale
+    # ones, as for MNIST (a mirrored digit or letter is another symbol).
+    return Geometry(channels, Stored(width), Stored(width), width, "none" if channels == 1 else "pad-crop-flip")
+
+
+def stored_bytes(index: SetIndex, geometry: Geometry) -> int:
+    """The decoded set's size: what the node's cache needs."""
+    c, train = geometry.channels, geometry.train
+    if train.whole:
+        height, width = index.train.height.double(), index.train.width.double()
+        scale = (train.whole / torch.maximum(height, width)).clamp(max=1)
+        train_bytes = int((c * (height * scale).round().clamp(min=1) * (width * scale).round().clamp(min=1)).sum())
+    else:
+        train_bytes = len(index.train) * c * train.side ** 2
+    return train_bytes + len(index.test) * c * geometry.test.side ** 2

@@ -15,35 +15,32 @@ import json
 import math
 import os
 import shutil
-import time
 from contextlib import contextmanager, nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterator
 
 import torch
 
 from common import shards as layout
-from common.data.augment import Draws
 from common.data.cache import (META, cache_folder, default_cache_dir, file_lock, hold_shared, lock_of, map_tensors,
                                read_meta, sweep_staging, unused, use_lock_of, write_atomically, write_tensors)
-from common.data.images import (STATS_SAMPLES, Batch, Geometry, Ragged, Reader, Request, ShardSamples, Stored, Survey,
-                                as_is, check_classes, choose_geometry, index_folder, index_shards, read_shard,
-                                stored_bytes)
-from common.data.index import (INDEX_FORMAT, SetIndex, TableWriter, map_index, publish, shapes_of,
-                               staging_for)
-from common.data.loader import DataSpec, Dataset, Split, to_device
-from common.data.shardcache import Prefetcher, ShardCache
+from common.data.geometry import Geometry, Stored, choose_geometry, stored_bytes
+from common.data.index import INDEX_FORMAT, SetIndex, TableWriter, map_index, publish, shapes_of, staging_for
+from common.data.indexing import ShardSamples, Survey, check_classes, index_folder, index_shards
+from common.data.loader import Dataset, DataSpec, Split
+from common.data.reading import Ragged, Reader, Request, Streamed, batches_of
+from common.data.shardcache import ShardCache
 from common.errors import UserError
+from common.data.shardformat import read_shard
 from common.storage import StorageError, is_url, storage_for
 
 Say = Callable[[str], None]
 DECODE_FORMAT = 3  # in each decoded set's key: what decoding produces (3: decode_jpeg, whole training images)
+STATS_SAMPLES = 2048  # training images the normalization statistics are measured on (evenly spaced)
 DECODE_CHUNK = 256  # images per worker task while decoding into the cache
 STATS_CHUNK = 32  # images per worker task while measuring the statistics
 STATS_SHARDS = 8  # shards the statistics are measured on
-RATE_SAMPLES = 16  # samples the banner's loader rate is measured on
-LOADER_TIMEOUT_S = 600.0  # a worker may fetch a shard (bounded by the store's own timeouts) and decode a batch
 
 
 @dataclass(frozen=True)
@@ -353,26 +350,6 @@ def geometry_key(geometry: Geometry) -> str:
     return hashlib.sha256(json.dumps(asdict(geometry)).encode()).hexdigest()[:12]
 
 
-def batches_of(source: Reader, indices: Iterable[list[int]], workers: int, pin: bool = False) -> Iterator:
-    """The reader's collated batches of `indices`, in order, decoded by `workers` processes, forked
-    now (before the caller starts a thread that could hold a lock at the fork). A worker that
-    delivers nothing for LOADER_TIMEOUT_S (a hung file system) ends the rank."""
-    loader = torch.utils.data.DataLoader(source, batch_sampler=indices, num_workers=workers, collate_fn=as_is,
-                                         pin_memory=pin, prefetch_factor=4 if workers else None,
-                                         timeout=LOADER_TIMEOUT_S if workers else 0)
-    return _deadlined(iter(loader), source.root)
-
-
-def _deadlined(batches: Iterator, root: str) -> Iterator:
-    try:
-        yield from batches
-    except RuntimeError as e:
-        if "timed out" not in str(e):
-            raise
-        raise UserError(f"a DataLoader worker delivered no batch of {root} in {LOADER_TIMEOUT_S:g} s: its "
-                        "files or store hang; check them (a streamed set is read during training)") from None
-
-
 def decode_into_cache(index: SetIndex, geometry: Geometry, spec: DataSpec, opts: OwnData, say: Say) -> Path:
     """Every image decoded once at its stored geometry into raw uint8 files, named after the set's
     fingerprint, the geometry, the decoder's version and --skip-broken: found again by later runs,
@@ -491,93 +468,3 @@ def open_prepared(report: dict[str, Any], opts: OwnData) -> Dataset:
     held = (f"streamed: {opts.workers} DataLoader worker(s) per rank decode each batch{where} "
             f"(decoded it would take {stored_bytes(index, geometry) / 2**30:.3g} GB, above --cache-gb {opts.cache_gb:g})")
     return Dataset(name, spec, train, test, held, tuple(report["class_names"]))
-
-
-class Plan:
-    """The batch sampler of an epoch: each batch's Request when the loader asks for it (a whole
-    epoch as Python ints would cost ~36 bytes per sample in the rank); a training epoch's with its
-    draws, batch k's step being draws.step + k."""
-
-    def __init__(self, indices: list[torch.Tensor], draws: Draws | None = None, positions: Sequence[int] = ()) -> None:
-        self.indices, self.draws, self.positions = indices, draws, tuple(positions)
-
-    def __len__(self) -> int:
-        return len(self.indices)
-
-    def __iter__(self) -> Iterator[Request]:
-        for k, index in enumerate(self.indices):
-            draws = self.draws._replace(step=self.draws.step + k) if self.draws else None
-            yield Request(index.tolist(), self.positions, draws)
-
-
-class Streamed:
-    """A split decoded batch by batch by DataLoader workers; the same interface as Split.
-    Counts what the loader met: shard cache hits and misses, and skipped files."""
-
-    augments = True  # its training batches come cropped, flipped and augmented from the workers
-
-    def __init__(self, source: Reader, workers: int) -> None:
-        self.source, self.workers = source, workers
-        self.groups = source.table.group
-        self.hits = self.misses = 0
-        self.skipped = Survey()  # this epoch's files that did not decode: counted, the first ones named
-
-    def __len__(self) -> int:
-        return len(self.source)
-
-    @property
-    def labels(self) -> torch.Tensor:
-        return self.source.table.labels
-
-    def batches(self, indices: list[torch.Tensor], device: torch.device, draws: Draws | None = None,
-                positions: Sequence[int] = ()) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """uint8 images and labels of each index batch, on `device`; with draws (training), each
-        row cropped and augmented by the workers as the sample at global `positions[row]`."""
-        if not indices:
-            return
-        # The workers fork first: a fork while the prefetch thread holds a lock (fsspec's event-loop
-        # lock, mid-fetch) leaves the worker's copy of that lock held forever.
-        batches = batches_of(self.source, Plan(indices, draws, positions), self.workers, pin=device.type == "cuda")
-        prefetch, reached = self.prefetch(indices)
-        try:
-            for step, batch in enumerate(batches):
-                if batch.error:
-                    raise UserError(batch.error)
-                if prefetch:
-                    prefetch.reached(reached[step])
-                self.hits, self.misses = self.hits + batch.hits, self.misses + batch.misses
-                self.skipped.skip(batch.skipped)
-                yield to_device(batch.images, device), to_device(batch.labels, device)
-        finally:
-            if prefetch:
-                prefetch.close()
-
-    def rate_per_worker(self, draws: Draws) -> float:
-        """Training images one worker makes per CPU-second of this split (read, decode, crop, flip,
-        policy), measured here on its first RATE_SAMPLES samples after one to warm up (imports)."""
-        n = min(RATE_SAMPLES, len(self))
-        self.source.__getitems__(Request([0], (0,), draws))
-        start = time.process_time()
-        batch = self.source.__getitems__(Request(list(range(n)), tuple(range(n)), draws))
-        return n / max(time.process_time() - start, 1e-9) if not batch.error else math.nan
-
-    def prefetch(self, indices: list[torch.Tensor]) -> tuple[Prefetcher | None, list[int]]:
-        """For shards from a URL: a prefetcher of the shards in the order the batches first need
-        them, and per batch the furthest position in that order it reads."""
-        cache = self.source.cache
-        if cache is None:
-            return None, []
-        first_use: dict[int, int] = {}
-        reached = []
-        for index in indices:
-            for shard in self.groups[index].tolist():
-                first_use.setdefault(shard, len(first_use))
-            reached.append(max((first_use[s] for s in set(self.groups[index].tolist())), default=0))
-        names = [self.source.table.names[shard] for shard in first_use]
-        return Prefetcher(cache, names, cache.ahead()), reached
-
-    def take_counts(self) -> tuple[dict[str, float], list[str]]:
-        counts = {"shard_cache_hits": self.hits, "shard_cache_misses": self.misses,
-                  "skipped_files": self.skipped.skipped_count}
-        skipped, self.skipped, self.hits, self.misses = self.skipped.skipped, Survey(), 0, 0
-        return counts, skipped

@@ -16,7 +16,7 @@ from common.collector import ended_cleanly, pause_during_set_up, resume_for_trai
 from common.config import (OWN_DATASETS, Config, default_checkpoint_dir, default_log_dir, parse_args,
                            world_size_from_env)
 from common.data.augment import Draws
-from common.data.images import default_workers
+from common.data.reading import default_workers
 from common.data.own import OwnData
 from common.data.loader import Dataset, TrainLoader
 from common.parallel.context import DistContext, check_same_flags, distributed

@@ -67,7 +67,7 @@ import torch
 
 from common import __version__
 from common.config import IDENTITY, STORAGE_TIMEOUT_S
-from common.data.images import EVAL_CROP
+from common.data.geometry import EVAL_CROP
 from common.parallel.context import DistContext
 from common.errors import UserError
 from common.train.optim import TENSOR_STATE
@@ -617,7 +617,7 @@ def data_entry(run: Run) -> dict[str, Any]:
     cfg, spec = run.cfg, run.data.spec
     return {"classes": run.data.names(),
             "channels": spec.channels, "size": spec.size, "mean": list(spec.mean), "std": list(spec.std),
-            "resize": round(cfg.image_size / EVAL_CROP) if cfg.image_size else 0}  # as images.choose_geometry
+            "resize": round(cfg.image_size / EVAL_CROP) if cfg.image_size else 0}  # as geometry.choose_geometry
 
 
 def expected_bytes(run: Run) -> int:

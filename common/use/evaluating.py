@@ -24,7 +24,7 @@ import torch
 
 from common.config import DATASETS, OWN_DATASETS
 from common.data.fetch import load_dataset
-from common.data.images import default_workers
+from common.data.reading import default_workers
 from common.data.loader import Dataset
 from common.data.own import OwnData
 from common.output import confusion

@@ -1,5 +1,5 @@
 """predict.py: each image's most likely classes and their probabilities, the image prepared as the
-training run prepared its test images (the decoder of common/data/images.py: 16-bit and float
+training run prepared its test images (the decoder of common/data/decoding.py: 16-bit and float
 images scaled, converted to L or RGB, resized and centre-cropped where the run used --image-size,
 normalized by the run's mean and std).
 
@@ -23,7 +23,7 @@ from typing import Iterator, Sequence
 import torch
 
 from common import shards as layout
-from common.data.images import broken_message, decode, header
+from common.data.decoding import broken_message, decode, header
 from common.data.loader import Normalizer
 from common.use.program import check_storage, check_writable, make_parser, run_program
 from common.use.source import Preprocessing, Saved

@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from common.data.images import Stored
+from common.data.geometry import Stored
 from common.data.loader import DataSpec
 from common.errors import ConfigError, UserError
 from common.models import build_model
@@ -36,7 +36,7 @@ class Preprocessing:
 
     @property
     def stored(self) -> Stored:
-        """The decoder's geometry (common/data/images.py decode)."""
+        """The decoder's geometry (common/data/decoding.py decode)."""
         return Stored(self.size, self.resize)
 
     @property

@@ -1,0 +1,385 @@
+"""Reading own images while training and evaluating: the Reader a DataLoader worker makes each
+batch with (decode or cached pixels, crop, flip, policy, on uint8), the batches' types (Request,
+Batch), the ragged store of whole decoded images, the epoch's batch sampler (Plan) and the split
+the rank iterates (Streamed), and the workers' count.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
+
+import numpy as np
+import torch
+
+from common.data.augment import Draws, Policy, policy_generator
+from common.data.decoding import Undecodable, broken_message, decode_whole, draft_scale
+from common.data.geometry import Box, Stored, eval_box, resized_crop, scaled, train_box
+from common.data.index import Table
+from common.data.indexing import Survey, as_is
+from common.data.loader import crop_and_flip, pad_crop_draws, to_device
+from common.data.shardcache import Prefetcher, ShardCache
+from common.errors import UserError
+
+RATE_SAMPLES = 16  # samples the banner's loader rate is measured on
+LOADER_TIMEOUT_S = 600.0  # a worker may fetch a shard (bounded by the store's own timeouts) and decode a batch
+
+
+class Request(NamedTuple):
+    """One batch a DataLoader worker makes: the samples; for a training batch, each row's place in
+    the global batch and the draws (crop, flip, policy), for the ragged cache the whole images
+    (long side bounded to `whole`). A plain list of indices asks for the reader's fixed view."""
+
+    indices: list[int]
+    positions: tuple[int, ...] = ()
+    draws: Draws | None = None
+    whole: int = 0
+
+
+class Batch(NamedTuple):
+    """What a worker hands the rank: uint8 images (B, C, S, S) and int64 labels; the files skipped
+    (replaced by their next decodable sample); shard cache hits and misses; "" or one line
+    naming the file that failed (a worker's exception would reach the rank as a traceback).
+    Whole images (Request.whole): `images` is their pixels end to end, CHW each, and `dims` per
+    image (stored height, stored width, original height, original width)."""
+
+    images: torch.Tensor
+    labels: torch.Tensor
+    skipped: list[str]
+    hits: int
+    misses: int
+    error: str
+    dims: torch.Tensor | None = None
+
+
+class Reader(torch.utils.data.Dataset):
+    """A split's samples made into batches by DataLoader workers (picklable: a worker opens its own
+    files and its own store client), from the encoded bytes or, for a cached set, from the ragged
+    store of whole decoded images (`store`).
+
+    `view` is the fixed geometry of a plain request (evaluation: the centre crop; a same-size set:
+    as stored). A training request (Request.draws) crops each sample in the worker, on uint8:
+    geometry.train_box on the whole image (a JPEG decoded at a reduced scale where the box keeps
+    at least `size` pixels across), flip, then --augment's policy, every draw from the sample's
+    global position. With skip, a sample that does not decode is replaced by the next one that
+    does, in index order: the batch keeps its size and its content depends on the index alone
+    (not on the world size or the workers), and the skipped file is named to the caller."""
+
+    def __init__(self, table: Table, root: str, view: Stored, channels: int, skip: bool,
+                 cache: ShardCache | None = None, augment: str = "none", store: "Ragged | None" = None) -> None:
+        self.table, self.root, self.view, self.channels, self.skip = table, root, view, channels, skip
+        self.cache, self.augment, self.store = cache, augment, store
+        self.after: dict[int, int] = {}  # an undecodable sample -> where the search for a decodable one goes on
+        self._policies: dict[str, Policy] = {}
+
+    def __len__(self) -> int:
+        return len(self.table)
+
+    def name(self, i: int) -> str:
+        t = self.table
+        return f"{self.root.rstrip('/')}/{t.names[int(t.group[i])]}:{t.keys[i]}" if t.sharded else \
+            str(Path(self.root) / t.names[i])
+
+    def read(self, i: int) -> bytes:
+        t = self.table
+        if not t.sharded:
+            return (Path(self.root) / t.names[i]).read_bytes()
+        shard, offset, size = t.names[int(t.group[i])], int(t.offset[i]), int(t.size[i])
+        if self.cache:
+            return self.cache.read(shard, offset, size)
+        with open(Path(self.root) / shard, "rb") as f:
+            f.seek(offset)
+            return f.read(size)
+
+    def dims(self, i: int) -> tuple[int, int]:
+        """Sample i's (height, width) as indexed: what its training crop is drawn on."""
+        if self.store is not None:
+            return self.store.original(i)
+        return int(self.table.height[i]), int(self.table.width[i])
+
+    def pixels(self, i: int, box: Box | None, size: int) -> torch.Tensor:
+        """Sample i's whole image, uint8 (C, H, W): from the store, or decoded (reduced where `box`
+        keeps `size` pixels across after it); Undecodable naming its file."""
+        if self.store is not None:
+            return self.store.image(i)
+        data = self.read(i)  # a missing file or an unreadable store is not the image's fault
+        try:
+            return decode_whole(data, self.channels, draft_scale(data, box, size) if box else 1)
+        except Exception as e:  # noqa: BLE001 - any decoder failure is this file's problem, said in one line
+            raise Undecodable(broken_message(self.name(i), e, not self.skip)) from None
+
+    def render(self, i: int, out: torch.Tensor, box_of: Callable[[int, int], Box] | None) -> None:
+        """Sample i into `out` (C, S, S): the box box_of(height, width) of its whole image resized
+        to S, or (box_of None) the image as it is, which must be S x S."""
+        box = box_of(*self.dims(i)) if box_of else None
+        image = self.pixels(i, box, out.shape[-1])
+        height, width = image.shape[-2:]
+        if box is not None:
+            resized_crop(image, scaled(box, height, width, *self.dims(i)), out.shape[-1], out=out)
+        elif tuple(image.shape) == tuple(out.shape):
+            out.copy_(image)
+        else:
+            raise Undecodable(broken_message(self.name(i), ValueError(
+                f"it is {width}x{height}, the set's images are {out.shape[-1]}x{out.shape[-1]}"), not self.skip))
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, int]:
+        batch = self.__getitems__([i])
+        if batch.error:
+            raise UserError(batch.error)
+        return batch.images[0], int(batch.labels[0])
+
+    def __getitems__(self, request: Request | list[int]) -> Batch:
+        """The batch, with its error as a value: "" or one line naming the file."""
+        if not isinstance(request, Request):
+            request = Request(list(request))
+        hits, misses = (self.cache.hits, self.cache.misses) if self.cache else (0, 0)
+        skipped: list[str] = []
+        try:
+            images, labels, dims = self.whole(request, skipped) if request.whole else (*self.made(request, skipped), None)
+            error = ""
+        except UserError as e:
+            images, labels, dims, error = torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.int64), None, str(e)
+        except OSError as e:  # a file gone or unreadable since the set was indexed
+            images, labels, dims = torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.int64), None
+            error = f"{self.root}: {e.strerror or e}; the data changed while it was read: restore it and run again"
+        counts = (self.cache.hits - hits, self.cache.misses - misses) if self.cache else (0, 0)
+        return Batch(images, labels, skipped, *counts, error, dims)
+
+    def made(self, request: Request, skipped: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch's images written into one preallocated uint8 tensor, and their labels."""
+        draws, side = request.draws, self.view.side
+        train_crops = draws is not None and self.augment == "resized-crop-flip"
+        out = torch.empty(len(request.indices), self.channels, side, side, dtype=torch.uint8)
+        labels = torch.empty(len(request.indices), dtype=torch.int64)
+        for k, i in enumerate(request.indices):
+            if train_crops:
+                box_of = functools.partial(train_box, draws.seed, draws.epoch, draws.step, request.positions[k])
+            else:
+                box_of = functools.partial(_view_box, self.view) if self.view.short else None
+            labels[k] = self.label(self.decodable_from(i, skipped, out[k], box_of))
+        if draws is not None:
+            self.augmented(out, request)
+        return out, labels
+
+    def augmented(self, out: torch.Tensor, request: Request) -> None:
+        """A same-size colour set's pad-crop + flip (drawn for the global batch, as the in-memory
+        sets draw it), then --augment's policy on each row, from its global position."""
+        draws = request.draws
+        if self.augment == "pad-crop-flip":
+            shifts, flips = pad_crop_draws(draws.seed, draws.epoch, draws.step, draws.global_batch)
+            rows = list(request.positions)
+            out.copy_(crop_and_flip(out, shifts[rows], flips[rows]))
+        policy = self._policies.setdefault(draws.augment, Policy(draws.augment))
+        if policy:
+            for k, position in enumerate(request.positions):
+                out[k] = policy(out[k], policy_generator(draws.seed, draws.epoch, draws.step, position))
+
+    def whole(self, request: Request, skipped: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Whole images for the ragged cache, each with its long side at most request.whole."""
+        images, labels, dims = [], [], []
+        for i in request.indices:
+            holder: list[torch.Tensor] = []
+            j = self.decodable_from(i, skipped, holder, None)
+            image = bounded(holder[0], request.whole)
+            images.append(image.flatten())
+            labels.append(self.label(j))
+            dims.append([*image.shape[-2:], *self.dims(j)])
+        return torch.cat(images), torch.tensor(labels, dtype=torch.int64), torch.tensor(dims, dtype=torch.int64)
+
+    def label(self, i: int) -> int:
+        return self.store.label(i) if self.store is not None else int(self.table.labels[i])
+
+    def decodable_from(self, i: int, skipped: list[str], out: torch.Tensor | list,
+                       box_of: Callable[[int, int], Box] | None) -> int:
+        """Sample i made into `out` (a list: its whole image appended); with skip, if i does not
+        decode (it is named in `skipped`), the first sample after it (in index order, wrapping
+        around) that does; the sample used is returned. The undecodable samples passed over are
+        named when they are asked for themselves: each counts once an epoch. Each is remembered
+        with where the search went on, so a run of k of them costs k decodes, not k^2/2."""
+        if self.try_image(i, out, box_of):
+            return i
+        skipped.append(self.name(i))
+        passed, j = [i], self.after[i]
+        while not self.try_image(j, out, box_of):
+            if j == i:
+                raise UserError(f"no image of {self.root} decodes")
+            passed.append(j)
+            j = self.after[j]
+        self.after.update((k, j) for k in passed)  # the next search from any of them jumps straight to j
+        return j
+
+    def try_image(self, i: int, out: torch.Tensor | list, box_of: Callable[[int, int], Box] | None) -> bool:
+        """Sample i made into `out`; False if it is known or found not to decode (with skip: else one line)."""
+        if i in self.after:
+            return False
+        try:
+            if isinstance(out, list):
+                out.append(self.pixels(i, None, 0))
+            else:
+                self.render(i, out, box_of)
+            return True
+        except Undecodable as e:
+            if not self.skip:
+                raise UserError(str(e)) from None
+            self.after[i] = (i + 1) % len(self)
+            return False
+
+
+def _view_box(view: Stored, height: int, width: int) -> Box:
+    return eval_box(height, width, view.side, view.short)
+
+
+def bounded(image: torch.Tensor, longest: int) -> torch.Tensor:
+    """The whole image with its long side at most `longest` (aspect kept, antialiased): what the
+    ragged cache holds of a large photo."""
+    height, width = image.shape[-2:]
+    if max(height, width) <= longest:
+        return image.contiguous()
+    scale = longest / max(height, width)
+    size = (max(1, round(height * scale)), max(1, round(width * scale)))
+    return torch.nn.functional.interpolate(image[None], size=size, mode="bilinear", align_corners=False,
+                                           antialias=True)[0].contiguous()
+
+
+class Ragged:
+    """A cached split's whole images of varying size, end to end in one uint8 file (CHW each), with
+    each image's start, stored and original (as indexed) height and width, and its label: the
+    training crops are drawn on the original size and cut from the stored copy, so a cached set
+    trains the crops a streamed one does."""
+
+    def __init__(self, pixels: torch.Tensor, dims: torch.Tensor, labels: torch.Tensor, channels: int) -> None:
+        self.pixels, self.labels, self.channels = pixels, labels, channels
+        self._dims = dims.numpy()
+        self._starts = np.concatenate([[0], np.cumsum(channels * self._dims[:, 0] * self._dims[:, 1])])
+
+    def image(self, i: int) -> torch.Tensor:
+        height, width = int(self._dims[i, 0]), int(self._dims[i, 1])
+        start = int(self._starts[i])
+        return self.pixels[start:start + self.channels * height * width].view(self.channels, height, width)
+
+    def original(self, i: int) -> tuple[int, int]:
+        return int(self._dims[i, 2]), int(self._dims[i, 3])
+
+    def label(self, i: int) -> int:
+        return int(self.labels[i])
+
+
+def default_workers(local_world_size: int) -> int:
+    """DataLoader workers per rank: the node's cores shared by its ranks, one kept for the rank's
+    own process, at least one (decoding never blocks the step). Not capped: a GPU rank eats
+    what all of its cores decode (a ResNet-50 on an H100 takes ~3,000 images/s, ~10 cores' worth)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(local_world_size, 1) - 1)
+
+
+def batches_of(source: Reader, indices: Iterable[list[int]], workers: int, pin: bool = False) -> Iterator:
+    """The reader's collated batches of `indices`, in order, decoded by `workers` processes, forked
+    now (before the caller starts a thread that could hold a lock at the fork). A worker that
+    delivers nothing for LOADER_TIMEOUT_S (a hung file system) ends the rank."""
+    loader = torch.utils.data.DataLoader(source, batch_sampler=indices, num_workers=workers, collate_fn=as_is,
+                                         pin_memory=pin, prefetch_factor=4 if workers else None,
+                                         timeout=LOADER_TIMEOUT_S if workers else 0)
+    return _deadlined(iter(loader), source.root)
+
+
+def _deadlined(batches: Iterator, root: str) -> Iterator:
+    try:
+        yield from batches
+    except RuntimeError as e:
+        if "timed out" not in str(e):
+            raise
+        raise UserError(f"a DataLoader worker delivered no batch of {root} in {LOADER_TIMEOUT_S:g} s: its "
+                        "files or store hang; check them (a streamed set is read during training)") from None
+
+
+class Plan:
+    """The batch sampler of an epoch: each batch's Request when the loader asks for it (a whole
+    epoch as Python ints would cost ~36 bytes per sample in the rank); a training epoch's with its
+    draws, batch k's step being draws.step + k."""
+
+    def __init__(self, indices: list[torch.Tensor], draws: Draws | None = None, positions: Sequence[int] = ()) -> None:
+        self.indices, self.draws, self.positions = indices, draws, tuple(positions)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __iter__(self) -> Iterator[Request]:
+        for k, index in enumerate(self.indices):
+            draws = self.draws._replace(step=self.draws.step + k) if self.draws else None
+            yield Request(index.tolist(), self.positions, draws)
+
+
+class Streamed:
+    """A split decoded batch by batch by DataLoader workers; the same interface as Split.
+    Counts what the loader met: shard cache hits and misses, and skipped files."""
+
+    augments = True  # its training batches come cropped, flipped and augmented from the workers
+
+    def __init__(self, source: Reader, workers: int) -> None:
+        self.source, self.workers = source, workers
+        self.groups = source.table.group
+        self.hits = self.misses = 0
+        self.skipped = Survey()  # this epoch's files that did not decode: counted, the first ones named
+
+    def __len__(self) -> int:
+        return len(self.source)
+
+    @property
+    def labels(self) -> torch.Tensor:
+        return self.source.table.labels
+
+    def batches(self, indices: list[torch.Tensor], device: torch.device, draws: Draws | None = None,
+                positions: Sequence[int] = ()) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+        """uint8 images and labels of each index batch, on `device`; with draws (training), each
+        row cropped and augmented by the workers as the sample at global `positions[row]`."""
+        if not indices:
+            return
+        # The workers fork first: a fork while the prefetch thread holds a lock (fsspec's event-loop
+        # lock, mid-fetch) leaves the worker's copy of that lock held forever.
+        batches = batches_of(self.source, Plan(indices, draws, positions), self.workers, pin=device.type == "cuda")
+        prefetch, reached = self.prefetch(indices)
+        try:
+            for step, batch in enumerate(batches):
+                if batch.error:
+                    raise UserError(batch.error)
+                if prefetch:
+                    prefetch.reached(reached[step])
+                self.hits, self.misses = self.hits + batch.hits, self.misses + batch.misses
+                self.skipped.skip(batch.skipped)
+                yield to_device(batch.images, device), to_device(batch.labels, device)
+        finally:
+            if prefetch:
+                prefetch.close()
+
+    def rate_per_worker(self, draws: Draws) -> float:
+        """Training images one worker makes per CPU-second of this split (read, decode, crop, flip,
+        policy), measured here on its first RATE_SAMPLES samples after one to warm up (imports)."""
+        n = min(RATE_SAMPLES, len(self))
+        self.source.__getitems__(Request([0], (0,), draws))
+        start = time.process_time()
+        batch = self.source.__getitems__(Request(list(range(n)), tuple(range(n)), draws))
+        return n / max(time.process_time() - start, 1e-9) if not batch.error else math.nan
+
+    def prefetch(self, indices: list[torch.Tensor]) -> tuple[Prefetcher | None, list[int]]:
+        """For shards from a URL: a prefetcher of the shards in the order the batches first need
+        them, and per batch the furthest position in that order it reads."""
+        cache = self.source.cache
+        if cache is None:
+            return None, []
+        first_use: dict[int, int] = {}
+        reached = []
+        for index in indices:
+            for shard in self.groups[index].tolist():
+                first_use.setdefault(shard, len(first_use))
+            reached.append(max((first_use[s] for s in set(self.groups[index].tolist())), default=0))
+        names = [self.source.table.names[shard] for shard in first_use]
+        return Prefetcher(cache, names, cache.ahead()), reached
+
+    def take_counts(self) -> tuple[dict[str, float], list[str]]:
+        counts = {"shard_cache_hits": self.hits, "shard_cache_misses": self.misses,
+                  "skipped_files": self.skipped.skipped_count}
+        skipped, self.skipped, self.hits, self.misses = self.skipped.skipped, Survey(), 0, 0
+        return counts, skipped
