@@ -19,8 +19,8 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from common.data.geometry import Box, resized_crop, train_box
 from common.data.decoding import header
+from common.data.geometry import Box, resized_crop, train_box
 from common.errors import UserError
 
 DECODE_CHOICES = ("cpu", "gpu", "auto")
