@@ -1,10 +1,13 @@
 """The GPU paths in one command: on a machine with CUDA, every strategy on every visible GPU over
 nccl (fp32, bf16, --compile), the equivalence check on CUDA (every strategy, and the recipes it
 covers), DataParallel over all GPUs, `--device cpu,cuda` ranks over gloo, FSDP2 and ZeRO-1, and a
-kill-and-resume; then one table: images/s, max |dw|, peak CUDA memory per rank, pass/fail.
+kill-and-resume; --decode gpu's input path (nvJPEG batch decode alone, then with our crop and flip
+per sample, DALI's fused decode + random crop beside it where nvidia-dali is installed) on bench
+pipeline's photo set; then one table: images/s, max |dw|, peak CUDA memory per rank, pass/fail.
 
     python -m bench gpu                          # every row (several minutes)
     python -m bench gpu --only equivalence       # the rows whose label contains these words
+    python -m bench gpu --only decode            # the input path's rows alone
 
 Every figure is one the scripts report themselves: images/s from the step clock's TensorBoard
 scalars (as `python -m bench strategies` reads them), max |dw| from the `equivalence: max |dw| =
@@ -19,6 +22,7 @@ import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -132,6 +136,88 @@ def kill_and_resume(gpus: int) -> Row:
     return row(KILL_AND_RESUME, gpus, done, passed=max_dw <= RESUME_TOLERANCE, max_dw=max_dw)
 
 
+DECODE_BATCH = 128
+DECODE_SIZE = 224
+
+
+def decode_rows(photos: Path | None, count: int, device: torch.device) -> list[Row]:
+    """Images/s of the rank's side of --decode gpu on `device` (GPU 0; wall clock, synchronized,
+    after one warm-up pass): nvJPEG on the batch alone; with geometry's crop + flip per sample
+    (ours); DALI's decoders.image_random_crop + resize + flip where nvidia-dali is installed."""
+    from bench.pipeline import photo_set, training_files
+    from common.data.device_decode import decode_and_crop, encoded_batch, train_boxes
+
+    with tempfile.TemporaryDirectory() as tmp:
+        tree, made_from = photo_set(Path(tmp) / "photos", count, photos)
+        files = [bytes(data) for data in training_files(tree)]
+    print(f"decode rows: {len(files)} photos {made_from}", flush=True)
+    batches = [encoded_batch(files[i:i + DECODE_BATCH], [0] * len(files[i:i + DECODE_BATCH]))
+               for i in range(0, len(files), DECODE_BATCH)]
+    boxes = [train_boxes(b.sizes, 0, 1, step, range(len(b.sizes))) for step, b in enumerate(batches)]
+
+    def nvjpeg() -> None:
+        from torchvision.io import ImageReadMode, decode_jpeg
+        for batch in batches:
+            decode_jpeg(batch.data, mode=ImageReadMode.RGB, device=device)
+
+    def ours() -> None:
+        for batch, its_boxes in zip(batches, boxes):
+            decode_and_crop(batch, its_boxes, DECODE_SIZE, 3, device)
+
+    rows = [timed_row("decode: nvJPEG batch decode alone", nvjpeg, len(files), device),
+            timed_row("decode: --decode gpu, nvJPEG + crop + flip (ours)", ours, len(files), device)]
+    try:
+        dali = dali_epoch(files)
+    except ImportError:
+        print("decode: nvidia-dali is not installed: no DALI row (pip install nvidia-dali-cuda130)", flush=True)
+    else:
+        rows.append(timed_row("decode: DALI image_random_crop + resize + flip", dali, len(files), device))
+    return rows
+
+
+def timed_row(label: str, epoch: Callable[[], None], images: int, device: torch.device) -> Row:
+    """One warm-up pass, then one timed pass of `epoch`; a failure is a FAIL row with its line."""
+    import time
+
+    cuda = device.type == "cuda"
+    try:
+        epoch()
+        torch.cuda.synchronize(device) if cuda else None
+        start = time.perf_counter()
+        epoch()
+        torch.cuda.synchronize(device) if cuda else None
+    except Exception as e:  # noqa: BLE001 - a row's failure is reported in the table, the others still run
+        return Row(label, 1, False, why=" ".join(str(e).split())[:200])
+    return Row(label, 1, True, images / (time.perf_counter() - start),
+               cuda_mb=torch.cuda.max_memory_allocated(device) / 2**20 if cuda else None)
+
+
+def dali_epoch(files: list[bytes]) -> Callable[[], None]:
+    """DALI's fused GPU decode + random-resized crop (its ROI decode), resize and flip, fed the same
+    encoded bytes; ImportError where DALI is not installed."""
+    import numpy as np
+    from nvidia.dali import fn, pipeline_def, types
+
+    arrays = [np.frombuffer(data, dtype=np.uint8) for data in files]
+    batches = [arrays[i:i + DECODE_BATCH] for i in range(0, len(arrays), DECODE_BATCH)]
+
+    @pipeline_def(batch_size=DECODE_BATCH, num_threads=4, device_id=0)
+    def crops():
+        encoded = fn.external_source(name="jpegs", dtype=types.UINT8)
+        images = fn.decoders.image_random_crop(encoded, device="mixed", output_type=types.RGB)
+        images = fn.resize(images, resize_x=DECODE_SIZE, resize_y=DECODE_SIZE)
+        return fn.flip(images, horizontal=fn.random.coin_flip())
+
+    pipe = crops()
+    pipe.build()
+
+    def epoch() -> None:
+        for batch in batches:
+            pipe.feed_input("jpegs", batch)
+            pipe.run()
+    return epoch
+
+
 def print_table(rows: list[Row]) -> None:
     figure = lambda value, form: "" if value is None else format(value, form)  # noqa: E731
     print("\n| check | world | images/s | max \\|dw\\| | CUDA MB per rank (max) | result |\n|---|---|---|---|---|---|")
@@ -148,6 +234,9 @@ def main() -> None:
     p.add_argument("--only", nargs="+", default=[], help="run only the rows whose label contains one of these")
     p.add_argument("--model", default="resnet18", help="model of the throughput rows (default: %(default)s)")
     p.add_argument("--per-rank", type=int, default=64, help="images per GPU and step (default: %(default)s)")
+    p.add_argument("--photos", type=Path, default=None,
+                   help="the decode rows' source photos (default: bench pipeline's: scikit-image's, scikit-learn's)")
+    p.add_argument("--decode-images", type=int, default=2048, help="photos of the decode rows (default: %(default)s)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit(f"error: no CUDA device here (torch {torch.__version__}, CUDA build "
@@ -161,6 +250,8 @@ def main() -> None:
         print(f"{'pass' if rows[-1].passed else 'FAIL'}  {check.label}", flush=True)
     if wanted(KILL_AND_RESUME):
         rows.append(kill_and_resume(gpus))
+    if wanted("decode: "):
+        rows += decode_rows(a.photos, a.decode_images, torch.device("cuda", 0))
     print_table(rows)
     if not all(r.passed for r in rows):
         raise SystemExit(1)

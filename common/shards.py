@@ -19,16 +19,24 @@ interrupted conversion, refused. DIR/classes.txt names the classes, one per line
 other tools; the converter writes it too).
 
     python -m common.shards SRC_IMAGEFOLDER DEST_DIR_OR_URL [--shard-mb 64] [--seed 0]
-                            [--storage-options JSON|@FILE|env:VAR]
+                            [--max-side N] [--quality Q] [--storage-options JSON|@FILE|env:VAR]
 
 The converter checks the whole tree before it writes anything: every image must decode (a JPEG at
 1/8 scale, which is cheap) and have at most MAX_PIXELS pixels, or it stops naming the file. Each
-image is then copied into its shard verbatim, as KEY.<its suffix, lowercased>: no re-encoding, no
-loss (16-bit PNGs and TIFFs, float TIFFs included), no time spent. KEY is the sample's 8-digit running
-index within its split (00000042). The training samples are shuffled (--seed) before writing, since
-readers shuffle only within a window of shards: each shard then holds a mix of classes. val/ keeps
-ImageFolder's order. A shard ends before it would pass --shard-mb MiB (it holds at least one
-sample). Every tar member is a plain file with mode 0644, mtime 0 and owner 0, so the same tree and
+image is then copied into its shard verbatim (unless --max-side or --quality, below), as KEY.<its
+suffix, lowercased>: no re-encoding, no loss (16-bit PNGs and TIFFs, float TIFFs included), no time
+spent. KEY is the sample's 8-digit running index within its split (00000042). The training samples
+are shuffled (--seed) before writing, since readers shuffle only within a window of shards: each
+shard then holds a mix of classes. val/ keeps ImageFolder's order. A shard ends before it would pass
+--shard-mb MiB (it holds at least one sample).
+
+--max-side N and --quality Q store smaller photos, as FFCV does: every image is decoded, scaled down
+(antialiased, aspect kept) so that its long side is at most N pixels, and re-encoded as a JPEG of
+quality Q (defaults: no scaling, quality 90), KEY.jpg; grayscale images stay grayscale, all others
+become 8-bit RGB (what the readers make of them anyway; an alpha channel is dropped as they drop it);
+16-bit and float images are refused (convert such a set without these flags).
+Decoding costs in proportion to the pixels: see docs/data.md for when the lost detail is worth it.
+Every tar member is a plain file with mode 0644, mtime 0 and owner 0, so the same tree and
 seed give the same shard bytes (under a new generation's names). DEST is a folder (created) or any
 fsspec URL (s3://bucket/prefix). Only once the manifest is written are DEST's other train-*.tar and
 val-*.tar deleted (an earlier generation's, an interrupted run's, hand-named ones), with the temp
@@ -49,6 +57,7 @@ import random
 import re
 import sys
 import tarfile
+import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -284,14 +293,62 @@ def verify(path: Path) -> None:
 # ---------------------------------------------------------------- the converter
 
 END_OF_ARCHIVE = 2 * tarfile.BLOCKSIZE
+DEFAULT_QUALITY = 90  # FFCV's default, and ImageNet's photos' typical quality
+
+
+@dataclass(frozen=True)
+class Reencode:
+    """Smaller stored photos: the long side at most `max_side` (None: as it is), JPEG of `quality`."""
+    max_side: int | None = None
+    quality: int = DEFAULT_QUALITY
+
+    def problem(self) -> str | None:
+        """What makes these settings unusable (naming the flag), or None."""
+        if self.max_side is not None and self.max_side < 1:
+            return f"--max-side must be a number of pixels >= 1 (got {self.max_side})"
+        if not 1 <= self.quality <= 100:
+            return f"--quality must be a JPEG quality from 1 to 100 (got {self.quality})"
+        return None
+
+
+def scaled_size(width: int, height: int, max_side: int | None) -> tuple[int, int]:
+    """The size an image is stored at under --max-side: the long side at most max_side, the aspect
+    kept (each side rounded, at least 1 pixel); an image already that small is kept as it is."""
+    if max_side is None or max(width, height) <= max_side:
+        return width, height
+    scale = max_side / max(width, height)
+    return max(1, round(width * scale)), max(1, round(height * scale))
+
+
+def reencoded(path: Path, settings: Reencode) -> bytes:
+    """The image at `path` as --max-side / --quality store it: a JPEG's bytes. A 16-bit or float
+    image is refused, naming it: an 8-bit JPEG would lose what the readers' own scaling keeps."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", Image.DecompressionBombWarning)  # verify() refused the ones past MAX_PIXELS
+        with Image.open(path) as image:
+            if image.mode == "F" or image.mode.startswith("I"):
+                raise UserError(f"{path} is a {image.mode} (16-bit, 32-bit or float) image, and --max-side/--quality "
+                                "store 8-bit JPEGs; convert this set without them (its files are then copied "
+                                "verbatim), or save its images as 8-bit first")
+            image = image.convert("L" if image.mode in ("1", "L") else "RGB")
+    size = scaled_size(*image.size, settings.max_side)
+    if size != image.size:  # LANCZOS over the whole footprint: antialiased, as the readers' own resize
+        image = image.resize(size, Image.Resampling.LANCZOS)
+    out = io.BytesIO()
+    image.save(out, "JPEG", quality=settings.quality)
+    return out.getvalue()
 
 
 def convert(src: Path, dest: str, shard_mb: float = 64, seed: int = 0,
             storage_options: dict[str, Any] | None = None,
-            say: Callable[[str], None] = lambda line: None) -> dict[str, tuple[int, int, int]]:
+            say: Callable[[str], None] = lambda line: None,
+            reencode: Reencode | None = None) -> dict[str, tuple[int, int, int]]:
     """Writes SRC's ImageFolder tree to DEST as a new generation's shards, classes.txt and, last,
     manifest.json, then deletes DEST's other shards; split -> (samples, shards, bytes). The whole
-    tree is checked before anything is written; files that are not images are named to `say`."""
+    tree is checked before anything is written; files that are not images are named to `say`.
+    With `reencode`, the images are stored as its smaller JPEGs instead of verbatim."""
+    if reencode is not None and (problem := reencode.problem()):
+        raise UserError(problem)
     classes = folder_classes(src)
     ignored: list[str] = []
     splits = {split: [(rel, label) for label, paths in class_images(src, split, classes, ignored.extend)
@@ -302,10 +359,13 @@ def convert(src: Path, dest: str, shard_mb: float = 64, seed: int = 0,
     for path, _ in splits[TRAIN] + splits[VAL]:
         verify(src / path)
     random.Random(seed).shuffle(splits[TRAIN])
-    storage = storage_for(dest, storage_options)
-    generation = new_generation()
-    shards = {split: _write_split(storage, src, split, generation, samples, int(shard_mb * 2**20))
-              for split, samples in splits.items()}
+    with tempfile.TemporaryDirectory(prefix="common.shards.") as scratch:
+        if reencode is not None:  # to local scratch first, before DEST is touched: the shards are planned from the sizes
+            src, splits = Path(scratch), _reencode_tree(src, splits, reencode, Path(scratch))
+        storage = storage_for(dest, storage_options)
+        generation = new_generation()
+        shards = {split: _write_split(storage, src, split, generation, samples, int(shard_mb * 2**20))
+                  for split, samples in splits.items()}
     storage.write(CLASSES_FILE, "".join(f"{name}\n" for name in classes).encode())
     _check_still_there(storage, [entry["name"] for entries in shards.values() for entry in entries], dest)
     manifest = {"format": MANIFEST_FORMAT, "generation": generation, "classes": classes, "splits": shards}
@@ -313,6 +373,21 @@ def convert(src: Path, dest: str, shard_mb: float = 64, seed: int = 0,
     _delete_other_shards(storage, {entry["name"] for entries in shards.values() for entry in entries})
     return {split: (len(splits[split]), len(entries), sum(entry["bytes"] for entry in entries))
             for split, entries in shards.items()}
+
+
+def _reencode_tree(src: Path, splits: dict[str, list[tuple[str, int]]], settings: Reencode,
+                   scratch: Path) -> dict[str, list[tuple[str, int]]]:
+    """Each image re-encoded into `scratch` under its relative path + ".jpg" (a.png and a.jpg of
+    one folder stay apart); the samples renamed to match."""
+    renamed: dict[str, list[tuple[str, int]]] = {}
+    for split, samples in splits.items():
+        renamed[split] = []
+        for path, label in samples:
+            target = scratch / f"{path}.jpg"
+            target.parent.mkdir(parents=True, exist_ok=True)
+            target.write_bytes(reencoded(src / path, settings))
+            renamed[split].append((f"{path}.jpg", label))
+    return renamed
 
 
 def _write_split(storage: Storage, src: Path, split: str, generation: str, samples: list[tuple[str, int]],
@@ -389,17 +464,27 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("dest", metavar="DEST_DIR_OR_URL", help="a folder, or an fsspec URL such as s3://bucket/prefix")
     p.add_argument("--shard-mb", type=float, default=64.0, help="a shard's largest size in MiB (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="the training samples' shuffle (default: %(default)s)")
+    p.add_argument("--max-side", type=int, default=None, metavar="N",
+                   help="store each image scaled down to at most N pixels on its long side, as a JPEG (--quality)")
+    p.add_argument("--quality", type=int, default=None, metavar="Q",
+                   help=f"store each image re-encoded as a JPEG of quality Q, 1-100 (default with --max-side: "
+                        f"{DEFAULT_QUALITY}; without both: the files verbatim)")
     p.add_argument("--storage-options", default="{}", metavar="JSON|@FILE|env:VAR",
                    help="fsspec options for a URL DEST; put credentials in @FILE or env:VAR, not inline (ps shows it)")
     a = p.parse_args(argv)
     if not 0 < a.shard_mb < math.inf:
         p.error(f"--shard-mb must be a number > 0 (got {a.shard_mb})")
+    reencode = None
+    if a.max_side is not None or a.quality is not None:
+        reencode = Reencode(a.max_side, DEFAULT_QUALITY if a.quality is None else a.quality)
+        if problem := reencode.problem():
+            p.error(problem)
     try:
         options = read_storage_options(a.storage_options)
     except ValueError as e:
         p.error(f"--storage-options {e}")
     try:
-        written = convert(a.src, a.dest, a.shard_mb, a.seed, options, say=print)
+        written = convert(a.src, a.dest, a.shard_mb, a.seed, options, say=print, reencode=reencode)
     except UserError as e:
         _fail(str(e), 2)
     except StorageError as e:  # its message names the URL, credentials scrubbed

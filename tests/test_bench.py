@@ -50,3 +50,51 @@ def test_the_gpu_check_without_cuda_says_so_in_one_line():
     assert refused.returncode == 1
     assert refused.stderr.strip().splitlines() == [refused.stderr.strip()], refused.stderr
     assert refused.stderr.startswith("error: no CUDA device here")
+
+
+def test_the_pipeline_bench_measures_every_row_on_a_tiny_photo_set(tmp_path):
+    """bench pipeline's photo set and its table, in-process at tiny sizes: the derived photos have
+    ImageNet's shapes and are JPEGs; every row is measured (a rate from process time) and the
+    cores column is the node's demand over the rate."""
+    from PIL import Image
+
+    from bench import pipeline
+    from tests.datagen import write_photos
+
+    sources = sorted(write_photos(tmp_path / "sources", train_size=3, test_size=1, classes=3).glob("train/*/*.jpg"))
+    tree = pipeline.write_photo_set(tmp_path / "photos", 40, sources)
+    photos = [Image.open(path) for path in sorted((tree / "train").glob("*/*"))]
+    assert len(photos) == 40 and {photo.format for photo in photos} == {"JPEG"}
+    assert len({path.parent.name for path in (tree / "train").glob("*/*")}) == len(sources)
+    common = sum(photo.size in ((500, 375), (375, 500)) for photo in photos)
+    assert 18 <= common <= 38 and all(max(photo.size) <= 1024 for photo in photos), common
+    measured = pipeline.rows(tree, tmp_path, size=32, max_side=64)
+    assert len({row.name for row in measured}) == len(measured) >= 14
+    assert all(row.images in (32, 40) and row.cpu_s > 0 for row in measured)  # TrainLoader: whole batches of 32
+    lines = pipeline.table(measured).splitlines()[2:]
+    for row, line in zip(measured, lines):
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        assert cells[0] == row.name and int(cells[3]) == round(pipeline.NODE_DEMAND / row.rate)
+
+
+def test_the_gpu_benchs_decode_rows_run_on_cpu_tensors(tmp_path):
+    """bench gpu's --decode gpu rows measure the real device path; here on the CPU (the GPU rows
+    run where a GPU is lent): each row passes with a rate, DALI's only where it is installed."""
+    import importlib.util
+
+    import torch
+
+    from bench.gpu import decode_rows
+    from tests.datagen import write_photos
+
+    photos = write_photos(tmp_path / "sources", train_size=2, test_size=1, classes=2)
+    sources = tmp_path / "flat"
+    sources.mkdir()
+    for n, path in enumerate(sorted(photos.glob("train/*/*.jpg"))):
+        (sources / f"{n}.jpg").write_bytes(path.read_bytes())
+    rows = decode_rows(sources, 12, torch.device("cpu"))
+    dali = importlib.util.find_spec("nvidia.dali") is not None
+    assert [row.label for row in rows][:2] == ["decode: nvJPEG batch decode alone",
+                                               "decode: --decode gpu, nvJPEG + crop + flip (ours)"]
+    assert len(rows) == 2 + dali
+    assert all(row.passed and row.images_per_s > 0 for row in rows[:2]), rows

@@ -15,11 +15,12 @@ from pathlib import Path
 import fsspec
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 
 from common.errors import UserError
-from common.shards import (CLASSES_FILE, GENERATION_SHARD, MANIFEST, TRAIN, VAL, ShardSet, convert, folder_classes,
-                           class_images, main, pixels_problem, resolve, shard_pattern)
+from common.shards import (CLASSES_FILE, GENERATION_SHARD, MANIFEST, TRAIN, VAL, Reencode, ShardSet, convert,
+                           folder_classes, class_images, main, pixels_problem, resolve, scaled_size, shard_pattern)
 from common.storage import DENIED, FsspecStorage, LocalStorage, StorageError
 from tests.conftest import ROOT, child_env
 from tests.datagen import write_imagefolder, write_shards
@@ -451,3 +452,111 @@ def test_a_conversion_whose_shards_another_deleted_writes_no_manifest(tree, tmp_
     with pytest.raises(UserError, match=r"was deleted while this conversion ran .* one converter per destination"):
         convert(tree, str(tmp_path / "out"))
     assert not (tmp_path / "out" / MANIFEST).exists()
+
+
+# ---------------------------------------------------------------- --max-side and --quality
+
+@pytest.fixture(scope="module")
+def colour_tree(tmp_path_factory) -> Path:
+    """RGB images from 20 to 64 px a side, PNG and JPEG: some above a --max-side of 32, some below."""
+    return write_imagefolder(tmp_path_factory.mktemp("colour"), train_size=40, test_size=12, shape="cifar",
+                             formats=("png", "jpg"), sizes=(20, 64))
+
+
+def decoded(data: bytes) -> Image.Image:
+    image = Image.open(io.BytesIO(data))
+    image.load()
+    return image
+
+
+def test_max_side_scales_the_long_side_down_keeping_the_aspect(colour_tree, tmp_path):
+    convert(colour_tree, str(tmp_path), reencode=Reencode(max_side=32))
+    for split in (TRAIN, VAL):
+        stored = [decoded(data) for _, ext, data, _ in read_split(tmp_path, split)]
+        assert {ext for _, ext, _, _ in read_split(tmp_path, split)} == {"jpg"}
+        assert {image.format for image in stored} == {"JPEG"} and {image.mode for image in stored} == {"RGB"}
+        originals = [Image.open(path).size for path in (colour_tree / split).glob("*/*")]
+        assert any(max(size) > 32 for size in originals) and any(max(size) <= 32 for size in originals)
+        assert sorted(image.size for image in stored) == sorted(scaled_size(w, h, 32) for w, h in originals)
+    val = [decoded(data).size for _, _, data, _ in read_split(tmp_path, VAL)]  # val keeps the tree's order
+    assert val == [scaled_size(*Image.open(io.BytesIO(data)).size, 32) for _, data, _ in source_samples(colour_tree, VAL)]
+    assert [label for *_, label in read_split(tmp_path, VAL)] == [label for *_, label in source_samples(colour_tree, VAL)]
+
+
+def test_scaled_size_keeps_the_aspect_and_leaves_small_images_alone():
+    assert scaled_size(500, 375, 320) == (320, 240) and scaled_size(375, 500, 320) == (240, 320)
+    assert scaled_size(1024, 683, 320) == (320, 213) and scaled_size(4000, 1, 320) == (320, 1)
+    assert scaled_size(300, 200, 320) == (300, 200) and scaled_size(500, 375, None) == (500, 375)
+
+
+def test_quality_alone_reencodes_at_full_size_and_sets_the_size_and_the_fidelity(colour_tree, tmp_path):
+    """Without --max-side the sizes are the originals'; a lower quality makes smaller files that
+    stray further from the source pixels; grayscale images stay grayscale."""
+    source = [np.asarray(Image.open(io.BytesIO(data)).convert("RGB"), dtype=np.float32)
+              for _, data, _ in source_samples(colour_tree, VAL)]
+    errors, sizes = {}, {}
+    for quality in (95, 20):
+        convert(colour_tree, str(tmp_path / str(quality)), reencode=Reencode(quality=quality))
+        stored = [decoded(data) for _, _, data, _ in read_split(tmp_path / str(quality), VAL)]
+        assert [image.size for image in stored] == [image.shape[1::-1] for image in source]
+        errors[quality] = np.mean([np.abs(np.asarray(image, np.float32) - pixels).mean()
+                                   for image, pixels in zip(stored, source)])
+        sizes[quality] = sum(len(data) for _, _, data, _ in read_split(tmp_path / str(quality), VAL))
+    assert errors[95] < errors[20] and sizes[95] > 1.5 * sizes[20], (errors, sizes)
+    gray = write_imagefolder(tmp_path / "gray", train_size=60, test_size=10, sizes=(24, 40))
+    convert(gray, str(tmp_path / "gray-out"), reencode=Reencode(max_side=30, quality=80))
+    assert {decoded(data).mode for _, _, data, _ in read_split(tmp_path / "gray-out", TRAIN)} == {"L"}
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--max-side", "0"], "--max-side must be a number of pixels >= 1 (got 0)"),
+    (["--max-side", "-5"], "--max-side must be a number of pixels >= 1 (got -5)"),
+    (["--quality", "0"], "--quality must be a JPEG quality from 1 to 100 (got 0)"),
+    (["--max-side", "320", "--quality", "101"], "--quality must be a JPEG quality from 1 to 100 (got 101)"),
+    (["--max-side", "big"], "--max-side: invalid int value: 'big'"),
+], ids=["zero", "negative", "quality-0", "quality-101", "not-a-number"])
+def test_bad_max_side_or_quality_is_one_line_and_exit_2(tree, tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tree), str(tmp_path / "out"), *args])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == "" and not (tmp_path / "out").exists()
+    assert message in err and err.count("\n") == 1, err
+
+
+def test_the_command_line_stores_smaller_photos(colour_tree, tmp_path):
+    result = run_converter(str(colour_tree), str(tmp_path), "--max-side", "24", "--quality", "70")
+    assert result.returncode == 0, result.stderr
+    assert all(max(decoded(data).size) <= 24 for _, _, data, _ in read_split(tmp_path, TRAIN))
+
+
+def test_training_reads_shards_of_smaller_photos(colour_tree, tmp_path):
+    """The real loading code (index, geometry, statistics, streamed workers' decode) on --max-side
+    shards at --image-size: the batches are the model's size, every label comes through."""
+    from dataclasses import replace
+
+    from common.data import own
+    from common.data.loader import TrainLoader
+
+    convert(colour_tree, str(tmp_path / "shards"), shard_mb=0.01, reencode=Reencode(max_side=28, quality=85))
+    opts = own.OwnData("shards", str(tmp_path / "shards"), str(tmp_path / "cache"), {}, image_size=20, workers=0,
+                       prepare_workers=0, skip_broken=False, cache_gb=0.0, shard_cache_gb=1.0)
+    data = own.open_prepared(own.prepare(opts, lambda line: None), opts)
+    loader = TrainLoader(data.train, data.spec, 8, 0, 1, seed=3, device=torch.device("cpu"))
+    labels = []
+    for images, batch_labels in loader.epoch(1):
+        assert images.shape[1:] == (3, 20, 20) and torch.isfinite(images).all()
+        labels += batch_labels.tolist()
+    assert sorted(labels) == sorted(label for *_, label in source_samples(colour_tree, TRAIN))
+
+
+def test_smaller_photos_refuse_a_16_bit_image_before_writing_anything(tmp_path, capsys):
+    """An 8-bit JPEG would lose what the readers' scaling of a 16-bit image keeps: refused, named."""
+    deep = Image.fromarray((np.arange(12 * 16).reshape(12, 16) * 300).astype(np.uint16))
+    tree = write_tree(tmp_path / "tree", {"train/a/0.png": PNG, "train/b/deep.png": encoded(deep, "PNG"),
+                                          "val/a/1.png": PNG})
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tree), str(tmp_path / "out"), "--max-side", "8"])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == "" and not (tmp_path / "out").exists()
+    assert err.startswith(f"common.shards: error: {tree / 'train/b/deep.png'} is a I;16") and err.count("\n") == 1
+    assert "convert this set without them" in err

@@ -1,0 +1,85 @@
+"""--decode gpu: the rank decodes its batch of JPEGs on its device and crops it there.
+
+CPU decoding cannot feed GPUs (an 8-GPU node of ResNet-50 H100s wants ~24,000 images/s; a core
+decodes ~450). With --decode gpu the DataLoader workers only read each sample's encoded bytes and
+its size from the JPEG header (encoded_batch); the rank decodes the whole batch in one
+torchvision.io.decode_jpeg(list, device=...) call (nvJPEG on CUDA) and makes each sample's crop
+with the same geometry as the CPU workers: the box is geometry.train_box of the sample's global
+position (torchvision's RandomResizedCrop and flip, drawn from the sample's own generator), the
+pixels geometry.resized_crop's (torch's antialiased bilinear kernel), so a sample gets the same
+crop whichever path made it: on CPU tensors the very pixels of the CPU workers' batch, where the
+worker decodes at full scale (it decodes at 1/2, 1/4 or 1/8 where the box keeps 2, 4 or 8 times
+the model's size across; nvJPEG decodes at full scale; on CUDA, nvJPEG's IDCT and the device's
+resize may differ by a grey level). The functions take any device: on a host without a GPU they
+run on CPU tensors, which is how the tests check them against the CPU path.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Sequence
+
+import torch
+
+from common.data.decoding import header
+from common.data.geometry import Box, resized_crop, train_box
+from common.errors import UserError
+
+DECODE_CHOICES = ("cpu", "gpu", "auto")
+
+
+class EncodedBatch(NamedTuple):
+    """What a worker hands a --decode gpu rank: each sample's JPEG bytes (uint8, 1-D), its
+    (height, width) from the header, and the labels."""
+
+    data: list[torch.Tensor]
+    sizes: list[tuple[int, int]]
+    labels: torch.Tensor
+
+
+def choose_decode(requested: str, device: torch.device, jpeg_only: bool) -> str:
+    """Where a rank decodes: "cpu" (its workers) or "gpu" (itself, on its device). auto is gpu on a
+    CUDA rank whose set is all JPEG, else cpu; gpu where it cannot be is refused in one line."""
+    if requested == "auto":
+        return "gpu" if device.type == "cuda" and jpeg_only else "cpu"
+    if requested == "gpu" and device.type != "cuda":
+        raise UserError(f"--decode gpu decodes on the rank's CUDA device, and this rank's device is {device}; "
+                        "pass --decode cpu (or auto), or run on GPUs (--device cuda)")
+    if requested == "gpu" and not jpeg_only:
+        raise UserError("--decode gpu decodes JPEGs only (nvJPEG), and the set holds other formats; pass --decode "
+                        "cpu (or auto), or convert the set to JPEG shards (python -m common.shards SRC DEST "
+                        "--quality 90)")
+    return requested
+
+
+def encoded_batch(files: Sequence[bytes], labels: Sequence[int]) -> EncodedBatch:
+    """A worker's share of --decode gpu: the bytes as tensors and each image's size from its header
+    (no pixel is decoded here)."""
+    sizes = []
+    for data in files:
+        (width, height), _ = header(data)
+        sizes.append((height, width))
+    return EncodedBatch([torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in files], sizes,
+                        torch.tensor(list(labels), dtype=torch.int64))
+
+
+def train_boxes(sizes: Sequence[tuple[int, int]], seed: int, epoch: int, step: int,
+                positions: Sequence[int]) -> list[Box]:
+    """Each sample's training crop, by its global position in step `step`'s batch: the boxes the CPU
+    workers draw for the same samples (geometry.train_box)."""
+    return [train_box(seed, epoch, step, position, height, width) for (height, width), position in zip(sizes, positions)]
+
+
+def decode_and_crop(batch: EncodedBatch, boxes: Sequence[Box], size: int, channels: int,
+                    device: torch.device) -> torch.Tensor:
+    """The batch decoded on `device` in one call (nvJPEG batched on CUDA) and each image's box
+    resized to size x size (mirrored where the box says): uint8 (N, channels, size, size) on `device`."""
+    from torchvision.io import ImageReadMode, decode_jpeg
+
+    mode = ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB
+    images = decode_jpeg(batch.data, mode=mode, device=device)
+    out = torch.empty(len(images), channels, size, size, dtype=torch.uint8, device=device)
+    for i, (image, box, row) in enumerate(zip(images, boxes, out)):
+        if tuple(image.shape[-2:]) != batch.sizes[i]:  # the boxes were drawn for the header's size
+            raise ValueError(f"sample {i} of the batch decodes to {tuple(image.shape[-2:])} pixels, its header "
+                             f"says {batch.sizes[i]}")
+        resized_crop(image, box, size, out=row)
+    return out

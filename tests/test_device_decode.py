@@ -1,0 +1,136 @@
+"""--decode gpu's rank side (common/data/device_decode.py) on CPU tensors: the boxes are
+torchvision's RandomResizedCrop + flip drawn per global sample position (the CPU workers' boxes),
+the pixels those of the CPU path's crop of the same decoded image, the labels in order."""
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from torchvision.io import ImageReadMode, decode_jpeg
+from torchvision.transforms import RandomResizedCrop
+from torchvision.transforms.v2 import functional as F
+
+from common.data.augment import sample_seed
+from common.data.device_decode import choose_decode, decode_and_crop, encoded_batch, train_boxes
+from common.data.geometry import Box, resized_crop, train_box
+from common.errors import UserError
+
+pytestmark = pytest.mark.quick
+
+CPU = torch.device("cpu")
+SIZES = [(500, 375), (375, 500), (640, 480), (96, 300), (33, 40), (1024, 700)]  # (width, height)
+SEED, EPOCH, STEP, SIZE = 7, 3, 11, 64
+
+
+def jpeg(width: int, height: int, mode: str = "RGB", seed: int = 0) -> bytes:
+    """A smooth photo-like JPEG (quality 90)."""
+    rng = np.random.default_rng(seed)
+    coarse = Image.fromarray(rng.integers(0, 256, (6, 8, 3), dtype=np.uint8)).resize((width, height), Image.BICUBIC)
+    out = io.BytesIO()
+    coarse.convert(mode).save(out, "JPEG", quality=90)
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def files() -> list[bytes]:
+    return [jpeg(w, h, seed=n) for n, (w, h) in enumerate(SIZES)]
+
+
+def torchvision_box(position: int, height: int, width: int) -> Box:
+    """torchvision's own RandomResizedCrop.get_params, then RandomHorizontalFlip's draw, from the
+    sample's generator state (torch's global generator seeded as geometry seeds the sample's)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(sample_seed(SEED, EPOCH, STEP, position, "crop"))
+        top, left, h, w = RandomResizedCrop.get_params(torch.empty(1, height, width), (0.08, 1.0), (3 / 4, 4 / 3))
+        return Box(top, left, h, w, bool(torch.rand(1) < 0.5))
+
+
+def test_the_boxes_are_torchvisions_drawn_per_global_position_at_any_world_size(files):
+    batch = encoded_batch(files, range(len(files)))
+    assert batch.sizes == [(h, w) for w, h in SIZES]  # from the headers: nothing decoded
+    positions = list(range(len(files)))
+    boxes = train_boxes(batch.sizes, SEED, EPOCH, STEP, positions)
+    assert boxes == [torchvision_box(p, h, w) for p, (h, w) in zip(positions, batch.sizes)]
+    assert {box.flip for box in boxes} == {True, False} and len(set(boxes)) == len(boxes)
+    for rank in range(2):  # world 2: rank r holds global positions r, r+2, ...: the same boxes as world 1's rows
+        mine = positions[rank::2]
+        assert train_boxes(batch.sizes[rank::2], SEED, EPOCH, STEP, mine) == boxes[rank::2]
+
+
+def test_decode_and_crop_makes_the_cpu_paths_crops_and_keeps_the_labels(files):
+    labels = [4, 0, 9, 2, 2, 7]
+    batch = encoded_batch(files, labels)
+    boxes = train_boxes(batch.sizes, SEED, EPOCH, STEP, range(len(files)))
+    images = decode_and_crop(batch, boxes, SIZE, 3, CPU)
+    assert images.dtype == torch.uint8 and images.shape == (len(files), 3, SIZE, SIZE)
+    assert batch.labels.tolist() == labels
+    for data, box, made in zip(files, boxes, images):
+        decoded = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+        assert torch.equal(made, resized_crop(decoded, box, SIZE))  # the CPU workers' crop of the same box
+        reference = F.resized_crop(decoded, box.top, box.left, box.height, box.width, [SIZE, SIZE], antialias=True)
+        reference = F.horizontal_flip(reference) if box.flip else reference
+        assert (made.int() - reference.int()).abs().max() <= 1  # torchvision's v2 resized_crop on that box
+
+
+def test_grayscale_jpegs_decode_to_one_channel():
+    files = [jpeg(120, 90, "L"), jpeg(90, 120, "L", seed=1)]
+    batch = encoded_batch(files, [0, 1])
+    images = decode_and_crop(batch, train_boxes(batch.sizes, SEED, EPOCH, STEP, [0, 1]), 32, 1, CPU)
+    assert images.shape == (2, 1, 32, 32)
+
+
+def test_a_header_that_disagrees_with_the_pixels_is_refused(files):
+    batch = encoded_batch(files[:2], [0, 1])
+    swapped = batch._replace(sizes=batch.sizes[::-1])
+    with pytest.raises(ValueError, match=r"sample 0 of the batch decodes to \(375, 500\) pixels, its header says"):
+        decode_and_crop(swapped, train_boxes(swapped.sizes, SEED, EPOCH, STEP, [0, 1]), 32, 3, CPU)
+
+
+@pytest.mark.parametrize("requested, device, jpeg_only, chosen", [
+    ("auto", "cuda", True, "gpu"), ("auto", "cuda", False, "cpu"), ("auto", "cpu", True, "cpu"),
+    ("cpu", "cuda", True, "cpu"), ("gpu", "cuda", True, "gpu"),
+])
+def test_auto_decodes_on_the_gpu_where_the_rank_is_cuda_and_the_set_is_jpeg(requested, device, jpeg_only, chosen):
+    assert choose_decode(requested, torch.device(device), jpeg_only) == chosen
+
+
+@pytest.mark.parametrize("device, jpeg_only, says", [
+    ("cpu", True, "--decode gpu decodes on the rank's CUDA device, and this rank's device is cpu; pass --decode cpu"),
+    ("cuda", False, "--decode gpu decodes JPEGs only (nvJPEG), and the set holds other formats; pass --decode cpu"),
+])
+def test_gpu_where_it_cannot_be_is_one_line_naming_the_ways_out(device, jpeg_only, says):
+    with pytest.raises(UserError) as refused:
+        choose_decode("gpu", torch.device(device), jpeg_only)
+    assert str(refused.value).startswith(says) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+def test_the_device_path_gives_the_cpu_workers_batch(tmp_path, world):
+    """The suite's CPU path (shards streamed, the worker cropping each sample by its global
+    position) against --decode gpu's rank side on the same samples' bytes: the same labels, and
+    the same pixels (the same boxes; S is chosen so that no reduced JPEG decode applies in the
+    worker: its boxes keep fewer than 2 S pixels across), for each rank's rows at world 1 and 2."""
+    from common.data import own
+    from common.data.augment import Draws
+    from common.shards import convert
+    from tests.datagen import write_imagefolder
+
+    tree = write_imagefolder(tmp_path / "tree", train_size=40, test_size=10, shape="cifar", formats=("jpg",),
+                             sizes=(40, 60))
+    convert(tree, str(tmp_path / "shards"))
+    opts = own.OwnData("shards", str(tmp_path / "shards"), str(tmp_path / "cache"), {}, image_size=32, workers=0,
+                       prepare_workers=0, skip_broken=False, cache_gb=0.0, shard_cache_gb=1.0)
+    data = own.open_prepared(own.prepare(opts, lambda line: None), opts)
+    order, batch = torch.randperm(len(data.train), generator=torch.Generator().manual_seed(0))[:16], 16
+    draws = Draws(seed=SEED, epoch=EPOCH, step=STEP, global_batch=batch, augment="basic")
+    for rank in range(world):
+        indices, positions = order[rank::world], range(rank, batch, world)
+        ((cpu_images, cpu_labels),) = data.train.batches([indices], CPU, draws, positions)
+        encoded = encoded_batch([data.train.source.read(int(i)) for i in indices], data.train.labels[indices].tolist())
+        boxes = train_boxes(encoded.sizes, SEED, EPOCH, STEP, positions)
+        assert max(min(box.height, box.width) for box in boxes) < 64
+        assert torch.equal(encoded.labels, cpu_labels)
+        assert torch.equal(decode_and_crop(encoded, boxes, 32, 3, CPU), cpu_images)
