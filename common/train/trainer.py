@@ -77,8 +77,8 @@ class StepLog:
         self.data_wait_said = True
         log.warn(f"the input pipeline holds training up: {times.data_ms:.0f} ms of each {times.step_ms:.0f} ms step "
                  f"wait for data ({times.data_ms / times.step_ms:.0%}); give each rank more --workers (now "
-                 f"{run.data.train.workers}), decode on the GPU with --decode gpu, or convert the set to shards "
-                 "with --max-side (smaller stored images decode faster)")
+                 f"{run.data.train.workers}), or convert the set to shards with python -m common.shards "
+                 "--max-side N (smaller stored images decode faster)")
 
     def take_epoch(self) -> tuple[Metrics, StepTimes]:
         """NaN loss and accuracy for an epoch whose steps all ran before a resume (a run stopped
