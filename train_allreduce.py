@@ -9,16 +9,17 @@ from __future__ import annotations
 # loads, and registers the collector's exit handler before any other (common/collector.py says why).
 # `isort: split` keeps an import sorter (isort, ruff's I rules) from moving torch above this line.
 from common.train.app import main as run
-# isort: split
-from common.train.strategy import HandWrittenSync
-from common.config import Config
-from common.parallel.comm import GradientBuckets, PerParameterAllReduce, float_buffers, launch_all_reduce
-from common.parallel.context import DistContext
-from common.errors import ConfigError
 
+# isort: split
 import argparse
 
 from torch import nn
+
+from common.config import Config
+from common.errors import ConfigError
+from common.parallel.comm import GradientBuckets, PerParameterAllReduce, float_buffers, launch_all_reduce
+from common.parallel.context import DistContext
+from common.train.strategy import HandWrittenSync
 
 
 class AllReduceStrategy(HandWrittenSync):

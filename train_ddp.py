@@ -8,13 +8,8 @@ from __future__ import annotations
 # loads, and registers the collector's exit handler before any other (common/collector.py says why).
 # `isort: split` keeps an import sorter (isort, ruff's I rules) from moving torch above this line.
 from common.train.app import main as run
-# isort: split
-from common.train.strategy import WIRE_DTYPES, Strategy
-from common.config import Config
-from common.parallel.comm import broadcast_coalesced, flatten, unflatten
-from common.parallel.context import DistContext
-from common.parallel.transport import ProcessGroupTransport, Transport
 
+# isort: split
 import inspect
 from typing import Any
 
@@ -25,6 +20,11 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from common.config import Config
+from common.parallel.comm import broadcast_coalesced, flatten, unflatten
+from common.parallel.context import DistContext
+from common.parallel.transport import ProcessGroupTransport, Transport
+from common.train.strategy import WIRE_DTYPES, Strategy
 
 # Buffers are still sent from rank 0 once, when DDP is built. The flag's name changed in torch 2.14.
 NO_BUFFER_SYNC_PER_FORWARD = ({"forward_sync_buffers": False}

@@ -12,18 +12,19 @@ from __future__ import annotations
 # loads, and registers the collector's exit handler before any other (common/collector.py says why).
 # `isort: split` keeps an import sorter (isort, ruff's I rules) from moving torch above this line.
 from common.train.app import main as run
+
 # isort: split
-from common.train.strategy import HandWrittenSync
+import argparse
+
+import torch
+from torch import nn
+
 from common.config import Config
 from common.parallel.comm import Bucket, GradientBuckets, broadcast_coalesced, float_buffers
 from common.parallel.context import DistContext
 from common.parallel.transport import Handle
 from common.train.precision import Precision
-
-import argparse
-
-import torch
-from torch import nn
+from common.train.strategy import HandWrittenSync
 
 
 class MasterWorkerStrategy(HandWrittenSync):

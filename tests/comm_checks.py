@@ -137,6 +137,7 @@ def check_powersgd_factors(rank: int, world: int) -> None:
     for: after the first compressed step each Q slice is the mean over ranks of M_r^T p, M_r being that
     parameter's gradient on rank r as a matrix. ResNet-18 repeats shapes, which the hook groups."""
     from torch.nn.parallel import DistributedDataParallel
+
     from train_ddp import PowerSGD, keep_registration_order
     model = build_model("resnet18", 3, 32, 10, seed=0)
     plain = copy.deepcopy(model)  # the local gradients, uncompressed

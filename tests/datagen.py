@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from common.data.loader import Dataset, make_synthetic
 from common.data.formats import CIFAR_DIR, CIFAR_TEST, CIFAR_TRAIN, MNIST_DIR, MNIST_PROCESSED, MNIST_PROCESSED_DIR
+from common.data.loader import Dataset, make_synthetic
 from common.shards import TRAIN, VAL, convert
 
 CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]

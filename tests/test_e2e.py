@@ -8,8 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import (ROOT, child_env, error_lines, free_port, latest_checkpoint, latest_state, read_scalars,
-                            run_script, saved_position, stop_after)
+from tests.conftest import (
+    ROOT,
+    child_env,
+    error_lines,
+    free_port,
+    latest_checkpoint,
+    latest_state,
+    read_scalars,
+    run_script,
+    saved_position,
+    stop_after,
+)
 
 TAGS = {"train/loss", "train/acc", "test/loss", "test/acc", "test/samples", "lr", "train/images_per_s", "time/epoch_s"}
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 import yaml
 
-from common.parallel.context import device_list, resolve_backend, resolve_device
 from common.errors import ConfigError
+from common.parallel.context import device_list, resolve_backend, resolve_device
 from tests.conftest import ENDS_PROMPTLY_S, ROOT, child_env, free_port, latest_state, run_script
 
 FLAGS = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",

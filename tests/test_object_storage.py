@@ -14,8 +14,18 @@ import pytest
 import torch
 
 from common.data.formats import CIFAR_DIR, MNIST_DIR
-from tests.conftest import (ENDS_PROMPTLY_S, ROOT, child_env, error_lines, free_port, one_launch, run_script, script_command,
-                            split_runs, stop_after)
+from tests.conftest import (
+    ENDS_PROMPTLY_S,
+    ROOT,
+    child_env,
+    error_lines,
+    free_port,
+    one_launch,
+    run_script,
+    script_command,
+    split_runs,
+    stop_after,
+)
 from tests.datagen import write_cifar10, write_mnist, write_mnist_processed
 from tests.gates import Gate
 from tests.s3server import S3Server

@@ -14,15 +14,27 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from common import storage
-from common.train.checkpoint import CheckpointFolder
-from common.train.state import InvalidCheckpoint, model_mismatches, parse_checkpoint
 from common.errors import UserError
-from common.train.preemption import FORCE_AFTER_S
 from common.storage import TRANSIENT, LocalStorage, StorageError
-from tests.conftest import (ENDS_PROMPTLY_S, ROOT, TORCHRUN_GRACE_S, child_env, error_lines, latest_checkpoint, latest_state, one_launch,
-                            run_script, saved_position, stop_after)
+from common.train.checkpoint import CheckpointFolder
+from common.train.preemption import FORCE_AFTER_S
+from common.train.state import InvalidCheckpoint, model_mismatches, parse_checkpoint
+from tests.conftest import (
+    ENDS_PROMPTLY_S,
+    ROOT,
+    TORCHRUN_GRACE_S,
+    child_env,
+    error_lines,
+    latest_checkpoint,
+    latest_state,
+    one_launch,
+    run_script,
+    saved_position,
+    stop_after,
+)
 from tests.gates import Gate
-from tests.save_loop import IDENTITY, state as loop_state
+from tests.save_loop import IDENTITY
+from tests.save_loop import state as loop_state
 
 # 8 steps per epoch, 3 epochs: small enough for CI, long enough to cut mid-epoch.
 STEPS = 8

@@ -7,8 +7,17 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import (AVERAGING, ENDS_PROMPTLY_S, EQUIVALENCE, equivalences, error_lines, latest_state, one_launch,
-                            run_script, split_runs)
+from tests.conftest import (
+    AVERAGING,
+    ENDS_PROMPTLY_S,
+    EQUIVALENCE,
+    equivalences,
+    error_lines,
+    latest_state,
+    one_launch,
+    run_script,
+    split_runs,
+)
 
 STRATEGIES = {
     **AVERAGING,

@@ -29,8 +29,15 @@ import torch.distributed as dist
 
 from common.config import Config
 from common.errors import ConfigError, PeerFailed, UserError, WaitExpired, first_line
-from common.parallel.transport import (LocalTransport, ProcessGroupTransport, SharedMemoryTransport, Transport, create_region,
-                              map_region, shared_memory_problem)
+from common.parallel.transport import (
+    LocalTransport,
+    ProcessGroupTransport,
+    SharedMemoryTransport,
+    Transport,
+    create_region,
+    map_region,
+    shared_memory_problem,
+)
 
 T = TypeVar("T")
 

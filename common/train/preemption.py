@@ -27,8 +27,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from common.parallel.context import DistContext
 from common.errors import UserError
+from common.parallel.context import DistContext
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 SAVE_FAILED = 1024  # wins the MAX over any signal: the stop would have to save, and saving is what failed
