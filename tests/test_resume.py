@@ -120,7 +120,7 @@ def test_sigkill_during_saves_never_costs_the_newest_complete_checkpoint(tmp_pat
     folder = CheckpointFolder(LocalStorage(str(tmp_path)), keep=3)
     last_done = 0
     leftovers_seen = 0
-    for attempt in range(KILLS):
+    for _ in range(KILLS):
         proc = subprocess.Popen([sys.executable, "tests/save_loop.py", str(tmp_path), "run", str(last_done)], cwd=ROOT,
                                 env=child_env(), stdout=subprocess.PIPE, text=True)
         first = proc.stdout.readline()  # the writer is up and saving
