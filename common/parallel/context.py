@@ -162,7 +162,8 @@ class DistContext:
         errors = self.all_gather_json(error)
         failed = [rank for rank, e in enumerate(errors) if e is not None]
         if failed:
-            message = "; ".join(dict.fromkeys(errors[rank] for rank in failed if errors[rank]))  # distinct, in rank order
+            # distinct, in rank order
+            message = "; ".join(dict.fromkeys(errors[rank] for rank in failed if errors[rank]))
             where = "" if len(failed) == self.world_size else f" (on rank{'s' if len(failed) > 1 else ''} " \
                 f"{','.join(map(str, failed))})"
             self.fail_together(message + where)
