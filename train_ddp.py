@@ -194,7 +194,8 @@ class PowerSGD:
             self._merge(saved)
             self._place(index, layout)
         return {"iter": s.iter, "rng": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)),
-                                        "position": int(position), "has_gauss": int(has_gauss), "cached": float(cached)},
+                                        "position": int(position), "has_gauss": int(has_gauss),
+                                        "cached": float(cached)},
                 **saved, "error": self._every_ranks(saved.get("error", {}))}
 
     def _every_ranks(self, errors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
