@@ -125,7 +125,8 @@ def test_sigkill_during_saves_never_costs_the_newest_complete_checkpoint(tmp_pat
                                 env=child_env(), stdout=subprocess.PIPE, text=True)
         first = proc.stdout.readline()  # the writer is up and saving
         assert first.strip(), "the save loop did not start"
-        time.sleep(rng.uniform(0.0, 0.4))  # a random point of an endless save loop, not of training: the chance is the test
+        # a random point of an endless save loop, not of training: the chance is the test
+        time.sleep(rng.uniform(0.0, 0.4))
         proc.send_signal(signal.SIGKILL)
         completed = [int(line) for line in [first, *proc.stdout.read().split()] if line.strip()]
         proc.wait()
@@ -190,10 +191,11 @@ def test_a_save_cut_before_its_pointer_names_the_checkpoint_it_resumes_from(tmp_
     folder = CheckpointFolder(LocalStorage(str(tmp_path)), keep=3)
     _three_checkpoints(folder)
     with pytest.raises(UserError) as cut:
-        CheckpointFolder(PointerRefused(str(tmp_path)), keep=3).write("run", loop_state(12, torch.zeros(4)),
-                                                                      previous=str(tmp_path / "run" / "step-00000009.pt"))
+        CheckpointFolder(PointerRefused(str(tmp_path)), keep=3).write(
+            "run", loop_state(12, torch.zeros(4)), previous=str(tmp_path / "run" / "step-00000009.pt"))
     newest = tmp_path / "run" / "step-00000012.pt"
-    assert str(cut.value).startswith(f"saving checkpoint {newest} failed at the run's pointer (the store is unreachable)")
+    assert str(cut.value).startswith(f"saving checkpoint {newest} failed at the run's pointer "
+                                     "(the store is unreachable)")
     assert "the checkpoint file itself is whole and the same command resumes from it" in str(cut.value)
     assert folder.choose("auto", IDENTITY).checkpoint == str(newest)
 
