@@ -99,7 +99,8 @@ def refusal_in_process(args: list[str], capsys, monkeypatch) -> tuple[int, str]:
     return exit_.value.code, capsys.readouterr().err
 
 
-EQUIVALENCE = re.compile(r"equivalence: max \|dw\| = (\S+) after (\d+) steps \(([\w/+-]+), world (\d+), tolerance (\S+)\)")
+EQUIVALENCE = re.compile(r"equivalence: max \|dw\| = (\S+) after (\d+) steps "
+                         r"\(([\w/+-]+), world (\d+), tolerance (\S+)\)")
 
 
 @dataclass(frozen=True)
