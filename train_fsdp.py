@@ -11,13 +11,12 @@ all-gathered back into the parameters: the bytes of one all-reduce, and 1/W of t
 sharded; each block's parameters are all-gathered just before its forward and backward and freed
 after, and gradients are reduce-scattered as backward goes.
 """
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 - ruff wants a blank line above `# isort: split`, test_layout none
 
 # First, before torch and any sorted block: importing `common` pauses the garbage collector while torch
 # loads, and registers the collector's exit handler before any other (common/collector.py says why).
 # `isort: split` keeps an import sorter (isort, ruff's I rules) from moving torch above this line.
 from common.train.app import main as run
-
 # isort: split
 import argparse
 import sys

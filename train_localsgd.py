@@ -10,13 +10,12 @@ PeriodicModelAverager averages parameters only, and lets the running statistics 
 the last synchronization is a pseudo-gradient for an outer optimizer (DiLoCo, Douillard et al.
 2023: Nesterov momentum 0.9, outer lr 0.7) that steps from the last synchronized weights.
 """
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 - ruff wants a blank line above `# isort: split`, test_layout none
 
 # First, before torch and any sorted block: importing `common` pauses the garbage collector while torch
 # loads, and registers the collector's exit handler before any other (common/collector.py says why).
 # `isort: split` keeps an import sorter (isort, ruff's I rules) from moving torch above this line.
 from common.train.app import main as run
-
 # isort: split
 import argparse
 from typing import Any
