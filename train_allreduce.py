@@ -3,22 +3,22 @@ each launched from a backward hook as soon as its gradients are ready, waited on
 
     torchrun --standalone --nproc_per_node=2 train_allreduce.py [--allreduce torch|ring|per-param]
 """
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 - ruff wants a blank line above `# isort: split`, test_layout none
 
 # First, before torch and any sorted block: importing `common` pauses the garbage collector while torch
 # loads, and registers the collector's exit handler before any other (common/collector.py says why).
 # `isort: split` keeps an import sorter (isort, ruff's I rules) from moving torch above this line.
 from common.train.app import main as run
 # isort: split
-from common.train.strategy import HandWrittenSync
-from common.config import Config
-from common.parallel.comm import GradientBuckets, PerParameterAllReduce, float_buffers, launch_all_reduce
-from common.parallel.context import DistContext
-from common.errors import ConfigError
-
 import argparse
 
 from torch import nn
+
+from common.config import Config
+from common.errors import ConfigError
+from common.parallel.comm import GradientBuckets, PerParameterAllReduce, float_buffers, launch_all_reduce
+from common.parallel.context import DistContext
+from common.train.strategy import HandWrittenSync
 
 
 class AllReduceStrategy(HandWrittenSync):

@@ -2,19 +2,13 @@
 
     torchrun --standalone --nproc_per_node=2 train_ddp.py [--grad-compression fp16|bf16|powersgd]
 """
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 - ruff wants a blank line above `# isort: split`, test_layout none
 
 # First, before torch and any sorted block: importing `common` pauses the garbage collector while torch
 # loads, and registers the collector's exit handler before any other (common/collector.py says why).
 # `isort: split` keeps an import sorter (isort, ruff's I rules) from moving torch above this line.
 from common.train.app import main as run
 # isort: split
-from common.train.strategy import WIRE_DTYPES, Strategy
-from common.config import Config
-from common.parallel.comm import broadcast_coalesced, flatten, unflatten
-from common.parallel.context import DistContext
-from common.parallel.transport import ProcessGroupTransport, Transport
-
 import inspect
 from typing import Any
 
@@ -25,6 +19,11 @@ from torch import nn
 from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
+from common.config import Config
+from common.parallel.comm import broadcast_coalesced, flatten, unflatten
+from common.parallel.context import DistContext
+from common.parallel.transport import ProcessGroupTransport, Transport
+from common.train.strategy import WIRE_DTYPES, Strategy
 
 # Buffers are still sent from rank 0 once, when DDP is built. The flag's name changed in torch 2.14.
 NO_BUFFER_SYNC_PER_FORWARD = ({"forward_sync_buffers": False}
@@ -194,7 +193,8 @@ class PowerSGD:
             self._merge(saved)
             self._place(index, layout)
         return {"iter": s.iter, "rng": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)),
-                                        "position": int(position), "has_gauss": int(has_gauss), "cached": float(cached)},
+                                        "position": int(position), "has_gauss": int(has_gauss),
+                                        "cached": float(cached)},
                 **saved, "error": self._every_ranks(saved.get("error", {}))}
 
     def _every_ranks(self, errors: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:

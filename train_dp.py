@@ -3,25 +3,24 @@ outputs; gradients are summed onto the first GPU by autograd. On a CPU-only host
 
     python train_dp.py [--gpus 0,1]
 """
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 - ruff wants a blank line above `# isort: split`, test_layout none
 
 # First, before torch and any sorted block: importing `common` pauses the garbage collector while torch
 # loads, and registers the collector's exit handler before any other (common/collector.py says why).
 # `isort: split` keeps an import sorter (isort, ruff's I rules) from moving torch above this line.
 from common.train.app import main as run
 # isort: split
-from common.train.strategy import Strategy
-from common.config import Config
-from common.parallel.context import DistContext
-from common.errors import ConfigError
-
 import argparse
 import os
 
 import torch
 from torch import nn
 
+from common.config import Config
+from common.errors import ConfigError
+from common.parallel.context import DistContext
 from common.train.precision import PRECISIONS
+from common.train.strategy import Strategy
 
 
 class DataParallelStrategy(Strategy):

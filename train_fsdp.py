@@ -11,20 +11,13 @@ all-gathered back into the parameters: the bytes of one all-reduce, and 1/W of t
 sharded; each block's parameters are all-gathered just before its forward and backward and freed
 after, and gradients are reduce-scattered as backward goes.
 """
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 - ruff wants a blank line above `# isort: split`, test_layout none
 
 # First, before torch and any sorted block: importing `common` pauses the garbage collector while torch
 # loads, and registers the collector's exit handler before any other (common/collector.py says why).
 # `isort: split` keeps an import sorter (isort, ruff's I rules) from moving torch above this line.
 from common.train.app import main as run
 # isort: split
-from common.train.strategy import Strategy
-from common.config import Config
-from common.parallel.comm import broadcast_coalesced, replicate_from_rank0
-from common.parallel.context import DistContext
-from common.errors import ConfigError
-from common.train.optim import Piece, decays, local, make_optimizer, tensor_state, whole_pieces
-
 import argparse
 import sys
 from contextlib import contextmanager
@@ -33,6 +26,13 @@ from typing import Any, Iterator
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from common.config import Config
+from common.errors import ConfigError
+from common.parallel.comm import broadcast_coalesced, replicate_from_rank0
+from common.parallel.context import DistContext
+from common.train.optim import Piece, decays, local, make_optimizer, tensor_state, whole_pieces
+from common.train.strategy import Strategy
 
 SHARDS = ("full", "optimizer")
 

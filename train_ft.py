@@ -120,7 +120,8 @@ class FaultTolerantStrategy(Strategy):
         if cfg.batch_size % self.slots or b % parts:
             raise ConfigError(f"--batch-size {cfg.batch_size} must be a multiple of {self.slots * parts} with "
                               f"--groups {self.groups} x {self.slots // self.groups} rank(s) per group"
-                              f"{' x --accumulate' if cfg.accumulate > 1 else ''}{' x 2 (mixing)' if parts % 2 == 0 else ''}"
+                              f"{' x --accumulate' if cfg.accumulate > 1 else ''}"
+                              f"{' x 2 (mixing)' if parts % 2 == 0 else ''}"
                               "; pass such a --batch-size, or another --groups")
 
     def describe(self) -> str:

@@ -10,26 +10,26 @@ PeriodicModelAverager averages parameters only, and lets the running statistics 
 the last synchronization is a pseudo-gradient for an outer optimizer (DiLoCo, Douillard et al.
 2023: Nesterov momentum 0.9, outer lr 0.7) that steps from the last synchronized weights.
 """
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 - ruff wants a blank line above `# isort: split`, test_layout none
 
 # First, before torch and any sorted block: importing `common` pauses the garbage collector while torch
 # loads, and registers the collector's exit handler before any other (common/collector.py says why).
 # `isort: split` keeps an import sorter (isort, ruff's I rules) from moving torch above this line.
 from common.train.app import main as run
 # isort: split
-from common.train.strategy import Strategy
-from common.config import Config
-from common.parallel.comm import flatten, float_buffers, replicate_from_rank0, unflatten
-from common.parallel.context import DistContext
-from common.errors import ConfigError
-from common.train.optim import tensor_state
-
 import argparse
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from common.config import Config
+from common.errors import ConfigError
+from common.parallel.comm import flatten, float_buffers, replicate_from_rank0, unflatten
+from common.parallel.context import DistContext
+from common.train.optim import tensor_state
+from common.train.strategy import Strategy
 
 OUTER_DEFAULT_LR = {"sgd": 1.0, "nesterov": 0.7}
 OUTER_MOMENTUM = 0.9

@@ -6,24 +6,24 @@ broadcast, in buckets launched from backward hooks.
 --master-update is parameter-server style: only rank 0 keeps optimizer state and steps, then
 broadcasts the updated parameters.
 """
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 - ruff wants a blank line above `# isort: split`, test_layout none
 
 # First, before torch and any sorted block: importing `common` pauses the garbage collector while torch
 # loads, and registers the collector's exit handler before any other (common/collector.py says why).
 # `isort: split` keeps an import sorter (isort, ruff's I rules) from moving torch above this line.
 from common.train.app import main as run
 # isort: split
-from common.train.strategy import HandWrittenSync
+import argparse
+
+import torch
+from torch import nn
+
 from common.config import Config
 from common.parallel.comm import Bucket, GradientBuckets, broadcast_coalesced, float_buffers
 from common.parallel.context import DistContext
 from common.parallel.transport import Handle
 from common.train.precision import Precision
-
-import argparse
-
-import torch
-from torch import nn
+from common.train.strategy import HandWrittenSync
 
 
 class MasterWorkerStrategy(HandWrittenSync):

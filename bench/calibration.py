@@ -299,8 +299,10 @@ def print_report(doc: dict) -> None:
           + ", ".join(f"W={w}: {ms:.3f}" for w, ms in doc["compute_ms_per_sample"].items())
           + "; the slowest rank's step over the mean rank's, steps started together: "
           + ", ".join(f"W={w}: {f:.2f}" for w, f in doc["straggling"].items()))
-    print("\ncollectives: fitted a + b n (median time per size), and a ring's alpha and beta read from the all-reduce\n")
-    print("| W | wire | collective | a (us) | b (ns/byte) | ring alpha (us) | ring beta (Gb/s) |\n|---|---|---|---|---|---|---|")
+    print("\ncollectives: fitted a + b n (median time per size), and a ring's alpha and beta read from the "
+          "all-reduce\n")
+    print("| W | wire | collective | a (us) | b (ns/byte) | ring alpha (us) | ring beta (Gb/s) |\n"
+          "|---|---|---|---|---|---|---|")
     for world, wires in doc["collectives"].items():
         for wire, ops in wires.items():
             for op, f in ops.items():
@@ -311,7 +313,8 @@ def print_report(doc: dict) -> None:
           "(train_allreduce.py's sync), and the model (the first plus the fitted all-reduce)\n")
     print("| W | no sync ms | slowest / mean | buckets ms | model ms | model / measured |\n|---|---|---|---|---|---|")
     for world, r in doc["in_process"].items():
-        print(f"| {world} | {r['nosync_ms']:.2f} | {r['straggling']:.2f} | {r['buckets_ms']:.2f} | {r['model_ms']:.2f} | "
+        print(f"| {world} | {r['nosync_ms']:.2f} | {r['straggling']:.2f} | {r['buckets_ms']:.2f} | "
+              f"{r['model_ms']:.2f} | "
               f"{r['model_ms'] / r['buckets_ms']:.2f} |")
     print("\nthe model against the suite's step time: medians over the rounds; model / measured per round, its "
           "compute from that round's no-sync run (target: within 15%)\n")

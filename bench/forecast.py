@@ -332,17 +332,22 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--compute-ms", type=float, help="forward + backward + optimizer step on one GPU, ms")
     p.add_argument("--batch-per-gpu", type=int, help="images per GPU and step")
     p.add_argument("--gpus-per-node", type=int, default=8)
-    p.add_argument("--intra-gbps", type=float, default=1200, help="inside a node, Gb/s per GPU (default: NVLink 4, 150 GB/s)")
+    p.add_argument("--intra-gbps", type=float, default=1200,
+                   help="inside a node, Gb/s per GPU (default: NVLink 4, 150 GB/s)")
     p.add_argument("--link-gbps", type=float, default=100, help="each node's network, Gb/s (default: %(default)s)")
-    p.add_argument("--intra-alpha-us", type=float, default=5.0, help="latency of a step inside a node (default: %(default)s)")
-    p.add_argument("--link-alpha-us", type=float, default=10.0, help="latency of a step between nodes (default: %(default)s)")
+    p.add_argument("--intra-alpha-us", type=float, default=5.0,
+                   help="latency of a step inside a node (default: %(default)s)")
+    p.add_argument("--link-alpha-us", type=float, default=10.0,
+                   help="latency of a step between nodes (default: %(default)s)")
     p.add_argument("--launch-us", type=float, default=20.0,
                    help="fixed cost of starting one collective: a kernel launch, a Python hook (default: %(default)s)")
-    p.add_argument("--memory-gbps", type=float, default=2000 * 8, help="GPU memory bandwidth, Gb/s: the reduction's cost")
+    p.add_argument("--memory-gbps", type=float, default=2000 * 8,
+                   help="GPU memory bandwidth, Gb/s: the reduction's cost")
     p.add_argument("--gpus", default="8,64,512", help="comma list of GPU counts (default: %(default)s)")
     p.add_argument("--strategy", nargs="+", choices=list(STRATEGIES), help="the strategies to forecast (default: all)")
-    p.add_argument("--bucket-mb", type=float, default=25.0, help="gradient bucket size of train_allreduce.py and train_master.py; DDP keeps "
-                                                               "its 25 (default: %(default)s)")
+    p.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="gradient bucket size of train_allreduce.py and train_master.py; DDP keeps its 25 "
+                        "(default: %(default)s)")
     p.add_argument("--sync-every", type=int, default=0, help="local SGD's H (default: 16)")
     p.add_argument("--grad-compression", choices=("none", "fp16", "bf16"), default="none")
     p.add_argument("--optimizer-states", type=int, default=1, help="floats per parameter: SGD 1, AdamW 2")
@@ -465,8 +470,10 @@ def published() -> dict[str, Any]:
                       "what": "time per iteration at 8 GPUs / at 352 GPUs, 32 images per GPU"},
         "ddp-paper-256": {"published": 0.9, "model": efficiency_between(ddp_paper, "ddp", ddp, 1, 256),
                           "what": "one GPU's iteration time / 256 GPUs' ('near-linear' read as 90%)"},
-        "ddp-paper-buckets-nccl": {"iteration_ms": sweep_nccl, "ratio": max(sweep_nccl.values()) / min(sweep_nccl.values())},
-        "ddp-paper-buckets-gloo": {"iteration_ms": sweep_gloo, "ratio": max(sweep_gloo.values()) / min(sweep_gloo.values()),
+        "ddp-paper-buckets-nccl": {"iteration_ms": sweep_nccl,
+                                   "ratio": max(sweep_nccl.values()) / min(sweep_nccl.values())},
+        "ddp-paper-buckets-gloo": {"iteration_ms": sweep_gloo,
+                                   "ratio": max(sweep_gloo.values()) / min(sweep_gloo.values()),
                                    "published_ratio_above": 2.0},
     }
 

@@ -69,7 +69,8 @@ def finished(process: subprocess.Popen, what: str) -> str:
 def no_failure(model: str, steps: int, batch: int, tmp: Path) -> list[tuple[str, float]]:
     """Global images/s over the steady steps of fault-free runs at world 2."""
     rows = []
-    for name, transport in [("train_ddp.py, world 2 (shared memory)", "auto"), ("train_ddp.py --transport gloo", "gloo")]:
+    for name, transport in [("train_ddp.py, world 2 (shared memory)", "auto"),
+                            ("train_ddp.py --transport gloo", "gloo")]:
         folder = tmp / f"ddp-{transport}"
         done = subprocess.run([*TORCHRUN, "--nproc_per_node=2", "train_ddp.py", *flags(model, steps, batch, folder),
                                "--transport", transport], cwd=ROOT, env=child_env(), capture_output=True, text=True)
@@ -124,7 +125,8 @@ def with_ft(model: str, steps: int, batch: int, kill_at: int, away_s: float, tmp
             "step_s_before": median_step_s(ends, 5, last_before),
             "step_s_alone": median_step_s(ends, paused_at + 1, heal_step - 1),
             "step_s_after": median_step_s(ends, heal_step + 2, max(ends)),
-            "start_to_heal_s": ends[heal_step] - restarted, "quorum_to_step_s": float(healed[2]), "heal_step": heal_step}
+            "start_to_heal_s": ends[heal_step] - restarted, "quorum_to_step_s": float(healed[2]),
+            "heal_step": heal_step}
 
 
 def with_restarts(model: str, steps: int, batch: int, kill_at: int, save_every: int, tmp: Path) -> dict[str, float]:

@@ -56,7 +56,8 @@ torch.set_num_threads(1)
 data = make_synthetic({shape!r})
 model = build_model({model!r}, data.spec.channels, data.spec.size, 10, 0).to(memory_format=torch.channels_last)
 opt = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9, nesterov=True, weight_decay=5e-4)
-x = torch.randn({batch}, data.spec.channels, data.spec.size, data.spec.size).contiguous(memory_format=torch.channels_last)
+x = torch.randn({batch}, data.spec.channels, data.spec.size, data.spec.size)
+x = x.contiguous(memory_format=torch.channels_last)
 y = torch.randint(0, 10, ({batch},))
 def step():
     loss = F.cross_entropy(model(x), y)
@@ -121,7 +122,8 @@ def items_one_process() -> None:
     print(f"| plain step, channels_last, foreach SGD | {plain_step_ms(torch.channels_last, True):.2f} |")
     print(f"| `torch.manual_seed` (a reseed per step) | {ms_per_call(lambda: torch.manual_seed(12345)):.3f} |")
     tally = torch.zeros(2)
-    print(f"| a host read of the loss/accuracy tally (`.item()`) | {ms_per_call(lambda: (tally + 1).sum().item()):.3f} |")
+    print("| a host read of the loss/accuracy tally (`.item()`) | "
+          f"{ms_per_call(lambda: (tally + 1).sum().item()):.3f} |")
 
 
 def items_collectives() -> None:

@@ -73,7 +73,8 @@ def train(script: list[str], flags: list[str], world: int, threads: int = 1, tor
 
     with tempfile.TemporaryDirectory() as tmp:
         command, env = launcher(script[0], world, threads)
-        done = subprocess.run([*command, *torchrun, *script, "--log-dir", f"{tmp}/tb", "--checkpoint-dir", f"{tmp}/ckpt", *flags],
+        done = subprocess.run([*command, *torchrun, *script, "--log-dir", f"{tmp}/tb",
+                               "--checkpoint-dir", f"{tmp}/ckpt", *flags],
                               cwd=ROOT, env=env, capture_output=True, text=True)
         if not os.path.isdir(f"{tmp}/tb"):  # a run that failed before its logger started
             return Finished(done.returncode, done.stdout, done.stderr, {})

@@ -81,7 +81,8 @@ def mnist_flags(data: Path) -> list[str]:
 
 def one_run(tree: Path, script: str, data_flags: list[str], epochs: int, seed: int, tmp: Path) -> dict[str, float]:
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-               str(ROOT / "bench" / "wall.py"), "--probe", script, *data_flags, "--model", "convnet", "--batch-size", "64", "--epochs", str(epochs), "--seed", str(seed),
+               str(ROOT / "bench" / "wall.py"), "--probe", script, *data_flags, "--model", "convnet",
+               "--batch-size", "64", "--epochs", str(epochs), "--seed", str(seed),
                "--log-dir", str(tmp / "tb"), "--checkpoint-dir", str(tmp / "ck")]
     started = time.perf_counter()
     done = subprocess.run(command, cwd=tree, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True,
@@ -113,8 +114,8 @@ def main() -> None:
                     rows.append((label, repeat + 1, one_run(tree, a.script, mnist_flags(data), a.epochs, repeat,
                                                              Path(run_tmp))))
     print(f"{a.script}, W=2, convnet, global batch 64, {a.epochs} epochs, 4,000/1,000 MNIST-format images\n")
-    print("| tree, run (seed) | total wall s | epochs s | outside the epochs s | start-up s (first step) | final test acc |\n"
-          "|---|---|---|---|---|---|")
+    print("| tree, run (seed) | total wall s | epochs s | outside the epochs s | start-up s (first step) "
+          "| final test acc |\n|---|---|---|---|---|---|")
     for label, repeat, r in rows:
         figures = " | ".join(f"{r[key]:.1f}" for key in ("wall", "epochs", "outside"))
         print(f"| {label}, {repeat} ({repeat - 1}) | {figures} | {r['startup']:.2f} | {r['acc']:.2f}% |")

@@ -260,12 +260,14 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
         help="per-rank evaluation batch (default: 64 on a CPU, where larger batches spill out of the caches; "
              "1000 on a GPU and for FSDP's full sharding)")
     add("--device", default="auto", help="auto | cpu | cuda (auto: cuda:LOCAL_RANK when there are enough GPUs)")
-    add("--backend", default="auto", choices=("auto", "gloo", "nccl"), help="auto: nccl when every rank is on CUDA, else gloo")
+    add("--backend", default="auto", choices=("auto", "gloo", "nccl"),
+        help="auto: nccl when every rank is on CUDA, else gloo")
     add("--transport", default="auto", choices=("auto", "shm", "gloo"),
         help="how gradient collectives travel between CPU ranks: shm (one shared-memory region per node; "
              "one node, x86-64 Linux), gloo (the process group, TCP), or auto: shm where it can serve, else the "
              "process group; GPUs always use the process group (default: %(default)s)")
-    add("--timeout-s", type=float, default=300.0, help="process-group timeout: a dead peer ends the job after this (default: %(default)s)")
+    add("--timeout-s", type=float, default=300.0,
+        help="process-group timeout: a dead peer ends the job after this (default: %(default)s)")
     add("--storage-timeout-s", type=float, default=STORAGE_TIMEOUT_S,
         help="the longest a node's data preparation or one of rank 0's checkpoint reads and saves may take; the "
              "other ranks wait for it outside the process group, so --timeout-s does not bound it, and a process "

@@ -287,7 +287,8 @@ class FsspecStorage:
         def listing(path: str) -> dict[str, str]:
             self.fs.invalidate_cache(path)
             return {entry["name"].rstrip("/").rsplit("/", 1)[-1]:
-                    f"{int(entry.get('size') or 0)}-{entry.get('ETag') or entry.get('etag') or entry.get('mtime') or ''}"
+                    f"{int(entry.get('size') or 0)}-"
+                    f"{entry.get('ETag') or entry.get('etag') or entry.get('mtime') or ''}"
                     for entry in self.fs.ls(path, detail=True) if entry.get("type") != "directory"}
         return self._do("", listing)
 

@@ -74,7 +74,8 @@ def check_buckets(rank: int, world: int, wire: str = "none", micro_batches: int 
             x = torch.randn(16, 8, generator=torch.Generator().manual_seed(100 * step + 10 * micro + rank))
             with buckets.paused() if micro < micro_batches - 1 else contextlib.nullcontext():
                 model(x).pow(2).mean().backward()
-        local = {name: p.grad.clone() if p.grad is not None else torch.zeros_like(p) for name, p in model.named_parameters()}
+        local = {name: p.grad.clone() if p.grad is not None else torch.zeros_like(p)
+                 for name, p in model.named_parameters()}
         buckets.finish()
         for name, p in model.named_parameters():
             expected = local[name].clone()
@@ -87,7 +88,8 @@ def check_buckets(rank: int, world: int, wire: str = "none", micro_batches: int 
         reference = model.bn.running_mean.clone()
         dist.broadcast(reference, src=0)
         assert torch.equal(model.bn.running_mean, reference), "BatchNorm buffers differ from rank 0's"
-    assert buckets.launches == 3 * len(buckets.buckets), f"{buckets.launches} launches for {len(buckets.buckets)} buckets x 3 steps"
+    assert buckets.launches == 3 * len(buckets.buckets), \
+        f"{buckets.launches} launches for {len(buckets.buckets)} buckets x 3 steps"
     report(rank, f"buckets ({wire} on the wire, {micro_batches} micro-batch(es), {transport.name}): "
                  f"{len(buckets.buckets)} buckets, one launch each per step, unused grad None")
 
@@ -107,7 +109,8 @@ def check_shared_memory(rank: int, world: int) -> None:
         transport, note = open_transport(ctx, "shm", timeout_s=60)
     assert transport.name == "shm", note
     dist.barrier()
-    assert len(created) == (1 if rank == 0 else 0) and not [p for p in created if Path(p).exists()], "region left in /dev/shm"
+    assert len(created) == (1 if rank == 0 else 0) and not [p for p in created if Path(p).exists()], \
+        "region left in /dev/shm"
     chunked = 2 * SLOT_BYTES // 4 + 3
     for size in (1, 7, 1000, chunked):
         g = torch.Generator().manual_seed(100 * rank + size)
@@ -115,8 +118,10 @@ def check_shared_memory(rank: int, world: int) -> None:
             integers = torch.randint(-100, 100, (size,), generator=g).to(dtype)  # exact sums in any order
             for op in ("all_reduce", "reduce", "broadcast"):
                 expected, got = integers.clone(), integers.clone()
-                getattr(dist, op)(expected, **({"dst": 0} if op == "reduce" else {"src": world - 1} if op == "broadcast" else {}))
-                getattr(transport, op)(got, *([] if op == "all_reduce" else [0 if op == "reduce" else world - 1])).wait()
+                root = 0 if op == "reduce" else world - 1
+                keyword = {} if op == "all_reduce" else {"dst" if op == "reduce" else "src": root}
+                getattr(dist, op)(expected, **keyword)
+                getattr(transport, op)(got, *([] if op == "all_reduce" else [root])).wait()
                 if op != "reduce" or rank == 0:
                     assert torch.equal(got, expected), f"shm {op} != gloo's, {dtype}, size {size}"
         reals = torch.randn(size, generator=g, dtype=torch.float64)  # float64: 1e-12 below is one sum's rounding
@@ -137,6 +142,7 @@ def check_powersgd_factors(rank: int, world: int) -> None:
     for: after the first compressed step each Q slice is the mean over ranks of M_r^T p, M_r being that
     parameter's gradient on rank r as a matrix. ResNet-18 repeats shapes, which the hook groups."""
     from torch.nn.parallel import DistributedDataParallel
+
     from train_ddp import PowerSGD, keep_registration_order
     model = build_model("resnet18", 3, 32, 10, seed=0)
     plain = copy.deepcopy(model)  # the local gradients, uncompressed
@@ -159,7 +165,8 @@ def check_powersgd_factors(rank: int, world: int) -> None:
         torch.testing.assert_close(q, expected / world, rtol=1e-4, atol=1e-6, msg=f"Q slice named {name} is not its Q")
         p_at, q_at = p_at + p_size, q_at + q_size
     shapes = [tuple(p.shape) for p in model.parameters()]
-    report(rank, f"powersgd factors: {len(factors)} compressed matrices, {len(shapes) - len(set(shapes))} repeated shapes")
+    report(rank, f"powersgd factors: {len(factors)} compressed matrices, "
+                 f"{len(shapes) - len(set(shapes))} repeated shapes")
 
 
 def report(rank: int, message: str) -> None:

@@ -18,7 +18,8 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.datagen import write_cifar10, write_mnist
-from tests.runs import arguments as one_launch, split_runs
+from tests.runs import arguments as one_launch
+from tests.runs import split_runs
 
 # Every launch counted per test, the totals printed at the end; the quick tier kept free of torchrun.
 pytest_plugins = ["tests.launches"]
@@ -98,7 +99,8 @@ def refusal_in_process(args: list[str], capsys, monkeypatch) -> tuple[int, str]:
     return exit_.value.code, capsys.readouterr().err
 
 
-EQUIVALENCE = re.compile(r"equivalence: max \|dw\| = (\S+) after (\d+) steps \(([\w/+-]+), world (\d+), tolerance (\S+)\)")
+EQUIVALENCE = re.compile(r"equivalence: max \|dw\| = (\S+) after (\d+) steps "
+                         r"\(([\w/+-]+), world (\d+), tolerance (\S+)\)")
 
 
 @dataclass(frozen=True)

@@ -21,8 +21,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from common.data.loader import Dataset, make_synthetic
 from common.data.formats import CIFAR_DIR, CIFAR_TEST, CIFAR_TRAIN, MNIST_DIR, MNIST_PROCESSED, MNIST_PROCESSED_DIR
+from common.data.loader import Dataset, make_synthetic
 from common.shards import TRAIN, VAL, convert
 
 CIFAR_CLASSES = ["airplane", "automobile", "bird", "cat", "deer", "dog", "frog", "horse", "ship", "truck"]
@@ -122,7 +122,8 @@ def write_photos(root: Path, train_size: int = 64, test_size: int = 16, classes:
         for n in range(count):
             label = n % classes
             coarse = torch.rand(3, 12, 16, generator=g) * 0.6 + torch.linspace(0, 0.4, classes)[label]
-            width, height = 480 + int(torch.randint(0, 64, (1,), generator=g)), 360 + int(torch.randint(0, 32, (1,), generator=g))
+            width = 480 + int(torch.randint(0, 64, (1,), generator=g))
+            height = 360 + int(torch.randint(0, 32, (1,), generator=g))
             pixels = torch.nn.functional.interpolate(coarse[None], size=(height, width), mode="bicubic")[0]
             folder = root / split / f"class{label}"
             folder.mkdir(parents=True, exist_ok=True)

@@ -38,11 +38,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-
 from common.train.app import main as run
 from common.train.checkpoint import CheckpointFolder
-from common.train.preemption import FORCE_AFTER_S
 from common.train.precision import Precision
+from common.train.preemption import FORCE_AFTER_S
 from common.train.strategy import Strategy
 from train_allreduce import AllReduceStrategy
 from train_ddp import DDPStrategy

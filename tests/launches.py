@@ -85,7 +85,8 @@ def _recording_exit(self, *args, **kwargs):
 
 
 def pytest_addoption(parser) -> None:
-    parser.addoption("--launches-json", metavar="PATH", help="also write every launch (test, kind, seconds, argv) to PATH")
+    parser.addoption("--launches-json", metavar="PATH",
+                     help="also write every launch (test, kind, seconds, argv) to PATH")
 
 
 def pytest_configure(config) -> None:
@@ -126,7 +127,8 @@ def pytest_runtest_logreport(report) -> None:
 def pytest_sessionfinish(session) -> None:
     workeroutput = getattr(session.config, "workeroutput", None)
     if workeroutput is not None:  # an xdist worker: hand the records to the controller
-        workeroutput["launches"] = json.dumps([{**asdict(one), "end": one.end or time.monotonic()} for one in _launches])
+        workeroutput["launches"] = json.dumps([{**asdict(one), "end": one.end or time.monotonic()}
+                                               for one in _launches])
 
 
 def pytest_testnodedown(node, error) -> None:
@@ -138,7 +140,8 @@ def pytest_terminal_summary(terminalreporter) -> None:
     if getattr(terminalreporter.config, "workerinput", None) is not None:
         return
     if path := terminalreporter.config.getoption("--launches-json"):
-        Path(path).write_text(json.dumps([{**asdict(one), "seconds": round(one.seconds, 2)} for one in _launches], indent=0))
+        Path(path).write_text(json.dumps([{**asdict(one), "seconds": round(one.seconds, 2)} for one in _launches],
+                                         indent=0))
     if not _launches:
         return
     write = terminalreporter.write_line
@@ -161,4 +164,5 @@ def pytest_terminal_summary(terminalreporter) -> None:
     write("ten most expensive tests (launches, launch seconds, test seconds):")
     ranked = sorted(by_test.items(), key=lambda kv: -sum(one.seconds for one in kv[1]))[:10]
     for name, group in ranked:
-        write(f"  {len(group):4d} {sum(one.seconds for one in group):7.0f} s {_test_seconds.get(name, 0):7.0f} s  {name}")
+        write(f"  {len(group):4d} {sum(one.seconds for one in group):7.0f} s "
+              f"{_test_seconds.get(name, 0):7.0f} s  {name}")

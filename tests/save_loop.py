@@ -12,8 +12,8 @@ import sys
 
 import torch
 
-from common.train.checkpoint import CheckpointFolder
 from common.storage import LocalStorage
+from common.train.checkpoint import CheckpointFolder
 
 IDENTITY = {"model": "save-loop"}
 

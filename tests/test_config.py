@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from common.config import RECIPES, parse_args
-from common.parallel.context import resolve_backend, resolve_device
 from common.errors import ConfigError
+from common.parallel.context import resolve_backend, resolve_device
 from common.train.run import Run
 from tests.conftest import ENDS_PROMPTLY_S, run_script
 

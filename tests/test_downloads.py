@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from common.errors import UserError
 from common.data.fetch import ensure_local
 from common.data.formats import CIFAR_ARCHIVE, CIFAR_DIR, CIFAR_TEST, CIFAR_TRAIN
+from common.errors import UserError
 from tests.conftest import ROOT, run_script
 from tests.datagen import write_cifar10
 from tests.httpserver import FileServer

@@ -8,8 +8,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import (ROOT, child_env, error_lines, free_port, latest_checkpoint, latest_state, read_scalars,
-                            run_script, saved_position, stop_after)
+from tests.conftest import (
+    ROOT,
+    child_env,
+    error_lines,
+    free_port,
+    latest_checkpoint,
+    latest_state,
+    read_scalars,
+    run_script,
+    saved_position,
+    stop_after,
+)
 
 TAGS = {"train/loss", "train/acc", "test/loss", "test/acc", "test/samples", "lr", "train/images_per_s", "time/epoch_s"}
 
@@ -20,7 +30,8 @@ def assert_ok(result) -> None:
 
 def train(tmp_path: Path, *flags: str, nproc: int = 2, name: str = "run"):
     log_dir, ckpt_dir = tmp_path / f"tb-{name}", tmp_path / "ckpt"
-    result = run_script(["train_ddp.py", "--log-dir", str(log_dir), "--checkpoint-dir", str(ckpt_dir), *flags], nproc=nproc)
+    result = run_script(["train_ddp.py", "--log-dir", str(log_dir), "--checkpoint-dir", str(ckpt_dir), *flags],
+                        nproc=nproc)
     assert_ok(result)
     return result, log_dir, ckpt_dir
 
@@ -75,7 +86,8 @@ def test_synthetic_learns_well_above_chance(tmp_path):
 
 
 def test_single_process_without_torchrun(tmp_path):
-    result, log_dir, ckpt_dir = train(tmp_path, "--dataset", "synthetic", "--epochs", "1", "--max-steps", "5", nproc=None)
+    result, log_dir, ckpt_dir = train(tmp_path, "--dataset", "synthetic", "--epochs", "1", "--max-steps", "5",
+                                      nproc=None)
     assert "world 1" in result.stdout and latest_checkpoint(ckpt_dir).is_file()
 
 

@@ -20,8 +20,8 @@ from tests.conftest import ENDS_PROMPTLY_S, ROOT, child_env, error_lines, script
 FLAGS = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
          "--epochs", "1", "--max-steps", "40"]
 FAULT_STEP = 3  # rank 1 fails after its 3rd step: rank 0 is then in step 4's gradient exchange
-HOW = {"sigkill": "was killed by SIGKILL (the out-of-memory killer sends it too: dmesg names what it killed) during the "
-                  "gradient exchange at step 4",
+HOW = {"sigkill": "was killed by SIGKILL (the out-of-memory killer sends it too: dmesg names what it killed) "
+                  "during the gradient exchange at step 4",
        "segfault": "was killed by SIGSEGV (a crash in native code) during the gradient exchange at step 4",
        "raise": "failed with RuntimeError during the training step at step 3 (traceback above)"}
 

@@ -180,7 +180,8 @@ def test_the_recommended_launch_commands_use_flags_the_scripts_accept(argv, caps
     assert code == 0, err
     for r in json.loads(out)["recommendations"]:
         nodes, per_node = math.ceil(r["gpus"] / 8), min(r["gpus"], 8)
-        assert r["slurm"].startswith(f"sbatch --nodes={nodes} --gpus-per-node={per_node} launch/slurm.sbatch {r['script']}")
+        assert r["slurm"].startswith(f"sbatch --nodes={nodes} --gpus-per-node={per_node} "
+                                     f"launch/slurm.sbatch {r['script']}")
         assert f"WORKERS={nodes - 1} NPROC={per_node} launch/k8s.sh {r['script']}" in r["k8s"]
         cls = strategy_class(r["script"])
         flags = r["slurm"].split(r["script"], 1)[1].split()

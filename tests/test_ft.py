@@ -338,7 +338,8 @@ def test_the_lighthouse_killed_for_good_ends_every_group_saved_and_when_started_
     assert re.search(r"\[g1\] error: no quorum .* checkpoint none from this group", text), text[-5000:]
     step = int(saved[1])
     assert step == MID_EPOCH_2 and Path(saved[2]).exists(), text[-3000:]  # no quorum for the step after it
-    print(f"\nLighthouse SIGKILLed with the groups held at step {MID_EPOCH_2}: both groups ended {max(ended) - killed:.1f} s later, saved at step {step}")
+    print(f"\nLighthouse SIGKILLed with the groups held at step {MID_EPOCH_2}: both groups ended "
+          f"{max(ended) - killed:.1f} s later, saved at step {step}")
 
     kills = [f"all@{at}" for at in LIGHTHOUSE_KILLS]
     resumed = [*gated(hold, *kills), *flags(mnist_root, tmp_path)]  # the gate at 35 stays open: released
@@ -446,8 +447,8 @@ def test_a_frozen_group_a_group_killed_while_healing_and_the_last_group_alone_ne
     assert run.job.finish() == 0, run.job.text()[-6000:]
     dw = max_dw(final_weights(tmp_path), exact3)
     print(f"\nfrozen group left behind after {left_behind - frozen:.1f} s; group 0 ended an epoch alone "
-          f"{alone - killed_healing:.1f} s after the kill during a heal; the thawed group healed {healed - thawed:.1f} s after SIGCONT; "
-          f"max |dw| against the fault-free run = {dw:.3g}")
+          f"{alone - killed_healing:.1f} s after the kill during a heal; the thawed group healed "
+          f"{healed - thawed:.1f} s after SIGCONT; max |dw| against the fault-free run = {dw:.3g}")
     assert dw == 0, "--exact-sums: the same bits whatever failed when"
 
 

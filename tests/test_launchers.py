@@ -265,7 +265,8 @@ def test_k8s_refuses_bad_numbers(env, tmp_path):
 # 4 -------------------------------------------------------------------------------------------
 # Credentials on a launcher's command line: values unique to this session, so that a search for them
 # in what the launchers print or write cannot match anything else.
-KEY, SECRET, PASSWORD = f"AKIA{os.urandom(6).hex().upper()}", f"s3cr3t-{os.urandom(8).hex()}", f"pw-{os.urandom(6).hex()}"
+KEY, SECRET, PASSWORD = (f"AKIA{os.urandom(6).hex().upper()}", f"s3cr3t-{os.urandom(8).hex()}",
+                         f"pw-{os.urandom(6).hex()}")
 INLINE = json.dumps({"endpoint_url": "http://minio:9000", "key": KEY, "secret": SECRET})
 CREDENTIAL_ARGS = {
     "inline": ["--storage-options", INLINE],
@@ -295,7 +296,8 @@ def test_no_launcher_echoes_a_credential(script, form):
     assert not leaked(result.stdout + result.stderr), result.stdout
     for line in result.stdout.splitlines():  # the rest of the command is intact
         assert line.endswith(("train_ddp.py --storage-options '***' --epochs 2", "'--storage-options=***' --epochs 2",
-                              "--storage '***' --epochs 2", "--data-dir 'https://reader:***@data.example/mnist' --epochs 2"))
+                              "--storage '***' --epochs 2",
+                              "--data-dir 'https://reader:***@data.example/mnist' --epochs 2"))
 
 
 ECHO_CASES = {  # an argument: how the launchers' echo shows it
@@ -356,7 +358,8 @@ def test_k8s_never_writes_a_credential_into_the_manifest(case, tmp_path):
 
 
 @pytest.mark.parametrize("options", ["env:STORAGE_OPTIONS", "@/var/run/secrets/store.json",
-                                     '{"endpoint_url": "http://minio:9000"}'], ids=["variable", "file", "no credential"])
+                                     '{"endpoint_url": "http://minio:9000"}'],
+                         ids=["variable", "file", "no credential"])
 def test_k8s_takes_credentials_from_a_secret(options, tmp_path):
     env = {"IMAGE": "img", "DATA_PVC": "data", "SECRET_NAME": "dp-store,dp-extra", "DRY_RUN": "1"}
     result = k8s(tmp_path, env, ["--storage-options", options])
@@ -386,7 +389,8 @@ def test_k8s_lets_the_users_own_folders_win(tmp_path):
 
 @pytest.mark.parametrize("grace", [None, "600"], ids=["default", "600 s"])
 def test_k8s_gives_the_stop_its_grace(grace, tmp_path):
-    env = {"IMAGE": "img", "DATA_PVC": "data", "DRY_RUN": "1", **({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": grace} if grace else {})}
+    env = {"IMAGE": "img", "DATA_PVC": "data", "DRY_RUN": "1",
+           **({"TORCH_ELASTIC_SHUTDOWN_TIMEOUT": grace} if grace else {})}
     result = k8s(tmp_path, env, [])
     assert result.returncode == 0, result.stderr
     seconds = int(grace or 120)
@@ -447,7 +451,8 @@ def test_quiet_torchrun_gives_the_workers_120_s_to_stop(monkeypatch):
     assert config.shutdown_timeout == 120
     monkeypatch.setenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "45")  # a value the caller set wins
     quiet.give_workers_time_to_stop()
-    assert config_from_args(parse_args(["--standalone", "--nproc_per_node=1", "train_ddp.py"]))[0].shutdown_timeout == 45
+    config = config_from_args(parse_args(["--standalone", "--nproc_per_node=1", "train_ddp.py"]))[0]
+    assert config.shutdown_timeout == 45
 
 
 @pytest.mark.quick
@@ -460,7 +465,8 @@ def test_slurm_finds_its_redaction_when_run_from_slurms_copy(submitted_from, tmp
     (spool / "slurm_script").write_text((LAUNCH / "slurm.sbatch").read_text())
     submit = ROOT if submitted_from == "repository" else tmp_path
     result = subprocess.run(["bash", str(spool / "slurm_script"), "train_ddp.py", *CREDENTIAL_ARGS["inline"]],
-                            cwd=submit, env=launcher_env(DRY_RUN="1", SLURM_SUBMIT_DIR=str(submit), **ECHOED["slurm.sbatch"]),
+                            cwd=submit,
+                            env=launcher_env(DRY_RUN="1", SLURM_SUBMIT_DIR=str(submit), **ECHOED["slurm.sbatch"]),
                             capture_output=True, text=True, timeout=30)
     assert not leaked(result.stdout + result.stderr)
     if submitted_from == "repository":
@@ -488,7 +494,8 @@ def test_a_flag_error_is_one_line_and_status_2_through_every_launcher(launcher, 
         port = re.search(r"port (\d+)", store.stdout.readline())[1]
         env.update(NNODES="1:2", RDZV_ENDPOINT=f"127.0.0.1:{port}", RDZV_ID=f"flag-{port}")
     try:
-        result = subprocess.run(["bash", str(LAUNCH / launcher), "train_ddp.py", "--dataset", "synthetic", "--lr", "-1"],
+        result = subprocess.run(["bash", str(LAUNCH / launcher), "train_ddp.py", "--dataset", "synthetic",
+                                 "--lr", "-1"],
                                 cwd=ROOT, env=launcher_env(**env), capture_output=True, text=True,
                                 timeout=ENDS_PROMPTLY_S)
     finally:

@@ -14,8 +14,8 @@ import pytest
 import torch
 import yaml
 
-from common.parallel.context import device_list, resolve_backend, resolve_device
 from common.errors import ConfigError
+from common.parallel.context import device_list, resolve_backend, resolve_device
 from tests.conftest import ENDS_PROMPTLY_S, ROOT, child_env, free_port, latest_state, run_script
 
 FLAGS = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
@@ -106,7 +106,8 @@ def test_two_nodes_in_separate_network_namespaces(tmp_path):
                 env = {"GLOO_SOCKET_IFNAME": link, "NNODES": "2", "RDZV_ENDPOINT": f"{net.addrs[0]}:{port}",
                        "RDZV_ID": "netns", "NODE_RANK": str(rank), "LOCAL_ADDR": addr, "NPROC": "1",
                        "JOIN_TIMEOUT": "60"}
-                cmd = ["ip", "netns", "exec", ns, "bash", "launch/multi_node.sh", "train_ddp.py", *flags(tmp_path, "two")]
+                cmd = ["ip", "netns", "exec", ns, "bash", "launch/multi_node.sh", "train_ddp.py",
+                       *flags(tmp_path, "two")]
                 procs.append(subprocess.Popen(cmd, cwd=ROOT, env={**child_env(), **env}, stdout=subprocess.PIPE,
                                               stderr=subprocess.PIPE, text=True))
                 time.sleep(1)  # not a point in training: node 0, the store's host, starts first
@@ -182,9 +183,11 @@ def test_launchers_print_the_torchrun_command():
     assert "is_host=true" in two[0] and "is_host=false" in two[1]
     assert two[1].startswith("[node 1] torchrun") and two[1].endswith("--node-rank=1 train_ddp.py")
     slurm = dry("slurm.sbatch", {"SLURM_JOB_NUM_NODES": "3", "SLURM_JOB_NODELIST": "gpu[07-09]",
-                                 "SLURM_JOB_ID": "4242", "SLURM_GPUS_PER_NODE": "8"}, "train_ddp.py", "--dataset", "cifar10")
+                                 "SLURM_JOB_ID": "4242", "SLURM_GPUS_PER_NODE": "8"},
+                "train_ddp.py", "--dataset", "cifar10")
     assert slurm.strip() == ("srun --kill-on-bad-exit=1 torchrun --nnodes=3 --nproc_per_node=8 --rdzv-backend=c10d "
-                             "--rdzv-endpoint=gpu07:29400 --rdzv-id=4242 --max-restarts=0 train_ddp.py --dataset cifar10")
+                             "--rdzv-endpoint=gpu07:29400 --rdzv-id=4242 --max-restarts=0 "
+                             "train_ddp.py --dataset cifar10")
     k8s = dry("k8s.sh", {"IMAGE": "registry.example/dp:1", "DATA_PVC": "cifar", "WORKERS": "3", "NPROC": "4"},
               "train_ddp.py", "--epochs", "5")
     command, _, manifest = k8s.partition("\n")

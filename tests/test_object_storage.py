@@ -14,8 +14,18 @@ import pytest
 import torch
 
 from common.data.formats import CIFAR_DIR, MNIST_DIR
-from tests.conftest import (ENDS_PROMPTLY_S, ROOT, child_env, error_lines, free_port, one_launch, run_script, script_command,
-                            split_runs, stop_after)
+from tests.conftest import (
+    ENDS_PROMPTLY_S,
+    ROOT,
+    child_env,
+    error_lines,
+    free_port,
+    one_launch,
+    run_script,
+    script_command,
+    split_runs,
+    stop_after,
+)
 from tests.datagen import write_cifar10, write_mnist, write_mnist_processed
 from tests.gates import Gate
 from tests.s3server import S3Server
@@ -212,8 +222,8 @@ def test_the_store_going_away_ends_the_job_clearly_and_the_run_resumes_when_it_i
     key, state = latest_in_store(s3, "ckpt", "outage")  # the last good checkpoint, whole
     if "failed at the run's pointer" in errors[0]:  # the store went away between a step file and its pointer
         key = errors[0].split("saving checkpoint s3://ckpt/")[1].split()[0]  # that file is whole and newer
-    print(f"\nstore stopped with the job held after step 9: every process ended {seconds:.1f} s later; last good checkpoint step "
-          f"{state['global_step']} intact")
+    print(f"\nstore stopped with the job held after step 9: every process ended {seconds:.1f} s later; "
+          f"last good checkpoint step {state['global_step']} intact")
     assert seconds < ENDS_PROMPTLY_S
     resumed = run_script(["train_ddp.py", *flags, "--max-steps", str(state["global_step"] + 2)], nproc=2,
                          env=env(s3))
@@ -279,7 +289,8 @@ BACK_ENDS = {
               "proxy%40pass", "proxy@pass"], ["http://minio:9000", "proxyuser"]),
     "gcsfs": ({"project": "my-project", "token": {"type": "service_account", "private_key_id": "pkid-1234",
                                                   "private_key": "-----BEGIN PRIVATE KEY-----abc",
-                                                  "client_secret": "gcs-client-secret", "refresh_token": "gcs-refresh"}},
+                                                  "client_secret": "gcs-client-secret",
+                                                  "refresh_token": "gcs-refresh"}},
               ["pkid-1234", "-----BEGIN PRIVATE KEY-----abc", "gcs-client-secret", "gcs-refresh"], ["my-project"]),
     "gcsfs token file": ({"token": "/secrets/service-account.json"}, ["/secrets/service-account.json"], []),
     "adlfs": ({"account_name": "myaccount", "account_key": "adls-account-key", "sas_token": "sv=2024&sig=abcd",
@@ -396,7 +407,8 @@ def test_without_s3fs_an_s3_url_is_refused_before_any_process_group(s3, tmp_path
 def test_tensorboard_writes_to_the_store(s3, tmp_path, monkeypatch):
     result = run_script(["train_ddp.py", *MNIST, "--epochs", "1", "--max-steps", "2", "--log-every", "1",
                          "--data-dir", "s3://data/mnist-raw", "--cache-dir", str(tmp_path / "cache"),
-                         "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", "s3://events/run1"], nproc=2, env=env(s3))
+                         "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", "s3://events/run1"],
+                        nproc=2, env=env(s3))
     ok(result)
     events = [k for k in objects(s3, "events", "run1") if "tfevents" in k]
     assert len(events) == 1

@@ -14,10 +14,19 @@ from typing import Callable
 import pytest
 import torch
 
+from common.data.formats import (
+    CIFAR_DIR,
+    CIFAR_TEST,
+    CIFAR_TRAIN,
+    MNIST_DIR,
+    MNIST_FILES,
+    MNIST_PROCESSED,
+    MNIST_PROCESSED_DIR,
+    read_cifar10,
+    read_mnist,
+)
 from common.data.loader import Dataset
 from common.errors import UserError
-from common.data.formats import (CIFAR_DIR, CIFAR_TEST, CIFAR_TRAIN, MNIST_DIR, MNIST_FILES, MNIST_PROCESSED,
-                                 MNIST_PROCESSED_DIR, read_cifar10, read_mnist)
 from tests.datagen import write_cifar10, write_mnist, write_mnist_processed
 
 pytestmark = pytest.mark.quick  # no launch: the quick tier (pytest -m quick)

@@ -9,8 +9,16 @@ from pathlib import Path
 import pytest
 
 from common.train.equivalence import TOLERANCE, tolerance
-from tests.conftest import (AVERAGING, equivalences, error_lines, latest_state, one_launch, refusal_in_process, run_script,
-                            stop_after)
+from tests.conftest import (
+    AVERAGING,
+    equivalences,
+    error_lines,
+    latest_state,
+    one_launch,
+    refusal_in_process,
+    run_script,
+    stop_after,
+)
 
 STRATEGIES = {**AVERAGING, "dp": ["train_dp.py"]}
 RECIPES = {  # the recipe's flags for the multi-process strategies, and for DataParallel (no wire)

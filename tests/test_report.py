@@ -119,7 +119,8 @@ def test_tensorboard_server_serves_scalars_and_hparams(runs):
             assert STEP_TAGS | EPOCH_TAGS <= set(tags[run]), sorted(tags[run])
         points = _get(f"{base}/data/plugin/scalars/scalars?run=ddp&tag=test/acc")
         assert [step for _, step, _ in points] == [10, 20]  # one point per epoch, x axis the global step
-        assert [step for _, step, _ in _get(f"{base}/data/plugin/scalars/scalars?run=ddp&tag=time/sync_ms")] == [5, 10, 15, 20]
+        sync_points = _get(f"{base}/data/plugin/scalars/scalars?run=ddp&tag=time/sync_ms")
+        assert [step for _, step, _ in sync_points] == [5, 10, 15, 20]
         experiment = _get(f"{base}/data/plugin/hparams/experiment", {"experimentName": ""})
         names = {h["name"] for h in experiment["hparamInfos"]}
         assert {"strategy", "world_size", "nodes", "backend", "device", "model", "dataset", "batch_size", "lr",

@@ -14,15 +14,27 @@ import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from common import storage
-from common.train.checkpoint import CheckpointFolder
-from common.train.state import InvalidCheckpoint, model_mismatches, parse_checkpoint
 from common.errors import UserError
-from common.train.preemption import FORCE_AFTER_S
 from common.storage import TRANSIENT, LocalStorage, StorageError
-from tests.conftest import (ENDS_PROMPTLY_S, ROOT, TORCHRUN_GRACE_S, child_env, error_lines, latest_checkpoint, latest_state, one_launch,
-                            run_script, saved_position, stop_after)
+from common.train.checkpoint import CheckpointFolder
+from common.train.preemption import FORCE_AFTER_S
+from common.train.state import InvalidCheckpoint, model_mismatches, parse_checkpoint
+from tests.conftest import (
+    ENDS_PROMPTLY_S,
+    ROOT,
+    TORCHRUN_GRACE_S,
+    child_env,
+    error_lines,
+    latest_checkpoint,
+    latest_state,
+    one_launch,
+    run_script,
+    saved_position,
+    stop_after,
+)
 from tests.gates import Gate
-from tests.save_loop import IDENTITY, state as loop_state
+from tests.save_loop import IDENTITY
+from tests.save_loop import state as loop_state
 
 # 8 steps per epoch, 3 epochs: small enough for CI, long enough to cut mid-epoch.
 STEPS = 8
@@ -108,12 +120,13 @@ def test_sigkill_during_saves_never_costs_the_newest_complete_checkpoint(tmp_pat
     folder = CheckpointFolder(LocalStorage(str(tmp_path)), keep=3)
     last_done = 0
     leftovers_seen = 0
-    for attempt in range(KILLS):
+    for _ in range(KILLS):
         proc = subprocess.Popen([sys.executable, "tests/save_loop.py", str(tmp_path), "run", str(last_done)], cwd=ROOT,
                                 env=child_env(), stdout=subprocess.PIPE, text=True)
         first = proc.stdout.readline()  # the writer is up and saving
         assert first.strip(), "the save loop did not start"
-        time.sleep(rng.uniform(0.0, 0.4))  # a random point of an endless save loop, not of training: the chance is the test
+        # a random point of an endless save loop, not of training: the chance is the test
+        time.sleep(rng.uniform(0.0, 0.4))
         proc.send_signal(signal.SIGKILL)
         completed = [int(line) for line in [first, *proc.stdout.read().split()] if line.strip()]
         proc.wait()
@@ -178,10 +191,11 @@ def test_a_save_cut_before_its_pointer_names_the_checkpoint_it_resumes_from(tmp_
     folder = CheckpointFolder(LocalStorage(str(tmp_path)), keep=3)
     _three_checkpoints(folder)
     with pytest.raises(UserError) as cut:
-        CheckpointFolder(PointerRefused(str(tmp_path)), keep=3).write("run", loop_state(12, torch.zeros(4)),
-                                                                      previous=str(tmp_path / "run" / "step-00000009.pt"))
+        CheckpointFolder(PointerRefused(str(tmp_path)), keep=3).write(
+            "run", loop_state(12, torch.zeros(4)), previous=str(tmp_path / "run" / "step-00000009.pt"))
     newest = tmp_path / "run" / "step-00000012.pt"
-    assert str(cut.value).startswith(f"saving checkpoint {newest} failed at the run's pointer (the store is unreachable)")
+    assert str(cut.value).startswith(f"saving checkpoint {newest} failed at the run's pointer "
+                                     "(the store is unreachable)")
     assert "the checkpoint file itself is whole and the same command resumes from it" in str(cut.value)
     assert folder.choose("auto", IDENTITY).checkpoint == str(newest)
 

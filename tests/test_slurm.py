@@ -33,8 +33,8 @@ STEPS_PER_EPOCH = 39  # synthetic mnist: 10,000 images, global batch 256 at worl
 EPOCHS = 5
 HELD = 10  # a multiple of StopRequest.CHECK_EVERY
 HOLD = f"all@{HELD}"
-RUN = ["tests/patched.py", f"gate={HOLD}", "train_ddp.py", "--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet",
-       "--batch-size", "256", "--epochs", str(EPOCHS)]
+RUN = ["tests/patched.py", f"gate={HOLD}", "train_ddp.py", "--dataset", "synthetic", "--synthetic-shape", "mnist",
+       "--model", "lenet", "--batch-size", "256", "--epochs", str(EPOCHS)]
 PAUSE_BEFORE_SCANCEL_S = 2.0  # a cluster's scancel follows its TERM to every process
 STOP_LINE = re.compile(r"^stopped by SIGTERM after step (\d+) .*; checkpoint (\S+); ", re.M)
 
@@ -178,7 +178,8 @@ def state_at_the_end(cluster: Cluster, job: Job) -> str:
 
 def stop_as_proctrack_cgroup_does(cluster: Cluster, job: str, gate: Gate) -> float:
     """SIGTERM to every process of the job (the batch script, srun, torchrun, the workers), held at
-    HOLD and released once both workers took it, then, after a pause, scancel. Returns the time of the SIGTERM (time.time(): a file's mtime is compared to it)."""
+    HOLD and released once both workers took it, then, after a pause, scancel. Returns the time of the
+    SIGTERM (time.time(): a file's mtime is compared to it)."""
     listed = cluster.run("scontrol", "listpids", job).stdout.splitlines()[1:]  # below its header: PID JOBID ...
     sent = time.time()
     for pid in dict.fromkeys(int(line.split()[0]) for line in listed):  # in the listed order, once each

@@ -13,13 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.train.checkpoint import BackgroundWriter, CheckpointFolder, new_run_name
 from common.errors import UserError
 from common.storage import DENIED, FAILED, MISSING, TRANSIENT, LocalStorage, StorageError, error_kind
+from common.train.checkpoint import BackgroundWriter, CheckpointFolder, new_run_name
 from tests.conftest import ROOT, child_env, error_lines, free_port, run_script
 from tests.flaky_proxy import FlakyProxy
 from tests.s3server import S3Server
-from tests.save_loop import IDENTITY, state as loop_state
+from tests.save_loop import IDENTITY
+from tests.save_loop import state as loop_state
 
 # 1 epoch of 4 steps, saved at steps 2 and 4: the run is complete, so a resume that finds it ends
 # at once with "training already complete: <its checkpoint>", and one that misses it trains anew.

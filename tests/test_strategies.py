@@ -7,8 +7,17 @@ from pathlib import Path
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from tests.conftest import (AVERAGING, ENDS_PROMPTLY_S, EQUIVALENCE, equivalences, error_lines, latest_state, one_launch,
-                            run_script, split_runs)
+from tests.conftest import (
+    AVERAGING,
+    ENDS_PROMPTLY_S,
+    EQUIVALENCE,
+    equivalences,
+    error_lines,
+    latest_state,
+    one_launch,
+    run_script,
+    split_runs,
+)
 
 STRATEGIES = {
     **AVERAGING,
@@ -95,10 +104,12 @@ def test_batchnorm_models_differ_from_one_process_by_design(tmp_path):
 def test_replica_check_names_the_drifting_tensor(tmp_path):
     result = run_script(["tests/faults.py", "allreduce", "drift", "3", "--dataset", "synthetic", "--model", "lenet",
                          "--batch-size", "32", "--epochs", "1", "--max-steps", "8", "--check-replicas", "2",
-                         "--log-dir", str(tmp_path / "tb"), "--checkpoint-dir", str(tmp_path / "ckpt")], nproc=2, timeout=120)
+                         "--log-dir", str(tmp_path / "tb"), "--checkpoint-dir", str(tmp_path / "ckpt")],
+                        nproc=2, timeout=120)
     assert result.returncode != 0
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
-    assert len(errors) == 1 and "replica check at step 4" in errors[0] and "differs across ranks" in errors[0], result.stderr[-2000:]
+    assert len(errors) == 1 and "replica check at step 4" in errors[0] and "differs across ranks" in errors[0], \
+        result.stderr[-2000:]
 
 
 # Plain training runs at world 2 that the tests below only read, made in one launch (tests/runs.py).

@@ -6,19 +6,19 @@ import shlex
 import shutil
 import subprocess
 import time
+from concurrent.futures import wait
 from contextlib import contextmanager
 from pathlib import Path
-from concurrent.futures import wait
 from typing import Iterator
 
 import pytest
 import torch
 
-from common.train.checkpoint import BackgroundWriter, CheckpointFolder
-from common.train.state import parse_checkpoint
 from common.config import parse_args
 from common.errors import UserError
 from common.storage import LocalStorage
+from common.train.checkpoint import BackgroundWriter, CheckpointFolder
+from common.train.state import parse_checkpoint
 from tests.conftest import ROOT, error_lines, latest_checkpoint, latest_state, run_script, stop_after
 from train_allreduce import AllReduceStrategy
 from train_master import MasterWorkerStrategy

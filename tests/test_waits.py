@@ -28,7 +28,8 @@ def test_a_killed_preparing_process_ends_the_other_node(mnist_root, tmp_path):
     pid_file = tmp_path / "preparing.pid"
     command = ["bash", "launch/local_two_nodes.sh", "tests/patched.py",
                f"stale-after={STALE_S},hang-preparing={pid_file}", "train_ddp.py", "--dataset", "mnist", "--model",
-               "lenet", "--batch-size", "32", "--epochs", "1", "--max-steps", "2", "--data-dir", str(mnist_root), "--cache-dir", str(tmp_path / "cache"),
+               "lenet", "--batch-size", "32", "--epochs", "1", "--max-steps", "2", "--data-dir", str(mnist_root),
+               "--cache-dir", str(tmp_path / "cache"),
                "--checkpoint-dir", str(tmp_path / "ckpt")]
     job = subprocess.Popen(command, cwd=ROOT, env={**child_env(), "NPROC": "1"}, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)
@@ -58,7 +59,8 @@ def wait_for_pid(pid_file: Path, job: subprocess.Popen, timeout: float = 120) ->
     return int(pid_file.read_text())
 
 
-def run_patched(patch: str, tmp_path: Path, *flags: str, timeout: float = 2 * ENDS_PROMPTLY_S) -> subprocess.CompletedProcess:
+def run_patched(patch: str, tmp_path: Path, *flags: str,
+                timeout: float = 2 * ENDS_PROMPTLY_S) -> subprocess.CompletedProcess:
     command = script_command(["tests/patched.py", patch, str(ROOT / "train_ddp.py"), *SMALL, "--checkpoint-dir",
                               str(tmp_path / "ckpt"), "--log-dir", str(tmp_path / "tb"), *flags], nproc=2)
     return subprocess.run(command, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=timeout)

@@ -9,8 +9,8 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from common.parallel.context import DistContext
 from common.output.logger import NullLogger
+from common.parallel.context import DistContext
 
 
 class WarningRelay:

@@ -202,7 +202,10 @@ class GradientBuckets:
                     bucket.used[i].fill_(0)
             if bucket.buffers:
                 region = bucket.buffer_region
-                region.copy_(torch.cat([b.detach().reshape(-1) for b in bucket.buffers])) if self.is_root else region.zero_()
+                if self.is_root:
+                    region.copy_(torch.cat([b.detach().reshape(-1) for b in bucket.buffers]))
+                else:
+                    region.zero_()
             bucket.handle = self.launch(bucket.flat)
         self.next_launch += 1
         self.launches += 1

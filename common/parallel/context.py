@@ -29,8 +29,15 @@ import torch.distributed as dist
 
 from common.config import Config
 from common.errors import ConfigError, PeerFailed, UserError, WaitExpired, first_line
-from common.parallel.transport import (LocalTransport, ProcessGroupTransport, SharedMemoryTransport, Transport, create_region,
-                              map_region, shared_memory_problem)
+from common.parallel.transport import (
+    LocalTransport,
+    ProcessGroupTransport,
+    SharedMemoryTransport,
+    Transport,
+    create_region,
+    map_region,
+    shared_memory_problem,
+)
 
 T = TypeVar("T")
 
@@ -155,7 +162,8 @@ class DistContext:
         errors = self.all_gather_json(error)
         failed = [rank for rank, e in enumerate(errors) if e is not None]
         if failed:
-            message = "; ".join(dict.fromkeys(errors[rank] for rank in failed if errors[rank]))  # distinct, in rank order
+            # distinct, in rank order
+            message = "; ".join(dict.fromkeys(errors[rank] for rank in failed if errors[rank]))
             where = "" if len(failed) == self.world_size else f" (on rank{'s' if len(failed) > 1 else ''} " \
                 f"{','.join(map(str, failed))})"
             self.fail_together(message + where)

@@ -23,8 +23,8 @@ import traceback
 from types import TracebackType
 from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
-from common.parallel.procs import exit_code, running
 from common.errors import ConfigError, Crashed, PeerVanished, UserError
+from common.parallel.procs import exit_code, running
 
 if TYPE_CHECKING:
     from common.parallel.context import DistContext

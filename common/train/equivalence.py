@@ -15,12 +15,12 @@ from torch import nn
 
 from common.config import Config
 from common.data.loader import TrainLoader
-from common.output.logger import NullLogger
 from common.models import build_model
+from common.output.logger import NullLogger
 from common.train.ema import EMA
 from common.train.optim import make_scheduler
-from common.train.run import Run
 from common.train.precision import Precision
+from common.train.run import Run
 from common.train.step import StepRecipe, train_step
 from common.train.strategy import Strategy
 

@@ -23,9 +23,9 @@ import torch.distributed as dist
 from common.data.loader import TrainLoader
 from common.errors import ConfigError, UserError, first_line
 from common.parallel.comm import flatten, unflatten
-from common.train.state import detached_copy, load_training_state, training_state
 from common.train.preemption import SAVE_FAILED, Preempted
 from common.train.run import Position
+from common.train.state import detached_copy, load_training_state, training_state
 from common.train.step import COMPUTE, DATA, SYNC, StepClock, backward, reseed, update
 from common.train.trainer import Trainer
 

@@ -1,8 +1,9 @@
 """SIGTERM / SIGINT: every rank stops at the same point, after a checkpoint.
 
-A signal only sets a flag. Every CHECK_EVERY steps (a strategy may ask for another interval) the flag is all-reduced (MAX) asynchronously as
-a step starts, so the round trip hides behind the step, and read at its end: every rank sees the
-same verdict after the same step, at most CHECK_EVERY steps after the signal. Evaluation checks
+A signal only sets a flag. Every CHECK_EVERY steps (a strategy may ask for another interval) the flag
+is all-reduced (MAX) asynchronously as a step starts, so the round trip hides behind the step, and
+read at its end: every rank sees the same verdict after the same step, at most CHECK_EVERY steps
+after the signal. Evaluation checks
 the same way every CHECK_EVERY of its batches, and a save checks once as it returns (a save can
 be long: a signal that came while it was waited for stops the run at that checkpoint). The same
 check carries rank 0's news that a checkpoint written in the background failed (SAVE_FAILED,
@@ -27,8 +28,8 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from common.parallel.context import DistContext
 from common.errors import UserError
+from common.parallel.context import DistContext
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 SAVE_FAILED = 1024  # wins the MAX over any signal: the stop would have to save, and saving is what failed

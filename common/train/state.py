@@ -33,7 +33,8 @@ def parse_checkpoint(data: bytes) -> dict[str, Any]:
     try:
         state = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise InvalidCheckpoint(f"holds objects that are not plain data and was refused unread ({first_line(e)})") from None
+        raise InvalidCheckpoint("holds objects that are not plain data and was refused unread "
+                                f"({first_line(e)})") from None
     except Exception as e:  # noqa: BLE001 - any parse failure of untrusted bytes means "unusable"
         raise InvalidCheckpoint(f"is truncated or not a checkpoint ({len(data)} bytes): {type(e).__name__}: "
                                 f"{first_line(e)}") from None

@@ -110,7 +110,8 @@ def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Opti
 def backward(model: nn.Module, strategy: Strategy, precision: Precision, images: torch.Tensor,
              targets: torch.Tensor, recipe: StepRecipe, divisor: int) -> torch.Tensor:
     """Forward and backward of `accumulate` micro-batches, each mean loss divided by `divisor`, the
-    gradients summed into .grad; the strategy may communicate on the last one, not before. Returns (loss sum, correct) over the rows."""
+    gradients summed into .grad; the strategy may communicate on the last one, not before. Returns
+    (loss sum, correct) over the rows."""
     stats = torch.zeros(2, device=images.device)
     micro = recipe.accumulate
     for i, (x, y) in enumerate(zip(images.chunk(micro), targets.chunk(micro))):

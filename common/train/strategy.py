@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from common.config import Config
-from common.parallel.context import DistContext
 from common.errors import ConfigError
+from common.parallel.context import DistContext
 from common.train.optim import entry_order, from_positions, make_optimizer, to_positions, whole_pieces
 from common.train.precision import Precision
 from common.train.preemption import StopRequest
