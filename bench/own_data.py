@@ -34,8 +34,8 @@ from bench.strategies import run, timing
 from bench.wall import ROOT, one_run
 from common.data import own
 from common.data.formats import read_mnist
-from common.data.reading import default_workers
 from common.data.loader import global_order
+from common.data.reading import default_workers
 from common.models import build_model
 
 
@@ -60,8 +60,8 @@ def readers(epochs: int, repeats: int, tmp: Path) -> None:
                 rows.setdefault((reader, temperature), []).append(result)
     print(f"train_ddp.py, W=2, convnet, global batch 64, {epochs} epochs, 4,000 / 1,000 MNIST-format images; cold: "
           f"seed 0, a fresh --cache-dir; warm: seeds 0-{repeats - 1}, the cache reused\n")
-    print("| reader | run | wall s (mean) | wall / MNIST reader's | test acc per seed | mean | mean - MNIST reader's |\n"
-          "|---|---|---|---|---|---|---|")
+    print("| reader | run | wall s (mean) | wall / MNIST reader's | test acc per seed | mean "
+          "| mean - MNIST reader's |\n|---|---|---|---|---|---|---|")
     for (reader, temperature), results in rows.items():
         base = rows[("mnist", temperature)]
         wall = statistics.mean(r["wall"] for r in results)

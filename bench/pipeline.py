@@ -8,8 +8,8 @@ transform (its presets.ClassificationPresetTrain: PIL RandomResizedCrop(224) + R
 RandAugment and TrivialAugmentWide; ours: one worker's work (the suite's own-data loader reading,
 decoding, cropping, flipping and augmenting batches, --workers 0) and the whole training input
 path (the same loader feeding TrainLoader: worker + rank, everything the step gets), from the
-original photos and from shards converted with --max-side 320. "cores/node" is what an 8-GPU node of ResNet-50 H100s needs at that
-rate (3,000 images/s per GPU, 24,000 a node).
+original photos and from shards converted with --max-side 320. "cores/node" is what an 8-GPU node
+of ResNet-50 H100s needs at that rate (3,000 images/s per GPU, 24,000 a node).
 
 The photos: an ImageNet-like set derived from real photos (70% at 500x375 or 375x500, the rest up
 to 1024 px on the long side, JPEG quality 90): each a random crop (60-100% of the largest crop of
@@ -264,8 +264,8 @@ def table(measured: Iterable[Row]) -> str:
     ref = {row.name: row.rate for row in measured}
     lines = ["| pipeline | images per CPU-second | x reference | cores an 8-GPU node needs |", "|---|---|---|---|"]
     for row in measured:
-        base = ref["torchvision reference + RandAugment"] if "RandAugment" in row.name else \
-            ref["torchvision reference + TrivialAugment"] if "TrivialAugment" in row.name else ref["torchvision reference"]
+        policy = next((p for p in ("RandAugment", "TrivialAugment") if p in row.name), None)
+        base = ref[f"torchvision reference + {policy}" if policy else "torchvision reference"]
         lines.append(f"| {row.name} | {row.rate:.0f} | {row.rate / base:.2f} | {NODE_DEMAND / row.rate:.0f} |")
     return "\n".join(lines)
 
@@ -287,8 +287,9 @@ def main() -> None:
         tree, made_from = photo_set(Path(tmp) / "photos", a.images, a.photos)
         median_kb = statistics.median(map(len, training_files(tree))) / 1000
         print(f"python {sys.version.split()[0]}, torch {torch.__version__}, one thread; {a.images} training photos "
-              f"{made_from}, median {median_kb:.0f} KB; image size {a.image_size}; x reference: against torchvision's reference with the same "
-              "policy (none, RandAugment or TrivialAugment), on the original photos\n")
+              f"{made_from}, median {median_kb:.0f} KB; image size {a.image_size}; x reference: against "
+              "torchvision's reference with the same policy (none, RandAugment or TrivialAugment), on the "
+              "original photos\n")
         print(table(rows(tree, Path(tmp), a.image_size, a.max_side)))
 
 

@@ -46,10 +46,10 @@ import torch
 
 from common.data import own
 from common.data.geometry import choose_geometry
-from common.data.indexing import Survey, as_is
-from common.data.reading import default_workers
 from common.data.index import INDEX_FORMAT, TableWriter, map_index, publish, shapes_of, staging_for
+from common.data.indexing import Survey, as_is
 from common.data.loader import Dataset, TrainLoader, make_synthetic
+from common.data.reading import default_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 MB = 2**20
@@ -165,7 +165,8 @@ def write_index(folder: Path, samples: int, val: int = 50_000, classes: int = 10
     survey = Survey()
     survey.saw("500x375", "train/n00000000/n00000000_0.JPEG", "RGB")
     publish(staging, folder, {"format": INDEX_FORMAT, "kind": "imagefolder", "root": "/data/imagenet",
-                              "classes": [str(i) for i in range(classes)], "fingerprint": f"bench-{samples}", "versions": {}, **survey.meta(),
+                              "classes": [str(i) for i in range(classes)], "fingerprint": f"bench-{samples}",
+                              "versions": {}, **survey.meta(),
                               "tensors": shapes_of(staging)})
     for path in folder.iterdir():  # written back, as an index built long before: dirty page-cache pages
         with open(path, "rb") as f:  # would count as Private_Dirty in the process that maps them

@@ -360,7 +360,8 @@ def convert(src: Path, dest: str, shard_mb: float = 64, seed: int = 0,
         verify(src / path)
     random.Random(seed).shuffle(splits[TRAIN])
     with tempfile.TemporaryDirectory(prefix="common.shards.") as scratch:
-        if reencode is not None:  # to local scratch first, before DEST is touched: the shards are planned from the sizes
+        # to local scratch first, before DEST is touched: the shards are planned from the sizes
+        if reencode is not None:
             src, splits = Path(scratch), _reencode_tree(src, splits, reencode, Path(scratch))
         storage = storage_for(dest, storage_options)
         generation = new_generation()

@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 import torch
 
-from common.data.loader import DataSpec, Split, TrainLoader, crop_and_flip, eval_shard, make_synthetic
-from common.errors import UserError
 from common.data.fetch import ensure_local
 from common.data.formats import CIFAR_DIR, MNIST_DIR, MNIST_PROCESSED_DIR, read_cifar10, read_mnist
+from common.data.loader import DataSpec, Split, TrainLoader, crop_and_flip, eval_shard, make_synthetic
+from common.errors import UserError
 from tests.conftest import free_port
 from tests.datagen import write_mnist, write_mnist_processed
 
@@ -82,7 +82,8 @@ def test_corrupt_idx_header_names_the_file(mnist_root, tmp_path):
         read_mnist(root)
 
 
-@pytest.mark.parametrize("name, expected", [("cifar10", "cifar-10-python.tar.gz"), ("mnist", "train-images-idx3-ubyte")])
+@pytest.mark.parametrize("name, expected", [("cifar10", "cifar-10-python.tar.gz"),
+                                            ("mnist", "train-images-idx3-ubyte")])
 def test_offline_download_message(name, expected, tmp_path):
     closed = f"http://127.0.0.1:{free_port()}/"  # nothing listens: the download fails at once, as offline
     with pytest.raises(UserError) as exc:
@@ -116,7 +117,8 @@ SPEC = DataSpec(1, 2, 10, (0.0,), (1 / 255,), augment="none")  # normalization l
 
 def _ranks_batches(n: int, batch: int, world: int, epoch: int = 0) -> list[list[torch.Tensor]]:
     split = _tiny_split(n)
-    loaders = [TrainLoader(split, SPEC, batch, rank, world, seed=3, device=torch.device("cpu")) for rank in range(world)]
+    loaders = [TrainLoader(split, SPEC, batch, rank, world, seed=3, device=torch.device("cpu"))
+               for rank in range(world)]
     return [[x[:, 0, 0, 0].round().long() for x, _ in loader.epoch(epoch)] for loader in loaders]
 
 
@@ -142,7 +144,8 @@ def test_global_batches_do_not_depend_on_world_size(world):
 
 
 def test_epochs_are_shuffled_differently():
-    assert not torch.equal(torch.cat(_ranks_batches(120, 12, 2, epoch=0)[0]), torch.cat(_ranks_batches(120, 12, 2, epoch=1)[0]))
+    first, second = (torch.cat(_ranks_batches(120, 12, 2, epoch=e)[0]) for e in (0, 1))
+    assert not torch.equal(first, second)
 
 
 @pytest.mark.parametrize("size", [301, 1000, 7])

@@ -27,8 +27,8 @@ from common.data import own
 from common.data.cache import staging_path
 from common.data.decoding import decode
 from common.data.geometry import Stored
-from common.data.reading import Reader
 from common.data.index import map_index
+from common.data.reading import Reader
 from common.errors import UserError
 from tests.conftest import ROOT, child_env, free_port
 from tests.datagen import write_imagefolder, write_shards
@@ -367,7 +367,8 @@ def test_a_file_url_names_the_local_folder(small):
 
 def test_temp_names_differ_between_processes_with_the_same_pid(tmp_path):
     assert staging_path(tmp_path / "x") != staging_path(tmp_path / "x")  # a random part beside host and pid
-    assert str(os.getpid()) in staging_path(tmp_path / "x").name and os.uname().nodename in staging_path(tmp_path / "x").name
+    name = staging_path(tmp_path / "x").name
+    assert str(os.getpid()) in name and os.uname().nodename in name
 
 
 def test_a_shard_evicted_by_another_node_is_fetched_again(small, tmp_path, monkeypatch):

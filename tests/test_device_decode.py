@@ -15,7 +15,7 @@ from torchvision.transforms.v2 import functional as F
 
 from common.data.augment import sample_seed
 from common.data.device_decode import choose_decode, decode_and_crop, encoded_batch, train_boxes
-from common.data.geometry import Box, resized_crop, train_box
+from common.data.geometry import Box, resized_crop
 from common.errors import UserError
 
 pytestmark = pytest.mark.quick

@@ -14,11 +14,20 @@ import torch
 
 from common.config import parse_args
 from common.data import own
-from common.data.reading import Reader
 from common.data.loader import TrainLoader, global_order
+from common.data.reading import Reader
 from common.errors import UserError
 from common.shards import MANIFEST
-from tests.conftest import child_env, equivalences, error_lines, free_port, latest_state, read_scalars, run_script, stop_after
+from tests.conftest import (
+    child_env,
+    equivalences,
+    error_lines,
+    free_port,
+    latest_state,
+    read_scalars,
+    run_script,
+    stop_after,
+)
 from tests.datagen import write_imagefolder, write_shards
 from tests.s3server import S3Server
 
@@ -169,10 +178,12 @@ def test_a_damaged_image_folder_is_one_line_naming_the_file(case, sets, tmp_path
 
 
 SHARD_DAMAGE = {
-    "image without .cls": (lambda n, d: None if n == "00000001.cls" else (n, d), r"00000001 has .* but no 00000001\.cls"),
+    "image without .cls": (lambda n, d: None if n == "00000001.cls" else (n, d),
+                           r"00000001 has .* but no 00000001\.cls"),
     ".cls out of range": (lambda n, d: (n, b"10") if n.endswith(".cls") and n.startswith("00000002") else (n, d),
                           r"has class 10, outside the 10 classes"),
-    ".cls not a number": (lambda n, d: (n, b"cat") if n == "00000003.cls" else (n, d), r"holds 'cat', not a class index"),
+    ".cls not a number": (lambda n, d: (n, b"cat") if n == "00000003.cls" else (n, d),
+                          r"holds 'cat', not a class index"),
 }
 
 
@@ -204,7 +215,8 @@ def test_skip_broken_trains_without_the_files_and_names_them(sets, tmp_path):
     reader: Reader = streamed.train.source
     position = list(reader.table.names).index(str(truncated.relative_to(folder)))
     batch = reader.__getitems__([position])
-    assert not batch.error and batch.skipped == [str(truncated)] and torch.equal(batch.images[0], reader[position + 1][0])
+    assert not batch.error and batch.skipped == [str(truncated)]
+    assert torch.equal(batch.images[0], reader[position + 1][0])
 
 
 # ---------------------------------------------------------------- whole jobs

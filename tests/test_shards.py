@@ -19,8 +19,23 @@ import torch
 from PIL import Image
 
 from common.errors import UserError
-from common.shards import (CLASSES_FILE, GENERATION_SHARD, MANIFEST, TRAIN, VAL, Reencode, ShardSet, convert,
-                           folder_classes, class_images, main, pixels_problem, resolve, scaled_size, shard_pattern)
+from common.shards import (
+    CLASSES_FILE,
+    GENERATION_SHARD,
+    MANIFEST,
+    TRAIN,
+    VAL,
+    Reencode,
+    ShardSet,
+    class_images,
+    convert,
+    folder_classes,
+    main,
+    pixels_problem,
+    resolve,
+    scaled_size,
+    shard_pattern,
+)
 from common.storage import DENIED, FsspecStorage, LocalStorage, StorageError
 from tests.conftest import ROOT, child_env
 from tests.datagen import write_imagefolder, write_shards
@@ -378,7 +393,8 @@ def test_bad_storage_options_are_a_usage_error(tree, tmp_path, capsys):
 
 
 def images_of(root: Path, split: str, classes: list[str], ignored: list[str] | None = None) -> list[tuple[str, int]]:
-    return [(rel, label) for label, paths in class_images(root, split, classes, [].extend if ignored is None else ignored.extend) for rel in paths]
+    keep_ignored = [].extend if ignored is None else ignored.extend
+    return [(rel, label) for label, paths in class_images(root, split, classes, keep_ignored) for rel in paths]
 
 
 def test_class_images_reads_imagefolders_order_and_val_may_lack_a_class(tmp_path):
@@ -479,8 +495,9 @@ def test_max_side_scales_the_long_side_down_keeping_the_aspect(colour_tree, tmp_
         assert any(max(size) > 32 for size in originals) and any(max(size) <= 32 for size in originals)
         assert sorted(image.size for image in stored) == sorted(scaled_size(w, h, 32) for w, h in originals)
     val = [decoded(data).size for _, _, data, _ in read_split(tmp_path, VAL)]  # val keeps the tree's order
-    assert val == [scaled_size(*Image.open(io.BytesIO(data)).size, 32) for _, data, _ in source_samples(colour_tree, VAL)]
-    assert [label for *_, label in read_split(tmp_path, VAL)] == [label for *_, label in source_samples(colour_tree, VAL)]
+    source = source_samples(colour_tree, VAL)
+    assert val == [scaled_size(*Image.open(io.BytesIO(data)).size, 32) for _, data, _ in source]
+    assert [label for *_, label in read_split(tmp_path, VAL)] == [label for *_, label in source]
 
 
 def test_scaled_size_keeps_the_aspect_and_leaves_small_images_alone():
@@ -532,7 +549,6 @@ def test_the_command_line_stores_smaller_photos(colour_tree, tmp_path):
 def test_training_reads_shards_of_smaller_photos(colour_tree, tmp_path):
     """The real loading code (index, geometry, statistics, streamed workers' decode) on --max-side
     shards at --image-size: the batches are the model's size, every label comes through."""
-    from dataclasses import replace
 
     from common.data import own
     from common.data.loader import TrainLoader

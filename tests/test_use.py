@@ -24,18 +24,18 @@ import pytest
 import torch
 from PIL import Image
 
-from common.data.decoding import decode
-from common.data.geometry import Stored
 from common.data import own
+from common.data.decoding import decode
 from common.data.formats import read_cifar10
-from common.data.loader import DataSpec, Dataset, Normalizer, Split, make_synthetic
+from common.data.geometry import Stored
+from common.data.loader import Dataset, DataSpec, Normalizer, Split, make_synthetic
 from common.models import build_model
 from common.output import confusion
+from common.output.logger import EpochResult, _epoch_line
 from common.output.report import write_report
-from common.train.precision import Precision
 from common.train import evaluation
 from common.train.evaluation import evaluate
-from common.output.logger import EpochResult, _epoch_line
+from common.train.precision import Precision
 from common.use import evaluating, predicting
 from common.use.exporting import current_umask
 from common.use.source import find_checkpoint
@@ -338,7 +338,8 @@ def test_no_top5_is_shown_with_five_classes_or_fewer(tmp_path, capsys):
 @pytest.mark.quick
 def test_evaluate_writes_beside_the_checkpoints_run_by_default_and_takes_image_size(tmp_path):
     local = SimpleNamespace(path=str(tmp_path / "ckpt" / "run1" / "step-00000042.pt"), step=42)
-    assert evaluating.default_output_dir(local, ema=False) == tmp_path / "ckpt" / "run1" / "evaluation" / "step-00000042"
+    run = tmp_path / "ckpt" / "run1"
+    assert evaluating.default_output_dir(local, ema=False) == run / "evaluation" / "step-00000042"
     assert evaluating.default_output_dir(local, ema=True).name == "step-00000042-ema"
     stored = SimpleNamespace(path="s3://bucket/ckpt/run1/step-00000042.pt", step=42)
     assert evaluating.default_output_dir(stored, ema=False) == Path("evaluation") / "run1-step-00000042"

@@ -95,7 +95,7 @@ class Policy:
             ops = []
             for op, probability, bin_ in policy:
                 if torch.rand((), generator=g) <= probability:
-                    ops.append(_signed(t, op, lambda magnitudes: magnitudes[bin_], 10, height, width, g))
+                    ops.append(_signed(t, op, lambda magnitudes, b=bin_: magnitudes[b], 10, height, width, g))
             return ops
         keys = tuple(t._AUGMENTATION_SPACE)
         if isinstance(t, v2.RandAugment):

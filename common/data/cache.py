@@ -127,7 +127,8 @@ def write_tensors(folder: Path, tensors: dict[str, torch.Tensor], meta: dict | N
     """Each tensor as a raw file, their shapes and dtypes (and `meta`) in meta.json, written last."""
     for name, tensor in tensors.items():
         tensor.contiguous().numpy().tofile(folder / name)
-    shapes = {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")} for name, t in tensors.items()}
+    shapes = {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+              for name, t in tensors.items()}
     (folder / META).write_text(json.dumps({"tensors": shapes, **(meta or {})}))
 
 

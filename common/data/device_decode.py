@@ -65,7 +65,8 @@ def train_boxes(sizes: Sequence[tuple[int, int]], seed: int, epoch: int, step: i
                 positions: Sequence[int]) -> list[Box]:
     """Each sample's training crop, by its global position in step `step`'s batch: the boxes the CPU
     workers draw for the same samples (geometry.train_box)."""
-    return [train_box(seed, epoch, step, position, height, width) for (height, width), position in zip(sizes, positions)]
+    return [train_box(seed, epoch, step, position, height, width)
+            for (height, width), position in zip(sizes, positions)]
 
 
 def decode_and_crop(batch: EncodedBatch, boxes: Sequence[Box], size: int, channels: int,

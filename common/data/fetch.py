@@ -26,13 +26,20 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
+from common.config import STORAGE_TIMEOUT_S
 from common.data import formats, own
 from common.data.cache import META, cache_folder, default_cache_dir, file_lock, map_tensors, write_tensors
-from common.config import STORAGE_TIMEOUT_S
 from common.data.loader import Dataset, Split, make_synthetic
-from common.parallel.context import (DEADLINE_FLAG, PROGRESS_EVERY_S, DeadlinePassed, DistContext, Unanswered,
-                                run_with_heartbeat, wait_for_keys)
 from common.errors import UserError, WaitExpired, first_line
+from common.parallel.context import (
+    DEADLINE_FLAG,
+    PROGRESS_EVERY_S,
+    DeadlinePassed,
+    DistContext,
+    Unanswered,
+    run_with_heartbeat,
+    wait_for_keys,
+)
 from common.storage import StorageError, is_url, storage_for
 
 Say = Callable[[str], None]
@@ -92,8 +99,8 @@ def decode_once(name: str, root: Path, cache_dir: str) -> Path:
     (paths, sizes, modification times): decoded the first time, found again by later runs."""
     sources = sorted(p for folder in formats.layout_folders(name) for p in (root / folder).glob("*")
                      if p.is_file() and not p.name.startswith("."))
-    key = hashlib.sha256(json.dumps([name, CACHE_FORMAT, str(root.resolve()), *[(str(p), p.stat().st_size, p.stat().st_mtime_ns)
-                                                                    for p in sources]]).encode()).hexdigest()[:16]
+    files = [(str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in sources]
+    key = hashlib.sha256(json.dumps([name, CACHE_FORMAT, str(root.resolve()), *files]).encode()).hexdigest()[:16]
     folder = Path(cache_dir or default_cache_dir()) / "decoded" / f"{name}-{key}"
     if (folder / META).is_file():
         return folder
@@ -160,7 +167,8 @@ def ensure_local(name: str, root: Path, allow_download: bool, download_from: str
         # beside one that locks a new file: each file is verified and renamed into place whole, so the
         # lock only saves a second download.
         lock.unlink(missing_ok=True)
-        raise UserError(formats.offline_message(name, root, missing, f"the download failed ({first_line(e)})")) from None
+        failed = f"the download failed ({first_line(e)})"
+        raise UserError(formats.offline_message(name, root, missing, failed)) from None
     still = formats.missing_files(name, root)
     if still:
         raise UserError(formats.offline_message(name, root, still, "the download did not produce them"))

@@ -363,8 +363,9 @@ def offline_message(name: str, root: Path | str, missing: Sequence[Path | str], 
     if name == "cifar10":
         how = f"download {CIFAR_URL} and extract it into {where}/ (it unpacks to {where}/{CIFAR_DIR}/)"
     else:
-        how = (f"download {', '.join(s + '.gz' for s in MNIST_FILES)} from {MNIST_MIRRORS[0]} into {where}/{MNIST_DIR}/ "
-               f"(torchvision's older {' and '.join(MNIST_PROCESSED)} in {where}/{MNIST_PROCESSED_DIR}/ work too)")
+        how = (f"download {', '.join(s + '.gz' for s in MNIST_FILES)} from {MNIST_MIRRORS[0]} into "
+               f"{where}/{MNIST_DIR}/ (torchvision's older {' and '.join(MNIST_PROCESSED)} in "
+               f"{where}/{MNIST_PROCESSED_DIR}/ work too)")
     return (f"{name} is missing {', '.join(str(p) for p in missing)} and {why}; {how}; or try the suite right "
             "now without it: --dataset synthetic")
 

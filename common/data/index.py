@@ -111,7 +111,8 @@ class _ArrayFile:
 
 class _StringsFile:
     def __init__(self, folder: Path, name: str) -> None:
-        self.blob, self.ends = _ArrayFile(folder / f"{name}_blob", np.uint8), _ArrayFile(folder / f"{name}_ends", np.int64)
+        self.blob = _ArrayFile(folder / f"{name}_blob", np.uint8)
+        self.ends = _ArrayFile(folder / f"{name}_ends", np.int64)
         self.length = 0
 
     def append(self, texts: Iterable[str]) -> None:
@@ -132,8 +133,8 @@ class TableWriter:
         self.split = split
         self.labels = _ArrayFile(folder / f"{split}_labels", np.int64)
         self.names = _StringsFile(folder, f"{split}_names")
-        self.columns = {name: _ArrayFile(folder / f"{split}_{name}", np.int64) for name in ("group", "offset", "size")} \
-            if sharded else {}
+        self.columns = {name: _ArrayFile(folder / f"{split}_{name}", np.int64)
+                        for name in ("group", "offset", "size")} if sharded else {}
         self.keys = _StringsFile(folder, f"{split}_keys") if sharded else None
         self.dims = {name: _ArrayFile(folder / f"{split}_{name}", np.int64) for name in ("height", "width")}
 

@@ -23,16 +23,29 @@ from typing import Any, Callable, Iterator
 import torch
 
 from common import shards as layout
-from common.data.cache import (META, cache_folder, default_cache_dir, file_lock, hold_shared, lock_of, map_tensors,
-                               read_meta, sweep_staging, unused, use_lock_of, write_atomically, write_tensors)
+from common.data.cache import (
+    META,
+    cache_folder,
+    default_cache_dir,
+    file_lock,
+    hold_shared,
+    lock_of,
+    map_tensors,
+    read_meta,
+    sweep_staging,
+    unused,
+    use_lock_of,
+    write_atomically,
+    write_tensors,
+)
 from common.data.geometry import Geometry, Stored, choose_geometry, stored_bytes
 from common.data.index import INDEX_FORMAT, SetIndex, TableWriter, map_index, publish, shapes_of, staging_for
 from common.data.indexing import ShardSamples, Survey, check_classes, index_folder, index_shards
 from common.data.loader import Dataset, DataSpec, Split
 from common.data.reading import Ragged, Reader, Request, Streamed, batches_of
 from common.data.shardcache import ShardCache
-from common.errors import UserError
 from common.data.shardformat import read_shard
+from common.errors import UserError
 from common.storage import StorageError, is_url, storage_for
 
 Say = Callable[[str], None]
@@ -96,7 +109,8 @@ def load_index(opts: OwnData, say: Say) -> SetIndex:
     except OSError as e:  # a folder or file of the set that cannot be listed or read
         raise UserError(f"{e.filename or opts.data_dir}: {e.strerror or e}; check that --data-dir is readable "
                         "(and mounted)") from None
-    where = opts.data_dir if is_url(opts.data_dir) else os.path.abspath(opts.data_dir)  # one index per set, however named
+    # one index per set, however named
+    where = opts.data_dir if is_url(opts.data_dir) else os.path.abspath(opts.data_dir)
     key = hashlib.sha256(json.dumps([INDEX_FORMAT, opts.kind, where, opts.skip_broken, opts.verify_data]).encode()
                          ).hexdigest()
     folder = opts.cache_root / "index" / f"{opts.kind}-{key[:16]}-{fingerprint[:16]}"
@@ -466,5 +480,6 @@ def open_prepared(report: dict[str, Any], opts: OwnData) -> Dataset:
     where = f", through the shard cache {train.source.cache.folder} (at most {opts.shard_cache_gb:g} GB)" \
         if train.source.cache else ""
     held = (f"streamed: {opts.workers} DataLoader worker(s) per rank decode each batch{where} "
-            f"(decoded it would take {stored_bytes(index, geometry) / 2**30:.3g} GB, above --cache-gb {opts.cache_gb:g})")
+            f"(decoded it would take {stored_bytes(index, geometry) / 2**30:.3g} GB, above --cache-gb "
+            f"{opts.cache_gb:g})")
     return Dataset(name, spec, train, test, held, tuple(report["class_names"]))

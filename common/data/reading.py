@@ -138,10 +138,14 @@ class Reader(torch.utils.data.Dataset):
         hits, misses = (self.cache.hits, self.cache.misses) if self.cache else (0, 0)
         skipped: list[str] = []
         try:
-            images, labels, dims = self.whole(request, skipped) if request.whole else (*self.made(request, skipped), None)
+            if request.whole:
+                images, labels, dims = self.whole(request, skipped)
+            else:
+                images, labels, dims = (*self.made(request, skipped), None)
             error = ""
         except UserError as e:
-            images, labels, dims, error = torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.int64), None, str(e)
+            images, labels, dims = torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.int64), None
+            error = str(e)
         except OSError as e:  # a file gone or unreadable since the set was indexed
             images, labels, dims = torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.int64), None
             error = f"{self.root}: {e.strerror or e}; the data changed while it was read: restore it and run again"

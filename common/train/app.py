@@ -9,31 +9,30 @@ from typing import Callable, Sequence
 
 import torch
 
+from common.collector import ended_cleanly, pause_during_set_up, resume_for_training
+from common.config import OWN_DATASETS, Config, default_checkpoint_dir, default_log_dir, parse_args, world_size_from_env
+from common.data.augment import Draws
+from common.data.fetch import load_dataset
+from common.data.loader import Dataset, TrainLoader
+from common.data.own import OwnData
+from common.data.reading import default_workers
+from common.models import build_model
+from common.output.logger import NullLogger, make_logger, node_console
+from common.output.profiling import NoProfiler, StepProfiler, trace_folder
+from common.output.warnings_relay import WarningRelay
+from common.parallel.context import DistContext, check_same_flags, distributed
+from common.parallel.failures import is_handled, parsed_telling_torchrun, told
+from common.parallel.sync_batchnorm import convert_batchnorm
 from common.train.checkpoint import Checkpoints, Resumed
 from common.train.ema import EMA
-from common.train.mixing import Mixing
-from common.collector import ended_cleanly, pause_during_set_up, resume_for_training
-from common.config import (OWN_DATASETS, Config, default_checkpoint_dir, default_log_dir, parse_args,
-                           world_size_from_env)
-from common.data.augment import Draws
-from common.data.reading import default_workers
-from common.data.own import OwnData
-from common.data.loader import Dataset, TrainLoader
-from common.parallel.context import DistContext, check_same_flags, distributed
 from common.train.equivalence import check_equivalence
-from common.data.fetch import load_dataset
-from common.parallel.failures import is_handled, parsed_telling_torchrun, told
-from common.output.logger import NullLogger, make_logger, node_console
-from common.models import build_model
+from common.train.mixing import Mixing
 from common.train.optim import make_scheduler
-from common.train.preemption import StopRequest
-from common.output.profiling import NoProfiler, StepProfiler, trace_folder
-from common.train.run import Position, Run, torch_memory_format
 from common.train.precision import Precision
+from common.train.preemption import StopRequest
+from common.train.run import Position, Run, torch_memory_format
 from common.train.strategy import Strategy
-from common.parallel.sync_batchnorm import convert_batchnorm
 from common.train.trainer import Trainer
-from common.output.warnings_relay import WarningRelay
 from common.weights import Loaded, Source, load_into
 
 STARTED = time.monotonic()  # a fallback for the start-up time where /proc is missing
@@ -240,7 +239,8 @@ def describe(run: Run, checkpoints: Checkpoints, log: NullLogger) -> None:
     log.info(f"model {cfg.model}; "
              f"global batch {cfg.batch_size} = {cfg.batch_size // shares} per rank x {shares}"
              f"{f' in {cfg.accumulate} micro-batches' if cfg.accumulate > 1 else ''}; peak lr {cfg.lr:g}; "
-             f"{cfg.epochs} epoch(s){f' extended to {cfg.extend_to}' if cfg.extend_to else ''}; {cfg.precision}, {cfg.memory_format}{', compiled' if cfg.compile else ''}")
+             f"{cfg.epochs} epoch(s){f' extended to {cfg.extend_to}' if cfg.extend_to else ''}; {cfg.precision}, "
+             f"{cfg.memory_format}{', compiled' if cfg.compile else ''}")
     points = f"step-level points every {run.log_every} step(s)" + (
         "" if cfg.log_every else f" (chosen for {run.steps_per_epoch} steps per epoch; --log-every N to choose)")
     log.info(f"run {cfg.run_id}: checkpoints {checkpoints.url()}; TensorBoard {cfg.log_dir}; {points}")

@@ -62,13 +62,20 @@ from typing import Any, Callable, TypeVar
 import torch
 
 from common.config import STORAGE_TIMEOUT_S, differences, way_to_continue
-from common.parallel.context import DistContext
 from common.errors import UserError, first_line
-from common.train.run import Position, Run
-from common.train.state import (InvalidCheckpoint, data_entry, detached_copy, expected_bytes, load_training_state,
-                                model_mismatches, parse_checkpoint, training_state)
+from common.parallel.context import DistContext
 from common.storage import MISSING, Patience, Storage, StorageError, split, storage_for
-
+from common.train.run import Position, Run
+from common.train.state import (
+    InvalidCheckpoint,
+    data_entry,
+    detached_copy,
+    expected_bytes,
+    load_training_state,
+    model_mismatches,
+    parse_checkpoint,
+    training_state,
+)
 
 POINTER = "latest.json"
 STEP_FILE = re.compile(r"step-(\d{8})\.pt$")

@@ -2,8 +2,8 @@
 from __future__ import annotations
 
 import math
-import resource
 import os
+import resource
 import signal
 import time
 from dataclasses import dataclass, field
@@ -11,16 +11,16 @@ from typing import Any, Iterator
 
 import torch
 
+from common.output.logger import EpochResult, NullLogger, StepRecord, StepTimes
+from common.output.profiling import NoProfiler, StepProfiler
+from common.output.warnings_relay import WarningRelay
+from common.parallel.context import DistContext
+from common.parallel.replicas import check_replicas
 from common.train.checkpoint import Checkpoints
 from common.train.evaluation import EvaluationStopped, Metrics, evaluate
-from common.parallel.context import DistContext
-from common.output.logger import EpochResult, NullLogger, StepRecord, StepTimes
 from common.train.preemption import SAVE_FAILED, Preempted, StopRequest
-from common.output.profiling import NoProfiler, StepProfiler
-from common.parallel.replicas import check_replicas
 from common.train.run import Position, Run
 from common.train.step import DATA, SYNC, StepClock, StepRecipe, reseed, train_step, uses_randomness
-from common.output.warnings_relay import WarningRelay
 
 DATA_WAIT_SHARE = 0.10  # a step waiting for data longer than this share of it is said once a run
 FLUSH_STEPS = 50  # step-level points are combined over ranks in one collective about this often

@@ -19,20 +19,19 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-
 from common.config import DATASETS, OWN_DATASETS
 from common.data.fetch import load_dataset
-from common.data.reading import default_workers
 from common.data.loader import Dataset
 from common.data.own import OwnData
+from common.data.reading import default_workers
 from common.errors import ConfigError
 from common.output import confusion
 from common.output.logger import node_console
 from common.parallel.context import DistContext, distributed
 from common.parallel.failures import told
+from common.train.evaluation import CONFUSION_MAX_CLASSES, Metrics, evaluate
 from common.train.precision import Precision
 from common.train.run import default_eval_batch, torch_memory_format
-from common.train.evaluation import CONFUSION_MAX_CLASSES, Metrics, evaluate
 from common.use.program import check_storage, check_writable, make_parser, run_program, writable_problem
 from common.use.source import Preprocessing, Saved
 
@@ -175,13 +174,15 @@ def report(flags: Flags, saved: Saved, data: Dataset, names: Sequence[str], metr
     print(f"checkpoint {saved.path} (step {saved.step}), {weights}: {data.name}, {metrics.samples} test images, "
           f"world {world}", flush=True)
     top5_text = f"  top-5 {100 * metrics.acc_top5:.2f}% ({top5}/{metrics.samples})" if has_top5 else ""
-    print(f"top-1 {100 * metrics.acc:.2f}% ({correct}/{metrics.samples}){top5_text}  loss {metrics.loss:.4f}", flush=True)
+    print(f"top-1 {100 * metrics.acc:.2f}% ({correct}/{metrics.samples}){top5_text}  loss {metrics.loss:.4f}",
+          flush=True)
     out = Path(flags.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     counts = None if metrics.confusion is None else metrics.confusion.tolist()
     summary = {"checkpoint": saved.path, "step": saved.step, "weights": "ema" if flags.ema else "model",
                "data": data.name, "world_size": world, "samples": metrics.samples, "top1": metrics.acc,
-               "top1_correct": correct, "top5": metrics.acc_top5 if has_top5 else None, "top5_correct": top5, "loss": metrics.loss,
+               "top1_correct": correct, "top5": metrics.acc_top5 if has_top5 else None, "top5_correct": top5,
+               "loss": metrics.loss,
                "classes": list(names), "confusion": counts}
     (out / "metrics.json").write_text(json.dumps(summary, indent=1) + "\n")
     if counts is None:
