@@ -243,6 +243,38 @@ class Chaos:
             fault.back = time.monotonic()
         threading.Thread(target=wait, daemon=True).start()
 
+    def process(self, target: int) -> int | None:
+        """The training process a fault hits (a group's worker, a rank)."""
+        raise NotImplementedError
+
+    def back(self, fault: Fault, fresh: bool = True) -> None:
+        """Mark the fault's target back once it trains again (see back_when_trained)."""
+        raise NotImplementedError
+
+    def kill_worker(self, fault: Fault) -> None:
+        signal_pid(self.process(fault.target), signal.SIGKILL)
+        self.back(fault)
+
+    def freeze_worker(self, fault: Fault) -> None:
+        worker = self.process(fault.target)
+        signal_pid(worker, signal.SIGSTOP)
+        threading.Timer(fault.seconds, signal_pid, (worker, signal.SIGCONT)).start()
+        self.back(fault, fresh=False)
+
+    def kill_in_set_up(self, fault: Fault) -> None:
+        """Killed, and its restarted process killed again 1 s after it started (importing torch, joining)."""
+        old = self.process(fault.target)
+        signal_pid(old, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            new = self.process(fault.target)
+            if new and new != old:
+                time.sleep(1.0)  # into the new process's set-up
+                signal_pid(new, signal.SIGKILL)
+                break
+            time.sleep(0.1)  # a poll with a deadline: the launcher starts the process again
+        self.back(fault)
+
     def start(self) -> None:
         raise NotImplementedError
 
@@ -310,33 +342,12 @@ class ReplicaGroups(Chaos):
             fault.target = min(set(range(self.groups)) - away)
         return True
 
-    def back_when_healed(self, fault: Fault, fresh: bool = True) -> None:
+    def back(self, fault: Fault, fresh: bool = True) -> None:
         """The target group is back when it trains a step after the fault (healed, or thawed)."""
         self.back_when_trained(fault, Progress(self.folder / "tb" / f"group{fault.target}"), fresh)
 
-    def kill_worker(self, fault: Fault) -> None:
-        signal_pid(self.worker(fault.target), signal.SIGKILL)
-        self.back_when_healed(fault)
-
-    def freeze_worker(self, fault: Fault) -> None:
-        worker = self.worker(fault.target)
-        signal_pid(worker, signal.SIGSTOP)
-        threading.Timer(fault.seconds, signal_pid, (worker, signal.SIGCONT)).start()
-        self.back_when_healed(fault, fresh=False)
-
-    def kill_in_set_up(self, fault: Fault) -> None:
-        """Killed, and its restarted worker killed again 1 s after it started (importing torch, joining)."""
-        old = self.worker(fault.target)
-        signal_pid(old, signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            new = self.worker(fault.target)
-            if new and new != old:
-                time.sleep(1.0)
-                signal_pid(new, signal.SIGKILL)
-                break
-            time.sleep(0.1)
-        self.back_when_healed(fault)
+    def process(self, target: int) -> int | None:
+        return self.worker(target)
 
     def kill_while_healing(self, fault: Fault) -> None:
         """Killed, and again as its restart heals: once its quorum says it copies a live group's state
@@ -353,11 +364,11 @@ class ReplicaGroups(Chaos):
             time.sleep(0.02)
         else:
             fault.notes.append("no heal to interrupt")
-        self.back_when_healed(fault)
+        self.back(fault)
 
     def kill_agent(self, fault: Fault) -> None:
         signal_pid(self.agent(fault.target), signal.SIGKILL)
-        self.back_when_healed(fault)
+        self.back(fault)
 
     def leave_and_rejoin(self, fault: Fault) -> None:
         """SIGTERM: the group leaves (ft.sh does not restart it); started again by hand later."""
@@ -374,7 +385,7 @@ class ReplicaGroups(Chaos):
             self.rejoined[fault.target] = Job([sys.executable, "launch/quiet_torchrun.py", "--standalone",
                                                "--nproc_per_node=1", *self.training()], env, f"[g{fault.target}] ")
         threading.Thread(target=rejoin, daemon=True).start()
-        self.back_when_healed(fault)
+        self.back(fault)
 
     def kill_lighthouse(self, fault: Fault) -> None:
         try:
@@ -423,28 +434,13 @@ class Restarts(Chaos):
                    if self.script in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
         return sorted(workers)[rank] if len(workers) > rank else None
 
-    def kill_rank(self, fault: Fault) -> None:
-        signal_pid(self.rank(fault.target), signal.SIGKILL)
-        self.back_when_trained(fault)
+    def process(self, target: int) -> int | None:
+        return self.rank(target)
 
-    def freeze_rank(self, fault: Fault) -> None:
-        worker = self.rank(fault.target)
-        signal_pid(worker, signal.SIGSTOP)
-        threading.Timer(fault.seconds, signal_pid, (worker, signal.SIGCONT)).start()
-        self.back_when_trained(fault, fresh=False)
+    def back(self, fault: Fault, fresh: bool = True) -> None:
+        self.back_when_trained(fault, fresh=fresh)
 
-    def kill_in_set_up(self, fault: Fault) -> None:
-        old = self.rank(fault.target)
-        signal_pid(old, signal.SIGKILL)
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            new = self.rank(fault.target)
-            if new and new != old:
-                time.sleep(1.0)
-                signal_pid(self.rank(fault.target), signal.SIGKILL)
-                break
-            time.sleep(0.1)
-        self.back_when_trained(fault)
+    kill_rank, freeze_rank = Chaos.kill_worker, Chaos.freeze_worker
 
     def kill_while_saving(self, fault: Fault) -> None:
         """Rank 0 (the writer) as the run passes the next --save-every-steps step."""

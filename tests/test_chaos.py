@@ -9,6 +9,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ENDS_PROMPTLY_S, ROOT, child_env
 
 # A torchrun worker in set-up: it has imported the package (as every script does first), says so in a
@@ -45,3 +47,16 @@ def test_a_worker_whose_torchrun_agent_is_killed_during_its_set_up_ends_with_one
     print(f"\nthe orphaned worker ended {gone:.1f} s after its agent's SIGKILL")
     assert f"error: rank 0's torchrun agent (pid {agent.pid}) is gone: this worker stops" in output, output
     assert "Traceback" not in output, output
+
+
+@pytest.mark.quick
+def test_a_chaos_schedule_draws_every_kind_at_distinct_steps_inside_the_run_the_same_for_a_seed():
+    from bench.chaos import FT_KINDS, RESTART_KINDS, draw
+
+    for kinds in (FT_KINDS, RESTART_KINDS):
+        faults = draw(kinds, 30, 1000, 3, seed=7)
+        assert {f.kind for f in faults} == set(kinds) and len(faults) == 30
+        steps = [f.step for f in faults]
+        assert steps == sorted(set(steps)) and 100 <= steps[0] and steps[-1] < 850  # 10% to 85% of the run
+        assert all(0 <= f.target < 3 and 2 <= f.seconds <= 8 for f in faults)
+        assert draw(kinds, 30, 1000, 3, seed=7) == faults != draw(kinds, 30, 1000, 3, seed=8)
