@@ -20,11 +20,14 @@ thread watches its agent, so that the worker ends if the agent dies, set-up incl
 is covered too.
 """
 from common.collector import pause_during_set_up, started_as_a_training_script
-from common.orphans import end_when_the_agent_dies, launched_by_torchrun
 
 __version__ = "0.1.0"
 
 if started_as_a_training_script():
     pause_during_set_up()
+
+# After the pause: its import of threading would otherwise run a collection.
+from common.orphans import end_when_the_agent_dies, launched_by_torchrun  # noqa: E402
+
 if launched_by_torchrun():
     end_when_the_agent_dies()

@@ -456,7 +456,7 @@ def test_a_frozen_group_a_group_killed_while_healing_and_the_last_group_alone_ne
 def test_another_run_or_batch_cut_is_refused_and_ctrl_c_stops_every_group_saved(mnist_root, tmp_path):
     """A second launch/ft.sh on the port of a running one must not send its groups into the other
     run's quorum (they would heal from its weights): it ends at once, naming FT_PORT. A group that
-    cuts the batch otherwise (--groups 1) ends with one line, not gloo's abort, and the run goes on.
+    cuts the batch otherwise (--groups 3) ends with one line, not gloo's abort, and the run goes on.
     A terminal's
     Ctrl-C (SIGINT to ft.sh's whole process group) stops every group: the first saves, ft.sh ends
     after them, and no process of the run is left."""
@@ -466,7 +466,7 @@ def test_another_run_or_batch_cut_is_refused_and_ctrl_c_stops_every_group_saved(
     other = Job(["bash", "launch/ft.sh", "2", "1", "train_ft.py", *flags(mnist_root, tmp_path / "b")],
                 {**run.env, "FT_LOGS": str(tmp_path / "b-logs")})
     assert other.finish(timeout=30) == 2 and "set FT_PORT to a free port" in other.text(), other.text()
-    odd = run.extra_group(2, 1)  # --groups 1 by its FT_GROUPS: it would cut the batch otherwise
+    odd = run.extra_group(2, 3)  # --groups 3 by its FT_GROUPS (the run has 2): it would cut the batch otherwise
     gate.asked_quorum(2, beyond=0)  # the running groups meet it in their next quorum
     gate.release(meet)
     assert odd.finish(timeout=90) != 0, odd.text()
