@@ -48,6 +48,7 @@ EQUIVALENT_RECIPES = {  # the recipe rows of docs/recipes.md's equivalence table
     "--compile": ["--compile"],
 }
 NCCL = ["--device", "cuda", "--backend", "nccl"]
+FAILURE_TAIL = 4000  # characters of a failed row's stderr printed under it (its traceback)
 MAX_DW = re.compile(r"equivalence: max \|dw\| = (\S+) after")
 KILL_AND_RESUME = "kill-and-resume: ddp, nccl"
 RESUME_TOLERANCE = 1e-5  # cuDNN may pick other kernels after the restart: not bit-exact as on the CPU
@@ -140,17 +141,29 @@ DECODE_BATCH = 128
 DECODE_SIZE = 224
 
 
-def decode_rows(photos: Path | None, count: int, device: torch.device) -> list[Row]:
+def decode_rows(photos: Path | None, count: int, device: torch.device, model: str) -> list[Row]:
     """Images/s of the rank's side of --decode gpu on `device` (GPU 0; wall clock, synchronized,
     after one warm-up pass): nvJPEG on the batch alone; with geometry's crop + flip per sample
-    (ours); DALI's decoders.image_random_crop + resize + flip where nvidia-dali is installed."""
+    (ours); DALI's decoders.image_random_crop + resize + flip where nvidia-dali is installed. Then
+    how far the GPU's crops are from the CPU workers' (grey levels), and train_ddp.py streaming the
+    photos with --decode gpu and with --decode cpu (the node's cores as workers)."""
     from bench.pipeline import photo_set, training_files
-    from common.data.device_decode import decode_and_crop, encoded_batch, train_boxes
 
     with tempfile.TemporaryDirectory() as tmp:
         tree, made_from = photo_set(Path(tmp) / "photos", count, photos)
         files = [bytes(data) for data in training_files(tree)]
-    print(f"decode rows: {len(files)} photos {made_from}", flush=True)
+        print(f"decode rows: {len(files)} photos {made_from}", flush=True)
+        rows = decode_speed_rows(files, device)
+        for made in (lambda: crops_against_cpu(tree, device), *(lambda d=d: training_row(tree, d, model)
+                                                                 for d in ("gpu", "cpu"))):
+            rows.append(made())
+            print(table_line(rows[-1]), f"({rows[-1].why})" if rows[-1].why else "", flush=True)
+    return rows
+
+
+def decode_speed_rows(files: list[bytes], device: torch.device) -> list[Row]:
+    from common.data.device_decode import decode_and_crop, encoded_batch, train_boxes
+
     batches = [encoded_batch(files[i:i + DECODE_BATCH], [0] * len(files[i:i + DECODE_BATCH]))
                for i in range(0, len(files), DECODE_BATCH)]
     boxes = [train_boxes(b.sizes, 0, 1, step, range(len(b.sizes))) for step, b in enumerate(batches)]
@@ -166,6 +179,8 @@ def decode_rows(photos: Path | None, count: int, device: torch.device) -> list[R
 
     rows = [timed_row("decode: nvJPEG batch decode alone", nvjpeg, len(files), device),
             timed_row("decode: --decode gpu, nvJPEG + crop + flip (ours)", ours, len(files), device)]
+    rows.append(timed_row("decode: --decode gpu + RandAugment (ours)", lambda: with_policy(batches, boxes, device),
+                          len(files), device))
     try:
         dali = dali_epoch(files)
     except ImportError:
@@ -173,6 +188,62 @@ def decode_rows(photos: Path | None, count: int, device: torch.device) -> list[R
     else:
         rows.append(timed_row("decode: DALI image_random_crop + resize + flip", dali, len(files), device))
     return rows
+
+
+def with_policy(batches: list, boxes: list, device: torch.device) -> None:
+    """Ours, then RandAugment on each crop on the device, drawn per sample as the workers draw it."""
+    from common.data.augment import Policy, policy_generator
+    from common.data.device_decode import decode_and_crop
+
+    policy = Policy("randaugment")
+    for step, (batch, its_boxes) in enumerate(zip(batches, boxes)):
+        images = decode_and_crop(batch, its_boxes, DECODE_SIZE, 3, device)
+        for k in range(len(images)):
+            images[k] = policy(images[k], policy_generator(0, 1, step, k))
+
+
+def crops_against_cpu(tree: Path, device: torch.device) -> Row:
+    """How far --decode gpu's training crops on `device` are from the CPU workers' (streamed, the
+    same draws, the same boxes), in grey levels: the row's max |dw| is the largest difference, and
+    it passes where they agree within CROP_MEAN_LEVELS on average."""
+    from common.data import own
+    from common.data.augment import Draws
+    from common.data.reading import Streamed
+
+    label = "decode: --decode gpu crops vs the CPU workers' (max grey-level difference)"
+    try:
+        with tempfile.TemporaryDirectory() as tmp:
+            opts = own.OwnData("imagefolder", str(tree), tmp, {}, image_size=DECODE_SIZE, workers=0, prepare_workers=8,
+                               skip_broken=False, cache_gb=0.0, shard_cache_gb=1.0)
+            data = own.open_prepared(own.prepare(opts, lambda line: None), opts)
+            indices, draws = [torch.arange(k, k + 64) for k in range(0, 256, 64)], Draws(0, 1, 0, 64, "basic")
+            cpu = [images for images, _ in data.train.batches(indices, torch.device("cpu"), draws, range(64))]
+            gpu = [images.cpu() for images, _ in
+                   Streamed(data.train.source, 0, gpu_decode=True).batches(indices, device, draws, range(64))]
+    except Exception as e:  # noqa: BLE001 - the row reports it, the others still run
+        return Row(label, 1, False, why=" ".join(str(e).split())[:200])
+    worst = max((a.int() - b.int()).abs().max().item() for a, b in zip(cpu, gpu))
+    mean = sum((a.float() - b.float()).abs().mean().item() for a, b in zip(cpu, gpu)) / len(cpu)
+    print(f"decode: GPU crops vs CPU crops: max {worst} grey levels, mean {mean:.3f}", flush=True)
+    return Row(label, 1, mean <= CROP_MEAN_LEVELS, max_dw=float(worst),
+               why=f"{mean:.3f} grey levels apart on average, {worst} at most")
+
+
+# nvJPEG's IDCT and libjpeg-turbo's may differ by a level, and the CPU decodes at a reduced DCT scale
+# where the box keeps twice the model's size: on average the crops must agree within a grey level.
+CROP_MEAN_LEVELS = 1.0
+
+
+def training_row(tree: Path, decode: str, model: str) -> Row:
+    """train_ddp.py on one GPU streaming the photos (--cache-gb 0) at 224, with --decode `decode`:
+    images/s after the first interval; the CPU path gets the node's cores as workers."""
+    steps = max(2, len(list((tree / "train").glob("*/*"))) // DECODE_BATCH)
+    flags = ["--dataset", "imagefolder", "--data-dir", str(tree), "--image-size", str(DECODE_SIZE), "--cache-gb", "0",
+             "--model", model, "--batch-size", str(DECODE_BATCH), "--epochs", "1", "--max-steps", str(steps),
+             "--log-every", str(max(1, steps // 4)), "--decode", decode, *NCCL, "--precision", "bf16"]
+    done = train(["train_ddp.py"], flags, 1)
+    print("\n".join(line for line in done.stdout.splitlines() if "input" in line or "streamed" in line), flush=True)
+    return row(f"input: train_ddp.py {model}, photos streamed, --decode {decode}", 1, done, DECODE_BATCH)
 
 
 def timed_row(label: str, epoch: Callable[[], None], images: int, device: torch.device) -> Row:
@@ -218,12 +289,16 @@ def dali_epoch(files: list[bytes]) -> Callable[[], None]:
     return epoch
 
 
-def print_table(rows: list[Row]) -> None:
+def table_line(r: Row) -> str:
     figure = lambda value, form: "" if value is None else format(value, form)  # noqa: E731
+    return (f"| {r.label} | {r.world} | {figure(r.images_per_s, ',.0f')} | {figure(r.max_dw, '.3g')} | "
+            f"{figure(r.cuda_mb, ',.0f')} | {'pass' if r.passed else 'FAIL'} |")
+
+
+def print_table(rows: list[Row]) -> None:
     print("\n| check | world | images/s | max \\|dw\\| | CUDA MB per rank (max) | result |\n|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r.label} | {r.world} | {figure(r.images_per_s, ',.0f')} | {figure(r.max_dw, '.3g')} | "
-              f"{figure(r.cuda_mb, ',.0f')} | {'pass' if r.passed else 'FAIL'} |")
+        print(table_line(r))
     for r in rows:
         if not r.passed:
             print(f"FAIL {r.label}: {r.why}")
@@ -237,6 +312,8 @@ def main() -> None:
     p.add_argument("--photos", type=Path, default=None,
                    help="the decode rows' source photos (default: bench pipeline's: scikit-image's, scikit-learn's)")
     p.add_argument("--decode-images", type=int, default=2048, help="photos of the decode rows (default: %(default)s)")
+    p.add_argument("--decode-model", default="torchvision:resnet50",
+                   help="model of the decode rows' training runs (default: %(default)s)")
     a = p.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit(f"error: no CUDA device here (torch {torch.__version__}, CUDA build "
@@ -246,12 +323,15 @@ def main() -> None:
     wanted = lambda label: not a.only or any(word in label for word in a.only)  # noqa: E731
     rows = []
     for check in (c for c in plan(gpus, a.model, a.per_rank) if wanted(c.label)):
-        rows.append(row(check.label, check.world, train(check.script, check.flags, check.world), check.images))
-        print(f"{'pass' if rows[-1].passed else 'FAIL'}  {check.label}", flush=True)
+        done = train(check.script, check.flags, check.world)
+        rows.append(row(check.label, check.world, done, check.images))
+        print(table_line(rows[-1]), f"({rows[-1].why})" if rows[-1].why else "", flush=True)  # kept if cut short
+        if not rows[-1].passed:
+            print(done.stderr[-FAILURE_TAIL:], flush=True)
     if wanted(KILL_AND_RESUME):
         rows.append(kill_and_resume(gpus))
     if wanted("decode: "):
-        rows += decode_rows(a.photos, a.decode_images, torch.device("cuda", 0))
+        rows += decode_rows(a.photos, a.decode_images, torch.device("cuda", 0), a.decode_model)
     print_table(rows)
     if not all(r.passed for r in rows):
         raise SystemExit(1)

@@ -163,7 +163,7 @@ def write_index(folder: Path, samples: int, val: int = 50_000, classes: int = 10
             writer.add_images(names, labels, [(500, 375)] * len(names))
         writer.close()
     survey = Survey()
-    survey.saw("500x375", "train/n00000000/n00000000_0.JPEG", "RGB")
+    survey.saw("500x375", "train/n00000000/n00000000_0.JPEG", "RGB", "JPEG")
     publish(staging, folder, {"format": INDEX_FORMAT, "kind": "imagefolder", "root": "/data/imagenet",
                               "classes": [str(i) for i in range(classes)], "fingerprint": f"bench-{samples}",
                               "versions": {}, **survey.meta(),

@@ -66,6 +66,7 @@ class Config:
     cache_gb: float
     shard_cache_gb: float
     verify_data: bool
+    decode: str
     model: str
     weights: str
     normalization: str
@@ -226,7 +227,12 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
                           "evaluation; needed when the images differ in size (default: their common size)")
     own.add_argument("--workers", type=int, default=None, metavar="N",
                      help="DataLoader worker processes per rank decoding a streamed set (default: the node's cores "
-                          "/ ranks per node - 1, from 1 to 8)")
+                          "/ ranks per node - 1, at least 1)")
+    own.add_argument("--decode", default="cpu", choices=("cpu", "gpu", "auto"),
+                     help="where a streamed set's JPEGs are decoded for training: cpu (the workers decode, crop and "
+                          "augment), gpu (the workers read the bytes; each CUDA rank decodes its batch with nvJPEG and "
+                          "crops it on its device, the same crops), auto (gpu on CUDA ranks for an all-JPEG set) "
+                          "(default: %(default)s)")
     own.add_argument("--skip-broken", action="store_true",
                      help="train without images that do not decode (each replaced by the next sample; counted and "
                           "named in the log) instead of stopping at the first")

@@ -468,8 +468,9 @@ def test_a_run_of_undecodable_images_costs_one_decode_each_and_counts_once(small
     decodes = []
     real = Reader.pixels
     monkeypatch.setattr(Reader, "pixels", lambda self, i, *rest: decodes.append(i) or real(self, i, *rest))
-    images, _, skipped, _, _, error, _ = reader.__getitems__(list(range(len(reader))))
-    assert not error and len(images) == 40 and sorted(skipped) == sorted(str(tree / n) for n in names[10:22])
+    batch = reader.__getitems__(list(range(len(reader))))
+    assert not batch.error and len(batch.images) == 40
+    assert sorted(batch.skipped) == sorted(str(tree / n) for n in names[10:22])
     assert sorted(decodes) == sorted([*range(40), *[22] * 12])  # each once; sample 22 for each of the run too
 
 

@@ -107,30 +107,80 @@ def test_gpu_where_it_cannot_be_is_one_line_naming_the_ways_out(device, jpeg_onl
     assert str(refused.value).startswith(says) and "\n" not in str(refused.value)
 
 
-@pytest.mark.parametrize("world", [1, 2])
-def test_the_device_path_gives_the_cpu_workers_batch(tmp_path, world):
+@pytest.mark.parametrize("world, workers, augment", [(1, 0, "basic"), (2, 2, "randaugment")])
+def test_the_device_path_gives_the_cpu_workers_batch(tmp_path, world, workers, augment):
     """The suite's CPU path (shards streamed, the worker cropping each sample by its global
-    position) against --decode gpu's rank side on the same samples' bytes: the same labels, and
-    the same pixels (the same boxes; S is chosen so that no reduced JPEG decode applies in the
-    worker: its boxes keep fewer than 2 S pixels across), for each rank's rows at world 1 and 2."""
+    position) against --decode gpu's (the workers read the bytes, the rank decodes, crops and
+    applies the policy: Streamed with gpu_decode, on CPU tensors here) on the same samples: the
+    same labels and the same pixels (S is chosen so that no reduced JPEG decode applies in the
+    worker: its boxes keep fewer than 2 S pixels across), for each rank's rows at world 1 and 2,
+    with DataLoader workers or without."""
     from common.data import own
     from common.data.augment import Draws
+    from common.data.reading import Streamed
     from common.shards import convert
     from tests.datagen import write_imagefolder
 
     tree = write_imagefolder(tmp_path / "tree", train_size=40, test_size=10, shape="cifar", formats=("jpg",),
                              sizes=(40, 60))
     convert(tree, str(tmp_path / "shards"))
-    opts = own.OwnData("shards", str(tmp_path / "shards"), str(tmp_path / "cache"), {}, image_size=32, workers=0,
+    opts = own.OwnData("shards", str(tmp_path / "shards"), str(tmp_path / "cache"), {}, image_size=32, workers=workers,
                        prepare_workers=0, skip_broken=False, cache_gb=0.0, shard_cache_gb=1.0)
     data = own.open_prepared(own.prepare(opts, lambda line: None), opts)
-    order, batch = torch.randperm(len(data.train), generator=torch.Generator().manual_seed(0))[:16], 16
-    draws = Draws(seed=SEED, epoch=EPOCH, step=STEP, global_batch=batch, augment="basic")
+    on_rank = Streamed(data.train.source, workers, gpu_decode=True)
+    order, batch = torch.randperm(len(data.train), generator=torch.Generator().manual_seed(0)), 16
+    draws = Draws(seed=SEED, epoch=EPOCH, step=STEP, global_batch=batch, augment=augment)
     for rank in range(world):
-        indices, positions = order[rank::world], range(rank, batch, world)
-        ((cpu_images, cpu_labels),) = data.train.batches([indices], CPU, draws, positions)
-        encoded = encoded_batch([data.train.source.read(int(i)) for i in indices], data.train.labels[indices].tolist())
-        boxes = train_boxes(encoded.sizes, SEED, EPOCH, STEP, positions)
-        assert max(min(box.height, box.width) for box in boxes) < 64
-        assert torch.equal(encoded.labels, cpu_labels)
-        assert torch.equal(decode_and_crop(encoded, boxes, 32, 3, CPU), cpu_images)
+        positions = range(rank, batch, world)
+        indices = [order[k * batch + rank:(k + 1) * batch:world] for k in range(2)]
+        cpu = list(data.train.batches(indices, CPU, draws, positions))
+        gpu = list(on_rank.batches(indices, CPU, draws, positions))
+        for (cpu_images, cpu_labels), (gpu_images, gpu_labels) in zip(cpu, gpu, strict=True):
+            assert torch.equal(gpu_labels, cpu_labels)
+            assert torch.equal(gpu_images, cpu_images)
+
+
+def test_a_jpeg_that_does_not_decode_on_the_device_is_named_in_one_line(files):
+    cut = files[1][:len(files[1]) // 3]  # its header reads (indexing passed it), its pixels end early
+    batch = encoded_batch([files[0], cut], [0, 1])._replace(names=["a.jpg", "train/cut.jpg"])
+    with pytest.raises(UserError) as refused:
+        decode_and_crop(batch, train_boxes(batch.sizes, SEED, EPOCH, STEP, [0, 1]), 32, 3, CPU)
+    assert str(refused.value).startswith("train/cut.jpg does not decode on cpu (") and "pass --decode cpu" in \
+        str(refused.value) and "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("image_size, decode, device, says", [
+    (32, "gpu", "cpu", "--decode gpu decodes on the rank's CUDA device, and this rank's device is cpu; pass --decode"),
+    (0, "gpu", "cuda", "--decode gpu makes the training crops of --image-size S on the GPU, and "),
+])
+def test_decode_gpu_where_the_run_cannot_is_refused_when_the_set_opens(tmp_path, image_size, decode, device, says):
+    """What a rank says at start-up (open_prepared): a CPU rank, or a set that trains as stored."""
+    from common.data import own
+    from common.shards import convert
+    from tests.datagen import write_imagefolder
+
+    tree = write_imagefolder(tmp_path / "tree", train_size=40, test_size=10, shape="cifar", formats=("jpg",))
+    convert(tree, str(tmp_path / "shards"))
+    opts = own.OwnData("shards", str(tmp_path / "shards"), str(tmp_path / "cache"), {}, image_size=image_size,
+                       workers=0, prepare_workers=0, skip_broken=False, cache_gb=0.0, shard_cache_gb=1.0,
+                       decode=decode, device=device)
+    with pytest.raises(UserError) as refused:
+        own.open_prepared(own.prepare(opts, lambda line: None), opts)
+    assert str(refused.value).startswith(says) and "\n" not in str(refused.value)
+
+
+def test_decoding_ahead_keeps_the_order_passes_errors_on_and_raises_the_threads_failure_where_taken():
+    from types import SimpleNamespace
+
+    from common.data.device_decode import DecodeAhead
+
+    batches = [SimpleNamespace(error="", k=k) for k in range(5)] + [SimpleNamespace(error="b.jpg: broken")]
+    ahead = DecodeAhead(iter(batches), lambda k, batch: torch.full((1,), k), CPU, deadline_s=30)
+    taken = list(ahead)
+    assert [batch.k for batch, _ in taken[:5]] == [int(images) for _, images in taken[:5]] == list(range(5))
+    assert taken[5] == (batches[5], None)  # a batch that carries its error is not decoded: the consumer raises it
+
+    def failing(k: int, batch: object) -> torch.Tensor:
+        raise UserError("x.jpg does not decode on cpu")
+    with pytest.raises(UserError, match="x.jpg does not decode"):
+        list(DecodeAhead(iter(batches), failing, CPU, deadline_s=30))

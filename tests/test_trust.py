@@ -63,6 +63,7 @@ NOT_IDENTITY = [  # settings that may change between restarts of one run
     ["--device", "cpu"], ["--backend", "gloo"], ["--log-every", "7"], ["--keep", "5"], ["--save-every-steps", "9"],
     ["--log-dir", "elsewhere"], ["--checkpoint-dir", "elsewhere"], ["--timeout-s", "30"], ["--eval-batch-size", "10"],
     ["--log-all-ranks"], ["--check-replicas", "3"], ["--data-dir", "/data"], ["--no-download"],
+    ["--decode", "auto"],
 ]
 
 

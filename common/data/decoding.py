@@ -105,9 +105,9 @@ def to_8_bits(image):  # a PIL image: PIL is imported where it is used
     return image
 
 
-def header(data_or_path: bytes | Path) -> tuple[tuple[int, int], str]:
-    """(width, height) and PIL mode, from the header alone; an image above layout.MAX_PIXELS is
-    refused here, at indexing, before any run decodes it."""
+def header(data_or_path: bytes | Path) -> tuple[tuple[int, int], str, str]:
+    """(width, height), PIL mode and format ("JPEG", "PNG", ...), from the header alone; an image
+    above layout.MAX_PIXELS is refused here, at indexing, before any run decodes it."""
     from PIL import Image
 
     source = io.BytesIO(data_or_path) if isinstance(data_or_path, bytes) else data_or_path
@@ -116,7 +116,7 @@ def header(data_or_path: bytes | Path) -> tuple[tuple[int, int], str]:
         with Image.open(source) as image:
             if problem := layout.pixels_problem(*image.size):
                 raise ValueError(problem)
-            return image.size, image.mode
+            return image.size, image.mode, image.format or ""
 
 
 def broken_message(name: str, error: BaseException, skip_hint: bool = True) -> str:

@@ -2,7 +2,7 @@
 
 CPU decoding cannot feed GPUs (an 8-GPU node of ResNet-50 H100s wants ~24,000 images/s; a core
 decodes ~450). With --decode gpu the DataLoader workers only read each sample's encoded bytes and
-its size from the JPEG header (encoded_batch); the rank decodes the whole batch in one
+its size from the JPEG header (reading.Reader.encoded); the rank decodes the whole batch in one
 torchvision.io.decode_jpeg(list, device=...) call (nvJPEG on CUDA) and makes each sample's crop
 with the same geometry as the CPU workers: the box is geometry.train_box of the sample's global
 position (torchvision's RandomResizedCrop and flip, drawn from the sample's own generator), the
@@ -15,7 +15,10 @@ run on CPU tensors, which is how the tests check them against the CPU path.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+import contextlib
+import queue
+import threading
+from typing import Any, Callable, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -23,16 +26,15 @@ from common.data.decoding import header
 from common.data.geometry import Box, resized_crop, train_box
 from common.errors import UserError
 
-DECODE_CHOICES = ("cpu", "gpu", "auto")
-
 
 class EncodedBatch(NamedTuple):
     """What a worker hands a --decode gpu rank: each sample's JPEG bytes (uint8, 1-D), its
-    (height, width) from the header, and the labels."""
+    (height, width) from the header, the labels, and the files (named where one fails to decode)."""
 
     data: list[torch.Tensor]
     sizes: list[tuple[int, int]]
     labels: torch.Tensor
+    names: Sequence[str] = ()
 
 
 def choose_decode(requested: str, device: torch.device, jpeg_only: bool) -> str:
@@ -55,7 +57,7 @@ def encoded_batch(files: Sequence[bytes], labels: Sequence[int]) -> EncodedBatch
     (no pixel is decoded here)."""
     sizes = []
     for data in files:
-        (width, height), _ = header(data)
+        (width, height), *_ = header(data)
         sizes.append((height, width))
     return EncodedBatch([torch.frombuffer(bytearray(data), dtype=torch.uint8) for data in files], sizes,
                         torch.tensor(list(labels), dtype=torch.int64))
@@ -76,7 +78,10 @@ def decode_and_crop(batch: EncodedBatch, boxes: Sequence[Box], size: int, channe
     from torchvision.io import ImageReadMode, decode_jpeg
 
     mode = ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB
-    images = decode_jpeg(batch.data, mode=mode, device=device)
+    try:
+        images = decode_jpeg(batch.data, mode=mode, device=device)
+    except RuntimeError:
+        raise UserError(undecodable(batch, mode, device)) from None
     out = torch.empty(len(images), channels, size, size, dtype=torch.uint8, device=device)
     for i, (image, box, row) in enumerate(zip(images, boxes, out)):
         if tuple(image.shape[-2:]) != batch.sizes[i]:  # the boxes were drawn for the header's size
@@ -84,3 +89,84 @@ def decode_and_crop(batch: EncodedBatch, boxes: Sequence[Box], size: int, channe
                              f"says {batch.sizes[i]}")
         resized_crop(image, box, size, out=row)
     return out
+
+
+def undecodable(batch: EncodedBatch, mode: object, device: torch.device) -> str:
+    """One line naming the batch's first JPEG that does not decode on `device` (one call decodes the
+    batch, and its error names no file). Its header read, so --skip-broken did not pass it over."""
+    from torchvision.io import decode_jpeg
+
+    for i, data in enumerate(batch.data):
+        try:
+            decode_jpeg(data, mode=mode, device=device)
+        except RuntimeError as e:
+            name = batch.names[i] if batch.names else f"sample {i} of the batch"
+            return (f"{name} does not decode on {device} ({' '.join(str(e).split())[:160]}); replace or delete it, "
+                    "or pass --decode cpu (with --skip-broken, the CPU workers train without such files)")
+    return f"a batch of {len(batch.data)} JPEGs does not decode on {device} at once, each does alone; pass --decode cpu"
+
+
+class DecodeAhead:
+    """--decode gpu off the training thread: a thread takes the workers' encoded batches, decodes
+    and crops each on a CUDA stream of its own (make(k, batch) -> images) while the step before runs,
+    and hands over (batch, images) with an event the consumer's stream waits on. At most DEPTH
+    batches are ready ahead (each is a batch of decoded images in device memory). A failure in the
+    thread is raised where the batch is taken; a batch that carries an error is handed over as it is."""
+
+    DEPTH = 2
+
+    def __init__(self, batches: Iterator, make: Callable[[int, Any], torch.Tensor], device: torch.device,
+                 deadline_s: float) -> None:
+        self.device, self.deadline_s = device, deadline_s
+        self.ready: queue.Queue = queue.Queue(maxsize=self.DEPTH)
+        self.stopping = threading.Event()
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.thread = threading.Thread(target=self._run, args=(batches, make), name="decode-ahead", daemon=True)
+        self.thread.start()
+
+    def _run(self, batches: Iterator, make: Callable[[int, Any], torch.Tensor]) -> None:
+        try:
+            if self.stream:  # a new thread's current device is GPU 0, not this rank's
+                torch.cuda.set_device(self.device)
+            with torch.cuda.stream(self.stream) if self.stream else contextlib.nullcontext():
+                for k, batch in enumerate(batches):
+                    images = None if batch.error else make(k, batch)
+                    done = torch.cuda.Event() if self.stream else None
+                    if done:
+                        done.record(self.stream)
+                    if not self._put((batch, images, done)):
+                        return
+        except BaseException as error:  # noqa: BLE001 - raised again in the consumer's thread
+            self._put(error)
+            return
+        self._put(None)
+
+    def _put(self, item: object) -> bool:
+        while not self.stopping.is_set():
+            try:
+                self.ready.put(item, timeout=0.5)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def __iter__(self) -> Iterator[tuple[Any, torch.Tensor | None]]:
+        while True:
+            try:
+                item = self.ready.get(timeout=self.deadline_s)
+            except queue.Empty:
+                raise UserError(f"--decode gpu: no batch was decoded in {self.deadline_s:g} s; the workers or the "
+                                "device hang; pass --decode cpu to rule the device out") from None
+            if item is None:
+                return
+            if isinstance(item, BaseException):
+                raise item
+            batch, images, done = item
+            if done is not None and images is not None:
+                torch.cuda.current_stream(self.device).wait_event(done)
+                images.record_stream(torch.cuda.current_stream(self.device))  # made on the side stream, used here
+            yield batch, images
+
+    def close(self) -> None:
+        """Stops the thread at its next batch; not waited for (it may be waiting on a worker)."""
+        self.stopping.set()

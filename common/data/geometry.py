@@ -109,13 +109,24 @@ def resized_crop(image: torch.Tensor, box: Box, size: int, out: torch.Tensor | N
     same box), mirrored if box.flip; written into `out` (a row of a preallocated batch) if given."""
     crop = image[None, :, box.top:box.top + box.height, box.left:box.left + box.width]
     if crop.shape[-2:] != (size, size):
-        crop = torch.nn.functional.interpolate(crop, size=(size, size), mode="bilinear", align_corners=False,
-                                               antialias=True)
+        crop = antialiased(crop, size)
     crop = crop[0].flip(-1) if box.flip else crop[0]
     if out is None:
         return crop.contiguous()
     out.copy_(crop)
     return out
+
+
+def antialiased(crop: torch.Tensor, size: int) -> torch.Tensor:
+    """A uint8 (1, C, h, w) crop resized to size x size, antialiased bilinear. The uint8 kernel is
+    the CPU's alone; on a GPU the crop goes through float32 and is rounded back, as torchvision's v2
+    resize does there (a grey level off the CPU's at most)."""
+    if crop.device.type == "cpu":
+        return torch.nn.functional.interpolate(crop, size=(size, size), mode="bilinear", align_corners=False,
+                                               antialias=True)
+    resized = torch.nn.functional.interpolate(crop.float(), size=(size, size), mode="bilinear", align_corners=False,
+                                              antialias=True)
+    return resized.round_().clamp_(0, 255).to(torch.uint8)
 
 
 # ---------------------------------------------------------------- a set's geometry

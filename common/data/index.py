@@ -20,7 +20,7 @@ import torch
 
 from common.data.cache import META, map_tensors, staging_path
 
-INDEX_FORMAT = 4  # in each index's folder name: a later layout is never read as an earlier one
+INDEX_FORMAT = 5  # in each index's folder name: a later layout is never read as an earlier one
 SAMPLES_NAMED = 100  # skipped or ignored files whose names the index keeps (all are counted)
 
 
@@ -88,10 +88,16 @@ class SetIndex:
     skipped_count: int = 0
     ignored: list[str] = field(default_factory=list)  # files in the tree that are not images the suite reads
     ignored_count: int = 0
+    formats: list[str] = field(default_factory=list)  # the images' formats, as PIL names them ("JPEG", "PNG")
 
     @property
     def classes(self) -> int:
         return len(self.class_names)
+
+    @property
+    def jpeg_only(self) -> bool:
+        """Every image a JPEG: a GPU rank can decode the whole set with nvJPEG (--decode gpu)."""
+        return self.formats == ["JPEG"]
 
 
 class _ArrayFile:
@@ -197,7 +203,7 @@ def map_index(folder: Path) -> SetIndex:
     meta = json.loads((folder / META).read_text())
     return SetIndex(meta["kind"], meta["root"], meta["classes"], map_table(folder, "train"), map_table(folder, "test"),
                     meta["sizes"], meta["modes"], meta["fingerprint"], folder, meta["versions"], meta["skipped"],
-                    meta["skipped_count"], meta["ignored"], meta["ignored_count"])
+                    meta["skipped_count"], meta["ignored"], meta["ignored_count"], meta["formats"])
 
 
 def map_table(folder: Path, split: str) -> Table:

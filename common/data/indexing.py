@@ -19,20 +19,23 @@ from common.errors import UserError
 @dataclass
 class Survey:
     """What an index pass saw besides the samples: image sizes and modes (they fix the geometry),
-    and the files left out: skipped (the header did not read, --skip-broken) and ignored (not an
-    image the suite reads). Bounded: names are kept for the first SAMPLES_NAMED of each."""
+    formats (whether a GPU rank can decode them all), and the files left out: skipped (the header
+    did not read, --skip-broken) and ignored (not an image the suite reads). Bounded: names are
+    kept for the first SAMPLES_NAMED of each."""
 
     sizes: dict[str, str] = field(default_factory=dict)
     modes: set[str] = field(default_factory=set)
+    formats: set[str] = field(default_factory=set)
     skipped: list[str] = field(default_factory=list)
     skipped_count: int = 0
     ignored: list[str] = field(default_factory=list)
     ignored_count: int = 0
 
-    def saw(self, dims: str, example: str, mode: str) -> None:
+    def saw(self, dims: str, example: str, mode: str, kind: str) -> None:
         if len(self.sizes) < 2:  # two sizes are enough to say the set is mixed, and to name both
             self.sizes.setdefault(dims, example)
         self.modes.add(mode)
+        self.formats.add(kind)
 
     def skip(self, names: list[str], count: int | None = None) -> None:
         self.skipped += names[:SAMPLES_NAMED - len(self.skipped)]
@@ -47,12 +50,14 @@ class Survey:
             if len(self.sizes) < 2:
                 self.sizes.setdefault(dims, example)
         self.modes |= other.modes
+        self.formats |= other.formats
         self.skip(other.skipped, other.skipped_count)
         self.ignore(other.ignored, other.ignored_count)
 
     def meta(self) -> dict:
-        return {"sizes": self.sizes, "modes": sorted(self.modes), "skipped": self.skipped,
-                "skipped_count": self.skipped_count, "ignored": self.ignored, "ignored_count": self.ignored_count}
+        return {"sizes": self.sizes, "modes": sorted(self.modes), "formats": sorted(self.formats),
+                "skipped": self.skipped, "skipped_count": self.skipped_count, "ignored": self.ignored,
+                "ignored_count": self.ignored_count}
 
 
 # ---------------------------------------------------------------- indexing an ImageFolder tree
@@ -76,8 +81,8 @@ def index_folder(root: Path, folder: Path, workers: int, skip: bool) -> tuple[li
                 survey.skip([str(root / rel) for rel, seen in found if seen is None])
                 for rel, seen in found:
                     if seen is not None:
-                        (w, h), mode = seen
-                        survey.saw(f"{w}x{h}", str(root / rel), mode)
+                        (w, h), mode, kind = seen
+                        survey.saw(f"{w}x{h}", str(root / rel), mode, kind)
         writer.close()
     return classes, survey
 

@@ -251,6 +251,9 @@ def eval_batches(split: Split, spec: DataSpec, rank: int, world_size: int, batch
 
 
 def to_device(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """A host tensor on `device` without waiting: from pageable memory a copy to a GPU blocks until
-    the GPU has caught up with everything queued before it, every step; from pinned memory it does not."""
-    return tensor.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else tensor.to(device)
+    """A tensor on `device`; from the host to a GPU without waiting: from pageable memory a copy
+    blocks until the GPU has caught up with everything queued before it, every step; from pinned
+    memory it does not. One already on a GPU (a set held there: on_device) is not pinned: it cannot be."""
+    if device.type == "cuda" and tensor.device.type == "cpu":
+        return tensor.pin_memory().to(device, non_blocking=True)
+    return tensor.to(device)

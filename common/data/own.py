@@ -38,6 +38,7 @@ from common.data.cache import (
     write_atomically,
     write_tensors,
 )
+from common.data.device_decode import choose_decode
 from common.data.geometry import Geometry, Stored, choose_geometry, stored_bytes
 from common.data.index import INDEX_FORMAT, SetIndex, TableWriter, map_index, publish, shapes_of, staging_for
 from common.data.indexing import ShardSamples, Survey, check_classes, index_folder, index_shards
@@ -69,6 +70,8 @@ class OwnData:
     cache_gb: float
     shard_cache_gb: float
     verify_data: bool = False  # fingerprint the files by their bytes, not their sizes and dates
+    decode: str = "cpu"  # --decode: where a streamed set's training JPEGs are decoded (cpu | gpu | auto)
+    device: str = "cpu"  # the rank's device, where --decode gpu decodes
 
     @property
     def cache_root(self) -> Path:
@@ -473,13 +476,32 @@ def open_prepared(report: dict[str, Any], opts: OwnData) -> Dataset:
             held += f"; {opts.workers} DataLoader worker(s) per rank crop each batch"
         else:
             train = Split(tensors["train_images"], tensors["train_labels"], tensors.get("train_groups"))
+        if choose_decode(opts.decode, torch.device(opts.device), index.jpeg_only) == "gpu" and opts.decode == "gpu":
+            held += "; nothing is left to decode (--decode gpu decodes a streamed set; --cache-gb 0 streams it)"
         return Dataset(name, spec, train, Split(tensors["test_images"], tensors["test_labels"]), held,
                        tuple(report["class_names"]))
     spec = DataSpec(**{**report["spec"], "mean": tuple(report["spec"]["mean"]), "std": tuple(report["spec"]["std"])})
-    train, test = (Streamed(reader(index, split, geometry, opts), opts.workers) for split in ("train", "test"))
+    on_gpu = decodes_on_gpu(opts, index, geometry)
+    train = Streamed(reader(index, "train", geometry, opts), opts.workers, gpu_decode=on_gpu)
+    test = Streamed(reader(index, "test", geometry, opts), opts.workers)
     where = f", through the shard cache {train.source.cache.folder} (at most {opts.shard_cache_gb:g} GB)" \
         if train.source.cache else ""
-    held = (f"streamed: {opts.workers} DataLoader worker(s) per rank decode each batch{where} "
+    decoded = f"read each batch's JPEGs{where}; the rank decodes (nvJPEG), crops and flips them on {opts.device} " \
+        "(--decode gpu)" if on_gpu else f"decode each batch{where}"
+    held = (f"streamed: {opts.workers} DataLoader worker(s) per rank {decoded} "
             f"(decoded it would take {stored_bytes(index, geometry) / 2**30:.3g} GB, above --cache-gb "
             f"{opts.cache_gb:g})")
     return Dataset(name, spec, train, test, held, tuple(report["class_names"]))
+
+
+def decodes_on_gpu(opts: OwnData, index: SetIndex, geometry: Geometry) -> bool:
+    """--decode: whether the rank decodes the streamed training batches on its GPU. Only training
+    crops of the whole image (--image-size) are made there; evaluation's centre crops stay with the
+    workers (a fraction of the images, once an epoch)."""
+    on_gpu = choose_decode(opts.decode, torch.device(opts.device), index.jpeg_only) == "gpu"
+    if on_gpu and geometry.augment != "resized-crop-flip":
+        if opts.decode == "auto":
+            return False
+        raise UserError(f"--decode gpu makes the training crops of --image-size S on the GPU, and {opts.data_dir} "
+                        f"trains as stored ({geometry.describe()}); pass --image-size S, or --decode cpu")
+    return on_gpu

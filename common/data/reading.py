@@ -1,7 +1,7 @@
 """Reading own images while training and evaluating: the Reader a DataLoader worker makes each
-batch with (decode or cached pixels, crop, flip, policy, on uint8), the batches' types (Request,
-Batch), the ragged store of whole decoded images, the epoch's batch sampler (Plan) and the split
-the rank iterates (Streamed), and the workers' count.
+batch with (decode or cached pixels, crop, flip, policy, on uint8; or, for --decode gpu, only the
+encoded bytes), the batches' types (Request, Batch), the ragged store of whole decoded images, the
+epoch's batch sampler (Plan) and the split the rank iterates (Streamed), and the workers' count.
 """
 from __future__ import annotations
 
@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from common.data.augment import Draws, Policy, policy_generator
-from common.data.decoding import Undecodable, broken_message, decode_whole, draft_scale
+from common.data.decoding import Undecodable, broken_message, decode_whole, draft_scale, header, is_jpeg
+from common.data.device_decode import DecodeAhead, EncodedBatch, decode_and_crop, train_boxes
 from common.data.geometry import Box, Stored, eval_box, resized_crop, scaled, train_box
 from common.data.index import Table
 from common.data.indexing import Survey, as_is
@@ -26,17 +27,20 @@ from common.errors import UserError
 
 RATE_SAMPLES = 16  # samples the banner's loader rate is measured on
 LOADER_TIMEOUT_S = 600.0  # a worker may fetch a shard (bounded by the store's own timeouts) and decode a batch
+DECODE_MARGIN_S = 60.0  # --decode gpu: the rank's own decode of a batch, beyond the worker's wait
 
 
 class Request(NamedTuple):
     """One batch a DataLoader worker makes: the samples; for a training batch, each row's place in
     the global batch and the draws (crop, flip, policy), for the ragged cache the whole images
-    (long side bounded to `whole`). A plain list of indices asks for the reader's fixed view."""
+    (long side bounded to `whole`); `encoded`: the JPEGs' bytes alone, for a rank that decodes on
+    its GPU (--decode gpu). A plain list of indices asks for the reader's fixed view."""
 
     indices: list[int]
     positions: tuple[int, ...] = ()
     draws: Draws | None = None
     whole: int = 0
+    encoded: bool = False
 
 
 class Batch(NamedTuple):
@@ -44,7 +48,9 @@ class Batch(NamedTuple):
     (replaced by their next decodable sample); shard cache hits and misses; "" or one line
     naming the file that failed (a worker's exception would reach the rank as a traceback).
     Whole images (Request.whole): `images` is their pixels end to end, CHW each, and `dims` per
-    image (stored height, stored width, original height, original width)."""
+    image (stored height, stored width, original height, original width). Encoded (Request.encoded):
+    `images` is the JPEGs' bytes end to end, `dims` per image (bytes, height, width) from its header,
+    `names` its file (nvJPEG's errors name none)."""
 
     images: torch.Tensor
     labels: torch.Tensor
@@ -53,6 +59,7 @@ class Batch(NamedTuple):
     misses: int
     error: str
     dims: torch.Tensor | None = None
+    names: tuple[str, ...] = ()
 
 
 class Reader(torch.utils.data.Dataset):
@@ -137,9 +144,12 @@ class Reader(torch.utils.data.Dataset):
             request = Request(list(request))
         hits, misses = (self.cache.hits, self.cache.misses) if self.cache else (0, 0)
         skipped: list[str] = []
+        names: tuple[str, ...] = ()
         try:
             if request.whole:
                 images, labels, dims = self.whole(request, skipped)
+            elif request.encoded:
+                images, labels, dims, names = self.encoded(request, skipped)
             else:
                 images, labels, dims = (*self.made(request, skipped), None)
             error = ""
@@ -150,7 +160,7 @@ class Reader(torch.utils.data.Dataset):
             images, labels, dims = torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.int64), None
             error = f"{self.root}: {e.strerror or e}; the data changed while it was read: restore it and run again"
         counts = (self.cache.hits - hits, self.cache.misses - misses) if self.cache else (0, 0)
-        return Batch(images, labels, skipped, *counts, error, dims)
+        return Batch(images, labels, skipped, *counts, error, dims, names)
 
     def made(self, request: Request, skipped: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
         """The batch's images written into one preallocated uint8 tensor, and their labels."""
@@ -186,19 +196,43 @@ class Reader(torch.utils.data.Dataset):
         images, labels, dims = [], [], []
         for i in request.indices:
             holder: list[torch.Tensor] = []
-            j = self.decodable_from(i, skipped, holder, None)
+            j = self.decodable_from(i, skipped, lambda k, kept=holder: kept.append(self.pixels(k, None, 0)), None)
             image = bounded(holder[0], request.whole)
             images.append(image.flatten())
             labels.append(self.label(j))
             dims.append([*image.shape[-2:], *self.dims(j)])
         return torch.cat(images), torch.tensor(labels, dtype=torch.int64), torch.tensor(dims, dtype=torch.int64)
 
+    def encoded(self, request: Request, skipped: list[str]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                       tuple[str, ...]]:
+        """--decode gpu's share: each sample's JPEG bytes, end to end, with its (bytes, height,
+        width) from its header; nothing is decoded here. A sample whose header does not read is
+        passed over as one that does not decode (with skip: the next one that does)."""
+        files: list[tuple[bytes, tuple[int, int]]] = []
+        used = [self.decodable_from(i, skipped, lambda k: files.append(self.jpeg(k)), None) for i in request.indices]
+        dims = torch.tensor([[len(data), height, width] for data, (height, width) in files], dtype=torch.int64)
+        images = torch.frombuffer(bytearray(b"".join(data for data, _ in files)), dtype=torch.uint8)
+        return images, torch.tensor([self.label(j) for j in used], dtype=torch.int64), dims, \
+            tuple(self.name(j) for j in used)
+
+    def jpeg(self, i: int) -> tuple[bytes, tuple[int, int]]:
+        """Sample i's bytes and (height, width); Undecodable where its header does not read."""
+        data = self.read(i)
+        if not is_jpeg(data):  # the index said every image is a JPEG: the file changed since
+            raise UserError(f"{self.name(i)} is not a JPEG, and --decode gpu decodes JPEGs only (nvJPEG); pass "
+                            "--decode cpu, or convert the set to JPEG shards (python -m common.shards SRC DEST)")
+        try:
+            (width, height), *_ = header(data)
+        except Exception as e:  # noqa: BLE001 - any header failure is this file's problem, said in one line
+            raise Undecodable(broken_message(self.name(i), e, not self.skip)) from None
+        return data, (height, width)
+
     def label(self, i: int) -> int:
         return self.store.label(i) if self.store is not None else int(self.table.labels[i])
 
-    def decodable_from(self, i: int, skipped: list[str], out: torch.Tensor | list,
+    def decodable_from(self, i: int, skipped: list[str], out: torch.Tensor | Callable[[int], None],
                        box_of: Callable[[int, int], Box] | None) -> int:
-        """Sample i made into `out` (a list: its whole image appended); with skip, if i does not
+        """Sample i made into `out` (a callable: out(i) makes and keeps it); with skip, if i does not
         decode (it is named in `skipped`), the first sample after it (in index order, wrapping
         around) that does; the sample used is returned. The undecodable samples passed over are
         named when they are asked for themselves: each counts once an epoch. Each is remembered
@@ -215,13 +249,14 @@ class Reader(torch.utils.data.Dataset):
         self.after.update((k, j) for k in passed)  # the next search from any of them jumps straight to j
         return j
 
-    def try_image(self, i: int, out: torch.Tensor | list, box_of: Callable[[int, int], Box] | None) -> bool:
+    def try_image(self, i: int, out: torch.Tensor | Callable[[int], None],
+                  box_of: Callable[[int, int], Box] | None) -> bool:
         """Sample i made into `out`; False if it is known or found not to decode (with skip: else one line)."""
         if i in self.after:
             return False
         try:
-            if isinstance(out, list):
-                out.append(self.pixels(i, None, 0))
+            if callable(out):
+                out(i)
             else:
                 self.render(i, out, box_of)
             return True
@@ -304,26 +339,32 @@ class Plan:
     epoch as Python ints would cost ~36 bytes per sample in the rank); a training epoch's with its
     draws, batch k's step being draws.step + k."""
 
-    def __init__(self, indices: list[torch.Tensor], draws: Draws | None = None, positions: Sequence[int] = ()) -> None:
-        self.indices, self.draws, self.positions = indices, draws, tuple(positions)
+    def __init__(self, indices: list[torch.Tensor], draws: Draws | None = None, positions: Sequence[int] = (),
+                 encoded: bool = False) -> None:
+        self.indices, self.draws, self.positions, self.encoded = indices, draws, tuple(positions), encoded
 
     def __len__(self) -> int:
         return len(self.indices)
 
     def __iter__(self) -> Iterator[Request]:
-        for k, index in enumerate(self.indices):
-            draws = self.draws._replace(step=self.draws.step + k) if self.draws else None
-            yield Request(index.tolist(), self.positions, draws)
+        for k in range(len(self.indices)):
+            yield self[k]
+
+    def __getitem__(self, k: int) -> Request:
+        draws = self.draws._replace(step=self.draws.step + k) if self.draws else None
+        return Request(self.indices[k].tolist(), self.positions, draws, encoded=self.encoded)
 
 
 class Streamed:
     """A split decoded batch by batch by DataLoader workers; the same interface as Split.
-    Counts what the loader met: shard cache hits and misses, and skipped files."""
+    Counts what the loader met: shard cache hits and misses, and skipped files. With gpu_decode
+    its training batches come from the workers as JPEG bytes, and the rank decodes, crops, flips
+    and augments them on its device, drawing what the workers would (device_decode)."""
 
-    augments = True  # its training batches come cropped, flipped and augmented from the workers
+    augments = True  # its training batches come cropped, flipped and augmented from the workers (or the GPU)
 
-    def __init__(self, source: Reader, workers: int) -> None:
-        self.source, self.workers = source, workers
+    def __init__(self, source: Reader, workers: int, gpu_decode: bool = False) -> None:
+        self.source, self.workers, self.gpu_decode = source, workers, gpu_decode
         self.groups = source.table.group
         self.hits = self.misses = 0
         self.skipped = Survey()  # this epoch's files that did not decode: counted, the first ones named
@@ -343,28 +384,45 @@ class Streamed:
             return
         # The workers fork first: a fork while the prefetch thread holds a lock (fsspec's event-loop
         # lock, mid-fetch) leaves the worker's copy of that lock held forever.
-        batches = batches_of(self.source, Plan(indices, draws, positions), self.workers, pin=device.type == "cuda")
+        plan = Plan(indices, draws, positions, encoded=self.gpu_decode and draws is not None)
+        batches = batches_of(self.source, plan, self.workers, pin=device.type == "cuda")
         prefetch, reached = self.prefetch(indices)
+        ahead = DecodeAhead(batches, lambda k, batch: self.decoded(batch, plan[k], device), device,
+                            LOADER_TIMEOUT_S + DECODE_MARGIN_S) if plan.encoded else None
         try:
-            for step, batch in enumerate(batches):
+            for step, (batch, images) in enumerate(ahead or ((batch, None) for batch in batches)):
                 if batch.error:
                     raise UserError(batch.error)
                 if prefetch:
                     prefetch.reached(reached[step])
                 self.hits, self.misses = self.hits + batch.hits, self.misses + batch.misses
                 self.skipped.skip(batch.skipped)
-                yield to_device(batch.images, device), to_device(batch.labels, device)
+                yield images if ahead else to_device(batch.images, device), to_device(batch.labels, device)
         finally:
+            if ahead:
+                ahead.close()
             if prefetch:
                 prefetch.close()
 
+    def decoded(self, batch: Batch, request: Request, device: torch.device) -> torch.Tensor:
+        """--decode gpu: the batch's JPEGs decoded on `device` in one call, each cropped and flipped
+        by its global position, then --augment's policy: what the workers make of the same samples."""
+        lengths, sizes = batch.dims[:, 0].tolist(), [(h, w) for h, w in batch.dims[:, 1:].tolist()]
+        encoded = EncodedBatch(list(batch.images.split(lengths)), sizes, batch.labels, batch.names)
+        draws = request.draws
+        boxes = train_boxes(sizes, draws.seed, draws.epoch, draws.step, request.positions)
+        images = decode_and_crop(encoded, boxes, self.source.view.side, self.source.channels, device)
+        self.source.augmented(images, request)
+        return images
+
     def rate_per_worker(self, draws: Draws) -> float:
         """Training images one worker makes per CPU-second of this split (read, decode, crop, flip,
-        policy), measured here on its first RATE_SAMPLES samples after one to warm up (imports)."""
+        policy; with gpu_decode, read the bytes and the header), measured here on its first
+        RATE_SAMPLES samples after one to warm up (imports)."""
         n = min(RATE_SAMPLES, len(self))
-        self.source.__getitems__(Request([0], (0,), draws))
+        self.source.__getitems__(Request([0], (0,), draws, encoded=self.gpu_decode))
         start = time.process_time()
-        batch = self.source.__getitems__(Request(list(range(n)), tuple(range(n)), draws))
+        batch = self.source.__getitems__(Request(list(range(n)), tuple(range(n)), draws, encoded=self.gpu_decode))
         return n / max(time.process_time() - start, 1e-9) if not batch.error else math.nan
 
     def prefetch(self, indices: list[torch.Tensor]) -> tuple[Prefetcher | None, list[int]]:

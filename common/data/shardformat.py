@@ -69,7 +69,7 @@ def _samples(f, name: str, images: dict[str, tuple[int, int, str]], labels: dict
                             "index in KEY.cls (python -m common.shards writes both)")
         f.seek(offset)
         try:
-            (w, h), mode = header(f.read(size))
+            (w, h), mode, kind = header(f.read(size))
         except Exception as e:  # noqa: BLE001
             if not skip:
                 raise UserError(broken_message(f"{name}:{member}", e)) from None
@@ -80,7 +80,7 @@ def _samples(f, name: str, images: dict[str, tuple[int, int, str]], labels: dict
         out.keys.append(member)
         out.labels.append(_class_index(labels[key], name, key))
         out.dims.append((w, h))
-        out.survey.saw(f"{w}x{h}", f"{name}:{member}", mode)
+        out.survey.saw(f"{w}x{h}", f"{name}:{member}", mode, kind)
     return out
 
 

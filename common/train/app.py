@@ -179,7 +179,8 @@ def own_data(cfg: Config, ctx: DistContext) -> OwnData | None:
         return None
     workers = default_workers(ctx.local_world_size) if cfg.workers is None else cfg.workers
     return OwnData(cfg.dataset, cfg.data_dir, cfg.cache_dir, cfg.storage_options, cfg.image_size, workers,
-                   default_workers(1) + 1, cfg.skip_broken, cfg.cache_gb, cfg.shard_cache_gb, cfg.verify_data)
+                   default_workers(1) + 1, cfg.skip_broken, cfg.cache_gb, cfg.shard_cache_gb, cfg.verify_data,
+                   cfg.decode, str(ctx.device))
 
 
 def process_age_s() -> float:
@@ -218,7 +219,8 @@ def describe_loader(run: Run, log: NullLogger) -> None:
     """What the DataLoader workers can deliver to each rank, from one worker's measured rate."""
     cfg, workers = run.cfg, run.data.train.workers
     rate = run.data.train.rate_per_worker(Draws(cfg.seed, 0, 0, cfg.batch_size, cfg.augment))
-    log.info(f"input: one worker makes {rate:.0f} training images per CPU-second here (--augment {cfg.augment}); "
+    made = "reads the JPEGs of" if run.data.train.gpu_decode else "makes"
+    log.info(f"input: one worker {made} {rate:.0f} training images per CPU-second here (--augment {cfg.augment}); "
              f"{workers} worker(s) per rank deliver up to {rate * max(workers, 1):.0f} images/s per rank, a core each")
 
 

@@ -75,9 +75,11 @@ class StepLog:
                 times.data_ms <= DATA_WAIT_SHARE * times.step_ms:
             return
         self.data_wait_said = True
+        on_gpu = ", decode on the GPU (--decode gpu)" if run.ctx.device.type == "cuda" and \
+            not run.data.train.gpu_decode else ""
         log.warn(f"the input pipeline holds training up: {times.data_ms:.0f} ms of each {times.step_ms:.0f} ms step "
                  f"wait for data ({times.data_ms / times.step_ms:.0%}); give each rank more --workers (now "
-                 f"{run.data.train.workers}), or convert the set to shards with python -m common.shards "
+                 f"{run.data.train.workers}){on_gpu}, or convert the set to shards with python -m common.shards "
                  "--max-side N (smaller stored images decode faster)")
 
     def take_epoch(self) -> tuple[Metrics, StepTimes]:

@@ -159,7 +159,7 @@ def decoded(files: Iterator[Path], p: Preprocessing, failed: Failures) -> Iterat
             failed.add(f"{path}: {e.strerror or e}; check that it is readable")
             continue
         try:
-            (width, height), _ = header(data)
+            (width, height), *_ = header(data)
             if not p.resize and (width, height) != (p.size, p.size):
                 failed.add(f"{path} is {width}x{height}; the model takes {p.size}x{p.size} images as they are "
                              "(its run trained without --image-size)")
