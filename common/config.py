@@ -504,7 +504,8 @@ def _validate_own_data(p: argparse.ArgumentParser, a: argparse.Namespace) -> Non
         p.error(f"--dataset {a.dataset} needs --data-dir: the folder (or, for shards and hf, the URL) of your images")
     keys = [flag for flag, value in (("--hf-image-key", a.hf_image_key), ("--hf-label-key", a.hf_label_key)) if value]
     if keys and a.dataset != "hf":
-        p.error(f"{' and '.join(keys)} apply to --dataset hf (the columns of a Hugging Face data set)")
+        p.error(f"{' and '.join(keys)} {'apply' if len(keys) > 1 else 'applies'} to --dataset hf (the columns of a "
+                "Hugging Face data set)")
     a.hf_image_key, a.hf_label_key = a.hf_image_key or "image", a.hf_label_key or "label"
     if own and a.dataset == "imagefolder" and "://" in a.data_dir:
         p.error("--dataset imagefolder reads a local folder; for a store, convert it to shards "

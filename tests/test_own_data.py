@@ -19,6 +19,7 @@ from common.data.loader import TrainLoader, global_order
 from common.data.reading import Reader
 from common.errors import UserError
 from common.shards import MANIFEST
+from common.shards import main as shards_main
 from tests.conftest import (
     child_env,
     equivalences,
@@ -280,6 +281,21 @@ def test_a_hub_name_is_read_from_the_local_cache_only(sets, tmp_path, monkeypatc
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.quick
+@pytest.mark.parametrize("layout", ["hf parquet", "hf save_to_disk"])
+def test_the_converter_takes_a_hugging_face_set(layout, sets, tmp_path, capsys):
+    """python -m common.shards HF_SOURCE DEST: shards of the same images and class names, each row's
+    bytes verbatim (PNG and JPEG members)."""
+    name, kind = LAYOUTS[layout]
+    assert shards_main([str(sets[name]), str(tmp_path / "shards")]) == 0
+    assert "wrote train 240 samples" in capsys.readouterr().out
+    members = {n.rsplit(".", 1)[1] for shard in (tmp_path / "shards").glob("train-*.tar")
+               for n in tarfile.open(shard).getnames()}
+    assert members == {"png", "jpg", "cls"}
+    hf, shards = dataset(options(sets[name], tmp_path, kind)), dataset(options(tmp_path / "shards", tmp_path, "shards"))
+    assert shards.names() == hf.names() and torch.equal(shards.test.images, hf.test.images)
+
+
 def _rewrite_parquet(path: Path, change) -> None:
     """The parquet file rewritten with change(rows) applied to its rows (dicts), its schema (and so
     its ClassLabel metadata) and row groups of 37 kept."""
@@ -474,6 +490,7 @@ def test_shards_from_the_store_are_fetched_once_and_a_small_cache_still_complete
     (["--dataset", "imagefolder"], "--dataset imagefolder needs --data-dir"),
     (["--dataset", "imagefolder", "--data-dir", "s3://b/x"], "convert it to shards"),
     (["--dataset", "shards", "--data-dir", "d", "--shard-cache-gb", "0"], "--shard-cache-gb > 0"),
+    (["--dataset", "imagefolder", "--data-dir", "d", "--hf-image-key", "img"], "--hf-image-key applies to --dataset hf"),
 ])
 def test_own_data_flags_are_checked_before_any_process_group(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -488,3 +505,6 @@ def test_the_data_folder_and_image_size_are_part_of_a_runs_identity():
                           world_size=1).run_id
     assert run_id("--data-dir", "a") != run_id("--data-dir", "b") != run_id("--data-dir", "b", "--image-size", "64")
     assert run_id("--data-dir", "a", "--workers", "3", "--cache-gb", "0") == run_id("--data-dir", "a")
+    hf = lambda *argv: parse_args(["--dataset", "hf", "--data-dir", "a", *argv], strategy="ddp",  # noqa: E731
+                                  default_dataset="cifar10", world_size=1).run_id
+    assert hf() == hf("--hf-label-key", "label") != hf("--hf-label-key", "fine_label")
