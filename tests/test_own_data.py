@@ -490,7 +490,7 @@ def test_shards_from_the_store_are_fetched_once_and_a_small_cache_still_complete
     (["--dataset", "imagefolder"], "--dataset imagefolder needs --data-dir"),
     (["--dataset", "imagefolder", "--data-dir", "s3://b/x"], "convert it to shards"),
     (["--dataset", "shards", "--data-dir", "d", "--shard-cache-gb", "0"], "--shard-cache-gb > 0"),
-    (["--dataset", "imagefolder", "--data-dir", "d", "--hf-image-key", "img"], "--hf-image-key applies to --dataset hf"),
+    (["--dataset", "shards", "--data-dir", "d", "--hf-image-key", "img"], "--hf-image-key applies to --dataset hf"),
 ])
 def test_own_data_flags_are_checked_before_any_process_group(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
