@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import shutil
+import sys
 import tarfile
 from dataclasses import replace
 from pathlib import Path
@@ -294,6 +295,13 @@ def test_the_converter_takes_a_hugging_face_set(layout, sets, tmp_path, capsys):
     assert members == {"png", "jpg", "cls"}
     hf, shards = dataset(options(sets[name], tmp_path, kind)), dataset(options(tmp_path / "shards", tmp_path, "shards"))
     assert shards.names() == hf.names() and torch.equal(shards.test.images, hf.test.images)
+
+
+@pytest.mark.quick
+def test_without_pyarrow_the_hugging_face_layout_is_one_line_naming_the_install(sets, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # what an import finds when the package is not installed
+    with pytest.raises(UserError, match=r"--dataset hf needs pyarrow, .*pip install -r requirements-hf\.txt$"):
+        dataset(options(sets["hf"], tmp_path, "hf"))
 
 
 def _rewrite_parquet(path: Path, change) -> None:
