@@ -468,6 +468,19 @@ def s3(sets) -> S3Server:
     server.stop()
 
 
+def test_a_hugging_face_set_at_a_url_streams_the_batches_of_its_local_copy(s3, sets, tmp_path, monkeypatch):
+    """In-process (the server is the module's): parquet files at s3://, read by row groups through
+    fsspec with 2 workers, give the local copy's global batches at world 2, and its class names."""
+    s3.upload_tree("data", "hf", sets["hf"])
+    for name, value in s3.env().items():
+        monkeypatch.setenv(name, value)
+    remote = dataset(options("s3://data/hf", tmp_path / "remote", "hf", cache_gb=0.0, workers=2))
+    local = dataset(options(sets["hf"], tmp_path / "local", "hf", cache_gb=0.0))
+    assert remote.names() == local.names() and remote.held.startswith("streamed")
+    got, reference = global_batches(remote, 2), global_batches(local, 1)
+    assert len(got) == len(reference) and all(torch.equal(a, b) for a, b in zip(got, reference))
+
+
 def test_shards_from_the_store_are_fetched_once_and_a_small_cache_still_completes(s3, sets, tmp_path):
     shards = len(list(sets["shards"].glob("*.tar")))
     largest = max(p.stat().st_size for p in sets["shards"].glob("*.tar"))
