@@ -3,9 +3,10 @@
 1. Readers: the 10-epoch run of `python -m bench wall` (torchrun, 2 ranks, one thread each,
    convnet, global batch 64) on a generated 4,000 / 1,000-image MNIST-format set, read three ways:
    the built-in MNIST reader (IDX files), an ImageFolder copy of the same images (PNG and JPEG in
-   turn) and the shards the converter writes from that copy. Cold: a fresh --cache-dir (indexing
-   and decoding included); warm: the same command again. Test accuracy and wall time, each against
-   the MNIST reader's.
+   turn), the shards the converter writes from that copy, and the same copy as a Hugging Face
+   parquet set written by `datasets` (--dataset hf: row groups of 100 rows, training rows shuffled).
+   Cold: a fresh --cache-dir (indexing and decoding included); warm: the same command again. Test
+   accuracy and wall time, each against the first of --readers (the MNIST reader's by default).
 2. The loader against the step: decoding per process, the streamed loader's images/s with 0 and the
    default workers, and the images/s a training step consumes (convnet at 28 px, ResNet-18 at 224).
 3. The data share of a step: ResNet-18 on 224-pixel JPEGs (about 500 x 375, as photos), 32 images
@@ -40,16 +41,18 @@ from common.models import build_model
 
 
 def data_flags(reader: str, data: Path, cache: Path) -> list[str]:
-    dataset = {"mnist": "mnist", "folder": "imagefolder", "shards": "shards"}[reader]
+    dataset = {"mnist": "mnist", "folder": "imagefolder", "shards": "shards", "hf": "hf"}[reader]
     return ["--dataset", dataset, "--data-dir", str(data), "--cache-dir", str(cache), "--no-download"]
 
 
-def readers(epochs: int, repeats: int, tmp: Path) -> None:
-    from tests.datagen import write_image_tree, write_mnist, write_shards
+def readers(epochs: int, repeats: int, tmp: Path, chosen: list[str]) -> None:
+    from tests.datagen import write_hf, write_image_tree, write_mnist, write_shards
 
     mnist = write_mnist(tmp / "mnist", train_size=4000, test_size=1000, gz=True)
     sources = {"mnist": mnist, "folder": write_image_tree(read_mnist(mnist), tmp / "folder")}
     sources["shards"] = write_shards(sources["folder"], tmp / "shards", shard_mb=1.0)
+    sources["hf"] = write_hf(sources["folder"], tmp / "hf", rows_per_group=100, files=1)
+    sources = {reader: data for reader, data in sources.items() if reader in chosen}
     rows: dict[tuple[str, str], list[dict[str, float]]] = {}
     for seed in range(repeats):
         for reader, data in sources.items():
@@ -60,10 +63,10 @@ def readers(epochs: int, repeats: int, tmp: Path) -> None:
                 rows.setdefault((reader, temperature), []).append(result)
     print(f"train_ddp.py, W=2, convnet, global batch 64, {epochs} epochs, 4,000 / 1,000 MNIST-format images; cold: "
           f"seed 0, a fresh --cache-dir; warm: seeds 0-{repeats - 1}, the cache reused\n")
-    print("| reader | run | wall s (mean) | wall / MNIST reader's | test acc per seed | mean "
-          "| mean - MNIST reader's |\n|---|---|---|---|---|---|---|")
+    print(f"| reader | run | wall s (mean) | wall / {chosen[0]}'s | test acc per seed | mean "
+          f"| mean - {chosen[0]}'s |\n|---|---|---|---|---|---|---|")
     for (reader, temperature), results in rows.items():
-        base = rows[("mnist", temperature)]
+        base = rows[(chosen[0], temperature)]
         wall = statistics.mean(r["wall"] for r in results)
         acc = statistics.mean(r["acc"] for r in results)
         print(f"| {reader} | {temperature} | {wall:.1f} | {wall / statistics.mean(r['wall'] for r in base):.2f} | "
@@ -204,13 +207,15 @@ def main() -> None:
     p.add_argument("--only", choices=("readers", "loader", "store", "jpeg"), default=None)
     p.add_argument("--epochs", type=int, default=10)
     p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--readers", default="mnist,folder,shards,hf",
+                   help="readers: which, the first the reference (default: %(default)s)")
     p.add_argument("--images", type=int, default=512, help="training JPEGs for the data share (default: %(default)s)")
     p.add_argument("--steps", type=int, default=8, help="steps of the data-share run (default: %(default)s)")
     a = p.parse_args()
     print(f"python {sys.version.split()[0]}, torch {__import__('torch').__version__}, CPU, gloo\n")
     with tempfile.TemporaryDirectory() as tmp:
         if a.only in (None, "readers"):
-            readers(a.epochs, a.repeats, Path(tmp))
+            readers(a.epochs, a.repeats, Path(tmp), a.readers.split(","))
         if a.only in (None, "loader"):
             loader_rates(Path(tmp), a.images // 2)
         if a.only in (None, "store"):

@@ -16,6 +16,10 @@
    index costs the process), Private_Dirty growth (in a worker: the pages it copied from the
    rank), Rss growth (mapped pages count there, held once per node in the page cache). Reference
    rows: the representation the index replaced, a list of str and an int64 tensor, read the same way.
+4. hf-epoch: the same for a Hugging Face parquet set (--dataset hf): --hf-sizes rows of the same
+   PNGs' bytes, 1,000 classes (a ClassLabel), row groups of 100 rows (what the Hub writes for image
+   sets), 100,000 rows a file; streamed (--cache-gb 0), so each epoch reads its row groups. Target:
+   the CPU time per sample at the largest size within 1.2x of the smallest.
 3. prepare: 2,300 photo-sized JPEGs (about 500 x 375) prepared at --image-size 224, each step in a
    fresh interpreter with the app's prepare workers (default_workers(1) + 1): the index, the
    statistics on 2,048 images, the decode into the cache. Wall time, and peak RSS (ru_maxrss) of
@@ -27,6 +31,7 @@
     python -m bench scale --only epoch --sizes 10000,100000
     python -m bench scale --only memory --memory-sizes 1000000
     python -m bench scale --only prepare
+    python -m bench scale --only hf-epoch --hf-sizes 10000,300000
 """
 from __future__ import annotations
 
@@ -141,6 +146,61 @@ def epochs(tmp: Path, sizes: list[int]) -> None:
                   f"{folder_mb(Path(report['index'])):.1f} | {seconds:.1f} | {us:.0f} | {us / wall_ref:.2f}x | "
                   f"{cpu_us:.0f} | {cpu_us / cpu_ref:.2f}x |", flush=True)
         shutil.rmtree(tree)
+
+
+def parquet_set(root: Path, train: int, val: int, classes: int = 1000, rows_per_group: int = 100,
+                rows_per_file: int = 100_000) -> Path:
+    """A Hugging Face parquet set in the Hub's layout: the distinct PNGs of linked_tree, row n of a
+    split holding PNG n % distinct in class n % classes; an Image and a ClassLabel column."""
+    import io
+
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    sources = max(16, math.ceil((train + val) / LINKS_PER_FILE))
+    encoded = []
+    for image in make_synthetic("mnist", train_size=sources, test_size=1).train.images:
+        out = io.BytesIO()
+        Image.fromarray(image[0].numpy(), "L").save(out, "PNG")
+        encoded.append(out.getvalue())
+    features = {"image": {"_type": "Image"}, "label": {"_type": "ClassLabel", "names": [f"c{c:04d}" for c in
+                                                                                          range(classes)]}}
+    schema = pa.schema([("image", pa.struct([("bytes", pa.binary()), ("path", pa.string())])), ("label", pa.int64())],
+                       metadata={"huggingface": json.dumps({"info": {"features": features}})})
+    (root / "data").mkdir(parents=True)
+    for split, count in (("train", train), ("validation", val)):
+        files = math.ceil(count / rows_per_file)
+        for k in range(files):
+            rows = range(k * rows_per_file, min(count, (k + 1) * rows_per_file))
+            table = pa.table({"image": [{"bytes": encoded[n % sources], "path": None} for n in rows],
+                              "label": [n % classes for n in rows]}, schema=schema)
+            name = f"{split}-{k:05d}-of-{files:05d}.parquet"
+            pq.write_table(table, root / "data" / name, row_group_size=rows_per_group)
+    return root
+
+
+def hf_epochs(tmp: Path, sizes: list[int]) -> None:
+    print(f"\nA streamed epoch (--cache-gb 0) of a Hugging Face parquet set: the same 28-px grayscale PNGs' bytes, "
+          f"1,000 classes, row groups of 100 rows; TrainLoader world 1, global batch 256, CPU, {default_workers(1)} "
+          "DataLoader worker(s)\n")
+    print("| train rows | parquet: MB | prepare: s (index + statistics) | epoch: s | µs / sample | vs the smallest | "
+          "CPU µs / sample (rank + workers) | vs the smallest (target: 1.2x at most) |\n"
+          "|---|---|---|---|---|---|---|---|")
+    reference: tuple[float, float] | None = None
+    for size in sizes:
+        source = parquet_set(tmp / f"hf-{size}", size, 1000)
+        opts = own.OwnData("hf", str(source), str(tmp / "cache"), {}, 0, default_workers(1), default_workers(1) + 1,
+                           False, 0.0, 1.0)
+        started = time.perf_counter()
+        data = own.open_prepared(own.prepare(opts, quiet), opts)
+        prepared = time.perf_counter() - started
+        seconds, cpu, samples = timed_epoch(data)
+        us, cpu_us = seconds / samples * 1e6, cpu / samples * 1e6
+        wall_ref, cpu_ref = reference = reference or (us, cpu_us)
+        print(f"| {size:,} | {folder_mb(source / 'data'):.1f} | {prepared:.1f} | {seconds:.1f} | {us:.0f} | "
+              f"{us / wall_ref:.2f}x | {cpu_us:.0f} | {cpu_us / cpu_ref:.2f}x |", flush=True)
+        shutil.rmtree(source)
 
 
 # ---------------------------------------------------------------- 2. the index's memory per process
@@ -327,8 +387,9 @@ def prepare_costs(tmp: Path, train: int, val: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=("epoch", "memory", "prepare"), default=None)
+    p.add_argument("--only", choices=("epoch", "memory", "prepare", "hf-epoch"), default=None)
     p.add_argument("--sizes", default="10000,1000000", help="epoch: training samples (default: %(default)s)")
+    p.add_argument("--hf-sizes", default="10000,300000", help="hf-epoch: training rows (default: %(default)s)")
     p.add_argument("--memory-sizes", default="1000000,10000000",
                    help="memory: training samples (default: %(default)s)")
     p.add_argument("--tmp", type=Path, default=None,
@@ -343,6 +404,8 @@ def main() -> None:
             memory(Path(tmp), [int(s) for s in a.memory_sizes.split(",")])
         if a.only in (None, "prepare"):
             prepare_costs(Path(tmp), 2200, 100)
+        if a.only in (None, "hf-epoch"):
+            hf_epochs(Path(tmp), [int(s) for s in a.hf_sizes.split(",")])
 
 
 if __name__ == "__main__":

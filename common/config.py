@@ -19,10 +19,10 @@ from common.optimizers import OPTIMIZERS
 from common.storage import log_url_problem, url_problem
 from common.weights import NORMALIZATIONS, weights_problem
 
-DATASETS = ("cifar10", "mnist", "synthetic", "imagefolder", "shards")
+DATASETS = ("cifar10", "mnist", "synthetic", "imagefolder", "shards", "hf")
 SCHEDULES = ("onecycle", "cosine", "constant", "step")
 AUGMENTS = ("basic", "randaugment", "trivialaugment", "autoaugment")
-OWN_DATASETS = ("imagefolder", "shards")  # your own images (common/shards.py has their layouts)
+OWN_DATASETS = ("imagefolder", "shards", "hf")  # your own images (common/shards.py, common/data/hf.py: their layouts)
 # --storage-timeout-s's default: generous, so that it covers a large checkpoint on a slow store, with
 # the storage layer's own bounded retries of transient errors, and a data set's download.
 STORAGE_TIMEOUT_S = 1800.0
@@ -48,6 +48,7 @@ RECIPES = {
     # Your own images: the torchvision reference recipe's model, at a batch that fits a small GPU.
     "imagefolder": Recipe(model="resnet18", epochs=30, batch_size=256, lr=0.2),
     "shards": Recipe(model="resnet18", epochs=30, batch_size=256, lr=0.2),
+    "hf": Recipe(model="resnet18", epochs=30, batch_size=256, lr=0.2),
 }
 
 
@@ -67,6 +68,8 @@ class Config:
     shard_cache_gb: float
     verify_data: bool
     decode: str
+    hf_image_key: str
+    hf_label_key: str
     model: str
     weights: str
     normalization: str
@@ -164,7 +167,8 @@ def run_identity(flags: dict[str, Any], strategy_options: Sequence[str] = ()) ->
             # only when chosen: a run of the default keeps the identity it had before the flag existed
             *(["normalization"] if flags.get("normalization", "auto") != "auto" else []),
             *(["extend_to"] if flags.get("extend_to") else []),  # an extension: a run of its own
-            *(["data_dir", "image_size"] if flags.get("dataset") in OWN_DATASETS else []), *strategy_options]
+            *(["data_dir", "image_size"] if flags.get("dataset") in OWN_DATASETS else []),
+            *(["hf_image_key", "hf_label_key"] if flags.get("dataset") == "hf" else []), *strategy_options]
     return {key: flags.get(key) for key in keys}
 
 
@@ -221,7 +225,7 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
              "user of the machine (ps). They are never printed or saved "
              "(default: the standard AWS variables, profile or instance role)")
     add("--synthetic-shape", default="cifar", choices=("cifar", "mnist"), help="image shape of --dataset synthetic")
-    own = p.add_argument_group("your own images (--dataset imagefolder | shards; docs/data.md)")
+    own = p.add_argument_group("your own images (--dataset imagefolder | shards | hf; docs/data.md)")
     own.add_argument("--image-size", type=int, default=0, metavar="S",
                      help="train at S x S: random-resized crops + flips for training, resize + centre crop for "
                           "evaluation; needed when the images differ in size (default: their common size)")
@@ -245,6 +249,10 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
     own.add_argument("--verify-data", action="store_true",
                      help="tell the set's files apart by their bytes, not their names, sizes and dates (which "
                           "cp -p and rsync -a keep): reads the whole set at every start")
+    own.add_argument("--hf-image-key", default=None, metavar="COLUMN",
+                     help="--dataset hf: the column of the images (default: image)")
+    own.add_argument("--hf-label-key", default=None, metavar="COLUMN",
+                     help="--dataset hf: the column of the class indices, a ClassLabel names them (default: label)")
     add("--model", default=None, help=f"one of {', '.join(MODELS)}; torchvision:NAME, a torchvision classification "
                                       "model, untrained; or MODULE:FUNCTION, your FUNCTION(channels, size, classes) "
                                       "returning an nn.Module, from PYTHONPATH or the current directory "
@@ -499,7 +507,12 @@ def _validate_own_data(p: argparse.ArgumentParser, a: argparse.Namespace) -> Non
     if a.image_size and not own:
         p.error(f"--image-size applies to --dataset {' or '.join(OWN_DATASETS)}; the built-in sets have one size")
     if own and a.data_dir == "./data":
-        p.error(f"--dataset {a.dataset} needs --data-dir: the folder (or, for shards, the URL) of your images")
+        p.error(f"--dataset {a.dataset} needs --data-dir: the folder (or, for shards and hf, the URL) of your images")
+    keys = [flag for flag, value in (("--hf-image-key", a.hf_image_key), ("--hf-label-key", a.hf_label_key)) if value]
+    if keys and a.dataset != "hf":
+        p.error(f"{' and '.join(keys)} {'apply' if len(keys) > 1 else 'applies'} to --dataset hf (the columns of a "
+                "Hugging Face data set)")
+    a.hf_image_key, a.hf_label_key = a.hf_image_key or "image", a.hf_label_key or "label"
     if own and a.dataset == "imagefolder" and "://" in a.data_dir:
         p.error("--dataset imagefolder reads a local folder; for a store, convert it to shards "
                 "(python -m common.shards FOLDER URL) and pass --dataset shards")

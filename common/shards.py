@@ -18,8 +18,14 @@ train-000000.tar and read by the globs, sorted; generation-named shards without 
 interrupted conversion, refused. DIR/classes.txt names the classes, one per line (for people and
 other tools; the converter writes it too).
 
-    python -m common.shards SRC_IMAGEFOLDER DEST_DIR_OR_URL [--shard-mb 64] [--seed 0]
+    python -m common.shards SRC DEST_DIR_OR_URL [--shard-mb 64] [--seed 0]
                             [--max-side N] [--quality Q] [--storage-options JSON|@FILE|env:VAR]
+                            [--hf-image-key image] [--hf-label-key label]
+
+SRC is an ImageFolder tree, or a Hugging Face data set as --dataset hf reads it (common/hfsets.py: a
+save_to_disk folder, parquet files in the Hub's layout, a Hub name in the local cache, an fsspec URL
+of parquet files): its train split and its validation (or test) split become train and val, each
+row's image bytes a sample (verbatim, named by their format), the ClassLabel's names the classes.
 
 The converter checks the whole tree before it writes anything: every image must decode (a JPEG at
 1/8 scale, which is cheap) and have at most MAX_PIXELS pixels, or it stops naming the file. Each
@@ -65,6 +71,7 @@ from typing import Any, BinaryIO, Callable, Iterator, NoReturn
 
 from PIL import Image
 
+from common import hfsets
 from common.credentials import URL_PASSWORD, read_storage_options
 from common.errors import UserError, first_line
 from common.storage import Storage, StorageError, os_cause, storage_for
@@ -347,8 +354,7 @@ def convert(src: Path, dest: str, shard_mb: float = 64, seed: int = 0,
     manifest.json, then deletes DEST's other shards; split -> (samples, shards, bytes). The whole
     tree is checked before anything is written; files that are not images are named to `say`.
     With `reencode`, the images are stored as its smaller JPEGs instead of verbatim."""
-    if reencode is not None and (problem := reencode.problem()):
-        raise UserError(problem)
+    check_reencode(reencode)
     classes = folder_classes(src)
     ignored: list[str] = []
     splits = {split: [(rel, label) for label, paths in class_images(src, split, classes, ignored.extend)
@@ -356,6 +362,77 @@ def convert(src: Path, dest: str, shard_mb: float = 64, seed: int = 0,
     if ignored:
         say(f"common.shards: left out {len(ignored)} file(s) that are not images ({', '.join(FOLDER_EXTENSIONS)}): "
             f"{', '.join(ignored[:5])}{', ...' * (len(ignored) > 5)}")
+    return write_set(src, classes, splits, dest, shard_mb, seed, storage_options, reencode)
+
+
+def check_reencode(reencode: Reencode | None) -> None:
+    if reencode is not None and (problem := reencode.problem()):
+        raise UserError(problem)
+
+
+def convert_hf(src: str, dest: str, image_key: str = "image", label_key: str = "label", shard_mb: float = 64,
+               seed: int = 0, storage_options: dict[str, Any] | None = None,
+               reencode: Reencode | None = None) -> dict[str, tuple[int, int, int]]:
+    """A Hugging Face data set (common/hfsets.py) written to DEST as convert writes a tree: each row's
+    image bytes first saved to local scratch as a file named by its format."""
+    check_reencode(reencode)
+    options = storage_options or {}
+    source = hfsets.resolve(src, options, lambda path: "")
+    with tempfile.TemporaryDirectory(prefix="common.shards.") as scratch:
+        classes, splits = _extract(source, Path(scratch), options, image_key, label_key)
+        return write_set(Path(scratch), classes, splits, dest, shard_mb, seed, storage_options, reencode)
+
+
+IMAGE_FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp", "TIFF": "tiff",
+                 "PPM": "ppm"}  # PIL's format -> the extension a shard member gets
+
+
+def _extract(source: hfsets.Source, folder: Path, options: dict[str, Any], image_key: str,
+             label_key: str) -> tuple[list[str], dict[str, list[tuple[str, int]]]]:
+    """The rows of both splits as files folder/SPLIT/NNNNNNNN.EXT, with their labels; the classes."""
+    files = hfsets.Files(source.root, options)
+    for name in source.train + source.test:
+        hfsets.check_columns(files, name, image_key, label_key)
+    rows = {TRAIN: [], VAL: []}
+    for split, names in ((TRAIN, source.train), (VAL, source.test)):
+        (folder / split).mkdir()
+        for name in names:
+            for group, _ in enumerate(files.row_groups(name)):
+                images, labels = files.columns(name, group, [image_key, label_key])
+                for data, label in zip(hfsets.image_bytes(images).to_pylist(), labels.to_pylist()):
+                    where = f"{files.where(name)}:row {len(rows[split])}"
+                    rel = f"{split}/{len(rows[split]):08d}.{_extension(data, where)}"
+                    (folder / rel).write_bytes(data)
+                    rows[split].append((rel, _label(label, where)))
+    classes = hfsets.class_names(files, source, label_key) or \
+        [str(i) for i in range(max(label for _, label in rows[TRAIN]) + 1)]
+    for split in (TRAIN, VAL):
+        if bad := next(((rel, label) for rel, label in rows[split] if label >= len(classes)), None):
+            raise UserError(f"{source.root}: the {split} row {bad[0]} has label {bad[1]}, outside the {len(classes)} "
+                            f"classes (--hf-label-key {label_key}); fix the rows")
+    return classes, rows
+
+
+def _extension(data: bytes | None, where: str) -> str:
+    try:
+        with Image.open(io.BytesIO(data or b"")) as image:
+            return IMAGE_FORMATS[image.format]
+    except Exception:  # noqa: BLE001 - not an image, or a format shards do not hold: one line
+        raise UserError(f"{where} is not an image in {', '.join(IMAGE_FORMATS)}; replace the row or remove it"
+                        ) from None
+
+
+def _label(label: int | None, where: str) -> int:
+    if label is None or label < 0:
+        raise UserError(f"{where} has label {label}, not a class index; label the row or remove it")
+    return int(label)
+
+
+def write_set(src: Path, classes: list[str], splits: dict[str, list[tuple[str, int]]], dest: str, shard_mb: float,
+              seed: int, storage_options: dict[str, Any] | None, reencode: Reencode | None,
+              ) -> dict[str, tuple[int, int, int]]:
+    """The samples (paths under `src`, labels) of each split, checked whole, then written to DEST as a
+    new generation's shards, classes.txt and, last, manifest.json; DEST's other shards deleted."""
     for path, _ in splits[TRAIN] + splits[VAL]:
         verify(src / path)
     random.Random(seed).shuffle(splits[TRAIN])
@@ -461,7 +538,8 @@ def _write_shard(f: BinaryIO, src: Path, samples: list[tuple[str, int]], start: 
 def main(argv: list[str] | None = None) -> int:
     p = _Parser(prog="python -m common.shards", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("src", type=Path, metavar="SRC_IMAGEFOLDER", help="the tree with train/ and val/")
+    p.add_argument("src", metavar="SRC", help="the ImageFolder tree with train/ and val/, or a Hugging Face data set "
+                                              "(as --dataset hf reads it)")
     p.add_argument("dest", metavar="DEST_DIR_OR_URL", help="a folder, or an fsspec URL such as s3://bucket/prefix")
     p.add_argument("--shard-mb", type=float, default=64.0, help="a shard's largest size in MiB (default: %(default)s)")
     p.add_argument("--seed", type=int, default=0, help="the training samples' shuffle (default: %(default)s)")
@@ -472,6 +550,8 @@ def main(argv: list[str] | None = None) -> int:
                         f"{DEFAULT_QUALITY}; without both: the files verbatim)")
     p.add_argument("--storage-options", default="{}", metavar="JSON|@FILE|env:VAR",
                    help="fsspec options for a URL DEST; put credentials in @FILE or env:VAR, not inline (ps shows it)")
+    p.add_argument("--hf-image-key", default="image", metavar="COLUMN", help="a Hugging Face SRC: the images' column")
+    p.add_argument("--hf-label-key", default="label", metavar="COLUMN", help="a Hugging Face SRC: the labels' column")
     a = p.parse_args(argv)
     if not 0 < a.shard_mb < math.inf:
         p.error(f"--shard-mb must be a number > 0 (got {a.shard_mb})")
@@ -485,7 +565,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         p.error(f"--storage-options {e}")
     try:
-        written = convert(a.src, a.dest, a.shard_mb, a.seed, options, say=print, reencode=reencode)
+        if is_tree(a.src):
+            written = convert(Path(a.src), a.dest, a.shard_mb, a.seed, options, say=print, reencode=reencode)
+        else:
+            written = convert_hf(a.src, a.dest, a.hf_image_key, a.hf_label_key, a.shard_mb, a.seed, options, reencode)
     except UserError as e:
         _fail(str(e), 2)
     except StorageError as e:  # its message names the URL, credentials scrubbed
@@ -496,6 +579,14 @@ def main(argv: list[str] | None = None) -> int:
     where = URL_PASSWORD.sub(lambda m: m.group(0).replace(m.group(1), "***"), a.dest)
     print(f"common.shards: wrote {splits}, {total:.1f} MiB, to {where}")
     return 0
+
+
+def is_tree(src: str) -> bool:
+    """An ImageFolder tree (train/ of class folders), not a Hugging Face set: a save_to_disk folder
+    has train/ too, beside its dataset_dict.json."""
+    path = Path(src)
+    return (path / TRAIN).is_dir() and not (path / "dataset_dict.json").is_file() and \
+        not any((path / TRAIN).glob("*.parquet"))
 
 
 class _Parser(argparse.ArgumentParser):

@@ -286,11 +286,21 @@ class FsspecStorage:
         """Name -> version (size and ETag) of each object directly under the URL, in one listing."""
         def listing(path: str) -> dict[str, str]:
             self.fs.invalidate_cache(path)
-            return {entry["name"].rstrip("/").rsplit("/", 1)[-1]:
-                    f"{int(entry.get('size') or 0)}-"
-                    f"{entry.get('ETag') or entry.get('etag') or entry.get('mtime') or ''}"
+            return {entry["name"].rstrip("/").rsplit("/", 1)[-1]: _version(entry)
                     for entry in self.fs.ls(path, detail=True) if entry.get("type") != "directory"}
         return self._do("", listing)
+
+    def files(self) -> dict[str, str]:
+        """Name ('/'-separated, relative to the URL) -> version of every object under it, at any depth."""
+        def listing(path: str) -> dict[str, str]:
+            self.fs.invalidate_cache(path)
+            return {name[len(path):].strip("/"): _version(entry)
+                    for name, entry in self.fs.find(path, detail=True).items() if entry.get("type") != "directory"}
+        return self._do("", listing)
+
+    def open(self, name: str) -> BinaryIO:
+        """`name` open for reading by ranges (a parquet reader's footer, then its row groups)."""
+        return self._do(name, lambda path: self.fs.open(path, "rb"))
 
     def list(self, prefix: str) -> list[str]:
         def names(path: str) -> list[str]:
@@ -311,6 +321,11 @@ class FsspecStorage:
 
     def remove_leftovers(self, folder: str) -> None:
         pass  # a cut PUT leaves nothing behind
+
+
+def _version(entry: dict[str, Any]) -> str:
+    """An object's version from its listing entry: its size and ETag (or checksum, or date)."""
+    return f"{int(entry.get('size') or 0)}-{entry.get('ETag') or entry.get('etag') or entry.get('mtime') or ''}"
 
 
 def describe_store_error(error: Exception) -> str:

@@ -4,8 +4,9 @@ CIFAR-10: cifar-10-batches-py/ with data_batch_1..5, test_batch and batches.meta
 dict {'batch_label', 'labels', 'data' (N x 3072 uint8, channel-major rows), 'filenames'}.
 MNIST: MNIST/raw/{train,t10k}-{images-idx3,labels-idx1}-ubyte as big-endian IDX, plain or .gz;
 or torchvision's older MNIST/processed/{training,test}.pt, each a torch.save'd (uint8 N x 28 x 28, int64 N).
-Your own images: an ImageFolder tree (train/<class>/<image>, val/...) of PNG/JPEG files, and the
-WebDataset shards common.shards converts it to.
+Your own images: an ImageFolder tree (train/<class>/<image>, val/...) of PNG/JPEG files, the
+WebDataset shards common.shards converts it to, and the same images as a Hugging Face data set
+written by `datasets` itself (save_to_disk, or parquet files in the Hub's layout).
 The pixels come from the synthetic generator, so the files are learnable.
 """
 from __future__ import annotations
@@ -138,16 +139,49 @@ def write_shards(folder_root: Path, dest: Path, shard_mb: float = 64, seed: int 
     return dest
 
 
+def write_hf(folder_root: Path, dest: Path, layout: str = "parquet", rows_per_group: int = 37, files: int = 2,
+             seed: int = 0) -> Path:
+    """An ImageFolder tree's images (their files' bytes: PNG and JPEG) as a Hugging Face data set
+    with an Image column and a ClassLabel column named after the tree's classes, the training rows
+    shuffled (as the Hub's sets are): `layout` "parquet" writes DEST/data/train-0000K-of-0000N.parquet
+    and validation-*.parquet with row groups of `rows_per_group` rows, "disk" a
+    DatasetDict.save_to_disk folder (datasets' own record batches of 100 rows)."""
+    import datasets
+
+    from common.shards import class_images, folder_classes
+
+    classes = folder_classes(folder_root)
+    features = datasets.Features({"image": datasets.Image(), "label": datasets.ClassLabel(names=classes)})
+    splits = {}
+    for split, name in ((TRAIN, "train"), (VAL, "validation")):
+        rows = [(rel, label) for label, paths in class_images(folder_root, split, classes, lambda _: None)
+                for rel in paths]
+        if split == TRAIN:
+            random.Random(seed).shuffle(rows)
+        splits[name] = datasets.Dataset.from_dict(
+            {"image": [{"bytes": (folder_root / rel).read_bytes(), "path": Path(rel).name} for rel, _ in rows],
+             "label": [label for _, label in rows]}, features=features)
+    if layout == "disk":
+        datasets.DatasetDict(splits).save_to_disk(str(dest))
+        return dest
+    for name, split in splits.items():
+        (dest / "data").mkdir(parents=True, exist_ok=True)
+        for k in range(files):
+            part = split.shard(num_shards=files, index=k, contiguous=True)
+            part.to_parquet(str(dest / "data" / f"{name}-{k:05d}-of-{files:05d}.parquet"), batch_size=rows_per_group)
+    return dest
+
+
 def main() -> None:
     import argparse
 
     p = argparse.ArgumentParser(description="Write a generated data set in the real on-disk format, for offline runs.")
-    p.add_argument("dataset", choices=("cifar10", "mnist", "imagefolder", "shards"))
+    p.add_argument("dataset", choices=("cifar10", "mnist", "imagefolder", "shards", "hf"))
     p.add_argument("root", type=Path, help="the --data-dir to train from")
     p.add_argument("--train", type=int, default=None, help="training images (default: the real set's 50000 / 60000)")
     p.add_argument("--test", type=int, default=10000, help="test images (default: %(default)s)")
     p.add_argument("--shape", choices=("mnist", "cifar"), default="mnist",
-                   help="imagefolder and shards: grayscale 28x28 or RGB 32x32 images (default: %(default)s)")
+                   help="imagefolder, shards and hf: grayscale 28x28 or RGB 32x32 images (default: %(default)s)")
     a = p.parse_args()
     if a.dataset == "cifar10":
         write_cifar10(a.root, per_batch=(a.train or 50000) // len(CIFAR_TRAIN), test_size=a.test)
@@ -156,8 +190,9 @@ def main() -> None:
     elif a.dataset == "imagefolder":
         write_imagefolder(a.root, train_size=a.train or 60000, test_size=a.test, shape=a.shape)
     else:
+        write = write_shards if a.dataset == "shards" else write_hf
         with tempfile.TemporaryDirectory() as folder:
-            write_shards(write_imagefolder(Path(folder), a.train or 60000, a.test, a.shape), a.root)
+            write(write_imagefolder(Path(folder), a.train or 60000, a.test, a.shape), a.root)
     print(f"wrote generated {a.dataset} under {a.root}")
 
 

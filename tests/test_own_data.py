@@ -1,13 +1,15 @@
-"""Your own images: ImageFolder trees and WebDataset shards, written in the real formats (PIL's PNG
-and JPEG, tarfile's shards), read by the real loading code; in-process where the behaviour is the
-loader's, under torchrun where it is the job's."""
+"""Your own images: ImageFolder trees, WebDataset shards and Hugging Face data sets, written in the real
+formats (PIL's PNG and JPEG, tarfile's shards, `datasets`' save_to_disk and parquet files), read by the
+real loading code; in-process where the behaviour is the loader's, under torchrun where it is the job's."""
 from __future__ import annotations
 
 import io
 import shutil
+import sys
 import tarfile
 from dataclasses import replace
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -18,17 +20,19 @@ from common.data.loader import TrainLoader, global_order
 from common.data.reading import Reader
 from common.errors import UserError
 from common.shards import MANIFEST
+from common.shards import main as shards_main
 from tests.conftest import (
     child_env,
     equivalences,
     error_lines,
     free_port,
     latest_state,
+    one_launch,
     read_scalars,
     run_script,
     stop_after,
 )
-from tests.datagen import write_imagefolder, write_shards
+from tests.datagen import write_hf, write_imagefolder, write_shards
 from tests.s3server import S3Server
 
 CPU = torch.device("cpu")
@@ -38,11 +42,18 @@ RUN = ["--model", "lenet", "--batch-size", "24", "--eval-batch-size", "16", "--l
 @pytest.fixture(scope="module")
 def sets(tmp_path_factory) -> dict[str, Path]:
     """A learnable 28-px grayscale set as an ImageFolder tree (PNG and JPEG mixed), its shards
-    (uneven: 37 samples each, the last shorter), and an RGB set of varying sizes."""
+    (uneven: 37 samples each, the last shorter), the same images as a Hugging Face set in parquet
+    files of the Hub's layout (two files a split, row groups of 37 rows) and as a save_to_disk
+    folder (record batches of 100), and an RGB set of varying sizes."""
     root = tmp_path_factory.mktemp("sets")
     folder = write_imagefolder(root / "folder", train_size=240, test_size=61)
     return {"folder": folder, "shards": write_shards(folder, root / "shards", shard_mb=0.02),
+            "hf": write_hf(folder, root / "hf"), "hf-disk": write_hf(folder, root / "hf-disk", "disk"),
             "varying": write_imagefolder(root / "varying", train_size=96, test_size=20, shape="cifar", sizes=(20, 36))}
+
+
+LAYOUTS = {"imagefolder": ("folder", "imagefolder"), "shards": ("shards", "shards"), "hf parquet": ("hf", "hf"),
+           "hf save_to_disk": ("hf-disk", "hf")}  # a layout -> its set in `sets` and its --dataset
 
 
 def options(data_dir: Path | str, cache: Path, kind: str = "imagefolder", **changes) -> own.OwnData:
@@ -71,11 +82,12 @@ def global_batches(data, world: int, epoch: int = 1) -> list[torch.Tensor]:
 # ---------------------------------------------------------------- the sample stream
 
 @pytest.mark.quick
-@pytest.mark.parametrize("kind", ["imagefolder", "shards"])
-def test_the_sample_stream_is_the_same_at_every_world_size_worker_count_and_holding(kind, sets, tmp_path):
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_the_sample_stream_is_the_same_at_every_world_size_worker_count_and_holding(layout, sets, tmp_path):
     """Decoded into the cache or streamed by 0 or 2 workers, at world 1, 2 and 4: the same global
     batches, bit for bit (the augmentation too: drawn per global batch)."""
-    source = sets["folder" if kind == "imagefolder" else "shards"]
+    name, kind = LAYOUTS[layout]
+    source = sets[name]
     cached = dataset(options(source, tmp_path, kind))
     reference = global_batches(cached, 1)
     assert len(reference) == 240 // 24
@@ -89,6 +101,20 @@ def test_the_sample_stream_is_the_same_at_every_world_size_worker_count_and_hold
             got = global_batches(data, world)
             assert len(got) == len(reference) and all(torch.equal(a, b) for a, b in zip(got, reference)), \
                 (holding, world)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("layout", ["shards", "hf parquet"])
+def test_a_stream_resumed_mid_epoch_is_the_rest_of_the_epoch(layout, sets, tmp_path):
+    """What a run resumed at step k of an epoch reads (2 workers a rank, world 2): the batches of
+    steps k.. of the epoch it was cut in, bit for bit."""
+    name, kind = LAYOUTS[layout]
+    streamed = dataset(options(sets[name], tmp_path, kind, cache_gb=0.0, workers=2))
+    loaders = [TrainLoader(streamed.train, streamed.spec, 24, rank, 2, seed=3, device=CPU) for rank in range(2)]
+    for loader in loaders:
+        whole = [images for images, _ in loader.epoch(1)]
+        resumed = [images for images, _ in loader.epoch(1, start_step=7)]
+        assert len(resumed) == 3 and all(torch.equal(a, b) for a, b in zip(resumed, whole[7:]))
 
 
 @pytest.mark.quick
@@ -219,14 +245,134 @@ def test_skip_broken_trains_without_the_files_and_names_them(sets, tmp_path):
     assert torch.equal(batch.images[0], reader[position + 1][0])
 
 
+# ---------------------------------------------------------------- Hugging Face data sets
+
+@pytest.mark.quick
+@pytest.mark.parametrize("layout", ["hf parquet", "hf save_to_disk"])
+def test_a_hugging_face_set_holds_the_images_of_its_tree_with_the_classlabel_names(layout, sets, tmp_path):
+    """The same images as the ImageFolder tree: the validation split row for row (it keeps the tree's
+    order), the training split as the same multiset (shuffled when written); the ClassLabel's names."""
+    tree = dataset(options(sets["folder"], tmp_path))
+    name, kind = LAYOUTS[layout]
+    data = dataset(options(sets[name], tmp_path, kind))
+    assert data.names() == tree.names() and data.spec == tree.spec
+    assert torch.equal(data.test.images, tree.test.images) and torch.equal(data.test.labels, tree.test.labels)
+    flat = lambda split: sorted(zip(split.labels.tolist(), split.images.flatten(1).tolist()))  # noqa: E731
+    assert flat(data.train) == flat(tree.train)
+
+
+def _hub_cache(source: Path, cache: Path, name: str) -> None:
+    """`source` as huggingface_hub leaves a data set's download in its cache: refs/main naming a
+    snapshot folder that holds the repository's files."""
+    repo = cache / f"datasets--{name.replace('/', '--')}"
+    (repo / "refs").mkdir(parents=True)
+    (repo / "refs" / "main").write_text("0" * 40)
+    shutil.copytree(source, repo / "snapshots" / ("0" * 40))
+
+
+@pytest.mark.quick
+def test_a_hub_name_is_read_from_the_local_cache_only(sets, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    _hub_cache(sets["hf"], tmp_path / "hub", "someone/digits")
+    data = dataset(options("someone/digits", tmp_path / "cache", "hf"))
+    assert len(data.train) == 240 and len(data.test) == 61
+    with pytest.raises(UserError, match=r"no snapshot of the Hub data set someone/other .*hf download") as error:
+        dataset(options("someone/other", tmp_path / "cache", "hf"))
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("layout", ["hf parquet", "hf save_to_disk"])
+def test_the_converter_takes_a_hugging_face_set(layout, sets, tmp_path, capsys):
+    """python -m common.shards HF_SOURCE DEST: shards of the same images and class names, each row's
+    bytes verbatim (PNG and JPEG members)."""
+    name, kind = LAYOUTS[layout]
+    assert shards_main([str(sets[name]), str(tmp_path / "shards")]) == 0
+    assert "wrote train 240 samples" in capsys.readouterr().out
+    members = {n.rsplit(".", 1)[1] for shard in (tmp_path / "shards").glob("train-*.tar")
+               for n in tarfile.open(shard).getnames()}
+    assert members == {"png", "jpg", "cls"}
+    hf, shards = dataset(options(sets[name], tmp_path, kind)), dataset(options(tmp_path / "shards", tmp_path, "shards"))
+    assert shards.names() == hf.names() and torch.equal(shards.test.images, hf.test.images)
+
+
+@pytest.mark.quick
+def test_without_pyarrow_the_hugging_face_layout_is_one_line_naming_the_install(sets, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "pyarrow", None)  # what an import finds when the package is not installed
+    with pytest.raises(UserError, match=r"--dataset hf needs pyarrow, .*pip install -r requirements-hf\.txt$"):
+        dataset(options(sets["hf"], tmp_path, "hf"))
+
+
+def _rewrite_parquet(path: Path, change) -> None:
+    """The parquet file rewritten with change(rows) applied to its rows (dicts), its schema (and so
+    its ClassLabel metadata) and row groups of 37 kept."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    table = pq.read_table(path)
+    rows = table.to_pylist()
+    change(rows)
+    pq.write_table(pa.Table.from_pylist(rows, schema=table.schema), path, row_group_size=37)
+
+
+def _set_row(index: int, column: str, value) -> Callable:
+    def change(rows: list[dict]) -> None:
+        if column == "image":
+            rows[index]["image"] = {**rows[index]["image"], "bytes": value}
+        else:
+            rows[index][column] = value
+    return change
+
+
+def _sorted_by_class(data: Path) -> None:
+    """The training split as one file whose rows are sorted by class."""
+    (data / "train-00001-of-00002.parquet").unlink()
+    _rewrite_parquet(data / "train-00000-of-00002.parquet", lambda rows: rows.sort(key=lambda row: row["label"]))
+
+
+def _cut_short(path: Path) -> None:
+    path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+
+
+HF_DAMAGE = {  # case -> (its damage to the data/ folder, the flags, the line)
+    "a missing image column": (lambda data: None, {"image_key": "img"},
+                               r"has no column 'img' \(--hf-image-key\); its columns: image, label"),
+    "a label out of range": (lambda data: _rewrite_parquet(data / "validation-00000-of-00002.parquet",
+                                                           _set_row(3, "label", 10)), {},
+                             r"validation-00000-of-00002\.parquet:row 3 has label 10 .*outside the 10 classes"),
+    "an image that does not decode": (lambda data: _rewrite_parquet(data / "train-00001-of-00002.parquet",
+                                                                    _set_row(5, "image", b"<html>")), {},
+                                      r"train-00001-of-00002\.parquet:row 5 is not a readable image .*--skip-broken"),
+    "a parquet file cut short": (lambda data: _cut_short(data / "train-00000-of-00002.parquet"), {},
+                                 r"train-00000-of-00002\.parquet is not a readable parquet file .*copy it again"),
+    "training rows sorted by class": (_sorted_by_class, {}, r"training rows of .* are sorted by class.*ds\.shuffle"),
+}
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("case", HF_DAMAGE)
+def test_a_damaged_hugging_face_set_is_one_line_naming_the_file_and_row(case, sets, tmp_path):
+    source = Path(shutil.copytree(sets["hf"], tmp_path / "copy"))
+    damage, flags, message = HF_DAMAGE[case]
+    damage(source / "data")
+    with pytest.raises(UserError, match=message) as error:
+        dataset(options(source, tmp_path / "cache", "hf", **flags))
+    assert "\n" not in str(error.value)
+
+
 # ---------------------------------------------------------------- whole jobs
 
 def train(data: Path | str, tmp_path: Path, *flags: str, nproc: int | None = 2,
           script: tuple[str, ...] = ("train_ddp.py",), torchrun: tuple[str, ...] = (),
           env: dict[str, str] | None = None, name: str = "run"):
-    args = [*script, "--data-dir", str(data), "--cache-dir", str(tmp_path / "cache"), *RUN,
+    return run_script(train_args(data, tmp_path, *flags, script=script, name=name), nproc=nproc, torchrun=torchrun,
+                      env=env, timeout=300)
+
+
+def train_args(data: Path | str, tmp_path: Path, *flags: str, script: tuple[str, ...] = ("train_ddp.py",),
+               name: str = "run") -> list[str]:
+    return [*script, "--data-dir", str(data), "--cache-dir", str(tmp_path / "cache"), *RUN,
             "--checkpoint-dir", str(tmp_path / name), "--log-dir", str(tmp_path / f"tb-{name}"), *flags]
-    return run_script(args, nproc=nproc, torchrun=torchrun, env=env, timeout=300)
 
 
 def ok(result) -> None:
@@ -248,38 +394,47 @@ def test_an_image_folder_learns_evaluates_exactly_and_is_decoded_once(sets, tmp_
 
 
 def test_check_equivalence_holds_on_own_images(sets, tmp_path):
-    """Covers (one launch): streamed shards with 2 workers per rank; varying sizes with random-resized
-    crops drawn per global batch. Each equals one process within the tolerance."""
-    rows = {"shards": ["--cache-gb", "0", "--workers", "2"], "varying": ["--image-size", "20"]}
-    runs = [["train_ddp.py", "--dataset", "shards" if name == "shards" else "imagefolder", "--data-dir",
-             str(sets[name]), "--cache-dir", str(tmp_path / "cache"), *RUN, "--check-equivalence", "3", *flags]
-            for name, flags in rows.items()]
+    """Covers (one launch): streamed shards and a streamed Hugging Face parquet set with 2 workers per
+    rank; varying sizes with random-resized crops drawn per global batch. Each equals one process
+    within the tolerance."""
+    streamed = ["--cache-gb", "0", "--workers", "2"]
+    rows = {"shards": ("shards", streamed), "hf": ("hf", streamed), "varying": ("imagefolder", ["--image-size", "20"])}
+    runs = [["train_ddp.py", "--dataset", kind, "--data-dir", str(sets[name]), "--cache-dir", str(tmp_path / "cache"),
+             *RUN, "--check-equivalence", "3", *flags] for name, (kind, flags) in rows.items()]
     for name, verdict in zip(rows, equivalences(runs, 2, tmp_path)):
         print(f"\n{name}: max |dw| = {verdict.max_dw:.3g} after {verdict.steps} steps")
         assert verdict.max_dw <= verdict.tolerance and verdict.steps == 3
 
 
+STREAMED = ("shards", "hf")  # the layouts whose streamed runs are cut: each its set in `sets` and its --dataset
+
+
 @pytest.fixture(scope="module")
 def uninterrupted(sets, tmp_path_factory) -> dict:
+    """Each streamed layout's weights after 2 uninterrupted epochs: its runs in one launch."""
     folder = tmp_path_factory.mktemp("uninterrupted")
-    ok(train(sets["shards"], folder, *STREAM, "--epochs", "2"))
-    return latest_state(folder / "run")["model"]
+    runs = [train_args(sets[kind], folder, *stream(kind), "--epochs", "2", name=kind) for kind in STREAMED]
+    ok(run_script(one_launch(runs), nproc=2, timeout=300))
+    return {name: latest_state(folder / name)["model"] for name in STREAMED}
 
 
-STREAM = ["--dataset", "shards", "--cache-gb", "0", "--workers", "2", "--save-every-steps", "3"]
+def stream(kind: str) -> list[str]:
+    return ["--dataset", kind, "--cache-gb", "0", "--workers", "2", "--save-every-steps", "3"]
 
 
-@pytest.mark.parametrize("fault", ["sigkill", "sigterm"])
-def test_a_streamed_run_cut_mid_epoch_resumes_to_the_same_weights(fault, uninterrupted, sets, tmp_path):
-    """10 steps per epoch; the fault at step 13: SIGKILL restarts from step 12's checkpoint, SIGTERM
-    stops after step 15's save (epoch 2, step 5); both continue mid-epoch with 2 workers per rank."""
+@pytest.mark.parametrize("fault, layout", [("sigkill", "hf"), ("sigterm", "shards")])
+def test_a_streamed_run_cut_mid_epoch_resumes_to_the_same_weights(fault, layout, uninterrupted, sets, tmp_path):
+    """10 steps per epoch; the fault at step 13: SIGKILL restarts from step 12's checkpoint (a Hugging
+    Face parquet set), SIGTERM stops after step 15's save (epoch 2, step 5; shards); both continue
+    mid-epoch with 2 workers per rank."""
     torchrun = ("--max-restarts=1",) if fault == "sigkill" else ()
-    cut = train(sets["shards"], tmp_path, *STREAM, "--epochs", "2", script=("tests/faults.py", "ddp", fault, "13"),
+    flags = stream(layout)
+    cut = train(sets[layout], tmp_path, *flags, "--epochs", "2", script=("tests/faults.py", "ddp", fault, "13"),
                 torchrun=torchrun)
     if fault == "sigterm":
         assert cut.returncode != 0 and f"stopped by SIGTERM after step {stop_after(13, 10, 3)} " in cut.stderr, \
             cut.stderr[-2000:]
-        resumed = train(sets["shards"], tmp_path, *STREAM, "--epochs", "2")
+        resumed = train(sets[layout], tmp_path, *flags, "--epochs", "2")
         ok(resumed)
         assert "epoch 2, step 5" in resumed.stdout
     else:
@@ -287,8 +442,9 @@ def test_a_streamed_run_cut_mid_epoch_resumes_to_the_same_weights(fault, uninter
         assert "resumed from" in cut.stdout
     state = latest_state(tmp_path / "run")
     assert state["epoch"] == 2
-    dw = max((state["model"][k] - uninterrupted[k]).abs().max().item() for k in uninterrupted)
-    print(f"\n{fault} mid-epoch with 2 workers per rank, resumed: max |dw| = {dw:.3g}")
+    reference = uninterrupted[layout]
+    dw = max((state["model"][k] - reference[k]).abs().max().item() for k in reference)
+    print(f"\n{fault} mid-epoch ({layout}) with 2 workers per rank, resumed: max |dw| = {dw:.3g}")
     assert dw <= 1e-5  # the same world and the same sums in the same order: the same bits by design, on any CPU
 
 
@@ -310,6 +466,19 @@ def s3(sets) -> S3Server:
     server.upload_tree("data", "shards", sets["shards"])
     yield server
     server.stop()
+
+
+def test_a_hugging_face_set_at_a_url_streams_the_batches_of_its_local_copy(s3, sets, tmp_path, monkeypatch):
+    """In-process (the server is the module's): parquet files at s3://, read by row groups through
+    fsspec with 2 workers, give the local copy's global batches at world 2, and its class names."""
+    s3.upload_tree("data", "hf", sets["hf"])
+    for name, value in s3.env().items():
+        monkeypatch.setenv(name, value)
+    remote = dataset(options("s3://data/hf", tmp_path / "remote", "hf", cache_gb=0.0, workers=2))
+    local = dataset(options(sets["hf"], tmp_path / "local", "hf", cache_gb=0.0))
+    assert remote.names() == local.names() and remote.held.startswith("streamed")
+    got, reference = global_batches(remote, 2), global_batches(local, 1)
+    assert len(got) == len(reference) and all(torch.equal(a, b) for a, b in zip(got, reference))
 
 
 def test_shards_from_the_store_are_fetched_once_and_a_small_cache_still_completes(s3, sets, tmp_path):
@@ -342,6 +511,7 @@ def test_shards_from_the_store_are_fetched_once_and_a_small_cache_still_complete
     (["--dataset", "imagefolder"], "--dataset imagefolder needs --data-dir"),
     (["--dataset", "imagefolder", "--data-dir", "s3://b/x"], "convert it to shards"),
     (["--dataset", "shards", "--data-dir", "d", "--shard-cache-gb", "0"], "--shard-cache-gb > 0"),
+    (["--dataset", "shards", "--data-dir", "d", "--hf-image-key", "img"], "--hf-image-key applies to --dataset hf"),
 ])
 def test_own_data_flags_are_checked_before_any_process_group(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:
@@ -356,3 +526,6 @@ def test_the_data_folder_and_image_size_are_part_of_a_runs_identity():
                           world_size=1).run_id
     assert run_id("--data-dir", "a") != run_id("--data-dir", "b") != run_id("--data-dir", "b", "--image-size", "64")
     assert run_id("--data-dir", "a", "--workers", "3", "--cache-gb", "0") == run_id("--data-dir", "a")
+    hf = lambda *argv: parse_args(["--dataset", "hf", "--data-dir", "a", *argv], strategy="ddp",  # noqa: E731
+                                  default_dataset="cifar10", world_size=1).run_id
+    assert hf() == hf("--hf-label-key", "label") != hf("--hf-label-key", "fine_label")

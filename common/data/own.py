@@ -1,4 +1,4 @@
-"""--dataset imagefolder | shards: your own images, prepared once per node by its local rank 0.
+"""--dataset imagefolder | shards | hf: your own images, prepared once per node by its local rank 0.
 
 Preparing: index the set (cached by its files' names, sizes and dates, or its objects' ETags),
 choose the geometry, measure the normalization statistics on STATS_SAMPLES training images, then
@@ -22,7 +22,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
+from common import hfsets
 from common import shards as layout
+from common.data import hf
 from common.data.cache import (
     META,
     cache_folder,
@@ -59,7 +61,7 @@ STATS_SHARDS = 8  # shards the statistics are measured on
 
 @dataclass(frozen=True)
 class OwnData:
-    kind: str  # imagefolder | shards
+    kind: str  # imagefolder | shards | hf
     data_dir: str
     cache_dir: str
     storage_options: dict[str, Any]
@@ -72,13 +74,15 @@ class OwnData:
     verify_data: bool = False  # fingerprint the files by their bytes, not their sizes and dates
     decode: str = "cpu"  # --decode: where a streamed set's training JPEGs are decoded (cpu | gpu | auto)
     device: str = "cpu"  # the rank's device, where --decode gpu decodes
+    image_key: str = "image"  # hf: the columns of the images and of their classes
+    label_key: str = "label"
 
     @property
     def cache_root(self) -> Path:
         return Path(self.cache_dir or default_cache_dir())
 
     def shard_cache(self, versions: dict[str, str]) -> ShardCache | None:
-        if not is_url(self.data_dir):
+        if not is_url(self.data_dir) or self.kind == "hf":  # hf reads a URL's row groups by range: no copies
             return None
         return ShardCache(self.data_dir, self.storage_options, cache_folder(self.cache_dir, self.data_dir) / "shards",
                           int(self.shard_cache_gb * 2**30), versions)
@@ -114,8 +118,9 @@ def load_index(opts: OwnData, say: Say) -> SetIndex:
                         "(and mounted)") from None
     # one index per set, however named
     where = opts.data_dir if is_url(opts.data_dir) else os.path.abspath(opts.data_dir)
-    key = hashlib.sha256(json.dumps([INDEX_FORMAT, opts.kind, where, opts.skip_broken, opts.verify_data]).encode()
-                         ).hexdigest()
+    columns = [opts.image_key, opts.label_key] if opts.kind == "hf" else []
+    key = hashlib.sha256(json.dumps([INDEX_FORMAT, opts.kind, where, opts.skip_broken, opts.verify_data, *columns]
+                                    ).encode()).hexdigest()
     folder = opts.cache_root / "index" / f"{opts.kind}-{key[:16]}-{fingerprint[:16]}"
     in_use(folder, lambda: build_index(opts, folder, listing, fingerprint, say), say)
     for superseded in folder.parent.glob(f"{opts.kind}-{key[:16]}-*"):  # the set's earlier content
@@ -170,16 +175,21 @@ CACHE_ADVICE = {errno.ENOSPC: "free space there, or pass another --cache-dir",
                 None: "pass a --cache-dir that is a writable folder with room"}
 
 
-def build_index(opts: OwnData, folder: Path, listing: dict[str, str], fingerprint: str, say: Say) -> None:
+def build_index(opts: OwnData, folder: Path, listing: dict[str, str] | hfsets.Source, fingerprint: str,
+                say: Say) -> None:
     say(f"indexing {opts.data_dir} ...")
     staging = staging_for(folder)
+    root, versions = opts.data_dir, {}
     try:
-        if opts.kind == "imagefolder":
+        if isinstance(listing, hfsets.Source):  # a Hub name's root is its snapshot in the Hugging Face cache
+            root = listing.root
+            classes, survey = hf.index_into(listing, staging, opts.storage_options, opts.image_key, opts.label_key,
+                                            opts.prepare_workers, opts.skip_broken)
+        elif opts.kind == "imagefolder":
             classes, survey = index_folder(Path(opts.data_dir), staging, opts.prepare_workers, opts.skip_broken)
-            versions: dict[str, str] = {}
         else:
             classes, survey, versions = index_shards_into(opts, staging, listing)  # classes: their names
-        publish(staging, folder, {"format": INDEX_FORMAT, "kind": opts.kind, "root": opts.data_dir, "classes": classes,
+        publish(staging, folder, {"format": INDEX_FORMAT, "kind": opts.kind, "root": root, "classes": classes,
                                   "fingerprint": fingerprint, "versions": versions, **survey.meta(),
                                   "tensors": shapes_of(staging)})
     finally:
@@ -200,16 +210,21 @@ def check_not_empty(index: SetIndex) -> None:
     for split, table in (("train", index.train), ("val", index.test)):
         if not len(table):
             skipped = f" ({index.skipped_count} unreadable file(s) skipped)" if index.skipped_count else ""
-            where = f"{index.root}/{split}/<class>/" if index.kind == "imagefolder" else f"{index.root}/{split}-*.tar"
+            where = {"imagefolder": f"{index.root}/{split}/<class>/", "shards": f"{index.root}/{split}-*.tar",
+                     "hf": f"its {'train' if split == 'train' else 'validation (or test)'} split"}[index.kind]
             raise UserError(f"--data-dir {index.root}: its {split} split holds no image{skipped}; add images in "
                             f"{where} (a set is trained on train and evaluated on val)")
 
 
-def fingerprint_of(opts: OwnData) -> tuple[str, dict[str, str]]:
+def fingerprint_of(opts: OwnData) -> tuple[str, dict[str, str] | hfsets.Source]:
     """What identifies the set's content: each file's name, size and date (each object's ETag), or
-    with --verify-data its bytes' hash; and, for shards, the listing (name -> version) of the folder."""
+    with --verify-data its bytes' hash; and, for shards, the listing (name -> version) of the folder,
+    for hf the files of its splits."""
     if opts.kind == "imagefolder":
         return folder_fingerprint(Path(opts.data_dir), opts.verify_data), {}
+    if opts.kind == "hf":
+        source = hfsets.resolve(opts.data_dir, opts.storage_options, lambda path: file_version(path, opts.verify_data))
+        return source.fingerprint(), source
     listing = shard_listing(opts)
     return hashlib.sha256(json.dumps(listing, sort_keys=True).encode()).hexdigest(), listing
 
@@ -305,6 +320,10 @@ def class_names(opts: OwnData, shard_set: layout.ShardSet, listing: dict[str, st
 def reader(index: SetIndex, split: str, geometry: Geometry, opts: OwnData, store: Ragged | None = None) -> Reader:
     table = index.train if split == "train" else index.test
     stored = geometry.train if split == "train" else geometry.test
+    if opts.kind == "hf":
+        return hf.HFReader(table, index.root, stored, geometry.channels, opts.skip_broken,
+                           geometry.augment if split == "train" else "none", store, opts.image_key,
+                           opts.storage_options)
     return Reader(table, index.root, stored, geometry.channels, opts.skip_broken, opts.shard_cache(index.versions),
                   geometry.augment if split == "train" else "none", store)
 

@@ -174,13 +174,13 @@ def pinned(cfg: Config, weights: Loaded) -> Config:
 
 
 def own_data(cfg: Config, ctx: DistContext) -> OwnData | None:
-    """How to read --dataset imagefolder | shards; None for the built-in sets."""
+    """How to read --dataset imagefolder | shards | hf; None for the built-in sets."""
     if cfg.dataset not in OWN_DATASETS:
         return None
     workers = default_workers(ctx.local_world_size) if cfg.workers is None else cfg.workers
     return OwnData(cfg.dataset, cfg.data_dir, cfg.cache_dir, cfg.storage_options, cfg.image_size, workers,
                    default_workers(1) + 1, cfg.skip_broken, cfg.cache_gb, cfg.shard_cache_gb, cfg.verify_data,
-                   cfg.decode, str(ctx.device))
+                   cfg.decode, str(ctx.device), cfg.hf_image_key, cfg.hf_label_key)
 
 
 def process_age_s() -> float:
