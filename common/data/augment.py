@@ -4,12 +4,14 @@ its position in the global batch), so every sample is augmented the same at any 
 worker count and on resume.
 
 The policies draw their ops and magnitudes from a per-sample torch.Generator (Policy) and apply
-torchvision's ops; random erasing still seeds torch's global CPU generator per sample and restores
-it afterwards, so dropout's reseeding (common/train/step.py) sees what it would without it.
+torchvision's ops; random erasing draws its box from one too (Eraser) and fills it in place. No
+global random state is touched, so dropout's reseeding (common/train/step.py) sees what it would
+without them.
 """
 from __future__ import annotations
 
 import hashlib
+import math
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
@@ -57,13 +59,31 @@ def make_policy(augment: str) -> Callable[[torch.Tensor], torch.Tensor] | None:
     return policies[augment]()
 
 
-def make_eraser(probability: float) -> Callable[[torch.Tensor], torch.Tensor] | None:
-    """torchvision's RandomErasing writing 0 (the mean, on a normalized image) into the image in
-    place; None for 0."""
-    if not probability:
+class Eraser:
+    """torchvision's v2.RandomErasing(p, ERASE_SCALE, ERASE_RATIO, value=0): from the same generator
+    state it draws what torchvision's forward draws from the global one (whether to erase, then up
+    to ten tries at a box that fits), and the box is filled with 0 (the mean, on a normalized
+    image) in place; a rank spends a few scalar draws per sample on it, no transform call."""
+
+    TRIES = 10
+
+    def __init__(self, probability: float) -> None:
+        self.probability = probability
+        self.log_ratio = torch.log(torch.tensor(ERASE_RATIO))  # float32, as torchvision computes it
+
+    def box(self, g: torch.Generator, height: int, width: int) -> tuple[int, int, int, int] | None:
+        """(top, left, height, width) of the erased box, or None where the image is left alone."""
+        if torch.rand(1, generator=g) >= self.probability:
+            return None
+        for _ in range(self.TRIES):
+            area = height * width * torch.empty(1).uniform_(ERASE_SCALE[0], ERASE_SCALE[1], generator=g).item()
+            aspect = torch.exp(torch.empty(1).uniform_(self.log_ratio[0], self.log_ratio[1], generator=g)).item()
+            h, w = int(round(math.sqrt(area * aspect))), int(round(math.sqrt(area / aspect)))
+            if h < height and w < width:
+                top = int(torch.randint(0, height - h + 1, size=(1,), generator=g).item())
+                left = int(torch.randint(0, width - w + 1, size=(1,), generator=g).item())
+                return top, left, h, w
         return None
-    from torchvision.transforms import v2
-    return v2.RandomErasing(p=probability, scale=ERASE_SCALE, ratio=ERASE_RATIO, value=0, inplace=True)
 
 
 class Policy:
@@ -131,7 +151,7 @@ class SampleAugment:
 
     def __init__(self, augment: str, random_erase: float) -> None:
         self.policy = Policy(augment)
-        self.eraser = make_eraser(random_erase)
+        self.eraser = Eraser(random_erase) if random_erase else None
 
     def apply_policy(self, images: torch.Tensor, seed: int, epoch: int, step: int,
                      positions: Sequence[int]) -> torch.Tensor:
@@ -142,21 +162,15 @@ class SampleAugment:
         return images
 
     def erase(self, images: torch.Tensor, seed: int, epoch: int, step: int, positions: Sequence[int]) -> torch.Tensor:
-        """Random erasing, in place, on each normalized image of the batch (each row a view: the
-        eraser writes where it lies, whatever the batch's memory format)."""
-        if self.eraser is not None:
-            _each_seeded(self.eraser, images, [sample_seed(seed, epoch, step, p, "erase") for p in positions])
+        """Random erasing, in place, on each normalized image of the batch (a slice of its row: it
+        is filled where it lies, whatever the batch's memory format)."""
+        if self.eraser is None:
+            return images
+        height, width = images.shape[-2:]
+        for row, p in zip(images, positions):
+            g = torch.Generator().manual_seed(sample_seed(seed, epoch, step, p, "erase"))
+            box = self.eraser.box(g, height, width)
+            if box is not None:
+                top, left, h, w = box
+                row[:, top:top + h, left:left + w] = 0
         return images
-
-
-def _each_seeded(transform: Callable[[torch.Tensor], torch.Tensor], images: torch.Tensor,
-                 seeds: list[int]) -> list[torch.Tensor]:
-    """`transform` on each image alone, torch's CPU generator seeded with the image's seed first
-    (only the CPU one: torch.manual_seed would reseed the GPUs' too, which fork_rng(devices=[])
-    does not restore); the generator's state is restored after."""
-    with torch.random.fork_rng(devices=[]):
-        out = []
-        for image, seed in zip(images, seeds):
-            torch.default_generator.manual_seed(seed)
-            out.append(transform(image))
-        return out
