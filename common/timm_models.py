@@ -32,7 +32,7 @@ from common.errors import UserError, first_line
 
 TIMM = "timm:"
 LOCAL_DIR = "local-dir:"
-INSTALL = "pip install timm (or pip install -r requirements-optional.txt)"
+INSTALL = "pip install timm"
 # The files a local-dir folder may hold the weights in, in the order timm prefers them
 # (timm.models._hub._PREFERRED_FILES' plain-data ones first).
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "pytorch_model.pth", "model.pth")

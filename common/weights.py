@@ -459,7 +459,7 @@ class Loaded:
         notes.append(self.normalized)
         if self.pretrained:
             shown = ", ".join(f"{k} {v}" for k, v in self.pretrained.items() if k not in ("mean", "std", "source"))
-            notes.append(f"pretrained at {shown} (--image-size, --crop-pct, --interpolation choose this run's)")
+            notes.append(f"pretrained at {shown} (--image-size chooses this run's input size)")
         return f"weights {self.flag} ({self.what}): {'; '.join(notes)}"
 
 
