@@ -31,7 +31,7 @@ from common.config import Config
 from common.errors import ConfigError
 from common.parallel.comm import broadcast_coalesced, replicate_from_rank0
 from common.parallel.context import DistContext
-from common.train.optim import Piece, decays, local, make_optimizer, tensor_state, whole_pieces
+from common.train.optim import Piece, Stepping, local, make_optimizer, tensor_state, whole_pieces
 from common.train.strategy import Strategy
 
 SHARDS = ("full", "optimizer")
@@ -88,7 +88,8 @@ class ZeroOne(Sharded):
         """Over the parts of each parameter in this rank's slice: each keeps its parameter's decay,
         and LARS/LAMB sum their norms over the ranks."""
         self.state_keys = tensor_state(cfg)
-        return make_optimizer(cfg, self.flat.pieces(cfg), len(self.flat.everything), reduce=dist.all_reduce)
+        self.stepping = Stepping.of(cfg, model)
+        return make_optimizer(cfg, self.flat.pieces(), self.stepping, reduce=dist.all_reduce)
 
     def zero_grad(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.flat.zero_grad()  # in place: the gradients stay views of the flat buffer
@@ -116,8 +117,8 @@ class ZeroOne(Sharded):
         state tensor's pieces placed in a slice, the slices all-gathered and cut per parameter."""
         pieces = [p for group in optimizer.param_groups for p in group["params"]]
         step = self._step_count(optimizer, pieces)
-        groups = [{**g, "params": self.flat.members(decayed)}  # the decayed group first, as make_optimizer
-                  for g, decayed in zip(optimizer.state_dict()["param_groups"], (True, False))]
+        groups = [{**g, "params": self.stepping.members(key)}  # in make_optimizer's order
+                  for g, key in zip(optimizer.state_dict()["param_groups"], self.stepping.groups())]
         if step is None:
             return {"state": {}, "param_groups": groups}
         full = {key: self.flat.unflatten(self.flat.gather(self.flat.place(
@@ -196,19 +197,14 @@ class FlatParameters:
         """A region per parameter, in the parameter's own layout (channels_last stays channels_last)."""
         return [flat.as_strided(p.shape, p.stride(), o) for p, o in zip(self.params, self.offsets)]
 
-    def pieces(self, cfg: Config) -> list[Piece]:
+    def pieces(self) -> list[Piece]:
         """Each parameter's part that falls in this rank's slice, as a view of the flat buffer (the
         padding at the end belongs to no parameter and is never stepped)."""
         spans = [(i, a, b) for i, (p, o) in enumerate(zip(self.params, self.offsets))
                  if (a := max(o, self.lo)) < (b := min(o + p.numel(), self.hi))]
-        self.flags = [decays(p, cfg) for p in self.everything]
-        self.stepped = [Piece(self.flat[a:b], self.positions[i], self.flags[self.positions[i]]) for i, a, b in spans]
+        self.stepped = [Piece(self.flat[a:b], self.positions[i]) for i, a, b in spans]
         self.span = {id(piece.tensor): (a, b) for piece, (_, a, b) in zip(self.stepped, spans)}  # in the flat buffer
         return self.stepped
-
-    def members(self, decayed: bool) -> list[int]:
-        """The positions of the parameters in a decay group, as one process's optimizer lists them."""
-        return [i for i, flag in enumerate(self.flags) if flag == decayed]
 
     def place(self, values: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         """This rank's slice with each piece's state tensor at its place (zeros where there is none)."""
@@ -310,8 +306,7 @@ class FullShard(Sharded):
 
     def make_optimizer(self, cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
         """Over the shards (DTensors); LARS/LAMB sum each parameter's squared norm over them."""
-        params = list(model.parameters())
-        return make_optimizer(cfg, whole_pieces(params, cfg), len(params), reduce=dist.all_reduce)
+        return make_optimizer(cfg, whole_pieces(model.parameters()), Stepping.of(cfg, model), reduce=dist.all_reduce)
 
     def ema_tensors(self, model: nn.Module) -> list[torch.Tensor]:
         """The shards: resharded first, as a forward without a backward (evaluation) leaves the

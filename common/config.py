@@ -17,6 +17,7 @@ from common.credentials import read_storage_options
 from common.models import MODELS, model_problem
 from common.optimizers import OPTIMIZERS
 from common.storage import log_url_problem, url_problem
+from common.timm_models import is_timm
 from common.weights import NORMALIZATIONS, weights_problem
 
 DATASETS = ("cifar10", "mnist", "synthetic", "imagefolder", "shards", "hf")
@@ -84,6 +85,9 @@ class Config:
     betas: tuple[float, float]
     eps: float
     decay_norm_and_bias: bool
+    layer_decay: float
+    backbone_lr_scale: float
+    drop_path: float
     warmup: float
     min_lr: float
     milestones: tuple[int, ...]
@@ -161,11 +165,15 @@ IDENTITY = ("dataset", "model", "weights", "batch_size", "lr", "momentum", "weig
             "augment", "random_erase", "ema", "clip_grad_norm")
 
 
+# Settings that join the identity only when chosen (their default here): a run of the default keeps
+# the identity it had before the flag existed.
+WHEN_CHOSEN = {"normalization": "auto", "layer_decay": 0.0, "backbone_lr_scale": 1.0, "drop_path": 0.0}
+
+
 def run_identity(flags: dict[str, Any], strategy_options: Sequence[str] = ()) -> dict[str, Any]:
     """The identity of a run from its flags (a Config's, or those saved in a checkpoint)."""
     keys = [*IDENTITY, *(["synthetic_shape"] if flags.get("dataset") == "synthetic" else []),
-            # only when chosen: a run of the default keeps the identity it had before the flag existed
-            *(["normalization"] if flags.get("normalization", "auto") != "auto" else []),
+            *(key for key, default in WHEN_CHOSEN.items() if flags.get(key, default) != default),
             *(["extend_to"] if flags.get("extend_to") else []),  # an extension: a run of its own
             *(["data_dir", "image_size"] if flags.get("dataset") in OWN_DATASETS else []),
             *(["hf_image_key", "hf_label_key"] if flags.get("dataset") == "hf" else []), *strategy_options]
@@ -254,18 +262,22 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
     own.add_argument("--hf-label-key", default=None, metavar="COLUMN",
                      help="--dataset hf: the column of the class indices, a ClassLabel names them (default: label)")
     add("--model", default=None, help=f"one of {', '.join(MODELS)}; torchvision:NAME, a torchvision classification "
-                                      "model, untrained; or MODULE:FUNCTION, your FUNCTION(channels, size, classes) "
-                                      "returning an nn.Module, from PYTHONPATH or the current directory "
+                                      "model, untrained; timm:NAME[.TAG], any model of timm.list_models() (pip "
+                                      "install timm), untrained; or MODULE:FUNCTION, your FUNCTION(channels, size, "
+                                      "classes) returning an nn.Module, from PYTHONPATH or the current directory "
                                       "(default: per data set)")
     add("--weights", default="", metavar="SOURCE",
         help="start from trained weights: for torchvision:NAME a weights name of its registry (DEFAULT, "
-             "IMAGENET1K_V1, ...), read from the torch hub cache; for any model a file or URL of a state dict or of "
-             "a checkpoint of this suite (its weights only). A head of another shape is replaced (docs/recipes.md)")
+             "IMAGENET1K_V1, ...), read from the torch hub cache; for timm:NAME[.TAG] DEFAULT, timm's pretrained "
+             "weights of that tag, read from the Hugging Face cache (HF_HUB_OFFLINE honoured); for any model "
+             "local-dir:FOLDER (what `hf download REPO --local-dir FOLDER` writes), or a file or URL of a state "
+             "dict or of a checkpoint of this suite (its weights only). A head of another shape is replaced "
+             "(docs/recipes.md)")
     add("--normalization", default="auto", choices=NORMALIZATIONS,
         help="with --weights, the mean and std images are normalized with: auto (the weights' own where they are "
-             "torchvision's, by name or as a file of its registry, found by its name or its content; else the data "
-             "set's statistics), data (the data set's), imagenet (ImageNet's, for weights trained on it elsewhere, "
-             "such as timm's) (default: %(default)s)")
+             "torchvision's, by name or as a file of its registry, found by its name or its content; timm's "
+             "pretrained config for DEFAULT or a local-dir folder; else the data set's statistics), data (the data "
+             "set's), imagenet (ImageNet's, for weights trained on it elsewhere) (default: %(default)s)")
     add("--epochs", type=int, default=None, help="training epochs (default: per data set)")
     add("--batch-size", type=int, default=None, help="GLOBAL batch, split evenly across ranks (default: per data set)")
     add("--seed", type=int, default=0, help="seed of weights, shuffling and augmentation (default: %(default)s)")
@@ -344,6 +356,13 @@ def _add_optimizer_flags(group: argparse._ArgumentGroup) -> None:
     add("--decay-norm-and-bias", action="store_true",
         help="decay every parameter; by default norm layers' weights and all biases get no weight decay (the "
              "torchvision and timm references' practice; before it, this suite decayed everything)")
+    add("--layer-decay", type=float, default=0.0, metavar="D",
+        help="fine-tuning a timm:NAME model: layer-wise lr decay, each parameter's lr x D ** (depth from the head), "
+             "timm's grouping by depth (BEiT's rule; 0.65-0.75 are usual for ViTs) (0: off)")
+    add("--backbone-lr-scale", type=float, default=1.0, metavar="F",
+        help="fine-tuning: every parameter but the classifier head trains at F x the lr (with --layer-decay's "
+             "factor); 0 freezes the backbone (a linear probe), a value < 1 gives the head a higher lr than the "
+             "backbone (default: %(default)s)")
     add("--schedule", default="onecycle", choices=SCHEDULES,
         help="lr schedule: onecycle, cosine, constant, or step (x --gamma at each of --milestones) "
              "(default: %(default)s)")
@@ -363,6 +382,9 @@ def _add_optimizer_flags(group: argparse._ArgumentGroup) -> None:
 
 def _add_regularization_flags(group: argparse._ArgumentGroup) -> None:
     add = group.add_argument
+    add("--drop-path", type=float, default=0.0, metavar="P",
+        help="stochastic depth of a timm:NAME model: each residual block skipped with probability up to P "
+             "(timm's drop_path_rate; 0.1 is usual for fine-tuning a ViT) (0: off)")
     add("--label-smoothing", type=float, default=0.0, metavar="X",
         help="cross-entropy against (1 - X) on the label and X spread over every class (default: %(default)s)")
     add("--mixup", type=float, default=0.0, metavar="ALPHA",
@@ -440,6 +462,7 @@ def _validate(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int
         p.error("--check-equivalence and --check-replicas take a step count >= 0")
     _validate_recipes(p, a, world_size)
     _validate_optimizer(p, a)
+    _validate_fine_tuning(p, a)
     _validate_regularization(p, a, world_size)
     _validate_storage(p, a)
     if a.normalization != "auto" and not a.weights:
@@ -467,6 +490,16 @@ def _validate_optimizer(p: argparse.ArgumentParser, a: argparse.Namespace) -> No
         p.error(f"--milestones {','.join(map(str, a.milestones))}: increasing epochs between 1 and --epochs - 1 "
                 f"({a.epochs - 1})")
     _refuse_unused(p, a)
+
+
+def _validate_fine_tuning(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if not (0 <= a.layer_decay <= 1 and 0 <= a.backbone_lr_scale < math.inf and 0 <= a.drop_path < 1):
+        p.error(f"--layer-decay must be in (0, 1] or 0 for off, --backbone-lr-scale >= 0 and finite, --drop-path in "
+                f"[0, 1) (got {a.layer_decay:g}, {a.backbone_lr_scale:g}, {a.drop_path:g})")
+    needs_timm = [flag for flag, value in (("--layer-decay", a.layer_decay), ("--drop-path", a.drop_path)) if value]
+    if needs_timm and not is_timm(a.model):
+        p.error(f"{' and '.join(needs_timm)} need{'s' if len(needs_timm) == 1 else ''} a timm model (timm's grouping "
+                f"by depth, its stochastic depth); --model {a.model} is not one: give --model timm:NAME or drop it")
 
 
 def _refuse_unused(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:

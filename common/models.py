@@ -1,7 +1,8 @@
 """Model registry: each builder adapts to the data set's channels and image size.
 
 Besides the built-ins, --model takes `torchvision:NAME` (a torchvision classification model,
-untrained) and `MODULE:FUNCTION` (the user's builder, with the built-ins' signature). Every model is
+untrained), `timm:NAME` (a timm model, untrained: common/timm_models.py) and `MODULE:FUNCTION` (the
+user's builder, with the built-ins' signature). Every model is
 checked on a dummy batch when built, so a model that cannot train on the data set fails at start-up
 with one line naming --model, not with a traceback at the first step.
 """
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from common.errors import UserError, first_line
+from common.timm_models import TIMM, timm_builder
 
 Builder = Callable[[int, int, int], nn.Module]
 TORCHVISION = "torchvision:"
@@ -109,25 +111,27 @@ MODELS: dict[str, Builder] = {
 
 def model_problem(name: str) -> str | None:
     """What is wrong with a --model string's form, found from the string alone (no imports), or None."""
-    if name in MODELS:
+    if name in MODELS or re.fullmatch(rf"{TIMM}\w+(\.\w+)?", name):
         return None
     module, colon, function = name.rpartition(":")
     if colon and re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", module) and re.fullmatch(r"[A-Za-z_]\w*", function):
         return None
-    return (f"is unknown; choose one of {', '.join(MODELS)}, torchvision:NAME (a torchvision classification model) "
-            "or MODULE:FUNCTION (your FUNCTION(channels, size, classes) returning an nn.Module)")
+    return (f"is unknown; choose one of {', '.join(MODELS)}, torchvision:NAME (a torchvision classification model), "
+            "timm:NAME[.TAG] (a timm model) or MODULE:FUNCTION (your FUNCTION(channels, size, classes) returning an "
+            "nn.Module)")
 
 
-def build_model(name: str, channels: int, size: int, classes: int, seed: int) -> nn.Module:
+def build_model(name: str, channels: int, size: int, classes: int, seed: int, drop_path: float = 0.0) -> nn.Module:
     """Same seed -> same initial weights on every rank (strategies still broadcast from rank 0).
-    Raises UserError, naming --model, for a model that cannot be found, built or run on this data set."""
-    builder = find_builder(name)
+    Raises UserError, naming --model, for a model that cannot be found, built or run on this data set.
+    drop_path: --drop-path, the stochastic depth rate of a timm model."""
+    builder = find_builder(name, drop_path)
     torch.manual_seed(seed)
     try:
         model = builder(channels, size, classes)
     except UserError:
         raise
-    except Exception as e:  # the user's code or torchvision's: any failure is the flag's to report
+    except Exception as e:  # the user's code, torchvision's or timm's: any failure is the flag's to report
         raise UserError(f"--model {name}: building it for (channels, size, classes) = ({channels}, {size}, {classes}) "
                         f"raised {first_line(e, with_type=True)}") from e
     if not isinstance(model, nn.Module):
@@ -136,11 +140,13 @@ def build_model(name: str, channels: int, size: int, classes: int, seed: int) ->
     return model
 
 
-def find_builder(name: str) -> Builder:
+def find_builder(name: str, drop_path: float = 0.0) -> Builder:
     if name in MODELS:
         return MODELS[name]
     if name.startswith(TORCHVISION):
         return torchvision_builder(name[len(TORCHVISION):])
+    if name.startswith(TIMM):
+        return timm_builder(name[len(TIMM):], drop_path)
     module, _, function = name.rpartition(":")
     return user_builder(name, module, function)
 

@@ -4,6 +4,11 @@ SOURCE is one of:
 - for --model torchvision:NAME, a weights name of torchvision's registry (all capitals: DEFAULT,
   IMAGENET1K_V1, ...), read from the torch hub cache ($TORCH_HOME/hub/checkpoints/<its file name>,
   where torchvision keeps it), and downloaded into it first when it is missing (not with --no-download);
+- for --model timm:NAME[.TAG], DEFAULT: timm's pretrained weights of that tag (its default tag
+  without one), read from the Hugging Face cache, and downloaded into it first when missing (not with
+  HF_HUB_OFFLINE or --no-download) (common/timm_models.py);
+- for any model, `local-dir:FOLDER`: a folder as `hf download REPO --local-dir FOLDER` writes it
+  (model.safetensors, and timm's config.json, whose pretrained config comes with the weights);
 - for any model, a file or URL (s3:// and every store --data-dir takes) of a state dict or of a
   checkpoint of this suite (its model only: the optimizer and the schedule start fresh).
 
@@ -18,8 +23,10 @@ How a run takes them (load_weights, common/train/app.py):
    head (the layer that makes the logits), which is left whole as the model built it, seeded by
    --seed and the same on every rank, when the weights' head has another shape (another number of
    classes) or the weights have none.
-   For torchvision's models on images of another channel count, the RGB first convolution's weights
-   are spread over the channels as the model's own were (common/models.py, adapt_first_conv).
+   For torchvision's and timm's models on images of another channel count, the RGB first
+   convolution's weights are spread over the channels as the model's own were (common/models.py,
+   adapt_first_conv). timm's weights first pass timm's own conversion for their model family (a
+   ViT's position embeddings resampled to this image size).
 3. The weights go into the plain model before the strategy wraps it: wrap() starts every rank from
    rank 0's weights and shards them (ZeRO-1, FSDP2) as it does a fresh model's.
 4. Weights that carry their own input normalization are fed images normalized their way, not with
@@ -27,7 +34,10 @@ How a run takes them (load_weights, common/train/app.py):
    (a path such as resnet18-f37072fd.pth, what an offline cluster downloads: recognized by its file
    name, or by its content's sha256 when renamed, as torch.hub's file names carry its first digits).
    --normalization chooses otherwise: data (the set's statistics) or imagenet (ImageNet's mean and
-   std, for weights trained on ImageNet elsewhere, such as timm's). The banner says which was used.
+   std, for weights trained on ImageNet elsewhere). timm's weights (DEFAULT, or a local-dir folder
+   with timm's config.json) bring their pretrained data config: its mean and std normalize the
+   images, and the whole config (input size, crop fraction, interpolation too) is kept in the
+   checkpoint and export.py's JSON. The banner says which was used.
 
 The file's content joins the run's identity: --weights becomes SOURCE@sha256:HEX (the first
 DIGEST_CHARS hex digits of its sha256), so a changed file starts a new run instead of resuming one
@@ -56,6 +66,17 @@ from torch import nn
 from common.errors import UserError, first_line
 from common.models import AUXILIARY_HEADS, TORCHVISION, spread_rgb
 from common.storage import StorageError, is_url, split, storage_for, url_problem
+from common.timm_models import (
+    LOCAL_DIR,
+    TIMM,
+    data_config,
+    filtered,
+    local_dir_config,
+    local_dir_file,
+    pretrained_config,
+    read_file,
+    read_hub_weights,
+)
 
 Say = Callable[[str], None]
 
@@ -90,11 +111,30 @@ class Source:
         file given from another folder is the same run."""
         if self.is_name or is_url(self.text):
             return self.text
+        if self.is_local_dir:
+            return LOCAL_DIR + os.path.abspath(os.path.expanduser(self.folder))
         return os.path.abspath(os.path.expanduser(self.text))
 
     @property
     def is_name(self) -> bool:
         return bool(NAME.fullmatch(self.text))
+
+    @property
+    def is_local_dir(self) -> bool:
+        return self.text.startswith(LOCAL_DIR)
+
+    @property
+    def folder(self) -> str:
+        return self.text.removeprefix(LOCAL_DIR)
+
+    @property
+    def timm_model(self) -> str:
+        return self.model.removeprefix(TIMM) if self.model.startswith(TIMM) else ""
+
+    @property
+    def adapts_rgb(self) -> bool:
+        """Whether RGB weights are spread over another channel count, as the model's builder does."""
+        return bool(self.torchvision_model or self.timm_model)
 
     @property
     def torchvision_model(self) -> str:
@@ -105,6 +145,11 @@ class Source:
         name), or None. The file itself is read only when the run starts."""
         if not self.is_name:
             return f"cannot be read here: {problem}" if (problem := url_problem(self.text)) else None
+        if self.timm_model:
+            return None if self.text == "DEFAULT" else (
+                f"is not a timm weights name: timm chooses weights by the model's tag; give --model "
+                f"{TIMM}NAME.TAG --weights DEFAULT (timm.list_pretrained('{self.timm_model.partition('.')[0]}.*') "
+                "lists the tags)")
         if not self.torchvision_model:
             return (f"is a torchvision weights name, for --model torchvision:NAME; for --model {self.model} give the "
                     "file or URL of a state dict or of a checkpoint of this suite (./NAME for a file of that name)")
@@ -123,7 +168,7 @@ class Source:
         """torchvision's registry entry these weights are, or None: a name's own entry, or for a file
         the entry whose file name it has (torch.hub's, e.g. resnet18-f37072fd.pth) or whose file name's
         hash prefix its content's sha256 (`digest`) starts with (the same file renamed)."""
-        if self.is_name:
+        if self.is_name and self.torchvision_model:
             return self.registry_entry()
         if not self.torchvision_model or weights_names(self.torchvision_model) is None:
             return None
@@ -139,14 +184,29 @@ class Source:
 
     def read(self, options: dict[str, Any], allow_download: bool, say: Say) -> bytes:
         """The file's bytes (rank 0's work). Raises UserError naming --weights."""
+        if self.is_name and self.timm_model:
+            return read_hub_weights(self.timm_model, allow_download, say)
         if self.is_name:
             return self._read_hub_file(allow_download, say)
+        if self.is_local_dir:
+            return read_file(local_dir_file(self.folder), self.text)
         parent, name = split(self.text)
         try:
             return storage_for(parent, options).read(name)
         except StorageError as e:
             raise UserError(f"--weights {e}; give the path or URL of a weights file (and for a store, check "
                             "the credentials)") from None
+
+    def data_config(self) -> dict[str, Any]:
+        """The pretrained data config that comes with the weights (rank 0's work, with read()): timm's
+        registry's for DEFAULT, a local-dir folder's config.json; {} for other sources."""
+        if self.is_name and self.timm_model:
+            config = pretrained_config(self.timm_model)
+            return data_config(config, f"timm's pretrained config of {config.get('hf_hub_id') or self.timm_model}")
+        if self.is_local_dir:
+            path = os.path.join(self.where.removeprefix(LOCAL_DIR), "config.json")
+            return data_config(local_dir_config(self.folder), f"the pretrained config in {path}")
+        return {}
 
     def _read_hub_file(self, allow_download: bool, say: Say) -> bytes:
         entry = self.registry_entry()
@@ -160,13 +220,17 @@ class Source:
                             f"delete it to download it again") from None
 
 
-def normalization(choice: str, entry: Any | None, model: str, channels: int) -> tuple[Stats | None, str]:
+def normalization(choice: str, entry: Any | None, model: str, channels: int, pretrained: dict[str, Any] | None = None,
+                  ) -> tuple[Stats | None, str]:
     """The mean and std images are normalized with (None: the data set's statistics), and the banner's
-    words for it. choice: --normalization; entry: torchvision's registry entry the weights are, if any."""
+    words for it. choice: --normalization; entry: torchvision's registry entry the weights are, if any;
+    pretrained: the data config that came with the weights (timm's), if any."""
     if choice == "data":
         return None, "images normalized with the data set's statistics (--normalization data)"
     if choice == "imagenet":
         stats, words = IMAGENET, "ImageNet's mean and std (--normalization imagenet)"
+    elif pretrained and "mean" in pretrained and "std" in pretrained:
+        stats, words = (tuple(pretrained["mean"]), tuple(pretrained["std"])), pretrained["source"]
     else:
         stats = entry_statistics(entry, model.removeprefix(TORCHVISION)) if entry is not None else None
         if stats is None:
@@ -343,7 +407,7 @@ def fit(weights: dict[str, torch.Tensor], model: nn.Module, source: Source, chan
                             "saved as the model holds them")
         if tensor.shape == want:
             state[key] = tensor
-        elif source.torchvision_model and channels != 3 and tensor.dim() == 4 and tensor.shape[1] == 3 and \
+        elif source.adapts_rgb and channels != 3 and tensor.dim() == 4 and tensor.shape[1] == 3 and \
                 (tensor.shape[0], *tensor.shape[2:]) == (want[0], *want[2:]):
             state[key] = spread_rgb(tensor, channels)
             adapted.append(key)
@@ -380,6 +444,7 @@ class Loaded:
     normalization: Stats | None  # the mean and std images are normalized with; None: the data set's
     normalized: str  # the banner's words for it
     seed: int
+    pretrained: dict[str, Any]  # the data config that came with the weights (timm's); {} for none
 
     def banner(self) -> str:
         f = self.fitted
@@ -392,25 +457,34 @@ class Loaded:
         if f.adapted:
             notes.append(f"{', '.join(f.adapted)}: RGB weights spread over this data set's channels")
         notes.append(self.normalized)
+        if self.pretrained:
+            shown = ", ".join(f"{k} {v}" for k, v in self.pretrained.items() if k not in ("mean", "std", "source"))
+            notes.append(f"pretrained at {shown} (--image-size chooses this run's input size)")
         return f"weights {self.flag} ({self.what}): {'; '.join(notes)}"
 
 
 def load_into(model: nn.Module, data: bytes, source: Source, channels: int, seed: int,
-              choice: str = "auto") -> Loaded:
+              choice: str = "auto", pretrained: dict[str, Any] | None = None) -> Loaded:
     """The file's bytes into the plain model (on every rank, the same bytes): checked against a pinned
-    digest, parsed, fitted and loaded; with the normalization --normalization (`choice`) gives them."""
+    digest, parsed, fitted and loaded; with the normalization --normalization (`choice`) gives them.
+    pretrained: the data config that came with them (Source.data_config, rank 0's, broadcast)."""
     digest = hashlib.sha256(data).hexdigest()
     if source.pin and not digest.startswith(source.pin):
         raise UserError(f"--weights {source.text}@sha256:{source.pin}: the file's sha256 is {digest[:len(source.pin)]}"
                         "...: its content changed since that run started from it; give the file it was, or "
                         f"--weights {source.text} for a new run from this one")
     weights, what = parse_weights(data, source.text)
+    if source.timm_model:
+        weights = filtered(weights, model)
     fitted = fit(weights, model, source, channels)
     model.load_state_dict(fitted.state, strict=False)  # fit() checked every key: only the head may stay as built
     entry = source.torchvision_entry(digest)
-    if source.is_name:
+    if source.is_name and source.timm_model:
+        what = f"timm's pretrained {source.timm_model}, {what} from the Hugging Face cache"
+    elif source.is_name:
         what = f"torchvision {type(entry).__name__}.{entry.name}, {hub_path(entry.url)}"
     elif entry is not None:
         what += f", torchvision's {type(entry).__name__}.{entry.name} file"
-    stats, normalized = normalization(choice, entry, source.model, channels)
-    return Loaded(f"{source.where}@sha256:{digest[:DIGEST_CHARS]}", what, fitted, stats, normalized, seed)
+    stats, normalized = normalization(choice, entry, source.model, channels, pretrained)
+    return Loaded(f"{source.where}@sha256:{digest[:DIGEST_CHARS]}", what, fitted, stats, normalized, seed,
+                  pretrained or {})

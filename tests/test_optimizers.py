@@ -138,13 +138,13 @@ def test_local_sgd_refuses_what_it_cannot_match(flags, expected, tmp_path, capsy
 @pytest.mark.quick
 def test_norm_and_bias_parameters_get_no_weight_decay_unless_asked():
     from common.models import build_model
-    from common.train.optim import make_optimizer, whole_pieces
+    from common.train.optim import Stepping, make_optimizer, whole_pieces
 
     model = build_model("convnet", 1, 28, 10, 0)
     params = list(model.parameters())
     for flags, undecayed in (([], 7), (["--decay-norm-and-bias"], 0)):  # 2 conv + 1 linear bias, 2 BatchNorms' 2
-        optimizer = make_optimizer(config("--optimizer", "adamw", *flags), whole_pieces(params, config(*flags)),
-                                   len(params))
+        cfg = config("--optimizer", "adamw", *flags)
+        optimizer = make_optimizer(cfg, whole_pieces(params), Stepping.of(cfg, model))
         decayed, plain = optimizer.param_groups
         assert decayed["weight_decay"] == 0.05 and plain["weight_decay"] == 0.0
         assert len(plain["params"]) == undecayed and len(decayed["params"]) + undecayed == len(params)
@@ -155,16 +155,17 @@ def test_norm_and_bias_parameters_get_no_weight_decay_unless_asked():
 def test_layerwise_optimizers_step_a_parameter_cut_in_pieces_as_the_whole(name):
     """Two halves of every parameter, stepped as separate entries whose squares are summed per
     parameter, give the whole-parameter step (what ZeRO-1's slices and FSDP2's shards rely on)."""
-    from common.train.optim import Piece, make_optimizer, whole_pieces
+    from common.train.optim import Piece, Stepping, make_optimizer, whole_pieces
 
     cfg = config("--optimizer", name, "--lr", "0.5")
     torch.manual_seed(0)
     whole = [torch.randn(6, 4), torch.randn(4)]
     flat = [w.clone().reshape(-1) for w in whole]
     halves = [(f[:len(f) // 2], f[len(f) // 2:]) for f in flat]
-    pieces = [Piece(h, i, whole[i].ndim > 1) for i, pair in enumerate(halves) for h in pair]
-    one = make_optimizer(cfg, whole_pieces(whole, cfg), 2)
-    cut = make_optimizer(cfg, pieces, 2)
+    pieces = [Piece(h, i) for i, pair in enumerate(halves) for h in pair]
+    stepping = Stepping((True, False), (1.0, 1.0))
+    one = make_optimizer(cfg, whole_pieces(whole), stepping)
+    cut = make_optimizer(cfg, pieces, stepping)
     for _ in range(3):
         grads = [torch.randn_like(w) for w in whole]
         for w, g in zip(whole, grads):

@@ -16,9 +16,11 @@ from common.data.loader import make_synthetic
 from common.errors import UserError
 from common.models import build_model, spread_rgb
 from common.train.app import normalized_for_weights, pinned
+from common.train.optim import Stepping
 from common.train.state import parse_checkpoint
 from common.weights import Source, fetch_into_hub, hub_path, load_into
-from tests.conftest import child_env, error_lines, latest_state, one_launch, run_script, split_runs
+from tests.conftest import EQUIVALENCE, child_env, error_lines, latest_state, one_launch, run_script, split_runs
+from tests.hfcache import hub_cache, pretrained_state
 from tests.httpserver import FileServer
 
 TV = "torchvision:squeezenet1_0"  # a small torchvision model (0.7 M parameters at 10 classes)
@@ -280,25 +282,39 @@ def test_the_content_joins_the_run_identity_and_a_pin_must_match(tmp_path):
 
 
 def test_fsdp2_and_zero1_start_from_the_weights_sharded_on_two_ranks(tmp_path):
-    """One launch, two runs on 2 ranks (gloo), at an lr too small to move a weight: FSDP2 from a
+    """One launch, five runs on 2 ranks (gloo). At an lr too small to move a weight: FSDP2 from a
     checkpoint of another run with 5 classes (the head replaced: initialized as a run without
-    --weights would), ZeRO-1 from torchvision weights in the hub cache. The weights saved after
-    one step are the file's; the banner names what was not loaded; the identity holds the hash."""
+    --weights would), ZeRO-1 from torchvision weights in the hub cache, ZeRO-1 from timm's weights in
+    the Hugging Face cache (HF_HUB_OFFLINE) with --layer-decay and --backbone-lr-scale. The weights
+    saved after one step are the file's; the banner names what was not loaded; the identity holds the
+    hash; the timm run's checkpoint holds an optimizer group per (decay, lr scale), each at its lr,
+    and the weights' pretrained data config. And FSDP2 and ZeRO-1 with timm's layer decay and a
+    backbone scale, on a timm ViT (no BatchNorm), equal one process (--check-equivalence): the groups
+    are the same on every rank, and ZeRO-1's slices cut across them."""
     other = tmp_path / "other.pt"
     torch.save(suite_checkpoint(lenet(classes=5, seed=7)), other)
     hub = tmp_path / "torch" / "hub" / "checkpoints" / "squeezenet1_0-b66bff10.pth"
     hub.parent.mkdir(parents=True)
     torch.save(squeezenet_weights(), hub)
+    hub_cache(tmp_path / "hf-hub", "test_resnet.r160_in1k", pretrained_state("test_resnet.r160_in1k"))
+    fine_tuning = ["--layer-decay", "0.8", "--backbone-lr-scale", "0.5"]
     common = ["--dataset", "synthetic", "--epochs", "1", "--max-steps", "1", "--batch-size", "16", "--lr", "1e-9",
               "--eval-batch-size", "500"]
     runs = [["train_fsdp.py", "--shard", "full", *common, "--model", "lenet", "--weights", str(other),
              "--checkpoint-dir", str(tmp_path / "ck-full"), "--log-dir", str(tmp_path / "tb-full")],
             ["train_fsdp.py", "--shard", "optimizer", *common, "--model", TV, "--weights", "DEFAULT", "--no-download",
-             "--checkpoint-dir", str(tmp_path / "ck-zero"), "--log-dir", str(tmp_path / "tb-zero")]]
-    result = run_script(one_launch(runs), nproc=2, env={**child_env(), "TORCH_HOME": str(tmp_path / "torch")},
-                        timeout=300)
+             "--checkpoint-dir", str(tmp_path / "ck-zero"), "--log-dir", str(tmp_path / "tb-zero")],
+            ["train_fsdp.py", "--shard", "optimizer", *common, "--model", "timm:test_resnet.r160_in1k", "--weights",
+             "DEFAULT", *fine_tuning, "--optimizer", "adamw", "--lr", "1e-9", "--checkpoint-dir",
+             str(tmp_path / "ck-timm"), "--log-dir", str(tmp_path / "tb-timm")],
+            *(["train_fsdp.py", "--shard", shard, "--dataset", "synthetic", "--model", "timm:test_vit", *fine_tuning,
+               "--batch-size", "16", "--check-equivalence", "2", "--checkpoint-dir", str(tmp_path / f"ck-eq-{shard}"),
+               "--log-dir", str(tmp_path / f"tb-eq-{shard}")] for shard in ("full", "optimizer"))]
+    env = {**child_env(), "TORCH_HOME": str(tmp_path / "torch"), "HF_HUB_CACHE": str(tmp_path / "hf-hub"),
+           "HF_HUB_OFFLINE": "1"}
+    result = run_script(one_launch(runs), nproc=2, env=env, timeout=400)
     assert result.returncode == 0 and not error_lines(result.stderr), result.stderr[-3000:]
-    full, zero = split_runs(result.stdout)
+    full, zero, timm_run, *equivalence = split_runs(result.stdout)
 
     digest = hashlib.sha256(other.read_bytes()).hexdigest()[:16]
     assert f"weights {other}@sha256:{digest} (the model of a checkpoint of this suite at step 3" in full, full
@@ -314,6 +330,20 @@ def test_fsdp2_and_zero1_start_from_the_weights_sharded_on_two_ranks(tmp_path):
             "set's (mean 0.485,0.456,0.406, std 0.229,0.224,0.225)") in zero, zero
     state, file = latest_state(tmp_path / "ck-zero"), squeezenet_weights()
     assert all(torch.allclose(state["model"][k], file[k], atol=1e-6) for k in file if k.startswith("features."))
+
+    assert "timm's pretrained test_resnet.r160_in1k, a safetensors file from the Hugging Face cache" in timm_run
+    assert "images normalized with timm's pretrained config of timm/test_resnet.r160_in1k" in timm_run, timm_run
+    state = latest_state(tmp_path / "ck-timm")
+    assert state["data"]["pretrained"]["crop_pct"] == 0.95 and state["data"]["mean"] == [0.5] * 3
+    model = build_model("timm:test_resnet.r160_in1k", 3, 32, 10, 0)
+    stepping = Stepping.of(parse("--model", "timm:test_resnet", *fine_tuning), model)
+    groups = state["optimizer"]["param_groups"]
+    assert len(groups) == len(stepping.groups()) > 2
+    for group, key in zip(groups, stepping.groups()):
+        assert group["params"] == stepping.members(key) and group["initial_lr"] == pytest.approx(1e-9 * key[1])
+    for console in equivalence:
+        verdict = EQUIVALENCE.search(console)
+        assert verdict and float(verdict[1]) <= float(verdict[5]), console
 
 
 @pytest.mark.quick

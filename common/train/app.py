@@ -122,7 +122,7 @@ def build_run(cfg: Config, ctx: DistContext, strategy: Strategy) -> tuple[Run, L
                         storage_options=cfg.storage_options, synthetic_shape=cfg.synthetic_shape,
                         deadline_s=cfg.storage_timeout_s, own_data=own_data(cfg, ctx))
     model = ctx.together(lambda: build_model(cfg.model, data.spec.channels, data.spec.size, data.spec.classes,
-                                             cfg.seed))
+                                             cfg.seed, cfg.drop_path))
     # Into the plain model on every rank, before wrap() replicates and shards it.
     weights = load_weights(cfg, ctx, model, data.spec.channels, say) if cfg.weights else None
     cfg = pinned(cfg, weights) if weights else cfg
@@ -139,7 +139,7 @@ def build_run(cfg: Config, ctx: DistContext, strategy: Strategy) -> tuple[Run, L
     compiled = torch.compile(wrapped) if cfg.compile else None  # for DDP, compile sees DDP and splits at buckets
     ema = EMA(cfg.ema, strategy, wrapped) if cfg.ema else None
     return Run(cfg, ctx, strategy, data, loader, wrapped, optimizer, scheduler, Precision(cfg.precision, ctx.device),
-               compiled, ema, Mixing(cfg, data.spec.classes)), weights
+               compiled, ema, Mixing(cfg, data.spec.classes), weights.pretrained if weights else None), weights
 
 
 def load_weights(cfg: Config, ctx: DistContext, model: torch.nn.Module, channels: int, say: Callable[[str], None],
@@ -148,10 +148,12 @@ def load_weights(cfg: Config, ctx: DistContext, model: torch.nn.Module, channels
     others wait on the store (--storage-timeout-s bounds it, not --timeout-s); every rank loads the
     bytes it broadcasts, as for a resumed checkpoint (common/weights.py)."""
     source = Source.parse(cfg.weights, cfg.model)
-    data = ctx.after_primary(f"weights read from {source.text}",
-                             lambda: source.read(cfg.storage_options, cfg.download, say), cfg.storage_timeout_s)
-    data = ctx.broadcast_bytes(data if ctx.is_primary else None)
-    return ctx.together(lambda: load_into(model, data, source, channels, cfg.seed, cfg.normalization))
+    read = ctx.after_primary(f"weights read from {source.text}",
+                             lambda: (source.read(cfg.storage_options, cfg.download, say), source.data_config()),
+                             cfg.storage_timeout_s)
+    data = ctx.broadcast_bytes(read[0] if ctx.is_primary else None)
+    pretrained = ctx.broadcast_json(read[1] if ctx.is_primary else None)
+    return ctx.together(lambda: load_into(model, data, source, channels, cfg.seed, cfg.normalization, pretrained))
 
 
 def normalized_for_weights(data: Dataset, weights: Loaded | None) -> Dataset:

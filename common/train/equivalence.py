@@ -35,7 +35,8 @@ def check_equivalence(run: Run, log: NullLogger) -> None:
     cfg, ctx, data = run.cfg, run.ctx, run.data
     if ctx.device.type == "cuda":  # float32 on both sides: cuDNN's default TF32 convolutions keep 10 mantissa bits
         torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    reference = build_model(cfg.model, data.spec.channels, data.spec.size, data.spec.classes, cfg.seed)
+    reference = build_model(cfg.model, data.spec.channels, data.spec.size, data.spec.classes, cfg.seed,
+                            cfg.drop_path)
     reference = reference.to(ctx.device, memory_format=run.memory_format)
     reference.load_state_dict(starting_point(run))
     one_process = Strategy()

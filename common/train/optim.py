@@ -4,6 +4,10 @@ Each optimizer steps "pieces": a whole parameter on most strategies, the part of
 falls in this rank's slice under ZeRO-1, a shard under FSDP2. A piece knows its parameter (its
 position in model.parameters()), so the weight-decay mask and LARS/LAMB's per-parameter norms come
 out the same however a parameter is cut: the pieces' squared norms are summed over ranks first.
+
+The optimizer's groups come from a Stepping, one per model and the same on every rank whatever
+pieces it holds: a group per (decays, lr scale), decayed ones first. Without --layer-decay and
+--backbone-lr-scale that is two groups (decayed, then not), as checkpoints of earlier runs hold.
 """
 from __future__ import annotations
 
@@ -12,8 +16,11 @@ from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
 
 import torch
+from torch import nn
 
 from common.optimizers import OPTIMIZERS
+from common.timm_models import layer_scales
+from common.weights import head_keys
 
 if TYPE_CHECKING:
     from common.config import Config
@@ -26,11 +33,10 @@ LARS_TRUST = 0.001  # eta of the LARS paper (You et al. 2017): the trust in ||w|
 @dataclass(frozen=True)
 class Piece:
     """What one optimizer entry steps: a tensor (a parameter, a view into ZeRO-1's flat slice, an
-    FSDP2 shard), the position of its parameter in model.parameters(), and whether it decays."""
+    FSDP2 shard) and the position of its parameter in model.parameters()."""
 
     tensor: torch.Tensor
     owner: int
-    decays: bool
 
 
 def decays(param: torch.Tensor, cfg: Config) -> bool:
@@ -39,23 +45,62 @@ def decays(param: torch.Tensor, cfg: Config) -> bool:
     return cfg.decay_norm_and_bias or param.ndim > 1
 
 
-def whole_pieces(params: Iterable[torch.Tensor], cfg: Config) -> list[Piece]:
-    return [Piece(p, i, decays(p, cfg)) for i, p in enumerate(params)]
+def whole_pieces(params: Iterable[torch.Tensor]) -> list[Piece]:
+    return [Piece(p, i) for i, p in enumerate(params)]
+
+
+Key = tuple[bool, float]  # a group: (decays, lr scale)
+
+
+@dataclass(frozen=True)
+class Stepping:
+    """How each parameter is stepped, by its position in model.parameters(): whether it decays, and
+    its lr as a multiple of --lr (--layer-decay's factor times --backbone-lr-scale's)."""
+
+    decays: tuple[bool, ...]
+    scales: tuple[float, ...]
+
+    @classmethod
+    def of(cls, cfg: Config, model: nn.Module) -> Stepping:
+        """From the plain model, or one whose parameters keep their names (FSDP2's)."""
+        params = [p for _, p in model.named_parameters()]  # model.parameters()'s order
+        return cls(tuple(decays(p, cfg) for p in params), lr_scales(cfg, model))
+
+    def key(self, owner: int) -> Key:
+        return self.decays[owner], self.scales[owner]
+
+    def groups(self) -> list[Key]:
+        """Decayed first, then not; within each, the higher lr first. Every rank the same list."""
+        return [(flag, scale) for flag in (True, False) for scale in sorted(set(self.scales), reverse=True)]
+
+    def members(self, key: Key) -> list[int]:
+        """The positions of the parameters in a group, as one process's optimizer lists them."""
+        return [i for i in range(len(self.decays)) if self.key(i) == key]
+
+
+def lr_scales(cfg: Config, model: nn.Module) -> tuple[float, ...]:
+    """Each parameter's lr over --lr: timm's layer-wise decay, times --backbone-lr-scale for every
+    parameter outside the classifier head (the layer that makes the logits, as --weights finds it)."""
+    names = [name for name, _ in model.named_parameters()]
+    scales = layer_scales(model, cfg.layer_decay) if cfg.layer_decay else dict.fromkeys(names, 1.0)
+    head = head_keys(model)
+    return tuple(scales[name] * (1.0 if name in head else cfg.backbone_lr_scale) for name in names)
 
 
 Reduce = Callable[[torch.Tensor], None]  # sums a tensor over the ranks that share the parameters, in place
 
 
-def make_optimizer(cfg: Config, pieces: Sequence[Piece], parameter_count: int, reduce: Reduce | None = None,
+def make_optimizer(cfg: Config, pieces: Sequence[Piece], stepping: Stepping, reduce: Reduce | None = None,
                    ) -> torch.optim.Optimizer:
-    """Two groups, decayed then not, on every strategy (either may be empty: a model without 1-D
+    """stepping.groups() on every strategy, each at its lr (any may be empty: a model without 1-D
     parameters, a ZeRO-1 slice of conv weights only). reduce: where pieces are parts of parameters,
     LARS and LAMB sum their per-parameter squares with it."""
-    groups = [{"params": [p.tensor for p in pieces if p.decays == flag], "weight_decay": wd, "adapt": flag}
-              for flag, wd in ((True, cfg.weight_decay), (False, 0.0))]
+    groups = [{"params": [p.tensor for p in pieces if stepping.key(p.owner) == (flag, scale)],
+               "weight_decay": cfg.weight_decay if flag else 0.0, "adapt": flag, "lr": cfg.lr * scale}
+              for flag, scale in stepping.groups()]
     owners = {id(p.tensor): p.owner for p in pieces}
     device = local(pieces[0].tensor).device if pieces else torch.device("cpu")
-    return BUILDERS[cfg.optimizer](cfg, groups, owners, parameter_count, device, reduce)
+    return BUILDERS[cfg.optimizer](cfg, groups, owners, len(stepping.decays), device, reduce)
 
 
 def tensor_state(cfg: Config) -> tuple[str, ...]:

@@ -58,6 +58,7 @@ class Run:
     compiled: nn.Module | None = None  # torch.compile(model) with --compile: what the training step calls
     ema: EMA | None = None  # --ema: the moving average of the weights
     mixing: Mixing | None = None  # --mixup / --cutmix
+    pretrained: dict | None = None  # the data config that came with --weights (timm's), for the checkpoint
 
     @property
     def plain(self) -> nn.Module:

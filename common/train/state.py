@@ -89,11 +89,14 @@ def data_entry(run: Run) -> dict[str, Any]:
     """What predict.py and export.py need besides the weights (common/use/): the classes' names
     and the evaluation's preprocessing: decode to `channels`, resize the short side to `resize`
     and centre-crop `size` (resize 0: the image must be size x size as it is), scale to [0, 1],
-    normalize by `mean` and `std`. Plain values: the file stays loadable with weights_only=True."""
+    normalize by `mean` and `std`. And the pretrained data config that came with --weights (timm's:
+    mean, std, input size, crop fraction, interpolation, and where it came from), if any. Plain
+    values: the file stays loadable with weights_only=True."""
     cfg, spec = run.cfg, run.data.spec
     return {"classes": run.data.names(),
             "channels": spec.channels, "size": spec.size, "mean": list(spec.mean), "std": list(spec.std),
-            "resize": round(cfg.image_size / EVAL_CROP) if cfg.image_size else 0}  # as geometry.choose_geometry
+            "resize": round(cfg.image_size / EVAL_CROP) if cfg.image_size else 0,  # as geometry.choose_geometry
+            **({"pretrained": run.pretrained} if run.pretrained else {})}
 
 
 def expected_bytes(run: Run) -> int:

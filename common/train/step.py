@@ -155,8 +155,9 @@ def clip_gradients(model: nn.Module, strategy: Strategy, optimizer: torch.optim.
 
 
 def uses_randomness(model: nn.Module) -> bool:
-    """Whether forward draws random numbers (dropout): only then must each step be reseeded."""
-    return any(isinstance(m, nn.modules.dropout._DropoutNd) for m in model.modules())
+    """Whether forward draws random numbers (dropout, timm's stochastic depth: a module with a
+    drop_prob above 0): only then must each step be reseeded."""
+    return any(isinstance(m, nn.modules.dropout._DropoutNd) or getattr(m, "drop_prob", 0) for m in model.modules())
 
 
 def reseed(seed: int, rank: int, global_step: int) -> None:

@@ -15,7 +15,7 @@ from torch import nn
 from common.config import Config
 from common.errors import ConfigError
 from common.parallel.context import DistContext
-from common.train.optim import entry_order, from_positions, make_optimizer, to_positions, whole_pieces
+from common.train.optim import Stepping, entry_order, from_positions, make_optimizer, to_positions, whole_pieces
 from common.train.precision import Precision
 from common.train.preemption import StopRequest
 
@@ -79,8 +79,9 @@ class Strategy:
 
     def make_optimizer(self, cfg: Config, model: nn.Module) -> torch.optim.Optimizer:
         """Built after wrap(), over the parameters the strategy trains (a shard, for ZeRO)."""
-        params = list(self.unwrap(model).parameters())
-        optimizer = make_optimizer(cfg, whole_pieces(params, cfg), len(params))
+        plain = self.unwrap(model)
+        params = list(plain.parameters())
+        optimizer = make_optimizer(cfg, whole_pieces(params), Stepping.of(cfg, plain))
         self.order = entry_order(optimizer, params)
         return optimizer
 

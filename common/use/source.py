@@ -4,7 +4,7 @@ weights. What the data needs besides the weights (class names, the evaluation's 
 the checkpoint's "data" entry (common/train/checkpoint.py data_entry)."""
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +33,7 @@ class Preprocessing:
     mean: tuple[float, ...]
     std: tuple[float, ...]
     resize: int
+    pretrained: dict[str, Any] = field(default_factory=dict)  # the data config that came with --weights (timm's)
 
     @property
     def stored(self) -> Stored:
@@ -54,7 +55,8 @@ class Preprocessing:
                     if self.resize else "none: the images must be center_crop x center_crop")
         return {"channels": self.channels, "mode": "L" if self.channels == 1 else "RGB",
                 "resize_short_side": self.resize or None, "center_crop": self.size, "resample": resample,
-                "scale": "pixel / 255", "mean": list(self.mean), "std": list(self.std)}
+                "scale": "pixel / 255", "mean": list(self.mean), "std": list(self.std),
+                **({"pretrained": self.pretrained} if self.pretrained else {})}
 
 
 @dataclass(frozen=True)
@@ -78,7 +80,7 @@ class Saved:
                               "class names and the preprocessing that evaluate.py, predict.py and export.py use; "
                               "train the model again with this version")
         return Preprocessing(tuple(data["classes"]), int(data["channels"]), int(data["size"]), tuple(data["mean"]),
-                             tuple(data["std"]), int(data["resize"]))
+                             tuple(data["std"]), int(data["resize"]), data.get("pretrained", {}))
 
     def weights(self, ema: bool = False) -> dict[str, Any]:
         """The saved weights, or with ema the moving average's (the training run's --ema)."""
@@ -90,7 +92,8 @@ class Saved:
     def build(self) -> nn.Module:
         """The run's model as built before training (its initial weights), on the CPU."""
         p = self.preprocessing()
-        return build_model(self.config["model"], p.channels, p.size, len(p.classes), int(self.config["seed"]))
+        return build_model(self.config["model"], p.channels, p.size, len(p.classes), int(self.config["seed"]),
+                           float(self.config.get("drop_path", 0.0)))
 
     def model(self, ema: bool = False) -> nn.Module:
         """The trained model with weights(ema), in evaluation mode, on the CPU."""
