@@ -360,6 +360,26 @@ def test_a_damaged_hugging_face_set_is_one_line_naming_the_file_and_row(case, se
     assert "\n" not in str(error.value)
 
 
+@pytest.mark.quick
+@pytest.mark.parametrize("layout", ["hf parquet", "imagefolder"])
+def test_the_content_a_checkpoint_records_changes_with_the_samples_not_the_dates(layout, sets, tmp_path):
+    """A copy whose files are all newer (cp without -p) is the same content: a run resumes on it;
+    rows in another order, or an image moved to another class, is other content: a run is not
+    resumed on it (tests/test_resume.py)."""
+    name, kind = LAYOUTS[layout]
+    source = Path(shutil.copytree(sets[name], tmp_path / "copy"))
+    before = dataset(options(source, tmp_path / "cache", kind)).content
+    for path in source.rglob("*.*"):
+        path.touch()
+    assert dataset(options(source, tmp_path / "cache", kind)).content == before != ""
+    if kind == "hf":
+        _rewrite_parquet(source / "data" / "train-00001-of-00002.parquet", lambda rows: rows.reverse())
+    else:
+        first = _first(source, "train", "png")
+        first.rename(sorted((source / "train").iterdir())[-1] / f"moved-{first.name}")
+    assert dataset(options(source, tmp_path / "cache", kind)).content != before
+
+
 # ---------------------------------------------------------------- whole jobs
 
 def train(data: Path | str, tmp_path: Path, *flags: str, nproc: int | None = 2,

@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -15,8 +16,9 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from common import storage
 from common.errors import UserError
+from common.parallel.context import DistContext
 from common.storage import TRANSIENT, LocalStorage, StorageError
-from common.train.checkpoint import CheckpointFolder
+from common.train.checkpoint import CheckpointFolder, Checkpoints, Resumed
 from common.train.preemption import FORCE_AFTER_S
 from common.train.state import InvalidCheckpoint, model_mismatches, parse_checkpoint
 from tests.conftest import (
@@ -260,6 +262,22 @@ def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
     print(f"\nmismatched checkpoint: exit {result.returncode} after {seconds:.1f} s (process start included)")
     # Found before the first step: a mismatch met in a collective would wait out its timeout (300 s).
     assert seconds < ENDS_PROMPTLY_S
+
+
+@pytest.mark.quick
+def test_a_checkpoint_of_other_data_is_refused_before_it_loads(tmp_path):
+    """Your own data changed since the checkpoint (its index's content, tests/test_own_data.py): one
+    line naming --data-dir and the ways out, before the weights are loaded (a mid-epoch position
+    would continue another sample stream)."""
+    model = torch.nn.Linear(2, 2)
+    run = SimpleNamespace(plain=model, cfg=SimpleNamespace(data_dir="my_set"), data=SimpleNamespace(content="new"))
+    checkpoints = Checkpoints(str(tmp_path), 1, DistContext(0, 1, 0, 1, torch.device("cpu"), "gloo"))
+    try:
+        with pytest.raises(UserError, match=r"^checkpoint c\.pt was trained on other data than --data-dir my_set "
+                                            r"holds now .*restore the files .*--resume none \(--weights c\.pt"):
+            checkpoints._restore(run, Resumed("c.pt", {"model": model.state_dict(), "data_content": "old"}))
+    finally:
+        checkpoints.close()
 
 
 @pytest.mark.quick

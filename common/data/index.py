@@ -8,6 +8,7 @@ forked worker's reference counting copies their pages one by one.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -20,7 +21,7 @@ import torch
 
 from common.data.cache import META, map_tensors, staging_path
 
-INDEX_FORMAT = 5  # in each index's folder name: a later layout is never read as an earlier one
+INDEX_FORMAT = 6  # in each index's folder name: a later layout is never read as an earlier one
 SAMPLES_NAMED = 100  # skipped or ignored files whose names the index keeps (all are counted)
 
 
@@ -89,6 +90,7 @@ class SetIndex:
     ignored: list[str] = field(default_factory=list)  # files in the tree that are not images the suite reads
     ignored_count: int = 0
     formats: list[str] = field(default_factory=list)  # the images' formats, as PIL names them ("JPEG", "PNG")
+    content: str = ""  # a hash of the index's arrays: what samples the set streams, in what order (content_of)
 
     @property
     def classes(self) -> int:
@@ -189,7 +191,7 @@ def shapes_of(folder: Path) -> dict[str, dict]:
 def publish(staging: Path, target: Path, meta: dict) -> None:
     """meta.json last, then the folder renamed into place: a reader sees a whole index or none.
     Another process (on another node sharing the cache) may have published the same index first."""
-    (staging / META).write_text(json.dumps(meta))
+    (staging / META).write_text(json.dumps({**meta, "content": content_of(staging)}))
     try:
         os.rename(staging, target)
     except OSError:
@@ -198,12 +200,26 @@ def publish(staging: Path, target: Path, meta: dict) -> None:
         shutil.rmtree(staging, ignore_errors=True)
 
 
+def content_of(folder: Path) -> str:
+    """A hash of the index's arrays (every sample's file or row, label and dimensions, and a shard's
+    or row group's byte sizes, in the set's order): a checkpoint records it, so that a run is never
+    resumed on another sample stream. Unlike the fingerprint it ignores the files' dates: a set
+    copied anew (cp without -p) resumes."""
+    digest = hashlib.sha256()
+    for path in sorted(folder.iterdir()):
+        digest.update(f"{path.name}\0{path.stat().st_size}\0".encode())
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+    return digest.hexdigest()
+
+
 def map_index(folder: Path) -> SetIndex:
     """The index in `folder`, mapped."""
     meta = json.loads((folder / META).read_text())
     return SetIndex(meta["kind"], meta["root"], meta["classes"], map_table(folder, "train"), map_table(folder, "test"),
                     meta["sizes"], meta["modes"], meta["fingerprint"], folder, meta["versions"], meta["skipped"],
-                    meta["skipped_count"], meta["ignored"], meta["ignored_count"], meta["formats"])
+                    meta["skipped_count"], meta["ignored"], meta["ignored_count"], meta["formats"], meta["content"])
 
 
 def map_table(folder: Path, split: str) -> Table:

@@ -61,6 +61,7 @@ class Dataset:
     test: Split
     held: str = "in memory"  # how the banner describes where the images are kept
     class_names: tuple[str, ...] = ()  # in class-index order; none: the indices are the names
+    content: str = ""  # your own data's samples (its index's hash): a run is resumed on the same; "": a built-in set
 
     def names(self) -> list[str]:
         """The classes' names for people (checkpoints, the confusion matrix, predict.py)."""

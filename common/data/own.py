@@ -498,7 +498,7 @@ def open_prepared(report: dict[str, Any], opts: OwnData) -> Dataset:
         if choose_decode(opts.decode, torch.device(opts.device), index.jpeg_only) == "gpu" and opts.decode == "gpu":
             held += "; nothing is left to decode (--decode gpu decodes a streamed set; --cache-gb 0 streams it)"
         return Dataset(name, spec, train, Split(tensors["test_images"], tensors["test_labels"]), held,
-                       tuple(report["class_names"]))
+                       tuple(report["class_names"]), index.content)
     spec = DataSpec(**{**report["spec"], "mean": tuple(report["spec"]["mean"]), "std": tuple(report["spec"]["std"])})
     on_gpu = decodes_on_gpu(opts, index, geometry)
     train = Streamed(reader(index, "train", geometry, opts), opts.workers, gpu_decode=on_gpu)
@@ -510,7 +510,7 @@ def open_prepared(report: dict[str, Any], opts: OwnData) -> Dataset:
     held = (f"streamed: {opts.workers} DataLoader worker(s) per rank {decoded} "
             f"(decoded it would take {stored_bytes(index, geometry) / 2**30:.3g} GB, above --cache-gb "
             f"{opts.cache_gb:g})")
-    return Dataset(name, spec, train, test, held, tuple(report["class_names"]))
+    return Dataset(name, spec, train, test, held, tuple(report["class_names"]), index.content)
 
 
 def decodes_on_gpu(opts: OwnData, index: SetIndex, geometry: Geometry) -> bool:

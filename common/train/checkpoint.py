@@ -388,6 +388,12 @@ class Checkpoints:
         if problems:  # every rank read the same bytes and reaches the same verdict
             self.ctx.fail_together(f"checkpoint {resumed.path} does not fit this model: {'; '.join(problems)}; "
                                    "use another --checkpoint-dir or --resume none")
+        if resumed.state.get("data_content", run.data.content) != run.data.content:  # the same verdict on every rank
+            self.ctx.fail_together(f"checkpoint {resumed.path} was trained on other data than --data-dir "
+                                   f"{run.cfg.data_dir} holds now (its files changed since: other rows, labels or "
+                                   "sizes); to resume, restore the files it was trained on; to train on these, "
+                                   f"start a new run with --resume none (--weights {resumed.path} starts it from "
+                                   "its weights)")
         load_training_state(run, resumed.state)
 
     def save(self, run: Run, at: Position, wait: bool, on_saved: Callable[[str, float], None]) -> str:

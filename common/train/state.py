@@ -55,7 +55,7 @@ def training_state(run: Run, at: Position) -> dict[str, Any]:
         "strategy": run.strategy.state_dict(),  # e.g. PowerSGD's error feedback
         "epoch": at.epoch, "step_in_epoch": at.step, "global_step": run.global_step(at),
         "world_size": run.ctx.world_size, "config": run.cfg.as_plain_dict(), "identity": run.cfg.identity(),
-        "version": __version__,
+        "version": __version__, "data_content": run.data.content,
         **({"ema": run.ema.state(), "ema_steps": run.ema.steps} if run.ema else {}),  # full, like "model"
     }
 
