@@ -252,6 +252,19 @@ def image_bytes(column: Any) -> Any:
     return column.field("bytes") if pa.types.is_struct(column.type) else column
 
 
+def check_embedded(column: Any, row: int, where: str) -> None:
+    """A row of datasets' Image column that names a file instead of holding its bytes, said in one
+    line with the way out: `datasets` keeps only the paths of a set made from image files when it
+    writes parquet (to_parquet), and those files are not part of the set."""
+    pa, _ = pyarrow_modules()
+    if pa.types.is_struct(column.type) and column.type.get_field_index("path") >= 0 and \
+            (path := column.field("path")[row].as_py()):
+        raise UserError(f"{where} holds the path {path!r} of an image, not its bytes (datasets' to_parquet writes a "
+                        "set made from image files so); write the set with the images in it: ds.save_to_disk(DIR), or "
+                        "ds.with_format('arrow').map(datasets.table.embed_table_storage, batched=True)"
+                        ".with_format(None).to_parquet(FILE)")
+
+
 # ---------------------------------------------------------------- the columns and classes
 
 def features(files: Files, name: str, root: Path | None) -> dict[str, Any]:

@@ -397,13 +397,17 @@ def _extract(source: hfsets.Source, folder: Path, options: dict[str, Any], image
     for split, names in ((TRAIN, source.train), (VAL, source.test)):
         (folder / split).mkdir()
         for name in names:
-            for group, _ in enumerate(files.row_groups(name)):
+            start = 0  # the group's first row in the file: a row is named as --dataset hf names it
+            for group, count in enumerate(files.row_groups(name)):
                 images, labels = files.columns(name, group, [image_key, label_key])
-                for data, label in zip(hfsets.image_bytes(images).to_pylist(), labels.to_pylist()):
-                    where = f"{files.where(name)}:row {len(rows[split])}"
+                for row, (data, label) in enumerate(zip(hfsets.image_bytes(images).to_pylist(), labels.to_pylist())):
+                    where = f"{files.where(name)}:row {start + row}"
+                    if not data:
+                        hfsets.check_embedded(images, row, where)
                     rel = f"{split}/{len(rows[split]):08d}.{_extension(data, where)}"
                     (folder / rel).write_bytes(data)
                     rows[split].append((rel, _label(label, where)))
+                start += count
     classes = hfsets.class_names(files, source, label_key) or \
         [str(i) for i in range(max(label for _, label in rows[TRAIN]) + 1)]
     for split in (TRAIN, VAL):

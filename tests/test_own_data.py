@@ -4,6 +4,7 @@ real loading code; in-process where the behaviour is the loader's, under torchru
 from __future__ import annotations
 
 import io
+import re
 import shutil
 import sys
 import tarfile
@@ -343,6 +344,10 @@ HF_DAMAGE = {  # case -> (its damage to the data/ folder, the flags, the line)
     "an image that does not decode": (lambda data: _rewrite_parquet(data / "train-00001-of-00002.parquet",
                                                                     _set_row(5, "image", b"<html>")), {},
                                       r"train-00001-of-00002\.parquet:row 5 is not a readable image .*--skip-broken"),
+    "an image given by its path, not its bytes": (
+        lambda data: _rewrite_parquet(data / "train-00001-of-00002.parquet", _set_row(40, "image", None)), {},
+        r"train-00001-of-00002\.parquet:row 40 holds the path '\d+\.(png|jpg)' of an image, not its bytes .*"
+        r"save_to_disk.*embed_table_storage"),
     "a parquet file cut short": (lambda data: _cut_short(data / "train-00000-of-00002.parquet"), {},
                                  r"train-00000-of-00002\.parquet is not a readable parquet file .*copy it again"),
     "training rows sorted by class": (_sorted_by_class, {}, r"training rows of .* are sorted by class.*ds\.shuffle"),
@@ -378,6 +383,18 @@ def test_the_content_a_checkpoint_records_changes_with_the_samples_not_the_dates
         first = _first(source, "train", "png")
         first.rename(sorted((source / "train").iterdir())[-1] / f"moved-{first.name}")
     assert dataset(options(source, tmp_path / "cache", kind)).content != before
+
+
+@pytest.mark.quick
+def test_the_converter_names_a_damaged_row_as_training_does(sets, tmp_path, capsys):
+    """python -m common.shards: the same line as --dataset hf, the row numbered in its file."""
+    source = Path(shutil.copytree(sets["hf"], tmp_path / "copy"))
+    damage, _, message = HF_DAMAGE["an image given by its path, not its bytes"]
+    damage(source / "data")
+    with pytest.raises(SystemExit) as exit:
+        shards_main([str(source), str(tmp_path / "shards")])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.count("\n") == 1 and re.search(message, err), err
 
 
 # ---------------------------------------------------------------- whole jobs

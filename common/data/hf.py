@@ -22,7 +22,7 @@ from common.data.indexing import ShardSamples, Survey, parallel
 from common.data.loader import SHUFFLE_WINDOW
 from common.data.reading import Ragged, Reader
 from common.errors import UserError
-from common.hfsets import GROUP_MARK, Files, Source, check_columns, class_names, image_bytes
+from common.hfsets import GROUP_MARK, Files, Source, check_columns, check_embedded, class_names, image_bytes
 
 ROW_GROUPS_HELD = 2 * SHUFFLE_WINDOW  # a batch that spans two windows reads from both
 
@@ -68,12 +68,13 @@ def starts(rows: list[int]) -> list[int]:
 def read_group(files: Files, item: tuple[str, int, int, str, str], skip: bool) -> ShardSamples:
     """One row group's samples: each row's place in it, its image's size, (width, height) and mode."""
     name, group, start, label_key, image_key = item
-    images, labels = files.columns(name, group, [image_key, label_key])
-    images = image_bytes(images)
+    column, labels = files.columns(name, group, [image_key, label_key])
     out = ShardSamples()
-    for row, (data, label) in enumerate(zip(images.to_pylist(), labels.to_pylist())):
+    for row, (data, label) in enumerate(zip(image_bytes(column).to_pylist(), labels.to_pylist())):
         key = f"row {start + row}"
         where = f"{files.where(name)}:{key}"
+        if not data:
+            check_embedded(column, row, where)
         if label is None:
             raise UserError(f"{where} has no label (column {label_key!r}, --hf-label-key); label it or drop the row")
         try:
