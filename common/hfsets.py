@@ -213,6 +213,9 @@ class Files:
             return read()
         except StorageError as e:
             raise UserError(f"--data-dir {e}; check the URL and the credentials") from None
+        except PermissionError:  # not a damaged file: copying it again would not help
+            raise UserError(f"{self.where(name)} is not readable by this user (permission denied); make it readable "
+                            "(chmod a+r), or run as a user that may read it") from None
         except (pa.ArrowException, OSError, ValueError) as e:
             detail = " ".join(str(e).split())[:160]
             raise UserError(f"{self.where(name)} is not a readable {fmt_of(name)} file ({detail}): a partial copy or "

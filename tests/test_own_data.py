@@ -386,6 +386,21 @@ def test_the_content_a_checkpoint_records_changes_with_the_samples_not_the_dates
 
 
 @pytest.mark.quick
+def test_a_file_this_user_may_not_read_is_one_line_saying_so(sets, tmp_path, monkeypatch):
+    """Not 'a partial copy: copy it again' (the tests run as root, whom chmod does not stop: the
+    denial is pyarrow's, as an unprivileged user meets it)."""
+    import pyarrow.parquet as pq
+
+    def denied(path, **_):
+        raise PermissionError(13, "Permission denied", str(path))
+    monkeypatch.setattr(pq, "ParquetFile", denied)
+    with pytest.raises(UserError, match=r"train-00000-of-00002\.parquet is not readable by this user \(permission "
+                                        r"denied\); make it readable") as error:
+        dataset(options(sets["hf"], tmp_path, "hf"))
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.quick
 def test_the_converter_names_a_damaged_row_as_training_does(sets, tmp_path, capsys):
     """python -m common.shards: the same line as --dataset hf, the row numbered in its file."""
     source = Path(shutil.copytree(sets["hf"], tmp_path / "copy"))
