@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Sequence
 
 from common.credentials import read_storage_options
+from common.data.geometry import INTERPOLATIONS
 from common.models import MODELS, model_problem
 from common.optimizers import OPTIMIZERS
 from common.storage import log_url_problem, url_problem
@@ -71,6 +72,8 @@ class Config:
     decode: str
     hf_image_key: str
     hf_label_key: str
+    crop_pct: float | None
+    interpolation: str | None
     model: str
     weights: str
     normalization: str
@@ -167,7 +170,8 @@ IDENTITY = ("dataset", "model", "weights", "batch_size", "lr", "momentum", "weig
 
 # Settings that join the identity only when chosen (their default here): a run of the default keeps
 # the identity it had before the flag existed.
-WHEN_CHOSEN = {"normalization": "auto", "layer_decay": 0.0, "backbone_lr_scale": 1.0, "drop_path": 0.0}
+WHEN_CHOSEN = {"normalization": "auto", "layer_decay": 0.0, "backbone_lr_scale": 1.0, "drop_path": 0.0,
+               "crop_pct": None, "interpolation": None}
 
 
 def run_identity(flags: dict[str, Any], strategy_options: Sequence[str] = ()) -> dict[str, Any]:
@@ -261,6 +265,14 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
                      help="--dataset hf: the column of the images (default: image)")
     own.add_argument("--hf-label-key", default=None, metavar="COLUMN",
                      help="--dataset hf: the column of the class indices, a ClassLabel names them (default: label)")
+    own.add_argument("--crop-pct", type=float, default=None, metavar="F",
+                     help="with --image-size S, evaluate on the centre S of the short side resized to floor(S / F), "
+                          "as timm does (default: the pretrained config's that came with --weights, as timm evaluates "
+                          "them; else S / 0.875, 256 for 224)")
+    own.add_argument("--interpolation", default=None, choices=INTERPOLATIONS,
+                     help="with --image-size, the antialiased filter of the evaluation's resize and the training's "
+                          "random-resized crops (default: the pretrained config's that came with --weights; else "
+                          "bilinear)")
     add("--model", default=None, help=f"one of {', '.join(MODELS)}; torchvision:NAME, a torchvision classification "
                                       "model, untrained; timm:NAME[.TAG], any model of timm.list_models() (pip "
                                       "install timm), untrained; or MODULE:FUNCTION, your FUNCTION(channels, size, "
@@ -549,6 +561,15 @@ def _validate_own_data(p: argparse.ArgumentParser, a: argparse.Namespace) -> Non
     if own and a.dataset == "imagefolder" and "://" in a.data_dir:
         p.error("--dataset imagefolder reads a local folder; for a store, convert it to shards "
                 "(python -m common.shards FOLDER URL) and pass --dataset shards")
+    chosen = [flag for flag, value in (("--crop-pct", a.crop_pct), ("--interpolation", a.interpolation))
+              if value is not None]
+    if chosen and not (own and a.image_size):
+        p.error(f"{' and '.join(chosen)} choose{'s' if len(chosen) == 1 else ''} how --image-size S resizes your own "
+                "images (--dataset imagefolder, shards or hf); without it the images train and evaluate as stored: "
+                "drop it or give --image-size S")
+    if a.crop_pct is not None and not 0 < a.crop_pct <= 1:
+        p.error(f"--crop-pct must be in (0, 1]: the fraction of the resized short side the centre crop keeps "
+                f"(got {a.crop_pct:g})")
     if a.image_size < 0 or (a.workers is not None and a.workers < 0) or not 0 <= a.cache_gb < math.inf \
             or not 0 < a.shard_cache_gb < math.inf:
         p.error("--image-size, --workers and --cache-gb must be >= 0 and --shard-cache-gb > 0 (finite: for no bound, "
