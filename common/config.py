@@ -14,7 +14,6 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Sequence
 
 from common.credentials import read_storage_options
-from common.data.geometry import INTERPOLATIONS
 from common.models import MODELS, model_problem
 from common.optimizers import OPTIMIZERS
 from common.storage import log_url_problem, url_problem
@@ -24,6 +23,7 @@ from common.weights import NORMALIZATIONS, weights_problem
 DATASETS = ("cifar10", "mnist", "synthetic", "imagefolder", "shards", "hf")
 SCHEDULES = ("onecycle", "cosine", "constant", "step")
 AUGMENTS = ("basic", "randaugment", "trivialaugment", "autoaugment")
+INTERPOLATIONS = ("bilinear", "bicubic")  # --interpolation: torch's antialiased kernels of both take uint8 on a CPU
 OWN_DATASETS = ("imagefolder", "shards", "hf")  # your own images (common/shards.py, common/data/hf.py: their layouts)
 # --storage-timeout-s's default: generous, so that it covers a large checkpoint on a slow store, with
 # the storage layer's own bounded retries of transient errors, and a data set's download.
@@ -96,6 +96,7 @@ class Config:
     milestones: tuple[int, ...]
     gamma: float
     label_smoothing: float
+    class_weights: str
     mixup: float
     cutmix: float
     augment: str
@@ -171,7 +172,7 @@ IDENTITY = ("dataset", "model", "weights", "batch_size", "lr", "momentum", "weig
 # Settings that join the identity only when chosen (their default here): a run of the default keeps
 # the identity it had before the flag existed.
 WHEN_CHOSEN = {"normalization": "auto", "layer_decay": 0.0, "backbone_lr_scale": 1.0, "drop_path": 0.0,
-               "crop_pct": None, "interpolation": None}
+               "crop_pct": None, "interpolation": None, "class_weights": ""}
 
 
 def run_identity(flags: dict[str, Any], strategy_options: Sequence[str] = ()) -> dict[str, Any]:
@@ -399,6 +400,11 @@ def _add_regularization_flags(group: argparse._ArgumentGroup) -> None:
              "(timm's drop_path_rate; 0.1 is usual for fine-tuning a ViT) (0: off)")
     add("--label-smoothing", type=float, default=0.0, metavar="X",
         help="cross-entropy against (1 - X) on the label and X spread over every class (default: %(default)s)")
+    add("--class-weights", default="", metavar="balanced|FILE",
+        help="weight the loss by class, for an imbalanced set: balanced (the inverse class frequency of the training "
+             "split, n / (classes x count), as scikit-learn's), or FILE of one weight per line in class order (also "
+             "W1,W2,... inline); the weighted mean over the global batch, as CrossEntropyLoss(weight=...) at any "
+             "world size (default: none)")
     add("--mixup", type=float, default=0.0, metavar="ALPHA",
         help="blend pairs of images and their labels by a Beta(ALPHA, ALPHA) weight, drawn per global batch "
              "(0: off; with --cutmix, one of the two per global batch)")
@@ -536,6 +542,8 @@ def _validate_regularization(p: argparse.ArgumentParser, a: argparse.Namespace, 
     if not (0 <= a.mixup < math.inf and 0 <= a.cutmix < math.inf):
         p.error(f"--mixup and --cutmix take a Beta distribution's ALPHA > 0, or 0 for off (got {a.mixup:g}, "
                 f"{a.cutmix:g})")
+    if a.class_weights not in ("", "balanced"):
+        a.class_weights = read_class_weights(p, a.class_weights)
     if a.clip_grad_norm is not None and not 0 < a.clip_grad_norm < math.inf:
         p.error(f"--clip-grad-norm must be > 0 (got {a.clip_grad_norm:g}); leave it out for no clipping")
     per_rank = a.batch_size // world_size
@@ -543,6 +551,25 @@ def _validate_regularization(p: argparse.ArgumentParser, a: argparse.Namespace, 
         p.error(f"--mixup/--cutmix pair position g of each global batch with g + B/2, which stays on one rank only "
                 f"when each rank's batch is even (--batch-size {a.batch_size} / {world_size} rank(s) = {per_rank}); "
                 f"use a --batch-size that is a multiple of {2 * world_size}")
+
+
+def read_class_weights(p: argparse.ArgumentParser, flag: str) -> str:
+    """--class-weights FILE (one weight per line) or W1,W2,...: the weights as W1,W2,... (what the
+    run's identity and checkpoint keep: a changed file is another run). Each > 0 and finite."""
+    text = flag
+    if os.path.isfile(flag):
+        try:
+            text = ",".join(line.strip() for line in open(flag).read().splitlines() if line.strip())
+        except (OSError, UnicodeDecodeError) as e:
+            p.error(f"--class-weights {flag}: reading it failed ({e}); give a text file of one weight per line")
+    try:
+        weights = [float(w) for w in text.split(",")]
+    except ValueError:
+        p.error(f"--class-weights {flag}: neither balanced, nor a file, nor numbers W1,W2,...; give balanced or a "
+                "FILE of one weight per line in class order")
+    if not all(0 < w < math.inf for w in weights):
+        p.error(f"--class-weights {flag}: every weight must be > 0 and finite (got {','.join(map(str, weights))})")
+    return ",".join(map(repr, weights))
 
 
 def _validate_own_data(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:

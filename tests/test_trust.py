@@ -58,7 +58,7 @@ IDENTITY_ROWS = {  # every setting that changes the trained weights, and another
     "gamma": ["--schedule", "step", "--milestones", "1", "--gamma", "0.5"],
     "label_smoothing": ["--label-smoothing", "0.1"], "mixup": ["--mixup", "0.2"], "cutmix": ["--cutmix", "1"],
     "augment": ["--augment", "randaugment"], "random_erase": ["--random-erase", "0.25"], "ema": ["--ema", "0.99"],
-    "clip_grad_norm": ["--clip-grad-norm", "1"],
+    "clip_grad_norm": ["--clip-grad-norm", "1"], "class_weights": ["--class-weights", "balanced"],
     # chosen only (the default follows --weights' pretrained config): on own images at --image-size
     "crop_pct": [*OWN_IMAGES, "--crop-pct", "0.9"], "interpolation": [*OWN_IMAGES, "--interpolation", "bicubic"],
 }

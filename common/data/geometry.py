@@ -18,20 +18,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
+from common.config import INTERPOLATIONS
 from common.data.augment import sample_seed
+from common.data.index import SetIndex
 from common.errors import UserError
-
-if TYPE_CHECKING:  # the index's module imports the process group's, which imports the flags' (config.py: this)
-    from common.data.index import SetIndex
 
 SCALE = (0.08, 1.0)  # torchvision's RandomResizedCrop defaults: area fraction of the image
 RATIO = (3 / 4, 4 / 3)  # ... and aspect ratio (width / height) of the box
 EVAL_CROP = 0.875  # evaluation: resize the short side to S / 0.875, centre-crop S (224 of 256)
-INTERPOLATIONS = ("bilinear", "bicubic")  # --interpolation: torch's antialiased kernels of both take uint8 on a CPU
 TRIES = 10
 LOG_RATIO = torch.log(torch.tensor(RATIO))  # float32, as torchvision computes it (made once, not per sample)
 

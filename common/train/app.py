@@ -32,6 +32,7 @@ from common.train.optim import make_scheduler
 from common.train.precision import Precision
 from common.train.preemption import StopRequest
 from common.train.run import Position, Run, torch_memory_format
+from common.train.step import class_weights
 from common.train.strategy import Strategy
 from common.train.trainer import Trainer
 from common.weights import Loaded, Source, load_into
@@ -142,9 +143,10 @@ def build_run(cfg: Config, ctx: DistContext, strategy: Strategy) -> tuple[Run, L
     scheduler = make_scheduler(cfg, optimizer, loader.steps_per_epoch)
     compiled = torch.compile(wrapped) if cfg.compile else None  # for DDP, compile sees DDP and splits at buckets
     ema = EMA(cfg.ema, strategy, wrapped) if cfg.ema else None
+    weighting = ctx.together(lambda: class_weights(cfg.class_weights, data.train.labels, data.spec.classes))
     return Run(cfg, ctx, strategy, data, loader, wrapped, optimizer, scheduler, Precision(cfg.precision, ctx.device),
                compiled, ema, Mixing(cfg, data.spec.classes), weights.pretrained if weights else None,
-               resampling), weights
+               resampling, weighting.to(ctx.device) if weighting is not None else None), weights
 
 
 def pretrained_data_config(cfg: Config, ctx: DistContext) -> dict:

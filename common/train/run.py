@@ -61,6 +61,7 @@ class Run:
     mixing: Mixing | None = None  # --mixup / --cutmix
     pretrained: dict | None = None  # the data config that came with --weights (timm's), for the checkpoint
     resampling: Resampling = Resampling()  # --image-size's crop fraction and filter, as chosen (for the checkpoint)
+    class_weights: torch.Tensor | None = None  # --class-weights, one per class on the device (common/train/step.py)
 
     @property
     def plain(self) -> nn.Module:
