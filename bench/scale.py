@@ -344,7 +344,7 @@ def prepare_step(step: str, data_dir: str, cache_dir: str) -> dict:
         own.load_index(opts, quiet)
     elif step == "statistics":
         index = own.load_index(opts, quiet)
-        own.statistics(index, choose_geometry(index, opts.image_size), opts)
+        own.statistics(index, choose_geometry(index, opts.image_size, opts.resampling), opts)
     else:  # the index and the statistics are found in the cache: the decode alone
         if "decoded" not in own.prepare(opts, quiet):
             raise RuntimeError(f"{data_dir} was not decoded into the cache: raise its cache_gb")
@@ -357,7 +357,7 @@ def prepare_step(step: str, data_dir: str, cache_dir: str) -> dict:
 def stats_task_seconds(opts: own.OwnData) -> list[float]:
     """Each statistics task (STATS_CHUNK images, as own.statistics splits them) decoded alone."""
     index = own.load_index(opts, quiet)
-    source = own.reader(index, "train", choose_geometry(index, opts.image_size), opts)
+    source = own.reader(index, "train", choose_geometry(index, opts.image_size, opts.resampling), opts)
     picks = own.stats_picks(index.train)
     seconds = []
     for i in range(0, len(picks), own.STATS_CHUNK):

@@ -23,6 +23,7 @@ from common.weights import NORMALIZATIONS, weights_problem
 DATASETS = ("cifar10", "mnist", "synthetic", "imagefolder", "shards", "hf")
 SCHEDULES = ("onecycle", "cosine", "constant", "step")
 AUGMENTS = ("basic", "randaugment", "trivialaugment", "autoaugment")
+INTERPOLATIONS = ("bilinear", "bicubic")  # --interpolation: torch's antialiased kernels of both take uint8 on a CPU
 OWN_DATASETS = ("imagefolder", "shards", "hf")  # your own images (common/shards.py, common/data/hf.py: their layouts)
 # --storage-timeout-s's default: generous, so that it covers a large checkpoint on a slow store, with
 # the storage layer's own bounded retries of transient errors, and a data set's download.
@@ -71,6 +72,8 @@ class Config:
     decode: str
     hf_image_key: str
     hf_label_key: str
+    crop_pct: float | None
+    interpolation: str | None
     model: str
     weights: str
     normalization: str
@@ -93,6 +96,7 @@ class Config:
     milestones: tuple[int, ...]
     gamma: float
     label_smoothing: float
+    class_weights: str
     mixup: float
     cutmix: float
     augment: str
@@ -167,7 +171,8 @@ IDENTITY = ("dataset", "model", "weights", "batch_size", "lr", "momentum", "weig
 
 # Settings that join the identity only when chosen (their default here): a run of the default keeps
 # the identity it had before the flag existed.
-WHEN_CHOSEN = {"normalization": "auto", "layer_decay": 0.0, "backbone_lr_scale": 1.0, "drop_path": 0.0}
+WHEN_CHOSEN = {"normalization": "auto", "layer_decay": 0.0, "backbone_lr_scale": 1.0, "drop_path": 0.0,
+               "crop_pct": None, "interpolation": None, "class_weights": ""}
 
 
 def run_identity(flags: dict[str, Any], strategy_options: Sequence[str] = ()) -> dict[str, Any]:
@@ -261,6 +266,14 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
                      help="--dataset hf: the column of the images (default: image)")
     own.add_argument("--hf-label-key", default=None, metavar="COLUMN",
                      help="--dataset hf: the column of the class indices, a ClassLabel names them (default: label)")
+    own.add_argument("--crop-pct", type=float, default=None, metavar="F",
+                     help="with --image-size S, evaluate on the centre S of the short side resized to floor(S / F), "
+                          "as timm does (default: the pretrained config's that came with --weights, as timm evaluates "
+                          "them; else S / 0.875, 256 for 224)")
+    own.add_argument("--interpolation", default=None, choices=INTERPOLATIONS,
+                     help="with --image-size, the antialiased filter of the evaluation's resize and the training's "
+                          "random-resized crops (default: the pretrained config's that came with --weights; else "
+                          "bilinear)")
     add("--model", default=None, help=f"one of {', '.join(MODELS)}; torchvision:NAME, a torchvision classification "
                                       "model, untrained; timm:NAME[.TAG], any model of timm.list_models() (pip "
                                       "install timm), untrained; or MODULE:FUNCTION, your FUNCTION(channels, size, "
@@ -387,6 +400,11 @@ def _add_regularization_flags(group: argparse._ArgumentGroup) -> None:
              "(timm's drop_path_rate; 0.1 is usual for fine-tuning a ViT) (0: off)")
     add("--label-smoothing", type=float, default=0.0, metavar="X",
         help="cross-entropy against (1 - X) on the label and X spread over every class (default: %(default)s)")
+    add("--class-weights", default="", metavar="balanced|FILE",
+        help="weight the loss by class, for an imbalanced set: balanced (the inverse class frequency of the training "
+             "split, n / (classes x count), as scikit-learn's), or FILE of one weight per line in class order (also "
+             "W1,W2,... inline); the weighted mean over the global batch, as CrossEntropyLoss(weight=...) at any "
+             "world size (default: none)")
     add("--mixup", type=float, default=0.0, metavar="ALPHA",
         help="blend pairs of images and their labels by a Beta(ALPHA, ALPHA) weight, drawn per global batch "
              "(0: off; with --cutmix, one of the two per global batch)")
@@ -524,6 +542,8 @@ def _validate_regularization(p: argparse.ArgumentParser, a: argparse.Namespace, 
     if not (0 <= a.mixup < math.inf and 0 <= a.cutmix < math.inf):
         p.error(f"--mixup and --cutmix take a Beta distribution's ALPHA > 0, or 0 for off (got {a.mixup:g}, "
                 f"{a.cutmix:g})")
+    if a.class_weights not in ("", "balanced"):
+        a.class_weights = read_class_weights(p, a.class_weights)
     if a.clip_grad_norm is not None and not 0 < a.clip_grad_norm < math.inf:
         p.error(f"--clip-grad-norm must be > 0 (got {a.clip_grad_norm:g}); leave it out for no clipping")
     per_rank = a.batch_size // world_size
@@ -531,6 +551,25 @@ def _validate_regularization(p: argparse.ArgumentParser, a: argparse.Namespace, 
         p.error(f"--mixup/--cutmix pair position g of each global batch with g + B/2, which stays on one rank only "
                 f"when each rank's batch is even (--batch-size {a.batch_size} / {world_size} rank(s) = {per_rank}); "
                 f"use a --batch-size that is a multiple of {2 * world_size}")
+
+
+def read_class_weights(p: argparse.ArgumentParser, flag: str) -> str:
+    """--class-weights FILE (one weight per line) or W1,W2,...: the weights as W1,W2,... (what the
+    run's identity and checkpoint keep: a changed file is another run). Each > 0 and finite."""
+    text = flag
+    if os.path.isfile(flag):
+        try:
+            text = ",".join(line.strip() for line in open(flag).read().splitlines() if line.strip())
+        except (OSError, UnicodeDecodeError) as e:
+            p.error(f"--class-weights {flag}: reading it failed ({e}); give a text file of one weight per line")
+    try:
+        weights = [float(w) for w in text.split(",")]
+    except ValueError:
+        p.error(f"--class-weights {flag}: neither balanced, nor a file, nor numbers W1,W2,...; give balanced or a "
+                "FILE of one weight per line in class order")
+    if not all(0 < w < math.inf for w in weights):
+        p.error(f"--class-weights {flag}: every weight must be > 0 and finite (got {','.join(map(str, weights))})")
+    return ",".join(map(repr, weights))
 
 
 def _validate_own_data(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
@@ -549,6 +588,15 @@ def _validate_own_data(p: argparse.ArgumentParser, a: argparse.Namespace) -> Non
     if own and a.dataset == "imagefolder" and "://" in a.data_dir:
         p.error("--dataset imagefolder reads a local folder; for a store, convert it to shards "
                 "(python -m common.shards FOLDER URL) and pass --dataset shards")
+    chosen = [flag for flag, value in (("--crop-pct", a.crop_pct), ("--interpolation", a.interpolation))
+              if value is not None]
+    if chosen and not (own and a.image_size):
+        p.error(f"{' and '.join(chosen)} choose{'s' if len(chosen) == 1 else ''} how --image-size S resizes your own "
+                "images (--dataset imagefolder, shards or hf); without it the images train and evaluate as stored: "
+                "drop it or give --image-size S")
+    if a.crop_pct is not None and not 0 < a.crop_pct <= 1:
+        p.error(f"--crop-pct must be in (0, 1]: the fraction of the resized short side the centre crop keeps "
+                f"(got {a.crop_pct:g})")
     if a.image_size < 0 or (a.workers is not None and a.workers < 0) or not 0 <= a.cache_gb < math.inf \
             or not 0 < a.shard_cache_gb < math.inf:
         p.error("--image-size, --workers and --cache-gb must be >= 0 and --shard-cache-gb > 0 (finite: for no bound, "

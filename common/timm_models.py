@@ -37,7 +37,7 @@ INSTALL = "pip install timm"
 # (timm.models._hub._PREFERRED_FILES' plain-data ones first).
 WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "pytorch_model.pth", "model.pth")
 # What of timm's pretrained config a run keeps: how the weights' images were prepared.
-DATA_CONFIG = ("mean", "std", "input_size", "crop_pct", "interpolation")
+DATA_CONFIG = ("mean", "std", "input_size", "crop_pct", "crop_mode", "interpolation")
 HUB_FILE = "model.safetensors"  # what timm's Hub repositories hold their weights in
 
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 from PIL import Image
 from torchvision.io import ImageReadMode, decode_jpeg
-from torchvision.transforms import RandomResizedCrop
+from torchvision.transforms import InterpolationMode, RandomResizedCrop
 from torchvision.transforms.v2 import functional as F
 
 from common.data.augment import sample_seed
 from common.data.device_decode import choose_decode, decode_and_crop, encoded_batch, train_boxes
-from common.data.geometry import Box, resized_crop
+from common.data.geometry import INTERPOLATIONS, Box, resized_crop
 from common.errors import UserError
 
 pytestmark = pytest.mark.quick
@@ -60,17 +60,20 @@ def test_the_boxes_are_torchvisions_drawn_per_global_position_at_any_world_size(
         assert train_boxes(batch.sizes[rank::2], SEED, EPOCH, STEP, mine) == boxes[rank::2]
 
 
-def test_decode_and_crop_makes_the_cpu_paths_crops_and_keeps_the_labels(files):
+@pytest.mark.parametrize("interpolation", INTERPOLATIONS)
+def test_decode_and_crop_makes_the_cpu_paths_crops_and_keeps_the_labels(files, interpolation):
     labels = [4, 0, 9, 2, 2, 7]
     batch = encoded_batch(files, labels)
     boxes = train_boxes(batch.sizes, SEED, EPOCH, STEP, range(len(files)))
-    images = decode_and_crop(batch, boxes, SIZE, 3, CPU)
+    images = decode_and_crop(batch, boxes, SIZE, 3, CPU, interpolation)
     assert images.dtype == torch.uint8 and images.shape == (len(files), 3, SIZE, SIZE)
     assert batch.labels.tolist() == labels
     for data, box, made in zip(files, boxes, images):
         decoded = decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
-        assert torch.equal(made, resized_crop(decoded, box, SIZE))  # the CPU workers' crop of the same box
-        reference = F.resized_crop(decoded, box.top, box.left, box.height, box.width, [SIZE, SIZE], antialias=True)
+        # the CPU workers' crop of the same box, with --interpolation's filter
+        assert torch.equal(made, resized_crop(decoded, box, SIZE, interpolation=interpolation))
+        reference = F.resized_crop(decoded, box.top, box.left, box.height, box.width, [SIZE, SIZE], antialias=True,
+                                   interpolation=InterpolationMode(interpolation))
         reference = F.horizontal_flip(reference) if box.flip else reference
         assert (made.int() - reference.int()).abs().max() <= 1  # torchvision's v2 resized_crop on that box
 

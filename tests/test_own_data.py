@@ -564,6 +564,13 @@ def test_shards_from_the_store_are_fetched_once_and_a_small_cache_still_complete
     (["--dataset", "imagefolder", "--data-dir", "s3://b/x"], "convert it to shards"),
     (["--dataset", "shards", "--data-dir", "d", "--shard-cache-gb", "0"], "--shard-cache-gb > 0"),
     (["--dataset", "shards", "--data-dir", "d", "--hf-image-key", "img"], "--hf-image-key applies to --dataset hf"),
+    (["--dataset", "shards", "--data-dir", "d", "--crop-pct", "0.9"], "--crop-pct chooses how --image-size S resizes"),
+    (["--dataset", "cifar10", "--crop-pct", "0.9", "--interpolation", "bicubic"],
+     "--crop-pct and --interpolation choose how --image-size S resizes"),
+    (["--dataset", "shards", "--data-dir", "d", "--image-size", "32", "--crop-pct", "1.2"],
+     "--crop-pct must be in (0, 1]"),
+    (["--dataset", "shards", "--data-dir", "d", "--image-size", "32", "--interpolation", "lanczos"],
+     "--interpolation: invalid choice: 'lanczos'"),
 ])
 def test_own_data_flags_are_checked_before_any_process_group(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -21,8 +21,9 @@ from tests.conftest import (
 )
 
 STRATEGIES = {**AVERAGING, "dp": ["train_dp.py"]}
+WEIGHTS = ["--class-weights", "1,2,3,4,5,6,7,8,9,10"]  # skewed: each rank's share has another total weight
 RECIPES = {  # the recipe's flags for the multi-process strategies, and for DataParallel (no wire)
-    "accumulate": (["--accumulate", "2"], ["--accumulate", "2"]),
+    "accumulate": (["--accumulate", "2", *WEIGHTS], ["--accumulate", "2", *WEIGHTS]),
     "bf16": (["--precision", "bf16", "--grad-compression", "bf16", "--accumulate", "2"], ["--precision", "bf16"]),
     "fp16": (["--precision", "fp16", "--grad-compression", "fp16"], ["--precision", "fp16"]),
 }
@@ -37,7 +38,8 @@ def world(name: str) -> int | None:
 @pytest.mark.parametrize("name", list(STRATEGIES))
 def test_recipes_train_what_one_process_trains(name, tmp_path):
     """Covers, for the strategy, each recipe against one process (one launch for the three):
-    accumulate in float32: W=2 x 2 micro-batches equals one process with one batch (<= 1e-5).
+    accumulate in float32, with class weights: W=2 x 2 micro-batches equals one process with one
+    batch (<= 1e-5), the weighted mean over the global batch's total weight, not per rank.
     bf16 and fp16 (autocast, scaled loss, compressed gradients): within the stated tolerance."""
     flags = {recipe: both[name == "dp"] for recipe, both in RECIPES.items()}
     verdicts = equivalences([[*STRATEGIES[name], *LENET, *f] for f in flags.values()], world(name), tmp_path)
@@ -65,6 +67,96 @@ def test_compiled_model_trains_what_the_eager_one_trains(name, tmp_path):
     verdict, = equivalences([[*STRATEGIES[name], *LENET, "--compile"]], world(name), tmp_path)
     print(f"\n{name} --compile against eager: max |dw| = {verdict.max_dw:.3g} (tolerance {verdict.tolerance:g})")
     assert verdict.max_dw <= verdict.tolerance
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_class_weights_give_torchs_weighted_loss_of_the_global_batch_at_any_split(smoothing):
+    """--class-weights: the gradient of 2 ranks x 2 micro-batches (each rank's rows g = r, r + 2, ...,
+    averaged as the strategies average) is that of torch's CrossEntropyLoss(weight=...) on the whole
+    batch, whose mean divides by the batch's total weight; so is the logged loss."""
+    import torch
+
+    from common.data.loader import DataSpec, Split, TrainLoader
+    from common.train.step import StepRecipe, backward, class_weights
+    from common.train.strategy import Strategy
+
+    g = torch.Generator().manual_seed(0)
+    images, labels = torch.randn(16, 6, generator=g), torch.tensor([0, 0, 0, 1, 2, 2, 0, 0, 1, 0, 0, 2, 0, 0, 0, 1])
+    weights = class_weights("balanced", labels, 3)
+    assert torch.allclose(weights, 16 / (3 * torch.tensor([10.0, 3, 3], dtype=torch.float64)))  # sklearn's
+    split, spec = Split(torch.zeros(16, 1, 1, 1, dtype=torch.uint8), labels), DataSpec(1, 1, 3, (0.0,), (1.0,), "none")
+    loader = TrainLoader(split, spec, 16, 0, 1, 0, torch.device("cpu"))
+    order = loader.order(0)
+    images, labels = images[order], labels[order]  # the epoch's global batch, in the loader's order
+    scale = loader.label_scale(weights, 0, 0)
+    assert scale == pytest.approx(16 / float(weights[labels].sum()))
+    model = torch.nn.Linear(6, 3)
+    recipe = StepRecipe(accumulate=2, label_smoothing=smoothing, class_weights=weights)
+    expected = torch.nn.CrossEntropyLoss(weight=weights.float(), label_smoothing=smoothing)(model(images), labels)
+    reference = torch.autograd.grad(expected, list(model.parameters()))
+    shares = [[], []]
+    loss_sum = 0.0
+    for rank in range(2):
+        model.zero_grad()
+        stats = backward(model, Strategy(), _Precision(), images[rank::2], labels[rank::2], recipe, 2, scale)
+        shares[rank] = [p.grad.clone() for p in model.parameters()]
+        loss_sum += float(stats[0])
+    for mine, theirs, full in zip(*shares, reference):
+        assert torch.allclose((mine + theirs) / 2, full, atol=1e-6)
+    assert loss_sum / 16 == pytest.approx(expected.item(), rel=1e-5)
+    mixed = torch.softmax(torch.randn(16, 3, generator=g), 1)  # mixup's class probabilities: a mean over rows
+    model.zero_grad()
+    backward(model, Strategy(), _Precision(), images, mixed, StepRecipe(class_weights=weights), 1, scale)
+    soft = torch.nn.CrossEntropyLoss(weight=weights.float())(model(images), mixed)
+    wanted = torch.autograd.grad(soft, list(model.parameters()))
+    assert all(torch.allclose(p.grad, r, atol=1e-6) for p, r in zip(model.parameters(), wanted))
+    with torch.no_grad():  # a per-rank weighted mean would not be it
+        per_rank = torch.nn.CrossEntropyLoss(weight=weights.float(), label_smoothing=smoothing)
+        assert scale != 1.0 and not torch.allclose(per_rank(model(images[::2]), labels[::2]), expected)
+
+
+class _Precision:
+    """float32: autocast off, a plain backward."""
+
+    def autocast(self):
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def backward(self, loss):
+        loss.backward()
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("flag,says", [
+    ("1,2,x", "neither balanced, nor a file, nor numbers"), ("1,0,2", "every weight must be > 0 and finite"),
+])
+def test_class_weights_flags_are_one_line(flag, says, capsys):
+    from common.config import parse_args
+
+    with pytest.raises(SystemExit):
+        parse_args(["--class-weights", flag], strategy="ddp", default_dataset="synthetic", world_size=1)
+    assert says in capsys.readouterr().err
+
+
+@pytest.mark.quick
+def test_class_weights_from_a_file_join_the_identity_as_numbers(tmp_path):
+    from common.config import parse_args
+    from common.errors import UserError
+    from common.train.step import class_weights
+
+    file = tmp_path / "weights.txt"
+    file.write_text("1\n2.5\n\n0.5\n")
+    cfg = parse_args(["--class-weights", str(file)], strategy="ddp", default_dataset="synthetic", world_size=1)
+    assert cfg.identity()["class_weights"] == cfg.as_plain_dict()["class_weights"] == "1.0,2.5,0.5"
+    assert "class_weights" not in parse_args([], strategy="ddp", default_dataset="synthetic", world_size=1).identity()
+    import torch
+
+    with pytest.raises(UserError, match="gives 3 weight.*has 4 classes"):
+        class_weights(cfg.class_weights, torch.tensor([0, 1]), 4)
+    with pytest.raises(UserError, match="class.*2 have no training images"):
+        class_weights("balanced", torch.tensor([0, 1, 1]), 3)
 
 
 @pytest.mark.quick

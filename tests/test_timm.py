@@ -18,6 +18,7 @@ pytest.importorskip("timm", reason="timm is optional for users; CI installs it (
 import timm  # noqa: E402
 
 from common.config import parse_args  # noqa: E402
+from common.data.geometry import choose_resampling  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.models import build_model, spread_rgb  # noqa: E402
 from common.train.optim import Stepping, make_optimizer, whole_pieces  # noqa: E402
@@ -114,7 +115,10 @@ def test_default_weights_are_read_from_the_hub_cache_offline_with_their_data_con
     assert data == file.read_bytes()
     config = source.data_config()
     assert config == {"mean": [0.5] * 3, "std": [0.5] * 3, "input_size": [3, 160, 160], "crop_pct": 0.95,
-                      "interpolation": "bilinear", "source": "timm's pretrained config of timm/test_resnet.r160_in1k"}
+                      "crop_mode": "center", "interpolation": "bilinear",
+                      "source": "timm's pretrained config of timm/test_resnet.r160_in1k"}
+    resampling = choose_resampling(None, None, config)  # what a run at --image-size S evaluates with
+    assert (resampling.crop_pct, resampling.interpolation, resampling.short(160)) == (0.95, "bilinear", 168)
     model = build_model(f"timm:{RESNET}", 1, 32, 10, 0)
     loaded = load_into(model, data, source, 1, seed=0, pretrained=config)
     state = model.state_dict()

@@ -45,6 +45,7 @@ def config(*flags: str, world_size: int = 1, strategy=None):
                       default_dataset="synthetic", world_size=world_size, **extra)
 
 
+OWN_IMAGES = ["--dataset", "imagefolder", "--data-dir", "/images", "--image-size", "32"]
 IDENTITY_ROWS = {  # every setting that changes the trained weights, and another value for it
     "dataset": ["--dataset", "mnist"], "synthetic_shape": ["--synthetic-shape", "cifar"],
     "model": ["--model", "cifar_net"], "batch_size": ["--batch-size", "64"], "lr": ["--lr", "0.01"],
@@ -57,7 +58,9 @@ IDENTITY_ROWS = {  # every setting that changes the trained weights, and another
     "gamma": ["--schedule", "step", "--milestones", "1", "--gamma", "0.5"],
     "label_smoothing": ["--label-smoothing", "0.1"], "mixup": ["--mixup", "0.2"], "cutmix": ["--cutmix", "1"],
     "augment": ["--augment", "randaugment"], "random_erase": ["--random-erase", "0.25"], "ema": ["--ema", "0.99"],
-    "clip_grad_norm": ["--clip-grad-norm", "1"],
+    "clip_grad_norm": ["--clip-grad-norm", "1"], "class_weights": ["--class-weights", "balanced"],
+    # chosen only (the default follows --weights' pretrained config): on own images at --image-size
+    "crop_pct": [*OWN_IMAGES, "--crop-pct", "0.9"], "interpolation": [*OWN_IMAGES, "--interpolation", "bicubic"],
 }
 NOT_IDENTITY = [  # settings that may change between restarts of one run
     ["--device", "cpu"], ["--backend", "gloo"], ["--log-every", "7"], ["--keep", "5"], ["--save-every-steps", "9"],
@@ -148,6 +151,15 @@ def test_a_run_of_an_earlier_version_is_refused_with_the_way_out_that_works(tmp_
 @pytest.mark.parametrize("flags", NOT_IDENTITY, ids=lambda f: f[0])
 def test_restart_settings_are_not_part_of_the_identity(flags):
     assert config(*flags).identity() == config().identity()
+
+
+@pytest.mark.quick
+def test_the_resampling_joins_the_identity_only_when_chosen():
+    """A run of the default crop fraction and filter keeps the identity it had before the flags
+    existed (they follow --weights' pretrained config then, which the pinned --weights names)."""
+    plain = config(*OWN_IMAGES).identity()
+    assert not {"crop_pct", "interpolation"} & plain.keys()
+    assert config(*OWN_IMAGES, "--interpolation", "bilinear").identity() == {**plain, "interpolation": "bilinear"}
 
 
 @pytest.mark.quick

@@ -4,7 +4,8 @@ file named, the others predicted), export.py (ONNX, TorchScript and safetensors 
 back and give PyTorch's outputs), and the top-5 / per-class figures a training run logs.
 
 One launch trains a tiny ImageFolder set (PNG and JPEG of several sizes, --image-size: resize and
-centre crop) at W=2 and evaluates its checkpoint at W=2; one plain process evaluates it at W=1.
+centre crop, at --crop-pct 0.8 with --interpolation bicubic, which the three programs must follow)
+at W=2 and evaluates its checkpoint at W=2; one plain process evaluates it at W=1.
 predict.py and export.py run in-process: they are one process with no process group."""
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from PIL import Image
 from common.data import own
 from common.data.decoding import decode
 from common.data.formats import read_cifar10
-from common.data.geometry import Stored
+from common.data.geometry import Resampling, Stored
 from common.data.loader import Dataset, DataSpec, Normalizer, Split, make_synthetic
 from common.models import build_model
 from common.output import confusion
@@ -43,7 +44,8 @@ from tests.conftest import error_lines, latest_checkpoint, one_launch, read_scal
 from tests.datagen import write_cifar10, write_imagefolder, write_shards
 
 TRAIN = ["--dataset", "imagefolder", "--image-size", "24", "--model", "lenet", "--batch-size", "16", "--epochs", "1",
-         "--max-steps", "2", "--ema", "0.5"]
+         "--max-steps", "2", "--ema", "0.5", "--crop-pct", "0.8", "--interpolation", "bicubic"]
+RESAMPLING = Resampling(0.8, "bicubic")  # the short side resized to floor(24 / 0.8) = 30
 EPOCH_LINE = re.compile(r"test acc (\d+\.\d\d)%(?:, EMA \S+)? \((\d+) images\)  top-5 (\d+\.\d\d)%")
 
 
@@ -98,6 +100,8 @@ def test_evaluate_equals_the_training_runs_last_evaluation_at_any_world_size(tra
     --checkpoint-dir and the run folder both lead to the run's checkpoint; without --output-dir the
     files go to evaluation/step-N in the checkpoint's run folder, not the current directory."""
     (acc, count, top5), = EPOCH_LINE.findall(trained.train_console)
+    assert "evaluation on the centre 24 of the short side resized to 30 (crop fraction 0.8), bicubic for it and for " \
+        "the training crops: --crop-pct 0.8; --interpolation bicubic" in trained.train_console
     _, scalars = read_scalars(trained.log_dir)
     tb_counts, tb_names = confusion.from_json(trained_confusion_json(trained.log_dir))
     for world, (console, metrics) in trained.evaluations.items():
@@ -200,7 +204,7 @@ def evaluation_probabilities(trained: Trained) -> tuple[list[str], torch.Tensor]
     """The test files, in the set's order, and the checkpoint's class probabilities on the pixels
     the training run evaluated (its decoded cache, normalized by the statistics it measured)."""
     opts = own.OwnData("imagefolder", str(trained.images), str(trained.root / "cache"), {}, image_size=24, workers=0,
-                       prepare_workers=0, skip_broken=False, cache_gb=20.0, shard_cache_gb=1.0)
+                       prepare_workers=0, skip_broken=False, cache_gb=20.0, shard_cache_gb=1.0, resampling=RESAMPLING)
     data = own.open_prepared(own.prepare(opts, lambda line: None), opts)
     files = [str(trained.images / name) for name in own.load_index(opts, lambda line: None).test.names]
     with torch.no_grad():
@@ -222,11 +226,12 @@ def test_export_writes_a_file_that_gives_pytorchs_outputs_and_states_its_preproc
     about = json.loads(Path(f"{path}.json").read_text())
     saved = torch.load(trained.checkpoint, weights_only=True)
     prep = about["preprocessing"]
-    assert (prep["center_crop"], prep["resize_short_side"], prep["channels"]) == (24, 27, 3)
+    assert (prep["center_crop"], prep["resize_short_side"], prep["channels"]) == (24, 30, 3)
+    assert (prep["crop_pct"], prep["interpolation"]) == (0.8, "bicubic") and "BICUBIC" in prep["resample"]
     assert (prep["mean"], prep["std"], about["classes"]) == (saved["data"]["mean"], saved["data"]["std"],
                                                             [str(i) for i in range(10)])
     files = sorted((trained.images / "val").rglob("*.*"))[:5]
-    stored = Stored(prep["center_crop"], prep["resize_short_side"])
+    stored = Stored(prep["center_crop"], prep["resize_short_side"], 0, prep["interpolation"])
     pixels = torch.stack([decode(f.read_bytes(), stored, prep["channels"]) for f in files]).float() / 255
     images = (pixels - torch.tensor(prep["mean"]).view(1, 3, 1, 1)) / torch.tensor(prep["std"]).view(1, 3, 1, 1)
     with torch.no_grad():

@@ -76,7 +76,8 @@ def decode(data: bytes, stored: Stored, channels: int) -> torch.Tensor:
     image = decode_whole(data, channels)
     height, width = image.shape[-2:]
     if stored.short:
-        return resized_crop(image, eval_box(height, width, stored.side, stored.short), stored.side)
+        return resized_crop(image, eval_box(height, width, stored.side, stored.short), stored.side,
+                            interpolation=stored.interpolation)
     if (width, height) != (stored.side, stored.side):
         raise ValueError(f"it is {width}x{height}, the set's images are {stored.side}x{stored.side}")
     return image.contiguous()

@@ -6,7 +6,7 @@ its size from the JPEG header (reading.Reader.encoded); the rank decodes the who
 torchvision.io.decode_jpeg(list, device=...) call (nvJPEG on CUDA) and makes each sample's crop
 with the same geometry as the CPU workers: the box is geometry.train_box of the sample's global
 position (torchvision's RandomResizedCrop and flip, drawn from the sample's own generator), the
-pixels geometry.resized_crop's (torch's antialiased bilinear kernel), so a sample gets the same
+pixels geometry.resized_crop's (torch's antialiased kernel of --interpolation), so a sample gets the same
 crop whichever path made it: on CPU tensors the very pixels of the CPU workers' batch, where the
 worker decodes at full scale (it decodes at 1/2, 1/4 or 1/8 where the box keeps 2, 4 or 8 times
 the model's size across; nvJPEG decodes at full scale; on CUDA, nvJPEG's IDCT and the device's
@@ -72,9 +72,10 @@ def train_boxes(sizes: Sequence[tuple[int, int]], seed: int, epoch: int, step: i
 
 
 def decode_and_crop(batch: EncodedBatch, boxes: Sequence[Box], size: int, channels: int,
-                    device: torch.device) -> torch.Tensor:
+                    device: torch.device, interpolation: str = "bilinear") -> torch.Tensor:
     """The batch decoded on `device` in one call (nvJPEG batched on CUDA) and each image's box
-    resized to size x size (mirrored where the box says): uint8 (N, channels, size, size) on `device`."""
+    resized to size x size with `interpolation` (mirrored where the box says): uint8 (N, channels,
+    size, size) on `device`."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
     mode = ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB
@@ -87,7 +88,7 @@ def decode_and_crop(batch: EncodedBatch, boxes: Sequence[Box], size: int, channe
         if tuple(image.shape[-2:]) != batch.sizes[i]:  # the boxes were drawn for the header's size
             raise ValueError(f"sample {i} of the batch decodes to {tuple(image.shape[-2:])} pixels, its header "
                              f"says {batch.sizes[i]}")
-        resized_crop(image, box, size, out=row)
+        resized_crop(image, box, size, row, interpolation)
     return out
 
 

@@ -4,6 +4,10 @@ One home for the reference recipe's geometry (torchvision's references/classific
 takes a RandomResizedCrop of the WHOLE image (area fraction U(0.08, 1), log aspect ratio
 U(log 3/4, log 4/3), ten tries, then a centre crop clamped to the ratio range) and mirrors it
 with probability 1/2; evaluation resizes the short side to S / 0.875 and takes the centre S x S.
+--crop-pct and --interpolation (or the pretrained config that came with timm's weights) change
+the evaluation's fraction (timm's rule then: the short side to floor(S / crop_pct)) and the filter
+of both crops (bicubic instead of bilinear, as torchvision's reference and timm's train.py apply
+--interpolation to the training's RandomResizedCrop too): Resampling.
 
 Every draw of a sample comes from its own torch.Generator seeded by (seed, epoch, step, global
 position in the batch): the same sample gets the same crop at any world size, worker count, or
@@ -14,10 +18,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
+from common.config import INTERPOLATIONS
 from common.data.augment import sample_seed
 from common.data.index import SetIndex
 from common.errors import UserError
@@ -82,11 +87,17 @@ def train_box(seed: int, epoch: int, step: int, position: int, height: int, widt
     return box._replace(flip=bool(torch.rand(1, generator=g).item() < 0.5))
 
 
+def eval_short(size: int, crop_pct: float | None = None) -> int:
+    """The short side the evaluation resizes to: torchvision's reference's size / EVAL_CROP rounded
+    (256 for 224) without a crop fraction; with one, timm's floor(size / crop_pct) (235 for 224 at 0.95)."""
+    return round(size / EVAL_CROP) if crop_pct is None else math.floor(size / crop_pct)
+
+
 def eval_box(height: int, width: int, size: int, short: int = 0) -> Box:
-    """The evaluation crop: what resizing the short side to `short` (default size / EVAL_CROP,
+    """The evaluation crop: what resizing the short side to `short` (default eval_short(size),
     256 for 224) and centre-cropping size x size keeps, as a box of the source (rounded to whole
     source pixels, then resized once: one resampling instead of torchvision's two)."""
-    short = short or round(size / EVAL_CROP)
+    short = short or eval_short(size)
     extent = min(height, width, max(1, round(size * min(height, width) / short)))
     return Box((height - extent) // 2, (width - extent) // 2, extent, extent)
 
@@ -103,13 +114,14 @@ def scaled(box: Box, height: int, width: int, source_height: int, source_width: 
                max(1, min(round(box.width * sx), width - left)), box.flip)
 
 
-def resized_crop(image: torch.Tensor, box: Box, size: int, out: torch.Tensor | None = None) -> torch.Tensor:
+def resized_crop(image: torch.Tensor, box: Box, size: int, out: torch.Tensor | None = None,
+                 interpolation: str = "bilinear") -> torch.Tensor:
     """The box of a uint8 (C, H, W) image resized to (C, size, size) with torch's antialiased
-    bilinear uint8 kernel (torchvision's `v2.functional.resized_crop(..., antialias=True)` on the
-    same box), mirrored if box.flip; written into `out` (a row of a preallocated batch) if given."""
+    uint8 kernel of `interpolation` (torchvision's `v2.functional.resized_crop(..., antialias=True)`
+    on the same box), mirrored if box.flip; written into `out` (a row of a preallocated batch) if given."""
     crop = image[None, :, box.top:box.top + box.height, box.left:box.left + box.width]
     if crop.shape[-2:] != (size, size):
-        crop = antialiased(crop, size)
+        crop = antialiased(crop, size, interpolation)
     crop = crop[0].flip(-1) if box.flip else crop[0]
     if out is None:
         return crop.contiguous()
@@ -117,16 +129,17 @@ def resized_crop(image: torch.Tensor, box: Box, size: int, out: torch.Tensor | N
     return out
 
 
-def antialiased(crop: torch.Tensor, size: int) -> torch.Tensor:
-    """A uint8 (1, C, h, w) crop resized to size x size, antialiased bilinear. The uint8 kernel is
-    the CPU's alone; on a GPU the crop goes through float32 and is rounded back, as torchvision's v2
-    resize does there (a grey level off the CPU's at most)."""
+def antialiased(crop: torch.Tensor, size: int, interpolation: str = "bilinear") -> torch.Tensor:
+    """A uint8 (1, C, h, w) crop resized to size x size, antialiased bilinear or bicubic. The uint8
+    kernels are the CPU's alone; on a GPU the crop goes through float32 and is clamped and rounded
+    back, as torchvision's v2 resize does there (a grey level off the CPU's at most; bicubic
+    overshoots, hence the clamp)."""
     if crop.device.type == "cpu":
-        return torch.nn.functional.interpolate(crop, size=(size, size), mode="bilinear", align_corners=False,
+        return torch.nn.functional.interpolate(crop, size=(size, size), mode=interpolation, align_corners=False,
                                                antialias=True)
-    resized = torch.nn.functional.interpolate(crop.float(), size=(size, size), mode="bilinear", align_corners=False,
-                                              antialias=True)
-    return resized.round_().clamp_(0, 255).to(torch.uint8)
+    resized = torch.nn.functional.interpolate(crop.float(), size=(size, size), mode=interpolation,
+                                              align_corners=False, antialias=True)
+    return resized.clamp_(0, 255).round_().to(torch.uint8)
 
 
 # ---------------------------------------------------------------- a set's geometry
@@ -136,15 +149,65 @@ GRAY_MODES = ("1", "L", "I", "F")  # modes (and I;16 and its kin) whose images t
 
 
 @dataclass(frozen=True)
+class Resampling:
+    """How own images become the model's input at --image-size S: the evaluation's crop fraction
+    (None: torchvision's reference's S / 0.875, rounded) and the filter of both crops, and why
+    (the banner's words)."""
+
+    crop_pct: float | None = None
+    interpolation: str = "bilinear"
+    why: str = "torchvision's reference recipe (--crop-pct, --interpolation choose otherwise)"
+
+    def short(self, size: int) -> int:
+        return eval_short(size, self.crop_pct)
+
+    def describe(self, size: int) -> str:
+        fraction = f"crop fraction {self.crop_pct:g}" if self.crop_pct is not None else f"{size} / {EVAL_CROP}"
+        return (f"evaluation on the centre {size} of the short side resized to {self.short(size)} ({fraction}), "
+                f"{self.interpolation} for it and for the training crops: {self.why}")
+
+
+def choose_resampling(crop_pct: float | None, interpolation: str | None, pretrained: dict[str, Any] | None,
+                      ) -> Resampling:
+    """--crop-pct and --interpolation where given; else what the pretrained config that came with
+    --weights says (timm's: as timm evaluates those weights, as --normalization auto takes their
+    mean and std); else torchvision's reference. A pretrained config this suite cannot follow
+    (timm's squash or border crop, a fraction above 1, another filter) stops with the flags that
+    choose instead."""
+    flags = {"crop_pct": crop_pct, "interpolation": interpolation}
+    taken = {key: value for key, value in (pretrained or {}).items() if key in flags and flags[key] is None
+             and value is not None}
+    source = (pretrained or {}).get("source", "the weights' pretrained config")
+    mode = (pretrained or {}).get("crop_mode", "center")
+    if "crop_pct" in taken and (mode != "center" or not 0 < taken["crop_pct"] <= 1):
+        raise UserError(f"--weights: {source} evaluates with crop_pct {taken['crop_pct']}, crop_mode {mode}, and this "
+                        "suite takes the centre of the short side resized (crop_mode center, a fraction up to 1): "
+                        "pass --crop-pct F to evaluate that way (e.g. --crop-pct 1)")
+    if taken.get("interpolation", "bilinear") not in INTERPOLATIONS:
+        raise UserError(f"--weights: {source} resizes with {taken['interpolation']!r}; pass --interpolation "
+                        f"{' or '.join(INTERPOLATIONS)}")
+    reasons = [f"--{key.replace('_', '-')} {value}" for key, value in flags.items() if value is not None]
+    if taken:
+        reasons.append(f"{', '.join(f'{key} {value}' for key, value in taken.items())} from {source}, as timm "
+                       "evaluates those weights")
+    chosen = {**flags, **taken}
+    return Resampling(chosen["crop_pct"], chosen["interpolation"] or "bilinear",
+                      "; ".join(reasons) + " (--crop-pct, --interpolation choose otherwise)" if reasons
+                      else Resampling.why)
+
+
+@dataclass(frozen=True)
 class Stored:
     """A fixed view of an image: `side` x `side` pixels, after resizing its short side to `short`
     and centre-cropping (short 0: as it is, and it must be side x side). `whole` > 0: the split
     trains on random-resized crops of the whole image, and a cached copy keeps the whole image
-    with its long side at most `whole` (the view then serves only its statistics)."""
+    with its long side at most `whole` (the view then serves only its statistics). Both crops
+    resize with `interpolation`."""
 
     side: int
     short: int = 0
     whole: int = 0
+    interpolation: str = "bilinear"
 
 
 @dataclass(frozen=True)
@@ -160,17 +223,18 @@ class Geometry:
             return f"{self.size}x{self.size} as stored, {self.augment}"
         return (f"model input {self.size}: training on random-resized crops of the whole image (cached with its "
                 f"long side at most {self.train.whole} px), evaluation on the centre {self.size} of the short side "
-                f"resized to {self.test.short}")
+                f"resized to {self.test.short}, {self.test.interpolation}")
 
 
 # ---------------------------------------------------------------- geometry
 
-def choose_geometry(index: SetIndex, image_size: int) -> Geometry:
+def choose_geometry(index: SetIndex, image_size: int, resampling: Resampling | None = None) -> Geometry:
     channels = 1 if all(mode.split(";")[0] in GRAY_MODES for mode in index.modes) else 3
     if image_size:
-        short = round(image_size / EVAL_CROP)
-        return Geometry(channels, Stored(image_size, short, WHOLE_SIDE * short), Stored(image_size, short), image_size,
-                        "resized-crop-flip")
+        resampling = resampling or Resampling()
+        short, interpolation = resampling.short(image_size), resampling.interpolation
+        return Geometry(channels, Stored(image_size, short, WHOLE_SIDE * short, interpolation),
+                        Stored(image_size, short, 0, interpolation), image_size, "resized-crop-flip")
     if len(index.sizes) > 1:
         (a, path_a), (b, path_b) = sorted(index.sizes.items())[:2]
         raise UserError(f"the images of --data-dir {index.root} differ in size ({path_a} is {a}, {path_b} is {b}); "

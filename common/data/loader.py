@@ -197,10 +197,27 @@ class TrainLoader:
         self.per_sample = SampleAugment(augment, random_erase)
         self.augment = augment
         self.positions = range(rank, global_batch, world_size)  # this rank's rows' places in the global batch
+        self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its global order), for label_scale
+
+    def order(self, epoch: int) -> torch.Tensor:
+        if self._order is None or self._order[0] != epoch:
+            self._order = (epoch, global_order(len(self.split), self.seed, epoch, self.split.groups))
+        return self._order[1]
+
+    def label_scale(self, weights: torch.Tensor | None, epoch: int, step: int) -> float:
+        """The global batch's size over its total class weight (--class-weights; 1 without): what
+        every rank scales its weighted loss sum by, from the set's labels as indexed (no
+        communication: each rank knows the whole global batch's indices). A sample --skip-broken
+        replaces keeps its own label's weight here, at every world size alike."""
+        if weights is None:
+            return 1.0
+        b = self.global_batch
+        labels = torch.as_tensor(self.split.labels).cpu()[self.order(epoch)[step * b:(step + 1) * b]]
+        return b / float(weights.cpu()[labels].sum())
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Global batch k is order[k*B:(k+1)*B]; this rank takes every W-th sample of it, from its rank."""
-        order = global_order(len(self.split), self.seed, epoch, self.split.groups)
+        order = self.order(epoch)
         b = self.global_batch
         indices = [order[step * b + self.rank:(step + 1) * b:self.world_size]
                    for step in range(start_step, self.steps_per_epoch)]

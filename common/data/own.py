@@ -41,7 +41,7 @@ from common.data.cache import (
     write_tensors,
 )
 from common.data.device_decode import choose_decode
-from common.data.geometry import Geometry, Stored, choose_geometry, stored_bytes
+from common.data.geometry import Geometry, Resampling, Stored, choose_geometry, stored_bytes
 from common.data.index import INDEX_FORMAT, SetIndex, TableWriter, map_index, publish, shapes_of, staging_for
 from common.data.indexing import ShardSamples, Survey, check_classes, index_folder, index_shards
 from common.data.loader import Dataset, DataSpec, Split
@@ -76,6 +76,7 @@ class OwnData:
     device: str = "cpu"  # the rank's device, where --decode gpu decodes
     image_key: str = "image"  # hf: the columns of the images and of their classes
     label_key: str = "label"
+    resampling: Resampling = Resampling()  # --image-size's crop fraction and filter (--crop-pct, --interpolation)
 
     @property
     def cache_root(self) -> Path:
@@ -94,7 +95,7 @@ def prepare(opts: OwnData, say: Say) -> dict[str, Any]:
     """Index, geometry, statistics; then the decoded cache, or the index to stream from."""
     index = load_index(opts, say)
     check_not_empty(index)
-    geometry = choose_geometry(index, opts.image_size)
+    geometry = choose_geometry(index, opts.image_size, opts.resampling)
     cache = opts.shard_cache(index.versions)
     if cache:  # every run: a budget lowered since the set was indexed holds, and trims the cache now
         cache.check_budget()

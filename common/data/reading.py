@@ -125,7 +125,7 @@ class Reader(torch.utils.data.Dataset):
         image = self.pixels(i, box, out.shape[-1])
         height, width = image.shape[-2:]
         if box is not None:
-            resized_crop(image, scaled(box, height, width, *self.dims(i)), out.shape[-1], out=out)
+            resized_crop(image, scaled(box, height, width, *self.dims(i)), out.shape[-1], out, self.view.interpolation)
         elif tuple(image.shape) == tuple(out.shape):
             out.copy_(image)
         else:
@@ -411,7 +411,8 @@ class Streamed:
         encoded = EncodedBatch(list(batch.images.split(lengths)), sizes, batch.labels, batch.names)
         draws = request.draws
         boxes = train_boxes(sizes, draws.seed, draws.epoch, draws.step, request.positions)
-        images = decode_and_crop(encoded, boxes, self.source.view.side, self.source.channels, device)
+        images = decode_and_crop(encoded, boxes, self.source.view.side, self.source.channels, device,
+                                 self.source.view.interpolation)
         self.source.augmented(images, request)
         return images
 

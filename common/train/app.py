@@ -13,6 +13,7 @@ from common.collector import ended_cleanly, pause_during_set_up, resume_for_trai
 from common.config import OWN_DATASETS, Config, default_checkpoint_dir, default_log_dir, parse_args, world_size_from_env
 from common.data.augment import Draws
 from common.data.fetch import load_dataset
+from common.data.geometry import Resampling, choose_resampling
 from common.data.loader import Dataset, TrainLoader
 from common.data.own import OwnData
 from common.data.reading import default_workers
@@ -31,6 +32,7 @@ from common.train.optim import make_scheduler
 from common.train.precision import Precision
 from common.train.preemption import StopRequest
 from common.train.run import Position, Run, torch_memory_format
+from common.train.step import class_weights
 from common.train.strategy import Strategy
 from common.train.trainer import Trainer
 from common.weights import Loaded, Source, load_into
@@ -117,14 +119,17 @@ def build_run(cfg: Config, ctx: DistContext, strategy: Strategy) -> tuple[Run, L
         torch.backends.cudnn.benchmark = True  # fixed shapes: pick the fastest conv kernels once
     memory_format = torch_memory_format(cfg.memory_format)
     say = node_console(ctx)
+    pretrained = pretrained_data_config(cfg, ctx)  # before the data: it may say how to crop the images
+    resampling = ctx.together(lambda: choose_resampling(cfg.crop_pct, cfg.interpolation, pretrained)) \
+        if cfg.image_size else Resampling()
     data = load_dataset(cfg.dataset, cfg.data_dir, ctx=ctx, say=say, allow_download=cfg.download,
                         download_from=cfg.download_from, cache_dir=cfg.cache_dir,
                         storage_options=cfg.storage_options, synthetic_shape=cfg.synthetic_shape,
-                        deadline_s=cfg.storage_timeout_s, own_data=own_data(cfg, ctx))
+                        deadline_s=cfg.storage_timeout_s, own_data=own_data(cfg, ctx, resampling))
     model = ctx.together(lambda: build_model(cfg.model, data.spec.channels, data.spec.size, data.spec.classes,
                                              cfg.seed, cfg.drop_path))
     # Into the plain model on every rank, before wrap() replicates and shards it.
-    weights = load_weights(cfg, ctx, model, data.spec.channels, say) if cfg.weights else None
+    weights = load_weights(cfg, ctx, model, data.spec.channels, say, pretrained) if cfg.weights else None
     cfg = pinned(cfg, weights) if weights else cfg
     data = normalized_for_weights(data, weights)  # the weights' content says which torchvision file they are
     loader = ctx.together(lambda: TrainLoader(data.train, data.spec, cfg.batch_size, ctx.rank, ctx.world_size,
@@ -138,21 +143,32 @@ def build_run(cfg: Config, ctx: DistContext, strategy: Strategy) -> tuple[Run, L
     scheduler = make_scheduler(cfg, optimizer, loader.steps_per_epoch)
     compiled = torch.compile(wrapped) if cfg.compile else None  # for DDP, compile sees DDP and splits at buckets
     ema = EMA(cfg.ema, strategy, wrapped) if cfg.ema else None
+    weighting = ctx.together(lambda: class_weights(cfg.class_weights, data.train.labels, data.spec.classes))
     return Run(cfg, ctx, strategy, data, loader, wrapped, optimizer, scheduler, Precision(cfg.precision, ctx.device),
-               compiled, ema, Mixing(cfg, data.spec.classes), weights.pretrained if weights else None), weights
+               compiled, ema, Mixing(cfg, data.spec.classes), weights.pretrained if weights else None,
+               resampling, weighting.to(ctx.device) if weighting is not None else None), weights
+
+
+def pretrained_data_config(cfg: Config, ctx: DistContext) -> dict:
+    """A collective: the data config that comes with --weights (timm's registry's, or a local-dir
+    folder's config.json, read by rank 0 alone: the other nodes need not hold the folder); {}."""
+    if not cfg.weights:
+        return {}
+    source = Source.parse(cfg.weights, cfg.model)
+    read = ctx.after_primary(f"pretrained config read from {source.text}", source.data_config, cfg.storage_timeout_s)
+    return ctx.broadcast_json(read if ctx.is_primary else None)
 
 
 def load_weights(cfg: Config, ctx: DistContext, model: torch.nn.Module, channels: int, say: Callable[[str], None],
-                 ) -> Loaded:
+                 pretrained: dict) -> Loaded:
     """A collective: --weights into the plain model on every rank. Rank 0 reads the file while the
     others wait on the store (--storage-timeout-s bounds it, not --timeout-s); every rank loads the
-    bytes it broadcasts, as for a resumed checkpoint (common/weights.py)."""
+    bytes it broadcasts, as for a resumed checkpoint (common/weights.py). pretrained: its data config
+    (pretrained_data_config)."""
     source = Source.parse(cfg.weights, cfg.model)
     read = ctx.after_primary(f"weights read from {source.text}",
-                             lambda: (source.read(cfg.storage_options, cfg.download, say), source.data_config()),
-                             cfg.storage_timeout_s)
-    data = ctx.broadcast_bytes(read[0] if ctx.is_primary else None)
-    pretrained = ctx.broadcast_json(read[1] if ctx.is_primary else None)
+                             lambda: source.read(cfg.storage_options, cfg.download, say), cfg.storage_timeout_s)
+    data = ctx.broadcast_bytes(read if ctx.is_primary else None)
     return ctx.together(lambda: load_into(model, data, source, channels, cfg.seed, cfg.normalization, pretrained))
 
 
@@ -175,14 +191,14 @@ def pinned(cfg: Config, weights: Loaded) -> Config:
     return with_digest
 
 
-def own_data(cfg: Config, ctx: DistContext) -> OwnData | None:
+def own_data(cfg: Config, ctx: DistContext, resampling: Resampling) -> OwnData | None:
     """How to read --dataset imagefolder | shards | hf; None for the built-in sets."""
     if cfg.dataset not in OWN_DATASETS:
         return None
     workers = default_workers(ctx.local_world_size) if cfg.workers is None else cfg.workers
     return OwnData(cfg.dataset, cfg.data_dir, cfg.cache_dir, cfg.storage_options, cfg.image_size, workers,
                    default_workers(1) + 1, cfg.skip_broken, cfg.cache_gb, cfg.shard_cache_gb, cfg.verify_data,
-                   cfg.decode, str(ctx.device), cfg.hf_image_key, cfg.hf_label_key)
+                   cfg.decode, str(ctx.device), cfg.hf_image_key, cfg.hf_label_key, resampling)
 
 
 def process_age_s() -> float:
@@ -237,6 +253,8 @@ def describe(run: Run, checkpoints: Checkpoints, log: NullLogger) -> None:
     log.info(f"{run.data.name}: {len(run.data.train)} train / {len(run.data.test)} test images "
              f"({run.data.spec.channels}x{run.data.spec.size}x{run.data.spec.size}, {run.data.spec.classes} classes), "
              f"{run.data.held}")
+    if cfg.image_size:
+        log.info(run.resampling.describe(cfg.image_size))
     if run.data.train.augments:
         describe_loader(run, log)
     shares = run.strategy.batch_shares(ctx.world_size)

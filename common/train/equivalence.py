@@ -46,18 +46,20 @@ def check_equivalence(run: Run, log: NullLogger) -> None:
     ref_ema = EMA(cfg.ema, one_process, reference) if cfg.ema else None
     whole_batch = TrainLoader(data.train, data.spec, cfg.batch_size, 0, 1, cfg.seed, ctx.device, cfg.max_steps,
                               run.memory_format, cfg.augment, cfg.random_erase)
-    recipe = StepRecipe.of(cfg)
+    recipe = StepRecipe.of(cfg, run.class_weights)
     run.model.train()
     reference.train()
     steps = 0
     for epoch in count():
-        for (images, labels), (all_images, all_labels) in zip(run.mixing.batches(run.loader.epoch(epoch), epoch, 0),
-                                                              run.mixing.batches(whole_batch.epoch(epoch), epoch, 0)):
+        for step, ((images, labels), (all_images, all_labels)) in enumerate(zip(
+                run.mixing.batches(run.loader.epoch(epoch), epoch, 0),
+                run.mixing.batches(whole_batch.epoch(epoch), epoch, 0))):
             train_step(run.step_model, run.strategy, run.optimizer, run.scheduler, run.precision, images, labels,
-                       recipe)
+                       recipe, label_scale=run.loader.label_scale(run.class_weights, epoch, step))
             run.strategy.end_of_step(run.model, steps + 1, False)
+            # the reference's own scale, from the whole batch it trains: one process's torch weighted mean
             train_step(reference, one_process, ref_optimizer, ref_scheduler, ref_precision, all_images, all_labels,
-                       recipe)
+                       recipe, label_scale=whole_batch.label_scale(run.class_weights, epoch, step))
             steps += 1
             if run.ema:
                 run.ema.update(steps)

@@ -261,11 +261,12 @@ class FaultTolerantTrainer(Trainer):
         buffers = torch.zeros(sum(b.numel() for b in self.ft.buffers), device=run.ctx.device)
         before = [b.clone() for b in self.ft.buffers]
         rows = self.ft.slot_rows()
+        scale = run.loader.label_scale(run.class_weights, at.epoch, at.step)  # the global batch's, every slot's
         for slot, (images, labels) in zip(mine, batches):
             if self.random:
                 reseed(run.cfg.seed, slot, run.global_step(at))  # slot s draws what rank s of a plain run draws
             stats += backward(run.step_model, run.strategy, run.precision, images, labels, recipe,
-                              recipe.accumulate * self.ft.slots)
+                              recipe.accumulate * self.ft.slots, scale)
             if rows is not None:
                 self.ft.take_gradients(rows[slot])
             coverage[slot] += 1

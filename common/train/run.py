@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from common.config import Config
+from common.data.geometry import Resampling
 from common.data.loader import Dataset, TrainLoader
 from common.parallel.context import DistContext
 from common.train.ema import EMA
@@ -59,6 +60,8 @@ class Run:
     ema: EMA | None = None  # --ema: the moving average of the weights
     mixing: Mixing | None = None  # --mixup / --cutmix
     pretrained: dict | None = None  # the data config that came with --weights (timm's), for the checkpoint
+    resampling: Resampling = Resampling()  # --image-size's crop fraction and filter, as chosen (for the checkpoint)
+    class_weights: torch.Tensor | None = None  # --class-weights, one per class on the device (common/train/step.py)
 
     @property
     def plain(self) -> nn.Module:

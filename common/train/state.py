@@ -11,7 +11,6 @@ from typing import Any
 import torch
 
 from common import __version__
-from common.data.geometry import EVAL_CROP
 from common.errors import first_line
 from common.optimizers import OPTIMIZERS
 from common.train.run import Position, Run
@@ -88,14 +87,16 @@ def detached_copy(state: Any) -> Any:
 def data_entry(run: Run) -> dict[str, Any]:
     """What predict.py and export.py need besides the weights (common/use/): the classes' names
     and the evaluation's preprocessing: decode to `channels`, resize the short side to `resize`
-    and centre-crop `size` (resize 0: the image must be size x size as it is), scale to [0, 1],
-    normalize by `mean` and `std`. And the pretrained data config that came with --weights (timm's:
+    and centre-crop `size` (resize 0: the image must be size x size as it is) with the antialiased
+    `interpolation` filter (`crop_pct`: the fraction that gave `resize`, None for size / 0.875),
+    scale to [0, 1], normalize by `mean` and `std`. And the pretrained data config that came with --weights (timm's:
     mean, std, input size, crop fraction, interpolation, and where it came from), if any. Plain
     values: the file stays loadable with weights_only=True."""
     cfg, spec = run.cfg, run.data.spec
     return {"classes": run.data.names(),
             "channels": spec.channels, "size": spec.size, "mean": list(spec.mean), "std": list(spec.std),
-            "resize": round(cfg.image_size / EVAL_CROP) if cfg.image_size else 0,  # as geometry.choose_geometry
+            "resize": run.resampling.short(cfg.image_size) if cfg.image_size else 0,  # as geometry.choose_geometry
+            "crop_pct": run.resampling.crop_pct, "interpolation": run.resampling.interpolation,
             **({"pretrained": run.pretrained} if run.pretrained else {})}
 
 

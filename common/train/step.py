@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from common.config import Config
+from common.errors import UserError
 from common.train.precision import Precision
 from common.train.strategy import Strategy
 
@@ -72,30 +73,64 @@ class StepClock:
 @dataclass(frozen=True)
 class StepRecipe:
     """What one optimizer step does besides the strategy's synchronization: micro-batches, the loss's
-    label smoothing, and clipping of the synchronized gradient."""
+    label smoothing and class weights, and clipping of the synchronized gradient."""
 
     accumulate: int = 1
     label_smoothing: float = 0.0
     clip_grad_norm: float | None = None
+    class_weights: torch.Tensor | None = None  # --class-weights, on the rank's device
 
     @classmethod
-    def of(cls, cfg: Config) -> StepRecipe:
-        return cls(cfg.accumulate, cfg.label_smoothing, cfg.clip_grad_norm)
+    def of(cls, cfg: Config, class_weights: torch.Tensor | None = None) -> StepRecipe:
+        return cls(cfg.accumulate, cfg.label_smoothing, cfg.clip_grad_norm, class_weights)
+
+
+def class_weights(choice: str, labels: torch.Tensor, classes: int) -> torch.Tensor | None:
+    """--class-weights as one float64 weight per class (None without it): balanced, sklearn's
+    inverse class frequency of the training split, n / (classes x count); or the flag's numbers."""
+    if not choice:
+        return None
+    if choice != "balanced":
+        weights = torch.tensor([float(w) for w in choice.split(",")], dtype=torch.float64)
+        if len(weights) != classes:
+            raise UserError(f"--class-weights gives {len(weights)} weight(s) and the data set has {classes} classes; "
+                            "give one per class, in class order")
+        return weights
+    counts = torch.bincount(torch.as_tensor(labels, dtype=torch.int64).cpu(), minlength=classes).double()
+    if missing := (counts == 0).nonzero().flatten().tolist():
+        raise UserError(f"--class-weights balanced: class(es) {', '.join(map(str, missing[:5]))} have no training "
+                        "images, so their frequency cannot be inverted; give a FILE of one weight per class")
+    return counts.sum() / (classes * counts)
+
+
+def cross_entropy(logits: torch.Tensor, targets: torch.Tensor, recipe: StepRecipe, label_scale: float) -> torch.Tensor:
+    """The micro-batch's loss, as a mean over its rows that the step's averaging over micro-batches and
+    ranks turns into the global batch's loss. With class weights and class indices, torch's weighted
+    mean divides by the batch's total weight, not the row count: here the rows' weighted sum times
+    label_scale (the global batch's size over its total weight, TrainLoader.label_scale) over the
+    row count, so the whole step is torch's CrossEntropyLoss(weight=...) of the global batch at any
+    world size. With class probabilities (mixup, cutmix) torch's weighted mean is over the rows."""
+    weight, smoothing = recipe.class_weights, recipe.label_smoothing
+    weight = None if weight is None else weight.float()  # what cross_entropy computes in, autocast or not
+    if weight is None or targets.ndim > 1:
+        return F.cross_entropy(logits, targets, weight=weight, label_smoothing=smoothing)
+    total = F.cross_entropy(logits, targets, weight=weight, label_smoothing=smoothing, reduction="sum")
+    return total * (label_scale / len(targets))
 
 
 def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Optimizer,
                scheduler: torch.optim.lr_scheduler.LRScheduler, precision: Precision, images: torch.Tensor,
                targets: torch.Tensor, recipe: StepRecipe = StepRecipe(), clock: StepClock | None = None,
-               ) -> tuple[torch.Tensor, float | None]:
+               label_scale: float = 1.0) -> tuple[torch.Tensor, float | None]:
     """One optimizer step on this rank's share of the global batch, in `accumulate` micro-batches
     whose gradients are synchronized once, after the last. Each micro-batch's mean loss is divided
     by `accumulate`, so W ranks x N micro-batches give the gradient of the mean over the global
     batch, as one process with one batch would. targets: class indices, or class probabilities
     (mixup/cutmix). Returns (loss sum, correct) over the batch; with mixed targets a prediction is
     correct when it is the class with the most weight. And with clipping, the gradient's norm before
-    it (what the logs show: how often clipping bites)."""
+    it (what the logs show: how often clipping bites). label_scale: cross_entropy's, for class weights."""
     strategy.zero_grad(model, optimizer)
-    stats = backward(model, strategy, precision, images, targets, recipe, recipe.accumulate)
+    stats = backward(model, strategy, precision, images, targets, recipe, recipe.accumulate, label_scale)
     if clock:
         clock.lap(COMPUTE)
     strategy.after_backward(model)
@@ -108,7 +143,7 @@ def train_step(model: nn.Module, strategy: Strategy, optimizer: torch.optim.Opti
 
 
 def backward(model: nn.Module, strategy: Strategy, precision: Precision, images: torch.Tensor,
-             targets: torch.Tensor, recipe: StepRecipe, divisor: int) -> torch.Tensor:
+             targets: torch.Tensor, recipe: StepRecipe, divisor: int, label_scale: float = 1.0) -> torch.Tensor:
     """Forward and backward of `accumulate` micro-batches, each mean loss divided by `divisor`, the
     gradients summed into .grad; the strategy may communicate on the last one, not before. Returns
     (loss sum, correct) over the rows."""
@@ -118,7 +153,7 @@ def backward(model: nn.Module, strategy: Strategy, precision: Precision, images:
         with strategy.no_sync(model) if i < micro - 1 else nullcontext():
             with precision.autocast():
                 logits = model(x)
-                loss = F.cross_entropy(logits, y, label_smoothing=recipe.label_smoothing)
+                loss = cross_entropy(logits, y, recipe, label_scale)
             precision.backward(loss / divisor)
         with torch.no_grad():
             classes = y if y.ndim == 1 else y.argmax(1)

@@ -105,7 +105,7 @@ class Trainer:
     def __post_init__(self) -> None:
         self.steps = StepLog(self.run.ctx)
         self.random = uses_randomness(self.run.plain)
-        self.recipe = StepRecipe.of(self.run.cfg)
+        self.recipe = StepRecipe.of(self.run.cfg, self.run.class_weights)
         self.stop_signal = 0  # agreed on, waiting for a synchronized step
         self.save_due = False
 
@@ -196,8 +196,9 @@ class Trainer:
         images, labels = batch
         if self.random:
             reseed(run.cfg.seed, run.ctx.rank, run.global_step(at))
+        scale = run.loader.label_scale(run.class_weights, at.epoch, at.step)
         stats, norm = train_step(run.step_model, run.strategy, run.optimizer, run.scheduler, run.precision, images,
-                                 labels, self.recipe, clock)
+                                 labels, self.recipe, clock, scale)
         return stats, norm, len(labels)
 
     def log_loader(self, at: Position) -> None:

@@ -10,7 +10,7 @@ from typing import Any
 
 from torch import nn
 
-from common.data.geometry import Stored
+from common.data.geometry import Resampling, Stored
 from common.data.loader import DataSpec
 from common.errors import ConfigError, UserError
 from common.models import build_model
@@ -24,8 +24,10 @@ WHAT_TO_GIVE = "give a checkpoint file (step-*.pt), a run folder, or a --checkpo
 @dataclass(frozen=True)
 class Preprocessing:
     """How an image becomes the model's input, as the training run evaluated: decoded to `channels`
-    (L or RGB), the short side resized to `resize` and the centre `size` x `size` cropped (resize 0:
-    the image must be size x size already), scaled to [0, 1], normalized by mean and std."""
+    (L or RGB), the short side resized to `resize` and the centre `size` x `size` cropped with the
+    antialiased `interpolation` filter (resize 0: the image must be size x size already), scaled to
+    [0, 1], normalized by mean and std. `crop_pct`: the fraction that gave `resize` (None: size /
+    0.875), what another --image-size is resized by."""
 
     classes: tuple[str, ...]
     channels: int
@@ -34,11 +36,18 @@ class Preprocessing:
     std: tuple[float, ...]
     resize: int
     pretrained: dict[str, Any] = field(default_factory=dict)  # the data config that came with --weights (timm's)
+    crop_pct: float | None = None
+    interpolation: str = "bilinear"  # a checkpoint of an earlier version: what it evaluated with
 
     @property
     def stored(self) -> Stored:
         """The decoder's geometry (common/data/decoding.py decode)."""
-        return Stored(self.size, self.resize)
+        return Stored(self.size, self.resize, 0, self.interpolation)
+
+    @property
+    def resampling(self) -> Resampling:
+        """The training run's crop fraction and filter, for the evaluation of another --image-size."""
+        return Resampling(self.crop_pct, self.interpolation, "the checkpoint's")
 
     @property
     def spec(self) -> DataSpec:
@@ -49,12 +58,14 @@ class Preprocessing:
         """For PATH.json: enough to reproduce the input exactly, the resampling included (a
         Resize then CenterCrop of another library rounds and filters differently)."""
         resample = ("the centre square of center_crop * min(width, height) / resize_short_side source pixels, "
-                    "resized to center_crop x center_crop in one bilinear step: PIL's image.resize((s, s), "
-                    "Image.BILINEAR, box=(left, top, left + extent, top + extent), reducing_gap=None), the box in "
+                    f"resized to center_crop x center_crop in one antialiased {self.interpolation} step: PIL's "
+                    f"image.resize((s, s), Image.{self.interpolation.upper()}, box=(left, top, left + extent, top + "
+                    "extent), reducing_gap=None), the box in "
                     "fractional pixels; a JPEG is first decoded with image.draft(mode, (resize_short_side,) * 2)"
                     if self.resize else "none: the images must be center_crop x center_crop")
         return {"channels": self.channels, "mode": "L" if self.channels == 1 else "RGB",
-                "resize_short_side": self.resize or None, "center_crop": self.size, "resample": resample,
+                "resize_short_side": self.resize or None, "center_crop": self.size, "interpolation": self.interpolation,
+                **({"crop_pct": self.crop_pct} if self.crop_pct is not None else {}), "resample": resample,
                 "scale": "pixel / 255", "mean": list(self.mean), "std": list(self.std),
                 **({"pretrained": self.pretrained} if self.pretrained else {})}
 
@@ -80,7 +91,8 @@ class Saved:
                               "class names and the preprocessing that evaluate.py, predict.py and export.py use; "
                               "train the model again with this version")
         return Preprocessing(tuple(data["classes"]), int(data["channels"]), int(data["size"]), tuple(data["mean"]),
-                             tuple(data["std"]), int(data["resize"]), data.get("pretrained", {}))
+                             tuple(data["std"]), int(data["resize"]), data.get("pretrained", {}), data.get("crop_pct"),
+                             data.get("interpolation", "bilinear"))
 
     def weights(self, ema: bool = False) -> dict[str, Any]:
         """The saved weights, or with ema the moving average's (the training run's --ema)."""
