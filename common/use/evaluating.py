@@ -149,7 +149,8 @@ def load_data(flags: Flags, saved: Saved, preprocessing: Preprocessing, ctx: Dis
                       cfg["image_size"] if flags.image_size is None else flags.image_size,
                       default_workers(ctx.local_world_size) if flags.workers is None else flags.workers,
                       default_workers(1) + 1, flags.skip_broken, cfg["cache_gb"], cfg["shard_cache_gb"],
-                      cfg["verify_data"], cfg.get("hf_image_key", "image"), cfg.get("hf_label_key", "label"))
+                      cfg["verify_data"], image_key=cfg.get("hf_image_key", "image"),
+                      label_key=cfg.get("hf_label_key", "label"))
     data = load_dataset(dataset, data_dir, ctx=ctx, say=node_console(ctx), allow_download=flags.download,
                         download_from=flags.download_from, cache_dir=cache_dir, storage_options=flags.storage_options,
                         synthetic_shape=cfg["synthetic_shape"], deadline_s=flags.storage_timeout_s, own_data=own)
