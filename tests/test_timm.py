@@ -7,6 +7,8 @@ downloaded. In-process tests, and two runs on an existing launch of tests/test_w
 the cache with layer decay, FSDP2's --check-equivalence with it)."""
 from __future__ import annotations
 
+import io
+import json
 import sys
 from pathlib import Path
 
@@ -165,6 +167,36 @@ def test_a_local_dir_folder_as_timm_saves_it_loads_with_its_config(tmp_path):
         with pytest.raises(UserError) as error:
             Source.parse(f"local-dir:{missing}", "timm:test_vit").read({}, True, print)
         assert str(error.value).startswith(f"--weights local-dir:{missing}: {says}")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("config, says", [
+    ({"architecture": "test_vit", "pretrained_cfg": {"mean": [0.1] * 3, "std": [0.9] * 3}},
+     "is the config of test_vit, not of --model timm:test_resnet: its mean and std are not this model's"),
+    ({"mean": "imagenet", "std": [0.2] * 3}, 'mean "imagenet" and std [0.2, 0.2, 0.2] are not two lists of 1 or 3'),
+    ({"mean": [0.5, 0.5], "std": [0.2, 0.2]}, "mean [0.5, 0.5] and std [0.2, 0.2] are not two lists of 1 or 3"),
+    ({"mean": [0.5] * 3, "std": [0, 0, 0]}, "std [0, 0, 0] is not positive (images are divided by it)"),
+    ({"mean": [0.5] * 3}, "its mean comes without its std"),
+    ({"mean": [0.5] * 3, "std": [0.2] * 3, "input_size": "big"}, 'input_size "big" is not [channels, height, width]'),
+    ({"crop_pct": -1}, "crop_pct -1 is not a positive fraction"),
+])
+def test_a_local_dir_config_that_is_not_this_models_or_cannot_normalize_is_one_line(tmp_path, config, says):
+    """config.json normalizes every image: one of another architecture, or a mean and std that would
+    raise deep in the set-up or divide by zero (a NaN loss), is refused naming the file, not used."""
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError) as error:
+        Source.parse(f"local-dir:{tmp_path}", f"timm:{RESNET}").data_config()
+    assert str(error.value).startswith(f"--weights local-dir:{tmp_path}: {tmp_path / 'config.json'}")
+    assert says in str(error.value)
+    plain = {"architecture": "test_resnet", "pretrained_cfg": {"mean": [0.5], "std": [0.25]}}
+    (tmp_path / "config.json").write_text(json.dumps(plain))  # a one-channel model's: no input size to show
+    config = Source.parse(f"local-dir:{tmp_path}", f"timm:{RESNET}").data_config()
+    assert config == {"mean": [0.5], "std": [0.25], "source": f"the pretrained config in {tmp_path / 'config.json'}"}
+    model, file = build_model("timm:test_resnet", 3, 32, 5, 0), io.BytesIO()
+    torch.save(model.state_dict(), file)
+    banner = load_into(model, file.getvalue(), Source.parse("x.pt", "timm:test_resnet"), 3, 0,
+                       pretrained=config).banner()
+    assert banner.endswith("(mean 0.5,0.5,0.5, std 0.25,0.25,0.25)")  # no empty "pretrained at" note
 
 
 @pytest.mark.quick
