@@ -152,14 +152,27 @@ def read_hub_weights(name: str, allow_download: bool, say: Callable[[str], None]
         except Exception as e:  # noqa: BLE001 - the network, the Hub, the file system: the same way out
             raise UserError(f"--weights DEFAULT: {file} of {repo} is not in the Hugging Face cache {cache} and "
                             f"downloading it failed ({first_line(e)}); {way_out}") from None
-    return read_file(Path(cached), "DEFAULT")
+    return read_file(Path(cached), "DEFAULT", f"delete it and download it again (`hf download {repo} {file} "
+                     "--force-download`)")
 
 
-def read_file(path: Path, flag: str) -> bytes:
+def read_file(path: Path, flag: str, again: str) -> bytes:
+    """The weights file's bytes; a safetensors file whose header does not cover it (a download cut
+    short) is refused here, naming the file, where the way out (`again`: how to download it again) is
+    known. Raises UserError naming --weights FLAG."""
     try:
-        return path.read_bytes()
+        data = path.read_bytes()
     except OSError as e:
         raise UserError(f"--weights {flag}: reading {path} failed ({first_line(e)}); make it readable") from None
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            safe_open(str(path), framework="pt").keys()
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"--weights {flag}: {path} is truncated or not a safetensors file ({first_line(e)}); "
+                            f"{again}") from None
+    return data
 
 
 def local_dir_file(folder: str) -> Path:

@@ -189,7 +189,8 @@ class Source:
         if self.is_name:
             return self._read_hub_file(allow_download, say)
         if self.is_local_dir:
-            return read_file(local_dir_file(self.folder), self.text)
+            return read_file(local_dir_file(self.folder), self.text, "download it again (`hf download REPO "
+                             f"--local-dir {self.folder}`)")
         parent, name = split(self.text)
         try:
             return storage_for(parent, options).read(name)

@@ -143,6 +143,26 @@ def test_a_file_missing_from_the_cache_offline_says_which_file_to_put_where(offl
 
 
 @pytest.mark.quick
+def test_a_truncated_weights_file_is_one_line_naming_it_and_how_to_download_it_again(offline_cache, tmp_path):
+    """A download cut short (in the cache, in a local-dir folder) is named with its path and the command
+    that downloads it again, not 'give a state dict saved with torch.save'."""
+    file = hub_cache(offline_cache, RESNET, pretrained_state(RESNET))
+    whole = file.read_bytes()
+    file.write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(UserError) as error:
+        Source.parse("DEFAULT", f"timm:{RESNET}").read({}, True, print)
+    assert str(error.value).startswith(f"--weights DEFAULT: {file} is truncated or not a safetensors file (")
+    assert str(error.value).endswith(f"`hf download timm/{RESNET} model.safetensors --force-download`)")
+    folder = tmp_path / "cut"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(whole[:5])
+    with pytest.raises(UserError) as error:
+        Source.parse(f"local-dir:{folder}", f"timm:{RESNET}").read({}, True, print)
+    assert str(error.value).startswith(f"--weights local-dir:{folder}: {folder / 'model.safetensors'} is truncated")
+    assert str(error.value).endswith(f"(`hf download REPO --local-dir {folder}`)")
+
+
+@pytest.mark.quick
 def test_a_local_dir_folder_as_timm_saves_it_loads_with_its_config(tmp_path):
     """local-dir:FOLDER, written by timm's save_for_hf (config.json + model.safetensors, the layout of
     `hf download --local-dir`): a ViT's weights at 160 px into a model for 32 px images, the position
