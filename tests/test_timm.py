@@ -85,7 +85,11 @@ def test_unknown_names_tags_and_timm_missing_are_one_line(monkeypatch):
     (["--model", "timm:test_resnet", "--weights", "IMAGENET1K_V1"], "is not a timm weights name: timm chooses"),
     (["--layer-decay", "0.7"], "--layer-decay needs a timm model"),
     (["--model", "lenet", "--drop-path", "0.1"], "--drop-path needs a timm model"),
-    (["--model", "timm:test_vit", "--layer-decay", "1.5"], "--layer-decay must be in (0, 1]"),
+    (["--model", "timm:test_vit", "--layer-decay", "1.5"], "--layer-decay must be in (0, 1], or 0 for off (got 1.5)"),
+    (["--model", "timm:test_vit", "--drop-path", "1"], "--drop-path must be in [0, 1), 0 for off (got 1)"),
+    (["--model", "timm:test_vit", "--backbone-lr-scale", "nan"], "--backbone-lr-scale must be >= 0 and finite"),
+    (["--model", "timm:test_vit", "--drop-path", "0.1", "--check-equivalence", "2"],
+     "--check-equivalence cannot pass with --drop-path"),
     (["--model", "timm:bad name"], "--model 'timm:bad name' is unknown"),
 ])
 def test_the_flags_alone_refuse_exits_2_naming_the_flag(argv, says, capsys):
