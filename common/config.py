@@ -511,9 +511,15 @@ def _validate_optimizer(p: argparse.ArgumentParser, a: argparse.Namespace) -> No
 
 
 def _validate_fine_tuning(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    if not (0 <= a.layer_decay <= 1 and 0 <= a.backbone_lr_scale < math.inf and 0 <= a.drop_path < 1):
-        p.error(f"--layer-decay must be in (0, 1] or 0 for off, --backbone-lr-scale >= 0 and finite, --drop-path in "
-                f"[0, 1) (got {a.layer_decay:g}, {a.backbone_lr_scale:g}, {a.drop_path:g})")
+    ranges = (("--layer-decay", a.layer_decay, 0 <= a.layer_decay <= 1, "in (0, 1], or 0 for off"),
+              ("--backbone-lr-scale", a.backbone_lr_scale, 0 <= a.backbone_lr_scale < math.inf, ">= 0 and finite"),
+              ("--drop-path", a.drop_path, 0 <= a.drop_path < 1, "in [0, 1), 0 for off"))
+    for flag, value, valid, bounds in ranges:
+        if not valid:
+            p.error(f"{flag} must be {bounds} (got {value:g})")
+    if a.drop_path and a.check_equivalence:
+        p.error("--check-equivalence cannot pass with --drop-path: stochastic depth draws its own masks on each rank, "
+                "unlike one process over the whole batch; check without --drop-path")
     needs_timm = [flag for flag, value in (("--layer-decay", a.layer_decay), ("--drop-path", a.drop_path)) if value]
     if needs_timm and not is_timm(a.model):
         p.error(f"{' and '.join(needs_timm)} need{'s' if len(needs_timm) == 1 else ''} a timm model (timm's grouping "

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import difflib
 import json
+import math
 import os
 import sys
 from pathlib import Path
@@ -151,14 +152,27 @@ def read_hub_weights(name: str, allow_download: bool, say: Callable[[str], None]
         except Exception as e:  # noqa: BLE001 - the network, the Hub, the file system: the same way out
             raise UserError(f"--weights DEFAULT: {file} of {repo} is not in the Hugging Face cache {cache} and "
                             f"downloading it failed ({first_line(e)}); {way_out}") from None
-    return read_file(Path(cached), "DEFAULT")
+    return read_file(Path(cached), "DEFAULT", f"delete it and download it again (`hf download {repo} {file} "
+                     "--force-download`)")
 
 
-def read_file(path: Path, flag: str) -> bytes:
+def read_file(path: Path, flag: str, again: str) -> bytes:
+    """The weights file's bytes; a safetensors file whose header does not cover it (a download cut
+    short) is refused here, naming the file, where the way out (`again`: how to download it again) is
+    known. Raises UserError naming --weights FLAG."""
     try:
-        return path.read_bytes()
+        data = path.read_bytes()
     except OSError as e:
         raise UserError(f"--weights {flag}: reading {path} failed ({first_line(e)}); make it readable") from None
+    if path.suffix == ".safetensors":
+        from safetensors import SafetensorError, safe_open
+
+        try:
+            safe_open(str(path), framework="pt").keys()
+        except (SafetensorError, OSError) as e:
+            raise UserError(f"--weights {flag}: {path} is truncated or not a safetensors file ({first_line(e)}); "
+                            f"{again}") from None
+    return data
 
 
 def local_dir_file(folder: str) -> Path:
@@ -174,21 +188,53 @@ def local_dir_file(folder: str) -> Path:
     return found
 
 
-def local_dir_config(folder: str) -> dict[str, Any]:
+def local_dir_config(folder: str, arch: str = "") -> dict[str, Any]:
     """The pretrained config in a local-dir folder's config.json (timm's layout: its "pretrained_cfg"
-    entry, or the file itself); {} without the file."""
+    entry, or the file itself); {} without the file. arch: --model's timm architecture (no tag), which
+    the file's "architecture" must name where it names one; "" for another kind of model."""
     path = Path(os.path.expanduser(folder)) / "config.json"
     if not path.is_file():
         return {}
+    way_out = "give timm's config.json, or delete it to normalize with the data set's statistics"
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as e:
-        raise UserError(f"--weights {LOCAL_DIR}{folder}: {path} does not read as JSON ({first_line(e)}); give timm's "
-                        "config.json, or delete it to normalize with the data set's statistics") from None
+        raise UserError(f"--weights {LOCAL_DIR}{folder}: {path} does not read as JSON ({first_line(e)}); "
+                        f"{way_out}") from None
     pretrained = config.get("pretrained_cfg", config) if isinstance(config, dict) else None
     if not isinstance(pretrained, dict):
         raise UserError(f"--weights {LOCAL_DIR}{folder}: {path} holds no pretrained config; give timm's config.json")
+    named = config.get("architecture")
+    if arch and isinstance(named, str) and named != arch:
+        raise UserError(f"--weights {LOCAL_DIR}{folder}: {path} is the config of {named}, not of --model {TIMM}{arch}: "
+                        f"its mean and std are not this model's; give the folder of {arch}'s weights, or --model "
+                        f"{TIMM}{named} if they are {named}'s")
+    if problem := data_config_problem(pretrained):
+        raise UserError(f"--weights {LOCAL_DIR}{folder}: {path}: {problem}; {way_out}")
     return pretrained
+
+
+def data_config_problem(config: dict[str, Any]) -> str | None:
+    """What makes a config.json's data config unusable (it normalizes every image), or None: a mean
+    without a std, either not 1 or 3 finite numbers, a std that is not positive (a division by zero),
+    an input size that is not 3 positive integers, a crop fraction that is not a positive number."""
+    def numbers(value: Any) -> bool:
+        return isinstance(value, list) and all(isinstance(v, (int, float)) and not isinstance(v, bool)
+                                               and math.isfinite(v) for v in value)
+    mean, std = config.get("mean"), config.get("std")
+    if (mean is None) != (std is None):
+        return f"its {'mean' if std is None else 'std'} comes without its {'std' if std is None else 'mean'}"
+    if mean is not None and not (numbers(mean) and numbers(std) and len(mean) == len(std) in (1, 3)):
+        return f"mean {json.dumps(mean)} and std {json.dumps(std)} are not two lists of 1 or 3 numbers"
+    if std is not None and min(std) <= 0:
+        return f"std {json.dumps(std)} is not positive (images are divided by it)"
+    size = config.get("input_size")
+    if size is not None and not (numbers(size) and len(size) == 3 and all(isinstance(v, int) and v > 0 for v in size)):
+        return f"input_size {json.dumps(size)} is not [channels, height, width]"
+    crop = config.get("crop_pct")
+    if crop is not None and not (numbers([crop]) and crop > 0):
+        return f"crop_pct {json.dumps(crop)} is not a positive fraction"
+    return None
 
 
 def filtered(weights: dict[str, torch.Tensor], model: nn.Module) -> dict[str, torch.Tensor]:

@@ -189,7 +189,8 @@ class Source:
         if self.is_name:
             return self._read_hub_file(allow_download, say)
         if self.is_local_dir:
-            return read_file(local_dir_file(self.folder), self.text)
+            return read_file(local_dir_file(self.folder), self.text, "download it again (`hf download REPO "
+                             f"--local-dir {self.folder}`)")
         parent, name = split(self.text)
         try:
             return storage_for(parent, options).read(name)
@@ -205,7 +206,8 @@ class Source:
             return data_config(config, f"timm's pretrained config of {config.get('hf_hub_id') or self.timm_model}")
         if self.is_local_dir:
             path = os.path.join(self.where.removeprefix(LOCAL_DIR), "config.json")
-            return data_config(local_dir_config(self.folder), f"the pretrained config in {path}")
+            arch = self.timm_model.partition(".")[0]
+            return data_config(local_dir_config(self.folder, arch), f"the pretrained config in {path}")
         return {}
 
     def _read_hub_file(self, allow_download: bool, say: Say) -> bytes:
@@ -457,8 +459,7 @@ class Loaded:
         if f.adapted:
             notes.append(f"{', '.join(f.adapted)}: RGB weights spread over this data set's channels")
         notes.append(self.normalized)
-        if self.pretrained:
-            shown = ", ".join(f"{k} {v}" for k, v in self.pretrained.items() if k not in ("mean", "std", "source"))
+        if shown := ", ".join(f"{k} {v}" for k, v in self.pretrained.items() if k not in ("mean", "std", "source")):
             notes.append(f"pretrained at {shown} (--image-size chooses this run's input size)")
         return f"weights {self.flag} ({self.what}): {'; '.join(notes)}"
 

@@ -7,6 +7,8 @@ downloaded. In-process tests, and two runs on an existing launch of tests/test_w
 the cache with layer decay, FSDP2's --check-equivalence with it)."""
 from __future__ import annotations
 
+import io
+import json
 import sys
 from pathlib import Path
 
@@ -84,7 +86,11 @@ def test_unknown_names_tags_and_timm_missing_are_one_line(monkeypatch):
     (["--model", "timm:test_resnet", "--weights", "IMAGENET1K_V1"], "is not a timm weights name: timm chooses"),
     (["--layer-decay", "0.7"], "--layer-decay needs a timm model"),
     (["--model", "lenet", "--drop-path", "0.1"], "--drop-path needs a timm model"),
-    (["--model", "timm:test_vit", "--layer-decay", "1.5"], "--layer-decay must be in (0, 1]"),
+    (["--model", "timm:test_vit", "--layer-decay", "1.5"], "--layer-decay must be in (0, 1], or 0 for off (got 1.5)"),
+    (["--model", "timm:test_vit", "--drop-path", "1"], "--drop-path must be in [0, 1), 0 for off (got 1)"),
+    (["--model", "timm:test_vit", "--backbone-lr-scale", "nan"], "--backbone-lr-scale must be >= 0 and finite"),
+    (["--model", "timm:test_vit", "--drop-path", "0.1", "--check-equivalence", "2"],
+     "--check-equivalence cannot pass with --drop-path"),
     (["--model", "timm:bad name"], "--model 'timm:bad name' is unknown"),
 ])
 def test_the_flags_alone_refuse_exits_2_naming_the_flag(argv, says, capsys):
@@ -145,6 +151,26 @@ def test_a_file_missing_from_the_cache_offline_says_which_file_to_put_where(offl
 
 
 @pytest.mark.quick
+def test_a_truncated_weights_file_is_one_line_naming_it_and_how_to_download_it_again(offline_cache, tmp_path):
+    """A download cut short (in the cache, in a local-dir folder) is named with its path and the command
+    that downloads it again, not 'give a state dict saved with torch.save'."""
+    file = hub_cache(offline_cache, RESNET, pretrained_state(RESNET))
+    whole = file.read_bytes()
+    file.write_bytes(whole[:len(whole) // 2])
+    with pytest.raises(UserError) as error:
+        Source.parse("DEFAULT", f"timm:{RESNET}").read({}, True, print)
+    assert str(error.value).startswith(f"--weights DEFAULT: {file} is truncated or not a safetensors file (")
+    assert str(error.value).endswith(f"`hf download timm/{RESNET} model.safetensors --force-download`)")
+    folder = tmp_path / "cut"
+    folder.mkdir()
+    (folder / "model.safetensors").write_bytes(whole[:5])
+    with pytest.raises(UserError) as error:
+        Source.parse(f"local-dir:{folder}", f"timm:{RESNET}").read({}, True, print)
+    assert str(error.value).startswith(f"--weights local-dir:{folder}: {folder / 'model.safetensors'} is truncated")
+    assert str(error.value).endswith(f"(`hf download REPO --local-dir {folder}`)")
+
+
+@pytest.mark.quick
 def test_a_local_dir_folder_as_timm_saves_it_loads_with_its_config(tmp_path):
     """local-dir:FOLDER, written by timm's save_for_hf (config.json + model.safetensors, the layout of
     `hf download --local-dir`): a ViT's weights at 160 px into a model for 32 px images, the position
@@ -169,6 +195,36 @@ def test_a_local_dir_folder_as_timm_saves_it_loads_with_its_config(tmp_path):
         with pytest.raises(UserError) as error:
             Source.parse(f"local-dir:{missing}", "timm:test_vit").read({}, True, print)
         assert str(error.value).startswith(f"--weights local-dir:{missing}: {says}")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("config, says", [
+    ({"architecture": "test_vit", "pretrained_cfg": {"mean": [0.1] * 3, "std": [0.9] * 3}},
+     "is the config of test_vit, not of --model timm:test_resnet: its mean and std are not this model's"),
+    ({"mean": "imagenet", "std": [0.2] * 3}, 'mean "imagenet" and std [0.2, 0.2, 0.2] are not two lists of 1 or 3'),
+    ({"mean": [0.5, 0.5], "std": [0.2, 0.2]}, "mean [0.5, 0.5] and std [0.2, 0.2] are not two lists of 1 or 3"),
+    ({"mean": [0.5] * 3, "std": [0, 0, 0]}, "std [0, 0, 0] is not positive (images are divided by it)"),
+    ({"mean": [0.5] * 3}, "its mean comes without its std"),
+    ({"mean": [0.5] * 3, "std": [0.2] * 3, "input_size": "big"}, 'input_size "big" is not [channels, height, width]'),
+    ({"crop_pct": -1}, "crop_pct -1 is not a positive fraction"),
+])
+def test_a_local_dir_config_that_is_not_this_models_or_cannot_normalize_is_one_line(tmp_path, config, says):
+    """config.json normalizes every image: one of another architecture, or a mean and std that would
+    raise deep in the set-up or divide by zero (a NaN loss), is refused naming the file, not used."""
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UserError) as error:
+        Source.parse(f"local-dir:{tmp_path}", f"timm:{RESNET}").data_config()
+    assert str(error.value).startswith(f"--weights local-dir:{tmp_path}: {tmp_path / 'config.json'}")
+    assert says in str(error.value)
+    plain = {"architecture": "test_resnet", "pretrained_cfg": {"mean": [0.5], "std": [0.25]}}
+    (tmp_path / "config.json").write_text(json.dumps(plain))  # a one-channel model's: no input size to show
+    config = Source.parse(f"local-dir:{tmp_path}", f"timm:{RESNET}").data_config()
+    assert config == {"mean": [0.5], "std": [0.25], "source": f"the pretrained config in {tmp_path / 'config.json'}"}
+    model, file = build_model("timm:test_resnet", 3, 32, 5, 0), io.BytesIO()
+    torch.save(model.state_dict(), file)
+    banner = load_into(model, file.getvalue(), Source.parse("x.pt", "timm:test_resnet"), 3, 0,
+                       pretrained=config).banner()
+    assert banner.endswith("(mean 0.5,0.5,0.5, std 0.25,0.25,0.25)")  # no empty "pretrained at" note
 
 
 @pytest.mark.quick
