@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import os
 import pickle
 import re
@@ -464,12 +465,22 @@ class Loaded:
         return f"weights {self.flag} ({self.what}): {'; '.join(notes)}"
 
 
+def pinned_config(source: Source, pretrained: dict[str, Any] | None) -> bytes:
+    """What of a local-dir folder besides its weights joins their digest: the data config its
+    config.json gives (mean, std, crop, interpolation), so an edited config.json starts a new run
+    instead of resuming one normalized otherwise. Other sources' configs come with the code (timm's
+    registry, torchvision's entries): b""."""
+    if not (source.is_local_dir and pretrained):
+        return b""
+    return json.dumps({k: v for k, v in pretrained.items() if k != "source"}, sort_keys=True).encode()
+
+
 def load_into(model: nn.Module, data: bytes, source: Source, channels: int, seed: int,
               choice: str = "auto", pretrained: dict[str, Any] | None = None) -> Loaded:
     """The file's bytes into the plain model (on every rank, the same bytes): checked against a pinned
     digest, parsed, fitted and loaded; with the normalization --normalization (`choice`) gives them.
     pretrained: the data config that came with them (Source.data_config, rank 0's, broadcast)."""
-    digest = hashlib.sha256(data).hexdigest()
+    digest = hashlib.sha256(data + pinned_config(source, pretrained)).hexdigest()
     if source.pin and not digest.startswith(source.pin):
         raise UserError(f"--weights {source.text}@sha256:{source.pin}: the file's sha256 is {digest[:len(source.pin)]}"
                         "...: its content changed since that run started from it; give the file it was, or "

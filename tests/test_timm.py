@@ -191,6 +191,10 @@ def test_a_local_dir_folder_as_timm_saves_it_loads_with_its_config(tmp_path):
     assert state["pos_embed"].shape != weights["pos_embed"].shape  # resampled, not refused
     assert all(torch.equal(state[k], weights[k]) for k in state if k.startswith("blocks."))
     assert loaded.normalization == ((0.5,) * 3, (0.5,) * 3) and loaded.flag.startswith(f"local-dir:{folder}@sha256:")
+    edited = {**config, "mean": (0.3, 0.3, 0.3)}  # config.json edited between a run and its resume
+    again = load_into(build_model("timm:test_vit", 3, 32, 5, 0), source.read({}, True, print), source, 3, seed=0,
+                      pretrained=edited)
+    assert again.flag != loaded.flag  # the digest covers the config: a new run, not a resume normalized otherwise
     for missing, says in ((tmp_path / "none", "no such folder"), (tmp_path, "the folder holds none of")):
         with pytest.raises(UserError) as error:
             Source.parse(f"local-dir:{missing}", "timm:test_vit").read({}, True, print)
