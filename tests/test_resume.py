@@ -1,12 +1,14 @@
 """Crash-safe checkpoints and exact resume, with real torchrun processes (gloo, CPU)."""
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 import signal
 import subprocess
 import sys
 import time
+from multiprocessing.connection import Connection
 from pathlib import Path
 
 import pytest
@@ -33,7 +35,7 @@ from tests.conftest import (
     stop_after,
 )
 from tests.gates import Gate
-from tests.save_loop import IDENTITY
+from tests.save_loop import IDENTITY, save_until_stopped
 from tests.save_loop import state as loop_state
 
 # 8 steps per epoch, 3 epochs: small enough for CI, long enough to cut mid-epoch.
@@ -112,6 +114,16 @@ def test_killed_worker_is_restarted_and_ends_with_the_uninterrupted_weights(refe
 
 
 # 2 -------------------------------------------------------------------------------------------
+def drained(reports: Connection) -> list[int]:
+    """What a writer reported before its death (each report one write to the pipe: whole or absent)."""
+    received = []
+    while True:
+        try:
+            received.append(reports.recv())
+        except EOFError:
+            return received
+
+
 KILLS = 12  # each at a random point of a save: mid-write, before the rename, before the pointer, pruning
 
 
@@ -120,16 +132,22 @@ def test_sigkill_during_saves_never_costs_the_newest_complete_checkpoint(tmp_pat
     folder = CheckpointFolder(LocalStorage(str(tmp_path)), keep=3)
     last_done = 0
     leftovers_seen = 0
+    # Each writer a process of its own, SIGKILLed: forked from a server that imported torch and the
+    # writer once (tests/save_loop.py), not a fresh interpreter per kill.
+    processes = multiprocessing.get_context("forkserver")
+    processes.set_forkserver_preload(["tests.save_loop"])
     for _ in range(KILLS):
-        proc = subprocess.Popen([sys.executable, "tests/save_loop.py", str(tmp_path), "run", str(last_done)], cwd=ROOT,
-                                env=child_env(), stdout=subprocess.PIPE, text=True)
-        first = proc.stdout.readline()  # the writer is up and saving
-        assert first.strip(), "the save loop did not start"
+        reports, report = processes.Pipe(duplex=False)
+        writer = processes.Process(target=save_until_stopped, args=(str(tmp_path), "run", last_done, None, report.send))
+        writer.start()
+        report.close()  # the writer holds the only end that sends: its death is the reader's end of file
+        assert reports.poll(ENDS_PROMPTLY_S), "the save loop did not start"
+        completed = [reports.recv()]  # the writer is up and saving
         # a random point of an endless save loop, not of training: the chance is the test
         time.sleep(rng.uniform(0.0, 0.4))
-        proc.send_signal(signal.SIGKILL)
-        completed = [int(line) for line in [first, *proc.stdout.read().split()] if line.strip()]
-        proc.wait()
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.join(ENDS_PROMPTLY_S)
+        completed += drained(reports)
         choice = folder.choose("auto", IDENTITY)
         assert choice.state is not None, choice.warnings
         assert choice.state["global_step"] >= max(completed), "a save reported complete was lost"
