@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from pathlib import Path
 
@@ -32,6 +33,7 @@ from tests.conftest import (
     one_launch,
     run_script,
     saved_position,
+    split_runs,
     stop_after,
 )
 from tests.gates import Gate
@@ -381,33 +383,66 @@ STOPS = {"ddp": ("sigterm-job", "SIGTERM"), "allreduce": ("sigterm-workers-first
          "master": ("sigint-job", "SIGINT")}
 
 
+@dataclass(frozen=True)
+class Stopped:
+    """One strategy's run stopped at step 13 and resumed."""
+    cut: subprocess.CompletedProcess
+    saved_step: int | None  # the newest checkpoint's step right after the stop
+    resumed: subprocess.CompletedProcess  # the launch that resumed it (with others, at world 2)
+    console: str  # the resume's own rank-0 stdout
+    ckpt: Path
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """Every strategy's run stopped (each a launch of its own: the stop ends its processes), then
+    resumed: those at world 2 one after another in one launch (tests/runs.py), DataParallel's (one
+    process) on its own. Made once, at the first test that asks."""
+    folder = tmp_path_factory.mktemp("stopped")
+    cache: dict[str, Stopped] = {}
+
+    def outcome(name: str) -> Stopped:
+        if not cache:
+            cuts = {n: train(faulty(n, STOPS.get(n, ("sigterm",))[0], 13), folder / n, nproc=None if n == "dp" else 2)
+                    for n in SCRIPTS}
+            saved = {n: latest_state(folder / n)["global_step"] if list((folder / n).glob("*/latest.json")) else None
+                     for n in SCRIPTS}
+            together = [n for n in SCRIPTS if n != "dp"]
+            launch = run_script(one_launch([[*SCRIPTS[n], *RUN, *folders(folder / n)] for n in together]), nproc=2,
+                                timeout=500)
+            alone = train(SCRIPTS["dp"], folder / "dp", nproc=None)
+            resumes = {**{n: (launch, console) for n, console in zip(together, split_runs(launch.stdout))},
+                       "dp": (alone, alone.stdout)}
+            cache.update({n: Stopped(cuts[n], saved[n], *resumes.get(n, (launch, "")), folder / n) for n in SCRIPTS})
+        return cache[name]
+    return outcome
+
+
 @pytest.mark.parametrize("name", list(SCRIPTS))
-def test_every_strategy_resumes_exactly(name, reference, tmp_path):
+def test_every_strategy_resumes_exactly(name, reference, stopped):
     """Covers, per strategy: a stop saves at the step the ranks agreed on and the resume ends with the
     uninterrupted run's weights (<= 1e-6), resuming at the saved epoch and step; one process (dp)
     ends with 128 + SIGTERM. ddp and allreduce: SIGTERM to torchrun and every worker, in both
     orders, is one request. master: a Ctrl-C reaching torchrun and every worker is one request, and
     local rank 0 alone says how to force the exit."""
-    ckpt = tmp_path / "ckpt"
-    nproc = None if name == "dp" else 2
+    run, nproc = stopped(name), None if name == "dp" else 2
     fault, signame = STOPS.get(name, ("sigterm", "SIGTERM"))
-    cut = train(faulty(name, fault, 13), ckpt, nproc=nproc)
     stop = stop_after(13, STEPS)
     if name == "localsgd":  # a stop waits for the next averaging (every 2 steps here): nothing is saved unaveraged
         stop += stop % 2
+    cut = run.cut
     assert cut.returncode != 0 and f"stopped by {signame} after step {stop} " in cut.stderr, cut.stderr[-3000:]
-    assert latest_state(ckpt)["global_step"] == stop
+    assert run.saved_step == stop
     if nproc is None:  # no torchrun in between: the process's own status, 128 + SIGTERM
         assert cut.returncode == 128 + signal.SIGTERM
     if signame == "SIGINT":
         assert cut.stderr.count(f"Ctrl-C again, {FORCE_AFTER_S:g} s or more from now") == 1  # local rank 0 says how
         assert "second Ctrl-C" not in cut.stderr
-    resumed = train(SCRIPTS[name], ckpt, nproc=nproc)
-    ok(resumed)
+    ok(run.resumed)
     epoch, step = saved_position(stop, STEPS)
-    assert "resumed from" in resumed.stdout and f"epoch {epoch + 1}, step {step} (saved at world {nproc or 1})" \
-        in resumed.stdout, resumed.stdout
-    dw = max_dw(final_weights(ckpt), reference(name))
+    assert "resumed from" in run.console and f"epoch {epoch + 1}, step {step} (saved at world {nproc or 1})" \
+        in run.console, run.console
+    dw = max_dw(final_weights(run.ckpt), reference(name))
     print(f"\n{name} ({fault} at step 13): stopped after step {stop}, resumed: max |dw| = {dw:.3g}")
     assert dw <= 1e-6  # the same world and the same sums in the same order: the same bits by design, on any CPU
 
