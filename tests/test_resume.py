@@ -338,27 +338,26 @@ def test_sigterm_to_torchrun_saves_exits_and_resumes_losing_nothing(reference, t
 
 
 # 7 -------------------------------------------------------------------------------------------
-def test_resume_at_another_world_size_continues_the_same_sample_stream(reference, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    preempted(train(faulty("ddp", "sigterm", 11), ckpt), stop_after(11, STEPS))  # world 2, before epoch 2's evaluation
-    resumed = train(SCRIPTS["ddp"], ckpt, nproc=None)  # world 1, same global batch
-    ok(resumed)
-    assert "saved at world 2" in resumed.stdout and "world 1" in resumed.stdout
-    dw = max_dw(final_weights(ckpt), reference("ddp"))
+def test_resume_at_another_world_size_continues_the_same_sample_stream(reference, stopped):
+    run = stopped("another world")
+    preempted(run.cut, stop_after(11, STEPS))  # world 2, before epoch 2's evaluation
+    ok(run.resumed)  # world 1, same global batch
+    assert "saved at world 2" in run.console and "world 1" in run.console
+    dw = max_dw(final_weights(run.final), reference("ddp"))
     print(f"\nsaved at world 2, resumed at world 1: max |dw| = {dw:.3g} vs the uninterrupted world-2 run")
     assert dw <= 1e-5  # another world for the last 13 of 24 steps only: its rounding (1e-7) cannot grow to 1e-5
 
 
-def test_a_sharded_checkpoint_is_the_suites_format_for_every_script(reference, tmp_path):
+def test_a_sharded_checkpoint_is_the_suites_format_for_every_script(reference, stopped):
     """FSDP2 at world 2 saves a full, unprefixed state dict and optimizer state: DDP at world 1
     resumes from it (resharded: unsharded) and ends with the uninterrupted FSDP run's weights."""
-    cut = tmp_path / "cut"
-    preempted(train(faulty("fsdp", "sigterm", 11), cut), stop_after(11, STEPS))
-    state = latest_state(cut)
+    run = stopped("sharded")
+    preempted(run.cut, stop_after(11, STEPS))
+    state = run.saved
     assert not any(key.startswith(("module.", "_fsdp")) for key in state["model"]) and state["optimizer"]["state"]
-    resumed = train(SCRIPTS["ddp"], tmp_path / "ddp", "--resume", str(latest_checkpoint(cut)), nproc=None)
-    ok(resumed)
-    dw = max_dw(final_weights(tmp_path / "ddp"), reference("fsdp"))
+    ok(run.resumed)
+    assert f"resumed from {latest_checkpoint(run.ckpt)}" in run.console, run.console
+    dw = max_dw(final_weights(run.final), reference("fsdp"))
     print(f"\nfsdp (world 2) checkpoint resumed by ddp (world 1): max |dw| = {dw:.3g}")
     assert dw <= 1e-5  # another world for the last 13 of 24 steps only: its rounding (1e-7) cannot grow to 1e-5
 
@@ -384,36 +383,58 @@ STOPS = {"ddp": ("sigterm-job", "SIGTERM"), "allreduce": ("sigterm-workers-first
 
 
 @dataclass(frozen=True)
+class Plan:
+    """A run stopped by tests/faults.py, then resumed by `resume` (a script and its flags)."""
+    stop: list[str]
+    resume: list[str]
+    extra: tuple[str, ...] = ()  # flags of both
+    world: int | None = 2  # the stop's
+    resume_world: int | None = 2
+    resume_from_stop: bool = False  # --resume the stop's newest checkpoint, into a folder of its own
+
+
+# Every run this file stops and then resumes, by name.
+PLANS = {
+    **{name: Plan(faulty(name, STOPS.get(name, ("sigterm",))[0], 13), SCRIPTS[name], world=world, resume_world=world)
+       for name, world in ((name, None if name == "dp" else 2) for name in SCRIPTS)},
+    "another world": Plan(faulty("ddp", "sigterm", 11), SCRIPTS["ddp"], resume_world=None),
+    "sharded": Plan(faulty("fsdp", "sigterm", 11), SCRIPTS["ddp"], resume_world=None, resume_from_stop=True),
+    "evaluation": Plan(faulty("ddp", "sigterm-eval", 5), SCRIPTS["ddp"], extra=("--eval-batch-size", "16")),
+}
+
+
+@dataclass(frozen=True)
 class Stopped:
-    """One strategy's run stopped at step 13 and resumed."""
     cut: subprocess.CompletedProcess
-    saved_step: int | None  # the newest checkpoint's step right after the stop
-    resumed: subprocess.CompletedProcess  # the launch that resumed it (with others, at world 2)
+    saved: dict | None  # the newest checkpoint right after the stop
+    resumed: subprocess.CompletedProcess  # the launch that resumed it (with the others of its world size)
     console: str  # the resume's own rank-0 stdout
-    ckpt: Path
+    ckpt: Path  # where the stop saved
+    final: Path  # where the resume saved
 
 
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory):
-    """Every strategy's run stopped (each a launch of its own: the stop ends its processes), then
-    resumed: those at world 2 one after another in one launch (tests/runs.py), DataParallel's (one
-    process) on its own. Made once, at the first test that asks."""
+    """Every PLANS run stopped (each a launch of its own: the stop ends its processes), then resumed:
+    the resumes of one world size one after another in one launch (tests/runs.py). Made once, at the
+    first test that asks."""
     folder = tmp_path_factory.mktemp("stopped")
     cache: dict[str, Stopped] = {}
 
     def outcome(name: str) -> Stopped:
         if not cache:
-            cuts = {n: train(faulty(n, STOPS.get(n, ("sigterm",))[0], 13), folder / n, nproc=None if n == "dp" else 2)
-                    for n in SCRIPTS}
-            saved = {n: latest_state(folder / n)["global_step"] if list((folder / n).glob("*/latest.json")) else None
-                     for n in SCRIPTS}
-            together = [n for n in SCRIPTS if n != "dp"]
-            launch = run_script(one_launch([[*SCRIPTS[n], *RUN, *folders(folder / n)] for n in together]), nproc=2,
-                                timeout=500)
-            alone = train(SCRIPTS["dp"], folder / "dp", nproc=None)
-            resumes = {**{n: (launch, console) for n, console in zip(together, split_runs(launch.stdout))},
-                       "dp": (alone, alone.stdout)}
-            cache.update({n: Stopped(cuts[n], saved[n], *resumes.get(n, (launch, "")), folder / n) for n in SCRIPTS})
+            cuts = {n: train(p.stop, folder / n, *p.extra, nproc=p.world) for n, p in PLANS.items()}
+            saved = {n: latest_state(folder / n) if list((folder / n).glob("*/latest.json")) else None for n in PLANS}
+            final = {n: folder / f"{n}-resumed" if p.resume_from_stop else folder / n for n, p in PLANS.items()}
+            for world in (2, None):
+                names = [n for n, p in PLANS.items() if p.resume_world == world]
+                runs = [[*PLANS[n].resume, *RUN, *folders(final[n]), *PLANS[n].extra,
+                         *(["--resume", str(latest_checkpoint(folder / n))] if PLANS[n].resume_from_stop else [])]
+                        for n in names]
+                launch = run_script(one_launch(runs), nproc=world, timeout=500)
+                consoles = dict(zip(names, split_runs(launch.stdout)))
+                cache.update({n: Stopped(cuts[n], saved[n], launch, consoles.get(n, ""), folder / n, final[n])
+                              for n in names})
         return cache[name]
     return outcome
 
@@ -432,7 +453,7 @@ def test_every_strategy_resumes_exactly(name, reference, stopped):
         stop += stop % 2
     cut = run.cut
     assert cut.returncode != 0 and f"stopped by {signame} after step {stop} " in cut.stderr, cut.stderr[-3000:]
-    assert run.saved_step == stop
+    assert run.saved is not None and run.saved["global_step"] == stop
     if nproc is None:  # no torchrun in between: the process's own status, 128 + SIGTERM
         assert cut.returncode == 128 + signal.SIGTERM
     if signame == "SIGINT":
@@ -442,7 +463,7 @@ def test_every_strategy_resumes_exactly(name, reference, stopped):
     epoch, step = saved_position(stop, STEPS)
     assert "resumed from" in run.console and f"epoch {epoch + 1}, step {step} (saved at world {nproc or 1})" \
         in run.console, run.console
-    dw = max_dw(final_weights(run.ckpt), reference(name))
+    dw = max_dw(final_weights(run.final), reference(name))
     print(f"\n{name} ({fault} at step 13): stopped after step {stop}, resumed: max |dw| = {dw:.3g}")
     assert dw <= 1e-6  # the same world and the same sums in the same order: the same bits by design, on any CPU
 
@@ -463,22 +484,18 @@ def test_a_second_ctrl_c_after_the_delay_ends_every_process_at_once_unsaved(npro
     assert seconds < TORCHRUN_GRACE_S  # every rank ended by itself, none waited for torchrun's SIGKILL
 
 
-def test_a_stop_during_evaluation_is_saved_before_it_and_the_resume_evaluates_first(reference, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    small_batches = ("--eval-batch-size", "16")  # 63 batches per rank; the signal at the 5th of epoch 1's
-    cut = train(faulty("ddp", "sigterm-eval", 5), ckpt, *small_batches)
-    preempted(cut, STEPS)
-    assert "during the epoch's evaluation (11 of 63 batches scored" in cut.stderr, cut.stderr[-3000:]
-    assert "epoch 1/3" not in cut.stdout
-    state = latest_state(ckpt)
-    assert (state["epoch"], state["step_in_epoch"]) == (0, STEPS)
-    resumed = train(SCRIPTS["ddp"], ckpt, *small_batches)
-    ok(resumed)
-    assert f"resumed from {latest_checkpoint(ckpt).parent / 'step-00000008.pt'}: epoch 1, step 8" in resumed.stdout
-    assert "epoch 1/3  (trained before the resume)  test loss" in resumed.stdout
+def test_a_stop_during_evaluation_is_saved_before_it_and_the_resume_evaluates_first(reference, stopped):
+    run = stopped("evaluation")  # --eval-batch-size 16: 63 batches per rank; the signal at the 5th of epoch 1's
+    preempted(run.cut, STEPS)
+    assert "during the epoch's evaluation (11 of 63 batches scored" in run.cut.stderr, run.cut.stderr[-3000:]
+    assert "epoch 1/3" not in run.cut.stdout
+    assert (run.saved["epoch"], run.saved["step_in_epoch"]) == (0, STEPS)
+    ok(run.resumed)
+    assert f"resumed from {latest_checkpoint(run.ckpt).parent / 'step-00000008.pt'}: epoch 1, step 8" in run.console
+    assert "epoch 1/3  (trained before the resume)  test loss" in run.console
     # the same world and the same sums in the same order: the same bits by design, on any CPU
-    assert max_dw(final_weights(ckpt), reference("ddp")) <= 1e-6
-    events = EventAccumulator(str(ckpt.parent / f"tb-{ckpt.name}"))
+    assert max_dw(final_weights(run.ckpt), reference("ddp")) <= 1e-6
+    events = EventAccumulator(str(run.ckpt.parent / f"tb-{run.ckpt.name}"))
     events.Reload()
     assert [e.step for e in events.Scalars("test/acc")] == [8, 16, 24]  # every epoch evaluated once
     assert [e.step for e in events.Scalars("time/epoch_s")] == [16, 24]  # epoch 1 was not trained by the resume
