@@ -415,26 +415,26 @@ class Stopped:
 
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory):
-    """Every PLANS run stopped (each a launch of its own: the stop ends its processes), then resumed:
-    the resumes of one world size one after another in one launch (tests/runs.py). Made once, at the
-    first test that asks."""
+    """A PLANS run stopped (each a launch of its own: the stop ends its processes), then resumed: the
+    resumes of one world size one after another in one launch (tests/runs.py). Those of a world
+    size are made at the first test that asks for one of them (a test's 600 s cover one world's)."""
     folder = tmp_path_factory.mktemp("stopped")
     cache: dict[str, Stopped] = {}
 
     def outcome(name: str) -> Stopped:
-        if not cache:
-            cuts = {n: train(p.stop, folder / n, *p.extra, nproc=p.world) for n, p in PLANS.items()}
-            saved = {n: latest_state(folder / n) if list((folder / n).glob("*/latest.json")) else None for n in PLANS}
-            final = {n: folder / f"{n}-resumed" if p.resume_from_stop else folder / n for n, p in PLANS.items()}
-            for world in (2, None):
-                names = [n for n, p in PLANS.items() if p.resume_world == world]
-                runs = [[*PLANS[n].resume, *RUN, *folders(final[n]), *PLANS[n].extra,
-                         *(["--resume", str(latest_checkpoint(folder / n))] if PLANS[n].resume_from_stop else [])]
-                        for n in names]
-                launch = run_script(one_launch(runs), nproc=world, timeout=500)
-                consoles = dict(zip(names, split_runs(launch.stdout)))
-                cache.update({n: Stopped(cuts[n], saved[n], launch, consoles.get(n, ""), folder / n, final[n])
-                              for n in names})
+        if name not in cache:
+            world = PLANS[name].resume_world
+            names = [n for n, p in PLANS.items() if p.resume_world == world]
+            cuts = {n: train(PLANS[n].stop, folder / n, *PLANS[n].extra, nproc=PLANS[n].world) for n in names}
+            saved = {n: latest_state(folder / n) if list((folder / n).glob("*/latest.json")) else None for n in names}
+            final = {n: folder / f"{n}-resumed" if PLANS[n].resume_from_stop else folder / n for n in names}
+            runs = [[*PLANS[n].resume, *RUN, *folders(final[n]), *PLANS[n].extra,
+                     *(["--resume", str(latest_checkpoint(folder / n))] if PLANS[n].resume_from_stop else [])]
+                    for n in names]
+            launch = run_script(one_launch(runs), nproc=world, timeout=400)
+            consoles = dict(zip(names, split_runs(launch.stdout)))
+            cache.update({n: Stopped(cuts[n], saved[n], launch, consoles.get(n, ""), folder / n, final[n])
+                          for n in names})
         return cache[name]
     return outcome
 
