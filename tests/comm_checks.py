@@ -1,5 +1,10 @@
 """Collective checks that need real processes; run under torchrun by tests/test_comm.py.
-Prints one 'ok ...' line per check on rank 0 and exits non-zero on the first failure."""
+
+    torchrun --nproc_per_node=N tests/comm_checks.py CHECK [CHECK ...]
+
+The checks run one after another in one process group (a launch costs torch's import in every rank,
+more than a check). Rank 0 prints `=== check NAME` before each and one 'ok ...' line per thing it
+checked; the first failure exits non-zero (the checks after it are not run)."""
 from __future__ import annotations
 
 import contextlib
@@ -19,6 +24,7 @@ from common.parallel.context import DistContext, open_transport
 from common.parallel.transport import SLOT_BYTES, ProcessGroupTransport, Transport, create_region
 
 SIZES = (1, 7, 1000, 2**20 + 3)
+MARK = "=== check "  # rank 0's line before each check
 
 
 def check_ring(rank: int, world: int) -> None:
@@ -182,7 +188,10 @@ if __name__ == "__main__":
         checks = {"ring": check_ring, "buckets": check_buckets,
                   "buckets-fp16-accumulate": lambda r, w: check_buckets(r, w, wire="fp16", micro_batches=3),
                   "powersgd-factors": check_powersgd_factors, "shm": check_shared_memory}
-        checks[sys.argv[1]](rank, world)
-        dist.barrier()
+        for name in sys.argv[1:]:
+            if rank == 0:
+                print(f"{MARK}{name}", flush=True)
+            checks[name](rank, world)
+            dist.barrier()
     finally:
         dist.destroy_process_group()

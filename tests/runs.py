@@ -54,7 +54,9 @@ def split_runs(stdout: str) -> list[str]:
 def on_its_own() -> Iterator[None]:
     """What one run may leave in its process, put back for the next as a fresh process would have it:
     the environment, the stop's signal handlers, the warnings already shown (a warning filter change
-    resets Python's registry of them), and the collector's verdict on how the last run ended."""
+    resets Python's registry of them), the collector's verdict on how the last run ended, and
+    torch.compile's graphs (a --compile run compiles afresh, never reusing or exhausting, past
+    dynamo's recompile limit, what an earlier run compiled)."""
     environ, handlers = dict(os.environ), {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
         with warnings.catch_warnings():  # entering it invalidates every module's registry of warnings shown
@@ -65,6 +67,8 @@ def on_its_own() -> Iterator[None]:
         for signum, handler in handlers.items():
             signal.signal(signum, handler)
         collector._Exit.clean = False
+        if "torch._dynamo" in sys.modules:
+            sys.modules["torch._dynamo"].reset()
 
 
 def main() -> None:

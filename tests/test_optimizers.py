@@ -5,12 +5,21 @@ run's weights and EMA. In-process tests for the pieces (schedules, pairs, trust 
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
 
 from common.config import parse_args
-from tests.conftest import AVERAGING, equivalences, latest_state, refusal_in_process, run_script, stop_after
+from tests.conftest import (
+    AVERAGING,
+    equivalences,
+    latest_state,
+    one_launch,
+    refusal_in_process,
+    run_script,
+    stop_after,
+)
 
 RECIPE = ["--label-smoothing", "0.1", "--clip-grad-norm", "0.5", "--ema", "0.9", "--mixup", "0.2", "--cutmix", "1.0"]
 # Each optimizer at a step size that makes a wrong decay mask or a per-slice norm show above 1e-5 in
@@ -89,27 +98,41 @@ def max_dw(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
+MODEL = ["--model", "tests.tinymodels:odd"]
+
+
+def folders(folder: Path) -> list[str]:
+    return ["--checkpoint-dir", str(folder), "--log-dir", str(folder.parent / f"tb-{folder.name}")]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory) -> dict[str, Path]:
+    """ZeRO-1's and FSDP2's uninterrupted runs at world 2, one after the other in one launch
+    (tests/runs.py): each strategy's checkpoint folder."""
+    folder = tmp_path_factory.mktemp("uninterrupted")
+    names = ("zero1", "fsdp")
+    whole = run_script(one_launch([[*STRATEGIES[n], *MODEL, *RESUME, *folders(folder / n)] for n in names]), nproc=2,
+                       timeout=300)
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    return {n: folder / n for n in names}
+
+
 @pytest.mark.parametrize("cut_by, cut_at, resumed_by, resume_at", [("zero1", 2, "fsdp", 4), ("fsdp", 4, "zero1", 2)])
 def test_adamw_and_ema_resume_at_another_world_size_to_the_uninterrupted_weights(cut_by, cut_at, resumed_by,
-                                                                                 resume_at, tmp_path):
+                                                                                 resume_at, uninterrupted, tmp_path):
     """Stopped mid-epoch (SIGTERM) by ZeRO-1 (FSDP2) at one world size and resumed by the other at
     another: AdamW's moments and step, and the EMA (sharded like the weights), gathered into the
     checkpoint and re-sliced, end at the uninterrupted run's weights and EMA. The model has a frozen
     layer (the state is keyed by position among all parameters, on both) and a parameter on its
     root module (which FSDP2 leaves gathered after the evaluation's forward: the EMA swaps in shards
     all the same)."""
-    model = ["--model", "tests.tinymodels:odd"]
-
-    def folders(tag: str) -> list[str]:
-        return ["--checkpoint-dir", str(tmp_path / tag), "--log-dir", str(tmp_path / f"tb-{tag}")]
-    whole = run_script([*STRATEGIES[cut_by], *model, *RESUME, *folders("whole")], nproc=2, timeout=300)
-    assert whole.returncode == 0, whole.stderr[-3000:]
-    cut = run_script(["tests/faults.py", cut_by, "sigterm", "5", *STRATEGIES[cut_by][1:], *model, *RESUME,
-                      *folders("cut")], nproc=cut_at, timeout=300)
+    cut = run_script(["tests/faults.py", cut_by, "sigterm", "5", *STRATEGIES[cut_by][1:], *MODEL, *RESUME,
+                      *folders(tmp_path / "cut")], nproc=cut_at, timeout=300)
     assert f"stopped by SIGTERM after step {stop_after(5, 8)} " in cut.stderr, cut.stderr[-3000:]
-    resumed = run_script([*STRATEGIES[resumed_by], *model, *RESUME, *folders("cut")], nproc=resume_at, timeout=300)
+    resumed = run_script([*STRATEGIES[resumed_by], *MODEL, *RESUME, *folders(tmp_path / "cut")], nproc=resume_at,
+                         timeout=300)
     assert resumed.returncode == 0 and f"(saved at world {cut_at})" in resumed.stdout, resumed.stderr[-3000:]
-    a, b = latest_state(tmp_path / "whole"), latest_state(tmp_path / "cut")
+    a, b = latest_state(uninterrupted[cut_by]), latest_state(tmp_path / "cut")
     assert a["global_step"] == b["global_step"] == 16 and a["ema_steps"] == b["ema_steps"] == 16
     assert sorted(b["optimizer"]["state"]) == [0, 3, 4, 5, 6]  # 0: the root token; 1, 2: the frozen layer
     dw, dema = max_dw(a["model"], b["model"]), max_dw(a["ema"], b["ema"])

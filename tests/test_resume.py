@@ -1,12 +1,15 @@
 """Crash-safe checkpoints and exact resume, with real torchrun processes (gloo, CPU)."""
 from __future__ import annotations
 
+import multiprocessing
 import os
 import random
 import signal
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -32,10 +35,11 @@ from tests.conftest import (
     one_launch,
     run_script,
     saved_position,
+    split_runs,
     stop_after,
 )
 from tests.gates import Gate
-from tests.save_loop import IDENTITY
+from tests.save_loop import IDENTITY, save_until_stopped
 from tests.save_loop import state as loop_state
 
 # 8 steps per epoch, 3 epochs: small enough for CI, long enough to cut mid-epoch.
@@ -114,6 +118,16 @@ def test_killed_worker_is_restarted_and_ends_with_the_uninterrupted_weights(refe
 
 
 # 2 -------------------------------------------------------------------------------------------
+def drained(reports: Connection) -> list[int]:
+    """What a writer reported before its death (each report one write to the pipe: whole or absent)."""
+    received = []
+    while True:
+        try:
+            received.append(reports.recv())
+        except EOFError:
+            return received
+
+
 KILLS = 12  # each at a random point of a save: mid-write, before the rename, before the pointer, pruning
 
 
@@ -122,16 +136,22 @@ def test_sigkill_during_saves_never_costs_the_newest_complete_checkpoint(tmp_pat
     folder = CheckpointFolder(LocalStorage(str(tmp_path)), keep=3)
     last_done = 0
     leftovers_seen = 0
+    # Each writer a process of its own, SIGKILLed: forked from a server that imported torch and the
+    # writer once (tests/save_loop.py), not a fresh interpreter per kill.
+    processes = multiprocessing.get_context("forkserver")
+    processes.set_forkserver_preload(["tests.save_loop"])
     for _ in range(KILLS):
-        proc = subprocess.Popen([sys.executable, "tests/save_loop.py", str(tmp_path), "run", str(last_done)], cwd=ROOT,
-                                env=child_env(), stdout=subprocess.PIPE, text=True)
-        first = proc.stdout.readline()  # the writer is up and saving
-        assert first.strip(), "the save loop did not start"
+        reports, report = processes.Pipe(duplex=False)
+        writer = processes.Process(target=save_until_stopped, args=(str(tmp_path), "run", last_done, None, report.send))
+        writer.start()
+        report.close()  # the writer holds the only end that sends: its death is the reader's end of file
+        assert reports.poll(ENDS_PROMPTLY_S), "the save loop did not start"
+        completed = [reports.recv()]  # the writer is up and saving
         # a random point of an endless save loop, not of training: the chance is the test
         time.sleep(rng.uniform(0.0, 0.4))
-        proc.send_signal(signal.SIGKILL)
-        completed = [int(line) for line in [first, *proc.stdout.read().split()] if line.strip()]
-        proc.wait()
+        os.kill(writer.pid, signal.SIGKILL)
+        writer.join(ENDS_PROMPTLY_S)
+        completed += drained(reports)
         choice = folder.choose("auto", IDENTITY)
         assert choice.state is not None, choice.warnings
         assert choice.state["global_step"] >= max(completed), "a save reported complete was lost"
@@ -336,27 +356,26 @@ def test_sigterm_to_torchrun_saves_exits_and_resumes_losing_nothing(reference, t
 
 
 # 7 -------------------------------------------------------------------------------------------
-def test_resume_at_another_world_size_continues_the_same_sample_stream(reference, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    preempted(train(faulty("ddp", "sigterm", 11), ckpt), stop_after(11, STEPS))  # world 2, before epoch 2's evaluation
-    resumed = train(SCRIPTS["ddp"], ckpt, nproc=None)  # world 1, same global batch
-    ok(resumed)
-    assert "saved at world 2" in resumed.stdout and "world 1" in resumed.stdout
-    dw = max_dw(final_weights(ckpt), reference("ddp"))
+def test_resume_at_another_world_size_continues_the_same_sample_stream(reference, stopped):
+    run = stopped("another world")
+    preempted(run.cut, stop_after(11, STEPS))  # world 2, before epoch 2's evaluation
+    ok(run.resumed)  # world 1, same global batch
+    assert "saved at world 2" in run.console and "world 1" in run.console
+    dw = max_dw(final_weights(run.final), reference("ddp"))
     print(f"\nsaved at world 2, resumed at world 1: max |dw| = {dw:.3g} vs the uninterrupted world-2 run")
     assert dw <= 1e-5  # another world for the last 13 of 24 steps only: its rounding (1e-7) cannot grow to 1e-5
 
 
-def test_a_sharded_checkpoint_is_the_suites_format_for_every_script(reference, tmp_path):
+def test_a_sharded_checkpoint_is_the_suites_format_for_every_script(reference, stopped):
     """FSDP2 at world 2 saves a full, unprefixed state dict and optimizer state: DDP at world 1
     resumes from it (resharded: unsharded) and ends with the uninterrupted FSDP run's weights."""
-    cut = tmp_path / "cut"
-    preempted(train(faulty("fsdp", "sigterm", 11), cut), stop_after(11, STEPS))
-    state = latest_state(cut)
+    run = stopped("sharded")
+    preempted(run.cut, stop_after(11, STEPS))
+    state = run.saved
     assert not any(key.startswith(("module.", "_fsdp")) for key in state["model"]) and state["optimizer"]["state"]
-    resumed = train(SCRIPTS["ddp"], tmp_path / "ddp", "--resume", str(latest_checkpoint(cut)), nproc=None)
-    ok(resumed)
-    dw = max_dw(final_weights(tmp_path / "ddp"), reference("fsdp"))
+    ok(run.resumed)
+    assert f"resumed from {latest_checkpoint(run.ckpt)}" in run.console, run.console
+    dw = max_dw(final_weights(run.final), reference("fsdp"))
     print(f"\nfsdp (world 2) checkpoint resumed by ddp (world 1): max |dw| = {dw:.3g}")
     assert dw <= 1e-5  # another world for the last 13 of 24 steps only: its rounding (1e-7) cannot grow to 1e-5
 
@@ -381,33 +400,88 @@ STOPS = {"ddp": ("sigterm-job", "SIGTERM"), "allreduce": ("sigterm-workers-first
          "master": ("sigint-job", "SIGINT")}
 
 
+@dataclass(frozen=True)
+class Plan:
+    """A run stopped by tests/faults.py, then resumed by `resume` (a script and its flags)."""
+    stop: list[str]
+    resume: list[str]
+    extra: tuple[str, ...] = ()  # flags of both
+    world: int | None = 2  # the stop's
+    resume_world: int | None = 2
+    resume_from_stop: bool = False  # --resume the stop's newest checkpoint, into a folder of its own
+
+
+# Every run this file stops and then resumes, by name.
+PLANS = {
+    **{name: Plan(faulty(name, STOPS.get(name, ("sigterm",))[0], 13), SCRIPTS[name], world=world, resume_world=world)
+       for name, world in ((name, None if name == "dp" else 2) for name in SCRIPTS)},
+    "another world": Plan(faulty("ddp", "sigterm", 11), SCRIPTS["ddp"], resume_world=None),
+    "sharded": Plan(faulty("fsdp", "sigterm", 11), SCRIPTS["ddp"], resume_world=None, resume_from_stop=True),
+    "evaluation": Plan(faulty("ddp", "sigterm-eval", 5), SCRIPTS["ddp"], extra=("--eval-batch-size", "16")),
+}
+
+
+@dataclass(frozen=True)
+class Stopped:
+    cut: subprocess.CompletedProcess
+    saved: dict | None  # the newest checkpoint right after the stop
+    resumed: subprocess.CompletedProcess  # the launch that resumed it (with the others of its world size)
+    console: str  # the resume's own rank-0 stdout
+    ckpt: Path  # where the stop saved
+    final: Path  # where the resume saved
+
+
+@pytest.fixture(scope="module")
+def stopped(tmp_path_factory):
+    """A PLANS run stopped (each a launch of its own: the stop ends its processes), then resumed: the
+    resumes of one world size one after another in one launch (tests/runs.py). Those of a world
+    size are made at the first test that asks for one of them (a test's 600 s cover one world's)."""
+    folder = tmp_path_factory.mktemp("stopped")
+    cache: dict[str, Stopped] = {}
+
+    def outcome(name: str) -> Stopped:
+        if name not in cache:
+            world = PLANS[name].resume_world
+            names = [n for n, p in PLANS.items() if p.resume_world == world]
+            cuts = {n: train(PLANS[n].stop, folder / n, *PLANS[n].extra, nproc=PLANS[n].world) for n in names}
+            saved = {n: latest_state(folder / n) if list((folder / n).glob("*/latest.json")) else None for n in names}
+            final = {n: folder / f"{n}-resumed" if PLANS[n].resume_from_stop else folder / n for n in names}
+            runs = [[*PLANS[n].resume, *RUN, *folders(final[n]), *PLANS[n].extra,
+                     *(["--resume", str(latest_checkpoint(folder / n))] if PLANS[n].resume_from_stop else [])]
+                    for n in names]
+            launch = run_script(one_launch(runs), nproc=world, timeout=400)
+            consoles = dict(zip(names, split_runs(launch.stdout)))
+            cache.update({n: Stopped(cuts[n], saved[n], launch, consoles.get(n, ""), folder / n, final[n])
+                          for n in names})
+        return cache[name]
+    return outcome
+
+
 @pytest.mark.parametrize("name", list(SCRIPTS))
-def test_every_strategy_resumes_exactly(name, reference, tmp_path):
+def test_every_strategy_resumes_exactly(name, reference, stopped):
     """Covers, per strategy: a stop saves at the step the ranks agreed on and the resume ends with the
     uninterrupted run's weights (<= 1e-6), resuming at the saved epoch and step; one process (dp)
     ends with 128 + SIGTERM. ddp and allreduce: SIGTERM to torchrun and every worker, in both
     orders, is one request. master: a Ctrl-C reaching torchrun and every worker is one request, and
     local rank 0 alone says how to force the exit."""
-    ckpt = tmp_path / "ckpt"
-    nproc = None if name == "dp" else 2
+    run, nproc = stopped(name), None if name == "dp" else 2
     fault, signame = STOPS.get(name, ("sigterm", "SIGTERM"))
-    cut = train(faulty(name, fault, 13), ckpt, nproc=nproc)
     stop = stop_after(13, STEPS)
     if name == "localsgd":  # a stop waits for the next averaging (every 2 steps here): nothing is saved unaveraged
         stop += stop % 2
+    cut = run.cut
     assert cut.returncode != 0 and f"stopped by {signame} after step {stop} " in cut.stderr, cut.stderr[-3000:]
-    assert latest_state(ckpt)["global_step"] == stop
+    assert run.saved is not None and run.saved["global_step"] == stop
     if nproc is None:  # no torchrun in between: the process's own status, 128 + SIGTERM
         assert cut.returncode == 128 + signal.SIGTERM
     if signame == "SIGINT":
         assert cut.stderr.count(f"Ctrl-C again, {FORCE_AFTER_S:g} s or more from now") == 1  # local rank 0 says how
         assert "second Ctrl-C" not in cut.stderr
-    resumed = train(SCRIPTS[name], ckpt, nproc=nproc)
-    ok(resumed)
+    ok(run.resumed)
     epoch, step = saved_position(stop, STEPS)
-    assert "resumed from" in resumed.stdout and f"epoch {epoch + 1}, step {step} (saved at world {nproc or 1})" \
-        in resumed.stdout, resumed.stdout
-    dw = max_dw(final_weights(ckpt), reference(name))
+    assert "resumed from" in run.console and f"epoch {epoch + 1}, step {step} (saved at world {nproc or 1})" \
+        in run.console, run.console
+    dw = max_dw(final_weights(run.final), reference(name))
     print(f"\n{name} ({fault} at step 13): stopped after step {stop}, resumed: max |dw| = {dw:.3g}")
     assert dw <= 1e-6  # the same world and the same sums in the same order: the same bits by design, on any CPU
 
@@ -428,22 +502,18 @@ def test_a_second_ctrl_c_after_the_delay_ends_every_process_at_once_unsaved(npro
     assert seconds < TORCHRUN_GRACE_S  # every rank ended by itself, none waited for torchrun's SIGKILL
 
 
-def test_a_stop_during_evaluation_is_saved_before_it_and_the_resume_evaluates_first(reference, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    small_batches = ("--eval-batch-size", "16")  # 63 batches per rank; the signal at the 5th of epoch 1's
-    cut = train(faulty("ddp", "sigterm-eval", 5), ckpt, *small_batches)
-    preempted(cut, STEPS)
-    assert "during the epoch's evaluation (11 of 63 batches scored" in cut.stderr, cut.stderr[-3000:]
-    assert "epoch 1/3" not in cut.stdout
-    state = latest_state(ckpt)
-    assert (state["epoch"], state["step_in_epoch"]) == (0, STEPS)
-    resumed = train(SCRIPTS["ddp"], ckpt, *small_batches)
-    ok(resumed)
-    assert f"resumed from {latest_checkpoint(ckpt).parent / 'step-00000008.pt'}: epoch 1, step 8" in resumed.stdout
-    assert "epoch 1/3  (trained before the resume)  test loss" in resumed.stdout
+def test_a_stop_during_evaluation_is_saved_before_it_and_the_resume_evaluates_first(reference, stopped):
+    run = stopped("evaluation")  # --eval-batch-size 16: 63 batches per rank; the signal at the 5th of epoch 1's
+    preempted(run.cut, STEPS)
+    assert "during the epoch's evaluation (11 of 63 batches scored" in run.cut.stderr, run.cut.stderr[-3000:]
+    assert "epoch 1/3" not in run.cut.stdout
+    assert (run.saved["epoch"], run.saved["step_in_epoch"]) == (0, STEPS)
+    ok(run.resumed)
+    assert f"resumed from {latest_checkpoint(run.ckpt).parent / 'step-00000008.pt'}: epoch 1, step 8" in run.console
+    assert "epoch 1/3  (trained before the resume)  test loss" in run.console
     # the same world and the same sums in the same order: the same bits by design, on any CPU
-    assert max_dw(final_weights(ckpt), reference("ddp")) <= 1e-6
-    events = EventAccumulator(str(ckpt.parent / f"tb-{ckpt.name}"))
+    assert max_dw(final_weights(run.ckpt), reference("ddp")) <= 1e-6
+    events = EventAccumulator(str(run.ckpt.parent / f"tb-{run.ckpt.name}"))
     events.Reload()
     assert [e.step for e in events.Scalars("test/acc")] == [8, 16, 24]  # every epoch evaluated once
     assert [e.step for e in events.Scalars("time/epoch_s")] == [16, 24]  # epoch 1 was not trained by the resume
