@@ -151,6 +151,22 @@ class Job:
     def text(self) -> str:
         return "\n".join(line for _, line in self.lines)
 
+    def processes(self) -> str:
+        """Each process of the job: pid, parent, process group, state, signals ignored, blocked and caught
+        (a failed wait's message: which process did not take a stop, and why)."""
+        rows = []
+        for pid in [self.process.pid, *descendants(self.process.pid)]:
+            try:
+                stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+                status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
+                              if ":\t" in line)
+                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:100]
+            except OSError:
+                continue
+            rows.append(f"{pid} ppid {stat[1]} pgid {stat[2]} {stat[0]} ign {status['SigIgn']} blk "
+                        f"{status['SigBlk']} cgt {status['SigCgt']} {command}")
+        return "\n".join(rows)
+
     def kill_tree(self) -> None:
         for pid in [*descendants(self.process.pid), self.process.pid]:
             for signum in (signal.SIGCONT, signal.SIGKILL):  # a frozen (SIGSTOPped) group too
@@ -175,7 +191,12 @@ class FtRun:
         self.training = training
         self.job = Job(["bash", "launch/ft.sh", str(groups), "1", *training], self.env)
         if gate:
-            gate.job_output = self.job.text
+            gate.job_output = self.state
+
+    def state(self) -> str:
+        """What ft.sh printed, its markers and its processes (for a failed wait's message)."""
+        markers = sorted(path.name for path in self.logs.glob("*")) if self.logs.exists() else []
+        return f"{self.job.text()}\nft-logs: {markers}\nprocesses:\n{self.job.processes()}"
 
     def worker(self, group: int) -> int:
         """The group's training process (torchrun's child), not its agent."""

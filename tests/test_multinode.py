@@ -16,7 +16,7 @@ import yaml
 
 from common.errors import ConfigError
 from common.parallel.context import device_list, resolve_backend, resolve_device
-from tests.conftest import ENDS_PROMPTLY_S, ROOT, child_env, free_port, latest_state, run_script
+from tests.conftest import ENDS_PROMPTLY_S, ROOT, child_env, free_port, latest_state, one_launch, run_script, split_runs
 
 FLAGS = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
          "--epochs", "1", "--max-steps", "6"]
@@ -41,16 +41,32 @@ def flags(tmp: Path, name: str, *extra: str) -> list[str]:
 
 
 # 1 -------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("script", SCRIPTS)
-def test_two_local_nodes_train_what_one_node_trains(script, tmp_path):
-    one = run_script([script, *flags(tmp_path, "one")], nproc=2)
-    assert one.returncode == 0, one.stderr[-3000:]
-    two = launcher("local_two_nodes.sh", {"NPROC": "1"}, script, *flags(tmp_path, "two"))
+@pytest.fixture(scope="module")
+def one_node(tmp_path_factory) -> Path:
+    """Each script at world 2 on one node (the references of the two-node runs), and train_allreduce.py
+    over `--device cpu,cpu`, made one after another in one launch (tests/runs.py: torch is imported
+    once, not once a run). Their checkpoints: ckpt-one-SCRIPT and ckpt-cpus under the folder returned."""
+    tmp = tmp_path_factory.mktemp("one-node")
+    runs = [[script, *flags(tmp, f"one-{script}")] for script in SCRIPTS]
+    result = run_script(one_launch([*runs, ["train_allreduce.py", *flags(tmp, "cpus"), "--device", "cpu,cpu"]]),
+                        nproc=2, timeout=400)
+    assert result.returncode == 0 and len(split_runs(result.stdout)) == len(runs) + 1, \
+        result.stdout[-2000:] + result.stderr[-3000:]
+    return tmp
+
+
+def test_two_local_nodes_train_what_one_node_trains(one_node, tmp_path):
+    """Every script, its runs made one after another in one launch of the two agents."""
+    runs = [[script, *flags(tmp_path, f"two-{script}")] for script in SCRIPTS]
+    two = launcher("local_two_nodes.sh", {"NPROC": "1"}, *one_launch(runs), timeout=400)
     assert two.returncode == 0, two.stdout[-2000:] + two.stderr[-3000:]
-    assert "world 2 = 2 node(s) x 1" in two.stdout  # rank 0's rendezvous facts
-    dw = max_dw(weights(tmp_path / "ckpt-two"), weights(tmp_path / "ckpt-one"))
-    print(f"\n{script}: two agents on 127.0.0.1 vs one node with two ranks: max |dw| = {dw:.3g}")
-    assert dw <= 1e-6  # world 2 either way and the same sums in the same order: the same bits by design, on any CPU
+    consoles = split_runs(two.stdout)  # node 0's: rank 0's lines
+    assert len(consoles) == len(SCRIPTS), two.stdout[-3000:]
+    for script, console in zip(SCRIPTS, consoles):
+        assert "world 2 = 2 node(s) x 1" in console, console  # rank 0's rendezvous facts
+        dw = max_dw(weights(tmp_path / f"ckpt-two-{script}"), weights(one_node / f"ckpt-one-{script}"))
+        print(f"\n{script}: two agents on 127.0.0.1 vs one node with two ranks: max |dw| = {dw:.3g}")
+        assert dw <= 1e-6  # world 2 either way, the same sums in the same order: the same bits by design, on any CPU
 
 
 # 2 -------------------------------------------------------------------------------------------
@@ -92,12 +108,10 @@ def _netns_unavailable() -> str | None:
     return None if probe.returncode == 0 else f"ip netns add failed: {probe.stderr.strip()}"
 
 
-def test_two_nodes_in_separate_network_namespaces(tmp_path):
+def test_two_nodes_in_separate_network_namespaces(one_node, tmp_path):
     reason = _netns_unavailable()
     if reason:
         pytest.skip(reason)
-    one = run_script(["train_ddp.py", *flags(tmp_path, "one")], nproc=2)
-    assert one.returncode == 0, one.stderr[-3000:]
     port = 29400 + os.getpid() % 1000
     try:
         with Namespaces() as net:
@@ -117,7 +131,7 @@ def test_two_nodes_in_separate_network_namespaces(tmp_path):
     for proc, (out, err) in zip(procs, outputs):
         assert proc.returncode == 0, out[-2000:] + err[-3000:]
     assert f"master {net.addrs[0]}" in outputs[0][0]  # traffic went to the other namespace's address
-    dw = max_dw(weights(tmp_path / "ckpt-two"), weights(tmp_path / "ckpt-one"))
+    dw = max_dw(weights(tmp_path / "ckpt-two"), weights(one_node / "ckpt-one-train_ddp.py"))
     print(f"\ntwo nodes in two network namespaces over a veth pair: max |dw| = {dw:.3g}")
     assert dw <= 1e-6  # world 2 either way and the same sums in the same order: the same bits by design, on any CPU
 
@@ -246,9 +260,8 @@ def test_device_lists_and_backend_resolution():
             resolve_device("cpu,cuda", 1, 2)
 
 
-def test_device_list_runs_and_cuda_on_a_cpu_host_fails_cleanly(tmp_path):
-    ok = run_script(["train_allreduce.py", *flags(tmp_path, "cpus"), "--device", "cpu,cpu"], nproc=2)
-    assert ok.returncode == 0, ok.stderr[-3000:]
+def test_device_list_runs_and_cuda_on_a_cpu_host_fails_cleanly(one_node, tmp_path):
+    assert latest_state(one_node / "ckpt-cpus")["global_step"] == 6  # trained over cpu,cpu (one_node's last run)
     if torch.cuda.is_available():
         pytest.skip("this host has a GPU")
     bad = run_script(["train_ddp.py", *flags(tmp_path, "gpu"), "--device", "cuda"], nproc=2, timeout=60)
