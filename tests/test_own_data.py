@@ -588,3 +588,28 @@ def test_the_data_folder_and_image_size_are_part_of_a_runs_identity():
     hf = lambda *argv: parse_args(["--dataset", "hf", "--data-dir", "a", *argv], strategy="ddp",  # noqa: E731
                                   default_dataset="cifar10", world_size=1).run_id
     assert hf() == hf("--hf-label-key", "label") != hf("--hf-label-key", "fine_label")
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("decodes, device, expected", [
+    (True, "cpu", "give each rank more --workers (now 2), or convert the set to shards with python -m common.shards "
+                  "--max-side N"),
+    (True, "cuda", "give each rank more --workers (now 2), decode on the GPU (--decode gpu), or convert the set"),
+    (False, "cuda", "wait for data (50%); give each rank more --workers (now 2)\n"),
+], ids=["streamed", "streamed-gpu", "cached"])
+def test_a_data_wait_is_said_once_with_the_ways_that_apply_to_the_set(decodes, device, expected):
+    """The ways out the warning names fit the set: a set held decoded in the cache decodes nothing, so
+    neither --max-side nor --decode gpu would shorten its wait."""
+    from types import SimpleNamespace
+
+    from common.output.logger import StepTimes
+    from common.train.trainer import StepLog
+
+    said = []
+    train = SimpleNamespace(augments=True, workers=2, gpu_decode=False, decodes=decodes)
+    run = SimpleNamespace(data=SimpleNamespace(train=train), ctx=SimpleNamespace(device=torch.device(device)))
+    log = SimpleNamespace(warn=said.append)
+    steps = StepLog(run.ctx)
+    for _ in range(2):
+        steps.check_data_wait(StepTimes(10.0, 8.0, 2.0), False, run, log)
+    assert len(said) == 1 and expected in said[0] + "\n", said

@@ -376,6 +376,11 @@ class Streamed:
     def labels(self) -> torch.Tensor:
         return self.source.table.labels
 
+    @property
+    def decodes(self) -> bool:
+        """Whether its workers decode each image (streamed), not read it decoded (a cached set)."""
+        return self.source.store is None
+
     def batches(self, indices: list[torch.Tensor], device: torch.device, draws: Draws | None = None,
                 positions: Sequence[int] = ()) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """uint8 images and labels of each index batch, on `device`; with draws (training), each

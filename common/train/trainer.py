@@ -75,12 +75,16 @@ class StepLog:
                 times.data_ms <= DATA_WAIT_SHARE * times.step_ms:
             return
         self.data_wait_said = True
-        on_gpu = ", decode on the GPU (--decode gpu)" if run.ctx.device.type == "cuda" and \
-            not run.data.train.gpu_decode else ""
+        train = run.data.train
+        ways = [f"give each rank more --workers (now {train.workers})"]
+        if train.decodes and run.ctx.device.type == "cuda" and not train.gpu_decode:
+            ways.append("decode on the GPU (--decode gpu)")
+        if train.decodes:  # a set held decoded in the cache decodes nothing: smaller stored images would not help
+            ways.append("convert the set to shards with python -m common.shards --max-side N (smaller stored images "
+                        "decode faster)")
         log.warn(f"the input pipeline holds training up: {times.data_ms:.0f} ms of each {times.step_ms:.0f} ms step "
-                 f"wait for data ({times.data_ms / times.step_ms:.0%}); give each rank more --workers (now "
-                 f"{run.data.train.workers}){on_gpu}, or convert the set to shards with python -m common.shards "
-                 "--max-side N (smaller stored images decode faster)")
+                 f"wait for data ({times.data_ms / times.step_ms:.0%}); {', '.join(ways[:-1])}"
+                 f"{', or ' if len(ways) > 1 else ''}{ways[-1]}")
 
     def take_epoch(self) -> tuple[Metrics, StepTimes]:
         """NaN loss and accuracy for an epoch whose steps all ran before a resume (a run stopped
