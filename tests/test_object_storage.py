@@ -171,9 +171,9 @@ def test_cifar_batches_from_the_store_keep_their_md5_check(s3, stored, tmp_path)
 
 
 def test_the_cache_fetches_once_and_again_when_the_object_changes(s3, tmp_path):
-    """Three runs in one launch, each held after its last step (tests/gates.py) while the test reads the
-    store's log: the first fetches every file, the second none, the third the one object changed while
-    the second was held."""
+    """Three runs in one launch, the first two held after their last step (tests/gates.py) while the test
+    reads the store's log: the first fetches every file, the second none, the third the one object
+    changed while the second was held."""
     flags = [*MNIST, "--epochs", "1", "--data-dir", "s3://data/mnist-gz", "--checkpoint-dir", str(tmp_path / "ckpt"),
              "--resume", "none", "--cache-dir", str(tmp_path / "cache"), "--log-dir", str(tmp_path / "tb")]
     runs = [["train_ddp.py", *flags, "--max-steps", str(steps)] for steps in (1, 2, 3)]  # run K reaches step K
@@ -461,7 +461,7 @@ def test_without_s3fs_an_s3_url_is_refused_before_any_process_group(tmp_path, ca
     code, stderr = refusal_in_process(["train_ddp.py", *MNIST, "--data-dir", "s3://data/mnist-raw", "--log-dir",
                                        str(tmp_path / "tb")], capsys, monkeypatch)
     errors = flag_errors(stderr)
-    assert code != 0 and len(errors) == 1, stderr[-3000:]
+    assert code == 2 and len(errors) == 1, stderr[-3000:]
     assert "--data-dir s3://data/mnist-raw: s3:// URLs need a package that is not installed" in errors[0]
 
 
@@ -484,4 +484,4 @@ def test_a_log_dir_url_tensorboard_cannot_write_is_refused_before_any_process_gr
     code, stderr = refusal_in_process(["train_ddp.py", *MNIST, "--log-dir", "nosuchprotocol://x/y"], capsys,
                                       monkeypatch)
     errors = flag_errors(stderr)
-    assert code != 0 and len(errors) == 1 and "--log-dir nosuchprotocol://x/y" in errors[0]
+    assert code == 2 and len(errors) == 1 and "--log-dir nosuchprotocol://x/y" in errors[0]
