@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Callable, Sequence
 
 from common.credentials import read_storage_options
+from common.errors import ConfigError, exit_quietly_after_the_printer
 from common.models import MODELS, model_problem
 from common.optimizers import OPTIMIZERS
 from common.storage import log_url_problem, url_problem
@@ -213,6 +214,7 @@ class RankZeroParser(argparse.ArgumentParser):
         """One line, not the usage block: the message names the flag and what to do."""
         if os.environ.get("RANK", "0") == "0":
             self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+        exit_quietly_after_the_printer(ConfigError.quiet_exit_delay_s)  # rank 0 refuses the same argv
         self.exit(2)
 
 

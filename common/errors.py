@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 
 class UserError(Exception):
@@ -18,6 +19,15 @@ class UserError(Exception):
         """Whether this process prints the line. Errors raised after the ranks agreed on them
         (ctx.fail_together) are printed by rank 0 alone; see the subclasses."""
         return True
+
+
+def exit_quietly_after_the_printer(seconds: float) -> None:
+    """Before a rank that prints nothing exits: torchrun stops every rank within 0.1 s of the first
+    exit, so the rank that prints the line gets `seconds` to do so (a rank still importing torch on a
+    loaded host would otherwise be stopped before its line is out). The printing rank's exit ends
+    this wait, torchrun stopping the job; a process that is not a torchrun worker does not wait."""
+    if "TORCHELASTIC_RUN_ID" in os.environ:
+        time.sleep(seconds)
 
 
 class ConfigError(UserError):

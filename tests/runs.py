@@ -9,8 +9,9 @@ that script's own main(), joining and leaving its own process group as a launch 
 store keys under a prefix of its own, as torchrun gives a restarted attempt), and what a run leaves
 in the process that a fresh one would not have is put back before the next (`on_its_own`: the
 environment, the stop's signal handlers, the warnings already shown). Before each run rank 0
-prints the line `=== run K: SCRIPT FLAGS` (split_runs cuts the output there; the console is rank 0's). A run that
-exits non-zero ends the launch with its status: the runs after it are not started.
+prints the line `=== run K: SCRIPT FLAGS` (split_runs cuts the output there; the console is rank 0's;
+an inline --storage-options value is shown as ***). A run that exits non-zero ends the launch with
+its status: the runs after it are not started.
 """
 from __future__ import annotations
 
@@ -45,6 +46,13 @@ def arguments(runs: list[list[str]]) -> list[str]:
     return ["tests/runs.py", *[arg for index, run in enumerate(runs) for arg in ([SEPARATOR] if index else []) + run]]
 
 
+def shown(flags: list[str]) -> str:
+    """The flags as the run's marker line shows them: an inline --storage-options value as *** (JSON that
+    may hold a key; the credential tests search the whole output for theirs), as the launchers echo it."""
+    return " ".join("***" if before == "--storage-options" and not flag.startswith(("@", "env:")) else flag
+                    for before, flag in zip(["", *flags], flags))
+
+
 def split_runs(stdout: str) -> list[str]:
     """The stdout of each run, in order (rank 0's lines: the console is rank 0's)."""
     return [part.split("\n", 1)[1] if "\n" in part else "" for part in stdout.split(MARK)[1:]]
@@ -75,7 +83,7 @@ def main() -> None:
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     for index, (script, *flags) in enumerate(planned_runs(sys.argv[1:])):
         if os.environ.get("RANK", "0") == "0":
-            print(f"{MARK}{index}: {script} {' '.join(flags)}", flush=True)
+            print(f"{MARK}{index}: {script} {shown(flags)}", flush=True)
         with on_its_own():
             os.environ["TORCHELASTIC_RESTART_COUNT"] = f"{attempt}.run{index}"
             try:

@@ -2,10 +2,14 @@
 with a log of every request it answers (to count GETs of data objects)."""
 from __future__ import annotations
 
+import contextlib
+import json
 import os
 import secrets
 import threading
+import urllib.request
 from dataclasses import dataclass, field
+from typing import Iterator
 
 from moto.moto_server.threaded_moto_server import ThreadedMotoServer
 from moto.moto_server.werkzeug_app import DomainDispatcherApplication, MotoRequestHandler, create_backend_app
@@ -57,6 +61,24 @@ class S3Server(ThreadedMotoServer):
         return {"AWS_ACCESS_KEY_ID": self.key_id, "AWS_SECRET_ACCESS_KEY": self.secret,
                 "AWS_ENDPOINT_URL": self.endpoint, "AWS_DEFAULT_REGION": "us-east-1",
                 "AWS_EC2_METADATA_DISABLED": "true"}
+
+    @contextlib.contextmanager
+    def authenticating(self) -> Iterator[None]:
+        """Signatures checked while inside (moto's authentication, off otherwise): a key that moto's IAM
+        does not know is refused, as a real store refuses a wrong key. Through moto's own switch for
+        server mode (POST /moto-api/reset-auth: how many requests pass unchecked from now on)."""
+        unchecked = self._reset_auth("0")
+        try:
+            yield
+        finally:
+            self._reset_auth(unchecked)
+
+    def _reset_auth(self, unchecked: str) -> str:
+        """Let `unchecked` more requests pass without authentication; the count before."""
+        request = urllib.request.Request(f"{self.endpoint}/moto-api/reset-auth", data=unchecked.encode(), method="POST",
+                                         headers={"Content-Type": "text/plain"})  # not a form: moto reads the body
+        with urllib.request.urlopen(request, timeout=30) as answer:
+            return json.loads(answer.read())["PREVIOUS_INITIAL_NO_AUTH_ACTION_COUNT"]
 
     def client(self):
         import boto3

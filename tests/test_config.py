@@ -39,6 +39,20 @@ def test_bad_flag_exits_2_naming_it(argv, flag, capsys):
 
 
 @pytest.mark.quick
+def test_a_rank_that_does_not_print_a_flag_error_exits_after_the_one_that_does(monkeypatch, capsys):
+    """torchrun stops every rank within 0.1 s of the first exit: rank 1, silent, waits before its exit so
+    that rank 0, later to the same refusal on a loaded host, is not stopped before its line is out (a
+    launch that ended 1 with no line at all, issue 37). Rank 0's exit ends the wait, through torchrun."""
+    waits: list[float] = []
+    monkeypatch.setattr("common.errors.time.sleep", waits.append)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "a-launch")
+    with pytest.raises(SystemExit) as exc:
+        parse("--epochs", "0")
+    assert exc.value.code == 2 and capsys.readouterr().err == "" and waits == [ConfigError.quiet_exit_delay_s]
+
+
+@pytest.mark.quick
 def test_batch_not_divisible_by_world(capsys):
     with pytest.raises(SystemExit) as exc:
         parse("--batch-size", "100", world_size=3)

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from tests.conftest import (
     error_lines,
     free_port,
     one_launch,
+    refusal_in_process,
     run_script,
     script_command,
     split_runs,
@@ -31,6 +33,9 @@ from tests.gates import Gate
 from tests.s3server import S3Server
 
 MNIST = ["--dataset", "mnist", "--model", "lenet", "--batch-size", "32", "--eval-batch-size", "301"]
+CIFAR = ["--dataset", "cifar10", "--model", "lenet", "--batch-size", "100", "--epochs", "1", "--max-steps", "2",
+         "--data-dir", "s3://data/cifar"]
+KILLED = [*MNIST, "--epochs", "3", "--max-steps", "8", "--data-dir", "s3://data/mnist-raw"]  # 3 epochs of 8 steps
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +54,51 @@ def s3(tmp_path_factory) -> S3Server:
     server.cifar_local = made / "cifar"
     yield server
     server.stop()
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One launch of several runs (tests/runs.py): how it ended and each run's rank-0 console by name."""
+    result: subprocess.CompletedProcess
+    consoles: dict[str, str]
+    folder: Path
+
+    def output(self) -> str:
+        return self.result.stdout + self.result.stderr
+
+
+def launch_runs(runs: dict[str, list[str]], folder: Path, environ: dict[str, str], patches: tuple[str, ...] = ()
+                ) -> Launch:
+    """The runs (a name: SCRIPT and its flags) one after another in one launch, each with its own cache
+    and TensorBoard folder under `folder` unless it names one; `patches`: tests/patched.py's, for every
+    run of the launch."""
+    own = {"--cache-dir": "cache", "--log-dir": "tb"}
+    made = [[*run, *(arg for flag, stem in own.items() if flag not in run
+                     for arg in (flag, str(folder / f"{stem}-{name}")))] for name, run in runs.items()]
+    command = one_launch(made)
+    if patches:
+        command = ["tests/patched.py", ",".join(patches), str(ROOT / command[0]), *command[1:]]
+    result = run_script(command, nproc=2, env=environ, timeout=500)
+    return Launch(result, dict(zip(runs, split_runs(result.stdout))), folder)
+
+
+@pytest.fixture(scope="module")
+def stored(s3, tmp_path_factory) -> Launch:
+    """The runs that only read and write the store and succeed, one launch for them all: each MNIST
+    layout trained from the store and checkpointed into it, the CIFAR-10 batches from the store (with
+    tests/patched.py's checksums of the generated batches: the MNIST runs read none), the killed
+    worker's uninterrupted reference, TensorBoard writing into the store."""
+    runs = {layout: ["train_ddp.py", *MNIST, "--epochs", "1", "--max-steps", "3", "--data-dir", f"s3://data/{layout}",
+                     "--checkpoint-dir", f"s3://ckpt/{layout}"] for layout in LAYOUTS}
+    runs["cifar"] = ["train_ddp.py", *CIFAR, "--checkpoint-dir", str(tmp_path_factory.mktemp("cifar-ckpt"))]
+    runs["kill-ref"] = ["train_ddp.py", *KILLED, "--checkpoint-dir", "s3://ckpt/kill-ref"]
+    runs["tensorboard"] = ["train_ddp.py", *MNIST, "--epochs", "1", "--max-steps", "2", "--log-every", "1",
+                           "--data-dir", "s3://data/mnist-raw", "--checkpoint-dir",
+                           str(tmp_path_factory.mktemp("tb-ckpt")), "--log-dir", "s3://events/run1"]
+    launched = launch_runs(runs, tmp_path_factory.mktemp("stored"), env(s3), patches=(md5_patch(s3.cifar_local),))
+    ok(launched.result)
+    assert len(launched.consoles) == len(runs), launched.result.stdout[-3000:]
+    return launched
 
 
 def env(server: S3Server, **extra: str) -> dict[str, str]:
@@ -98,57 +148,65 @@ def md5_patch(folder: Path) -> str:
 LAYOUTS = ["mnist-raw", "mnist-gz", "mnist-processed"]
 
 
-def test_train_from_the_store_and_checkpoint_into_it(s3, tmp_path):
-    """Covers, for each MNIST layout in the store (one launch, a run each): the data fetched from the
-    store, the test set counted once, a checkpoint saved into the store and named on the console."""
-    runs = [["train_ddp.py", *MNIST, "--epochs", "1", "--max-steps", "3", "--data-dir", f"s3://data/{layout}",
-             "--checkpoint-dir", f"s3://ckpt/{layout}", "--cache-dir", str(tmp_path / f"cache-{layout}"), "--log-dir",
-             str(tmp_path / f"tb-{layout}")] for layout in LAYOUTS]
-    result = run_script(one_launch(runs), nproc=2, env=env(s3), timeout=400)
-    ok(result)
-    for layout, stdout in zip(LAYOUTS, split_runs(result.stdout)):
-        assert "(301 images)" in stdout and f"s3://data/{layout}: fetched" in result.stderr
+def test_train_from_the_store_and_checkpoint_into_it(s3, stored):
+    """Covers, for each MNIST layout in the store (a run each of `stored`'s launch): the data fetched
+    from the store, the test set counted once, a checkpoint saved into the store and named on the console."""
+    for layout in LAYOUTS:
+        console = stored.consoles[layout]
+        assert "(301 images)" in console and f"s3://data/{layout}: fetched" in stored.result.stderr
         key, state = latest_in_store(s3, "ckpt", layout)
         assert key.endswith("step-00000003.pt") and state["epoch"] == 1
-        assert f"saved s3://ckpt/{layout}/" in stdout
+        assert f"saved s3://ckpt/{layout}/" in console
 
 
-def test_cifar_batches_from_the_store_keep_their_md5_check(s3, tmp_path):
-    flags = ["--dataset", "cifar10", "--model", "lenet", "--batch-size", "100", "--epochs", "1", "--max-steps", "2",
-             "--data-dir", "s3://data/cifar", "--checkpoint-dir", str(tmp_path / "ckpt")]
-    refused = train(s3, tmp_path, *flags)  # generated batches are not the published files
+def test_cifar_batches_from_the_store_keep_their_md5_check(s3, stored, tmp_path):
+    """Generated batches are not the published files: refused, and nothing unverified kept; with their
+    own checksums patched in (`stored`'s launch) the same batches train."""
+    refused = train(s3, tmp_path, *CIFAR, "--checkpoint-dir", str(tmp_path / "ckpt"))
     errors = error_lines(refused.stderr)
     assert len(errors) == 1 and "s3://data/cifar/cifar-10-batches-py/" in errors[0] and "has md5" in errors[0], \
         refused.stderr[-3000:]
     assert not list((tmp_path / "cache").rglob("data_batch_*"))  # nothing unverified was kept
-    accepted = run_script(["tests/patched.py", md5_patch(s3.cifar_local), str(ROOT / "train_ddp.py"), *flags,
-                           "--cache-dir", str(tmp_path / "cache"), "--log-dir", str(tmp_path / "tb")],
-                          nproc=2, env=env(s3))
-    ok(accepted)
-    assert "(301 images)" in accepted.stdout
+    assert "(301 images)" in stored.consoles["cifar"]
 
 
 def test_the_cache_fetches_once_and_again_when_the_object_changes(s3, tmp_path):
-    flags = [*MNIST, "--epochs", "1", "--max-steps", "1", "--data-dir", "s3://data/mnist-gz",
-             "--checkpoint-dir", str(tmp_path / "ckpt"), "--resume", "none"]
-    s3.log.clear()
-    first = train(s3, tmp_path, *flags)
-    ok(first)
-    fetched_line = next(line for line in first.stderr.splitlines() if "s3://data/mnist-gz: fetched" in line)
-    assert s3.log.gets("/data/mnist-gz/") == 4  # the four files, once per node (2 ranks, 1 node)
-    s3.log.clear()
-    second = train(s3, tmp_path, *flags)
-    ok(second)
-    assert s3.log.gets("/data/mnist-gz/") == 0 and "the cached copy is current" in second.stderr
+    """Three runs in one launch, the first two held after their last step (tests/gates.py) while the test
+    reads the store's log: the first fetches every file, the second none, the third the one object
+    changed while the second was held."""
+    flags = [*MNIST, "--epochs", "1", "--data-dir", "s3://data/mnist-gz", "--checkpoint-dir", str(tmp_path / "ckpt"),
+             "--resume", "none", "--cache-dir", str(tmp_path / "cache"), "--log-dir", str(tmp_path / "tb")]
+    runs = [["train_ddp.py", *flags, "--max-steps", str(steps)] for steps in (1, 2, 3)]  # run K reaches step K
+    gate, first, second = Gate(tmp_path / "gates"), "all@1", "all@2"  # a released gate stays open for later runs
     changed = f"mnist-gz/{MNIST_DIR}/t10k-labels-idx1-ubyte.gz"
     body = objects(s3, "data", changed)[changed]
-    s3.client().put_object(Bucket="data", Key=changed, Body=_relabel(body))
+    launch = one_launch(runs)
     s3.log.clear()
-    third = train(s3, tmp_path, *flags)
-    ok(third)
+    with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:  # files: no pipe fills
+        proc = subprocess.Popen(script_command(["tests/patched.py", f"gate={first},gate={second}",
+                                                str(ROOT / launch[0]), *launch[1:]], nproc=2),
+                                cwd=ROOT, env={**env(s3), **gate.env()}, stdout=out, stderr=err)
+    gate.job_output = (tmp_path / "stderr").read_text
+    try:
+        gate.held(first, processes=2)
+        assert s3.log.gets("/data/mnist-gz/") == 4  # the four files, once per node (2 ranks, 1 node)
+        s3.log.clear()
+        gate.release(first)
+        gate.held(second, processes=2)
+        assert s3.log.gets("/data/mnist-gz/") == 0
+        s3.client().put_object(Bucket="data", Key=changed, Body=_relabel(body))
+        s3.log.clear()
+        gate.release(second)
+        proc.wait(timeout=2 * ENDS_PROMPTLY_S)
+    finally:
+        proc.kill()  # only if a wait above failed: the job is over otherwise
+        s3.client().put_object(Bucket="data", Key=changed, Body=body)
+    ok(subprocess.CompletedProcess(proc.args, proc.returncode, (tmp_path / "stdout").read_text(), gate.job_output()))
     assert s3.log.gets("/data/mnist-gz/") == 1 and s3.log.gets(f"/data/{changed}") == 1
-    s3.client().put_object(Bucket="data", Key=changed, Body=body)
-    print(f"\nfirst fetch: {fetched_line.strip()}")
+    fetched = [line.strip() for line in gate.job_output().splitlines() if "s3://data/mnist-gz: fetched" in line]
+    assert len(fetched) == 3 and "fetched 4 of 4 file(s)" in fetched[0], fetched  # local rank 0's, one a run
+    assert "the cached copy is current" in fetched[1] and "fetched 1 of 4 file(s)" in fetched[2], fetched
+    print(f"\nfirst fetch: {fetched[0]}")
 
 
 def _relabel(gz_body: bytes) -> bytes:
@@ -160,11 +218,10 @@ def _relabel(gz_body: bytes) -> bytes:
     return gzip.compress(bytes(raw), mtime=0)
 
 
-def test_a_killed_worker_resumes_from_the_store_exactly(s3, tmp_path):
-    flags = [*MNIST, "--epochs", "3", "--max-steps", "8", "--data-dir", "s3://data/mnist-raw"]
-    ok(train(s3, tmp_path / "ref", *flags, "--checkpoint-dir", "s3://ckpt/kill-ref"))
+def test_a_killed_worker_resumes_from_the_store_exactly(s3, stored, tmp_path):
+    """Against the uninterrupted run of the same flags (`stored`'s launch)."""
     _, reference = latest_in_store(s3, "ckpt", "kill-ref")
-    result = run_script(["tests/faults.py", "ddp", "sigkill", "12", *flags, "--checkpoint-dir", "s3://ckpt/kill",
+    result = run_script(["tests/faults.py", "ddp", "sigkill", "12", *KILLED, "--checkpoint-dir", "s3://ckpt/kill",
                          "--save-every-steps", "3", "--cache-dir", str(tmp_path / "cache"),
                          "--log-dir", str(tmp_path / "tb")], nproc=2, env=env(s3), torchrun=("--max-restarts=1",))
     ok(result)
@@ -225,9 +282,8 @@ def test_the_store_going_away_ends_the_job_clearly_and_the_run_resumes_when_it_i
     print(f"\nstore stopped with the job held after step 9: every process ended {seconds:.1f} s later; "
           f"last good checkpoint step {state['global_step']} intact")
     assert seconds < ENDS_PROMPTLY_S
-    resumed = run_script(["train_ddp.py", *flags, "--max-steps", str(state["global_step"] + 2)], nproc=2,
-                         env=env(s3))
-    assert "with other settings" in error_lines(resumed.stderr)[0]  # --max-steps is part of the run
+    resumed = run_script(["train_ddp.py", *flags, "--max-steps", str(state["global_step"] + 2)], env=env(s3))
+    assert "with other settings" in error_lines(resumed.stderr)[0]  # --max-steps is part of the run (any world)
     resumed = run_script(["train_ddp.py", *flags], nproc=2, env=env(s3), timeout=400)
     ok(resumed)
     assert f"resumed from s3://ckpt/{key}" in resumed.stdout
@@ -235,46 +291,60 @@ def test_the_store_going_away_ends_the_job_clearly_and_the_run_resumes_when_it_i
 
 # ---------------------------------------------------------------- credentials and errors
 
-def test_no_credential_reaches_any_output_event_file_or_checkpoint(s3, tmp_path):
-    """Credentials given in --storage-options and in the environment: none may be printed or saved."""
+@pytest.fixture(scope="module")
+def optioned(s3, tmp_path_factory) -> Launch:
+    """No credentials in the environment (nor an AWS file), only in --storage-options, one launch: given
+    inline (a run of 2 steps), in a file (1 step), and inline for a data set the store does not hold
+    (the run that fails, so the last)."""
+    folder = tmp_path_factory.mktemp("optioned")
     options = json.dumps({"key": s3.key_id, "secret": s3.secret})
-    environ = env(s3)
+    (folder / "store.json").write_text(options)
+    runs = {"inline": ["train_ddp.py", *MNIST, "--epochs", "1", "--max-steps", "2", "--data-dir", "s3://data/mnist-raw",
+                       "--checkpoint-dir", "s3://ckpt/secrets", "--storage-options", options],
+            "file": ["train_ddp.py", *MNIST, "--epochs", "1", "--max-steps", "1", "--data-dir", "s3://data/mnist-raw",
+                     "--checkpoint-dir", "s3://ckpt/from-file", "--storage-options", f"@{folder / 'store.json'}"],
+            "bad": ["train_ddp.py", *MNIST, "--data-dir", "s3://data/no-such-prefix", "--checkpoint-dir",
+                    "s3://ckpt/secrets2", "--storage-options", options]}
+    launched = launch_runs(runs, folder, without_credentials(s3))
+    errors = error_lines(launched.result.stderr)
+    assert launched.result.returncode != 0 and len(launched.consoles) == len(runs), launched.output()[-4000:]
+    assert len(errors) == 1 and "s3://data/no-such-prefix" in errors[0], errors  # the last run's, the others ended 0
+    return launched
+
+
+def without_credentials(s3: S3Server, **extra: str) -> dict[str, str]:
+    environ = {**env(s3), "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent", **extra}
     environ.pop("AWS_ACCESS_KEY_ID"), environ.pop("AWS_SECRET_ACCESS_KEY")
-    good = train(s3, tmp_path, *MNIST, "--epochs", "1", "--max-steps", "2", "--data-dir", "s3://data/mnist-raw",
-                 "--checkpoint-dir", "s3://ckpt/secrets", "--storage-options", options, environ=environ)
-    ok(good)
-    bad = train(s3, tmp_path, *MNIST, "--data-dir", "s3://data/no-such-prefix", "--checkpoint-dir",
-                "s3://ckpt/secrets2", "--storage-options", options, environ=environ)
-    assert bad.returncode != 0
-    haystacks = {"stdout": good.stdout + bad.stdout, "stderr": good.stderr + bad.stderr}
-    haystacks.update({f"event file {p.name}": p.read_bytes().decode("latin1") for p in (tmp_path / "tb").rglob("*")
-                      if p.is_file()})
-    haystacks.update({f"object {k}": v.decode("latin1") for k, v in objects(s3, "ckpt", "secrets").items()})
+    return environ
+
+
+def test_no_credential_reaches_any_output_event_file_or_checkpoint(s3, optioned):
+    """Credentials given in --storage-options (`optioned`'s runs, one of which fails): none may be
+    printed or saved."""
+    haystacks = {"output": optioned.output()}
+    haystacks.update({f"event file {p.name}": p.read_bytes().decode("latin1") for tb in optioned.folder.glob("tb-*")
+                      for p in tb.rglob("*") if p.is_file()})
+    for prefix in ("secrets", "from-file"):
+        haystacks.update({f"object {k}": v.decode("latin1") for k, v in objects(s3, "ckpt", prefix).items()})
+    assert any("tfevents" in where for where in haystacks), sorted(haystacks)  # the runs' event files searched
     for secret in (s3.key_id, s3.secret):
         leaks = [where for where, text in haystacks.items() if secret in text]
         assert not leaks, f"a credential appears in {leaks}"
     assert any(k.endswith(".pt") for k in objects(s3, "ckpt", "secrets"))
 
 
-def test_credentials_from_a_file_or_a_variable_reach_the_store(s3, tmp_path):
-    """No credentials anywhere but in the --storage-options file (a torchrun run) or variable (one
-    process): the store is reached with them, and none is printed or saved."""
+def test_credentials_from_a_file_or_a_variable_reach_the_store(s3, optioned, tmp_path):
+    """No credentials anywhere but in the --storage-options file (`optioned`'s torchrun run) or variable
+    (one process): the store is reached with them, and none is printed or saved."""
     options = json.dumps({"key": s3.key_id, "secret": s3.secret})
-    (tmp_path / "store.json").write_text(options)
-    environ = {**env(s3), "AWS_SHARED_CREDENTIALS_FILE": "/nonexistent", "AWS_CONFIG_FILE": "/nonexistent",
-               "DP_STORE": options}
-    environ.pop("AWS_ACCESS_KEY_ID"), environ.pop("AWS_SECRET_ACCESS_KEY")
-    flags = [*MNIST, "--epochs", "1", "--max-steps", "1", "--data-dir", "s3://data/mnist-raw"]
-    from_file = train(s3, tmp_path, *flags, "--checkpoint-dir", "s3://ckpt/from-file", "--storage-options",
-                      f"@{tmp_path / 'store.json'}", environ=environ)
-    ok(from_file)
-    from_variable = train(s3, tmp_path, *flags, "--checkpoint-dir", "s3://ckpt/from-variable", "--storage-options",
-                          "env:DP_STORE", environ=environ, nproc=None)
+    from_variable = train(s3, tmp_path, *MNIST, "--epochs", "1", "--max-steps", "1", "--data-dir",
+                          "s3://data/mnist-raw", "--checkpoint-dir", "s3://ckpt/from-variable", "--storage-options",
+                          "env:DP_STORE", environ=without_credentials(s3, DP_STORE=options), nproc=None)
     ok(from_variable)
     for prefix in ("from-file", "from-variable"):
         key, state = latest_in_store(s3, "ckpt", prefix)
         assert state["global_step"] == 1 and s3.secret not in json.dumps(state["config"]), key
-    printed = from_file.stdout + from_file.stderr + from_variable.stdout + from_variable.stderr
+    printed = optioned.output() + from_variable.stdout + from_variable.stderr
     assert s3.key_id not in printed and s3.secret not in printed
 
 
@@ -365,25 +435,13 @@ def test_store_errors_are_one_line_on_every_rank_in_bounded_time(case, s3, tmp_p
     assert seconds < ENDS_PROMPTLY_S
 
 
-def test_wrong_credentials_are_named(tmp_path):
-    """A server that checks signatures (moto with authentication on), a key it does not know."""
-    port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              env={**os.environ, "INITIAL_NO_AUTH_ACTION_COUNT": "0"},
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        environ = {**child_env(), "AWS_ACCESS_KEY_ID": "AKIAWRONGWRONGWRONG0", "AWS_SECRET_ACCESS_KEY": "wrong-secret",
-                   "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}", "AWS_DEFAULT_REGION": "us-east-1",
-                   "AWS_EC2_METADATA_DISABLED": "true"}
-        deadline = time.monotonic() + 30
-        while subprocess.run(["bash", "-c", f"exec 3<>/dev/tcp/127.0.0.1/{port}"], capture_output=True).returncode:
-            assert time.monotonic() < deadline, "moto server did not start"
-            time.sleep(0.2)  # a poll with a deadline: the server starting
-        result = run_script(["train_ddp.py", *MNIST, "--data-dir", "s3://data/mnist", "--cache-dir",
-                             str(tmp_path / "cache"), "--checkpoint-dir", str(tmp_path / "ckpt")], nproc=2, env=environ)
-    finally:
-        server.terminate()
-        server.wait(timeout=30)
+def test_wrong_credentials_are_named(s3, tmp_path):
+    """The store checking signatures (moto's authentication, on for this test), a key it does not know,
+    for a data set it holds."""
+    environ = {**env(s3), "AWS_ACCESS_KEY_ID": "AKIAWRONGWRONGWRONG0", "AWS_SECRET_ACCESS_KEY": "wrong-secret"}
+    with s3.authenticating():
+        result = train(s3, tmp_path, *MNIST, "--data-dir", "s3://data/mnist-raw", "--checkpoint-dir",
+                       str(tmp_path / "ckpt"), environ=environ)
     errors = error_lines(result.stderr)
     assert len(errors) == 1 and "access denied, wrong or missing credentials" in errors[0], result.stderr[-3000:]
     assert "wrong-secret" not in result.stderr + result.stdout
@@ -394,22 +452,22 @@ def flag_errors(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if ": error: " in line]
 
 
-def test_without_s3fs_an_s3_url_is_refused_before_any_process_group(s3, tmp_path):
-    result = run_script(["tests/patched.py", "no-module=s3fs", str(ROOT / "train_ddp.py"), *MNIST, "--data-dir",
-                         "s3://data/mnist-raw", "--log-dir", str(tmp_path / "tb")], nproc=2, env=env(s3))
-    errors = flag_errors(result.stderr)
-    assert result.returncode != 0 and len(errors) == 1, result.stderr[-3000:]
+@pytest.mark.quick
+def test_without_s3fs_an_s3_url_is_refused_before_any_process_group(tmp_path, capsys, monkeypatch):
+    from fsspec import registry  # noqa: F401 - the module, which fsspec's package shadows with its mapping
+
+    monkeypatch.setitem(sys.modules, "s3fs", None)  # `import s3fs` fails, as if it were not installed
+    monkeypatch.delitem(sys.modules["fsspec.registry"]._registry, "s3", raising=False)  # kept by an earlier import
+    code, stderr = refusal_in_process(["train_ddp.py", *MNIST, "--data-dir", "s3://data/mnist-raw", "--log-dir",
+                                       str(tmp_path / "tb")], capsys, monkeypatch)
+    errors = flag_errors(stderr)
+    assert code == 2 and len(errors) == 1, stderr[-3000:]
     assert "--data-dir s3://data/mnist-raw: s3:// URLs need a package that is not installed" in errors[0]
 
 
 # ---------------------------------------------------------------- TensorBoard
 
-def test_tensorboard_writes_to_the_store(s3, tmp_path, monkeypatch):
-    result = run_script(["train_ddp.py", *MNIST, "--epochs", "1", "--max-steps", "2", "--log-every", "1",
-                         "--data-dir", "s3://data/mnist-raw", "--cache-dir", str(tmp_path / "cache"),
-                         "--checkpoint-dir", str(tmp_path / "ckpt"), "--log-dir", "s3://events/run1"],
-                        nproc=2, env=env(s3))
-    ok(result)
+def test_tensorboard_writes_to_the_store(s3, stored, monkeypatch):
     events = [k for k in objects(s3, "events", "run1") if "tfevents" in k]
     assert len(events) == 1
     for name, value in s3.env().items():
@@ -421,7 +479,9 @@ def test_tensorboard_writes_to_the_store(s3, tmp_path, monkeypatch):
     assert [e.step for e in acc.Scalars("train/loss")] == [1, 2] and [e.step for e in acc.Scalars("test/acc")] == [2]
 
 
-def test_a_log_dir_url_tensorboard_cannot_write_is_refused_before_any_process_group(tmp_path):
-    result = run_script(["train_ddp.py", *MNIST, "--log-dir", "nosuchprotocol://x/y"], nproc=2)
-    errors = flag_errors(result.stderr)
-    assert result.returncode != 0 and len(errors) == 1 and "--log-dir nosuchprotocol://x/y" in errors[0]
+@pytest.mark.quick
+def test_a_log_dir_url_tensorboard_cannot_write_is_refused_before_any_process_group(capsys, monkeypatch):
+    code, stderr = refusal_in_process(["train_ddp.py", *MNIST, "--log-dir", "nosuchprotocol://x/y"], capsys,
+                                      monkeypatch)
+    errors = flag_errors(stderr)
+    assert code == 2 and len(errors) == 1 and "--log-dir nosuchprotocol://x/y" in errors[0]

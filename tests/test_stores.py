@@ -5,10 +5,13 @@ from __future__ import annotations
 
 import errno
 import json
+import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -16,7 +19,7 @@ import torch
 from common.errors import UserError
 from common.storage import DENIED, FAILED, MISSING, TRANSIENT, LocalStorage, StorageError, error_kind
 from common.train.checkpoint import BackgroundWriter, CheckpointFolder, new_run_name
-from tests.conftest import ROOT, child_env, error_lines, free_port, run_script
+from tests.conftest import ROOT, child_env, error_lines, free_port, one_launch, run_script
 from tests.flaky_proxy import FlakyProxy
 from tests.s3server import S3Server
 from tests.save_loop import IDENTITY
@@ -27,7 +30,7 @@ from tests.save_loop import state as loop_state
 RUN = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
        "--epochs", "1", "--max-steps", "4", "--save-every-steps", "2"]
 NEWEST = "step-00000004.pt"
-SHORT_BOUND_S = 8  # DP_STORE_RETRY_S for the cases where the store stays away
+SHORT_BOUND_S = 3  # DP_STORE_RETRY_S where the store stays away: two retries (after 1 s and 2 s), then the end
 
 
 def train(ckpt: str, tmp_path: Path, environ: dict[str, str] | None = None, *extra: str):
@@ -45,15 +48,26 @@ def run_folders(folder: Path) -> list[str]:
 
 # ---------------------------------------------------------------- a store that does not answer
 
+@dataclass(frozen=True)
+class Saved:
+    server: S3Server
+    proxy: FlakyProxy  # in front of the server: fails chosen requests for a while
+    local: Path  # a --checkpoint-dir on the local disk
+
+
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    """The S3 server, a proxy in front of it, and one complete run saved (directly) under s3://ckpt/base."""
+def saved(tmp_path_factory) -> Iterator[Saved]:
+    """The S3 server, a proxy in front of it, and one complete run saved in each kind of store, one
+    launch for both (tests/runs.py): directly under s3://ckpt/base, and in a local folder."""
     server = S3Server(free_port())
     server.start()
     server.client().create_bucket(Bucket="ckpt")
     proxy = FlakyProxy(int(server.endpoint.rsplit(":", 1)[1]))
-    ok(train("s3://ckpt/base", tmp_path_factory.mktemp("base"), {**child_env(), **server.env()}))
-    yield server, proxy
+    folder = tmp_path_factory.mktemp("saved")
+    runs = [["train_ddp.py", *RUN, "--checkpoint-dir", ckpt, "--log-dir", str(folder / f"tb-{index}")]
+            for index, ckpt in enumerate(("s3://ckpt/base", str(folder / "ckpt")))]
+    ok(run_script(one_launch(runs), nproc=2, env={**child_env(), **server.env()}, timeout=300))
+    yield Saved(server, proxy, folder / "ckpt")
     proxy.shutdown()
     server.stop()
 
@@ -72,9 +86,9 @@ def copy_run(server: S3Server, prefix: str) -> list[str]:
 
 
 # (what fails: a path part, how, for how long from the first failure; None: until the job has ended)
-OUTAGES = {
-    "pointer 503, back in 6 s": ("latest.json", "503", 6),
-    "checkpoint dropped, back in 6 s": (".pt", "drop", 6),
+OUTAGES = {  # back in 3 s: after the retry of 1 s, at the retry of 2 s or the next (1 s, doubling)
+    "pointer 503, back in 3 s": ("latest.json", "503", 3),
+    "checkpoint dropped, back in 3 s": (".pt", "drop", 3),
     "checkpoint 503 throughout": (".pt", "503", None),
     "pointer dropped throughout": ("latest.json", "drop", None),
 }
@@ -84,8 +98,8 @@ ONE_ATTEMPT = json.dumps({"config_kwargs": {"connect_timeout": 5, "read_timeout"
 
 
 @pytest.mark.parametrize("case", list(OUTAGES))
-def test_a_store_that_does_not_answer_at_resume_never_starts_the_run_over(case, store, tmp_path):
-    server, proxy = store
+def test_a_store_that_does_not_answer_at_resume_never_starts_the_run_over(case, saved, tmp_path):
+    server, proxy = saved.server, saved.proxy
     match, how, seconds = OUTAGES[case]
     prefix = case.replace(" ", "-").replace(",", "")
     before = copy_run(server, prefix)
@@ -117,11 +131,11 @@ def test_a_store_that_does_not_answer_at_resume_never_starts_the_run_over(case, 
 
 # ---------------------------------------------------------------- pointers
 
-def test_a_cut_pointer_is_recovered_in_a_real_resume(tmp_path):
+def test_a_cut_pointer_is_recovered_in_a_real_resume(saved, tmp_path):
     """What a pointer rewritten in place (rename refused: S3 Mountpoint, some FUSE mounts) and cut
     by a kill leaves: a latest.json that does not parse. The run stays visible through its step files."""
     ckpt = tmp_path / "ckpt"
-    ok(train(str(ckpt), tmp_path))
+    shutil.copytree(saved.local, ckpt)  # a complete run of `saved`'s launch, its pointer cut here
     [run] = run_folders(ckpt)
     pointer = ckpt / run / "latest.json"
     pointer.write_bytes(pointer.read_bytes()[:40])
@@ -231,7 +245,8 @@ def test_jobs_saving_every_step_into_one_folder_finish_while_others_start_there(
     try:
         for loop in loops:
             assert loop.stdout.readline().strip(), "a save loop did not start"
-        refused = train(str(ckpt), tmp_path)  # other settings than the loops' runs: refused
+        refused = run_script(["train_ddp.py", *RUN, "--checkpoint-dir", str(ckpt), "--log-dir", str(tmp_path / "tb")],
+                             timeout=300)  # other settings than the loops' runs: refused (one process: at any world)
         assert "with other settings" in error_lines(refused.stderr)[0], refused.stderr[-3000:]
         ok(train(str(ckpt), tmp_path, None, "--resume", "none"))  # a new run beside them
     finally:

@@ -17,6 +17,7 @@ from common.data.geometry import Resampling, choose_resampling
 from common.data.loader import Dataset, TrainLoader
 from common.data.own import OwnData
 from common.data.reading import default_workers
+from common.errors import exit_quietly_after_the_printer
 from common.models import build_model
 from common.output.logger import NullLogger, make_logger, node_console
 from common.output.profiling import NoProfiler, StepProfiler, trace_folder
@@ -56,8 +57,8 @@ def main(strategy: Strategy, argv: Sequence[str] | None = None) -> None:
         ended_cleanly()
     except Exception as error:  # a UserError's one line, a vanished peer named, a crash's traceback and line
         failure = told(error, None)
-        if not failure.should_print() and "TORCHELASTIC_RUN_ID" in os.environ:
-            time.sleep(failure.quiet_exit_delay_s)
+        if not failure.should_print():
+            exit_quietly_after_the_printer(failure.quiet_exit_delay_s)
         sys.exit(failure.exit_code)
 
 

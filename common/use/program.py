@@ -7,13 +7,12 @@ import math
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Callable
 
 from common.config import STORAGE_TIMEOUT_S, RankZeroParser
 from common.credentials import read_storage_options
-from common.errors import ConfigError
+from common.errors import ConfigError, exit_quietly_after_the_printer
 from common.parallel.context import DeadlinePassed, abandon_hung_thread, run_within
 from common.parallel.failures import parsed_telling_torchrun, told
 from common.storage import url_problem
@@ -101,6 +100,6 @@ def run_program(parse: Callable[[], argparse.Namespace], use: Callable[[argparse
         use(flags, read_checkpoint(flags))
     except Exception as error:
         failure = told(error, None)
-        if not failure.should_print() and "TORCHELASTIC_RUN_ID" in os.environ:
-            time.sleep(failure.quiet_exit_delay_s)  # torchrun stops every rank once one exits: the line goes first
+        if not failure.should_print():
+            exit_quietly_after_the_printer(failure.quiet_exit_delay_s)
         sys.exit(failure.exit_code)
