@@ -373,7 +373,7 @@ def test_k8s_takes_credentials_from_a_secret(options, tmp_path):
 
 def test_k8s_lets_the_users_own_folders_win(tmp_path):
     """The pods' --data-dir/--checkpoint-dir come before the user's flags: argparse keeps the last."""
-    from common.config import parse_args
+    from common.train.flags import parse_args
 
     result = k8s(tmp_path, {"IMAGE": "img", "DATA_PVC": "data", "DRY_RUN": "1"},
                  ["--dataset", "mnist", "--data-dir", "s3://bucket/mnist", "--checkpoint=/data/my-checkpoints"])

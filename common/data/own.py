@@ -9,6 +9,7 @@ Both ways give the same batches: the same order, the same decoded pixels, the sa
 """
 from __future__ import annotations
 
+import argparse
 import errno
 import hashlib
 import json
@@ -24,6 +25,7 @@ import torch
 
 from common import hfsets
 from common import shards as layout
+from common.config import INTERPOLATIONS
 from common.data import hf
 from common.data.cache import (
     META,
@@ -87,6 +89,46 @@ class OwnData:
             return None
         return ShardCache(self.data_dir, self.storage_options, cache_folder(self.cache_dir, self.data_dir) / "shards",
                           int(self.shard_cache_gb * 2**30), versions)
+
+
+def add_own_data_flags(group: argparse._ArgumentGroup) -> None:
+    """The training scripts' flags of OwnData: how your own images are read, decoded and resized."""
+    add = group.add_argument
+    add("--image-size", type=int, default=0, metavar="S",
+        help="train at S x S: random-resized crops + flips for training, resize + centre crop for "
+             "evaluation; needed when the images differ in size (default: their common size)")
+    add("--workers", type=int, default=None, metavar="N",
+        help="DataLoader worker processes per rank decoding a streamed set (default: the node's cores "
+             "/ ranks per node - 1, at least 1)")
+    add("--decode", default="cpu", choices=("cpu", "gpu", "auto"),
+        help="where a streamed set's JPEGs are decoded for training: cpu (the workers decode, crop and "
+             "augment), gpu (the workers read the bytes; each CUDA rank decodes its batch with nvJPEG and "
+             "crops it on its device, the same crops), auto (gpu on CUDA ranks for an all-JPEG set) "
+             "(default: %(default)s)")
+    add("--skip-broken", action="store_true",
+        help="train without images that do not decode (each replaced by the next sample; counted and "
+             "named in the log) instead of stopping at the first")
+    add("--cache-gb", type=float, default=20.0, metavar="GB",
+        help="decode a set that fits in this many GB once per node into --cache-dir, else stream it "
+             "(default: %(default)s)")
+    add("--shard-cache-gb", type=float, default=10.0, metavar="GB",
+        help="the most a node keeps of shards from a --data-dir URL while streaming; the least recently "
+             "used are deleted beyond it (default: %(default)s)")
+    add("--verify-data", action="store_true",
+        help="tell the set's files apart by their bytes, not their names, sizes and dates (which "
+             "cp -p and rsync -a keep): reads the whole set at every start")
+    add("--hf-image-key", default=None, metavar="COLUMN",
+        help="--dataset hf: the column of the images (default: image)")
+    add("--hf-label-key", default=None, metavar="COLUMN",
+        help="--dataset hf: the column of the class indices, a ClassLabel names them (default: label)")
+    add("--crop-pct", type=float, default=None, metavar="F",
+        help="with --image-size S, evaluate on the centre S of the short side resized to floor(S / F), "
+             "as timm does (default: the pretrained config's that came with --weights, as timm evaluates "
+             "them; else S / 0.875, 256 for 224)")
+    add("--interpolation", default=None, choices=INTERPOLATIONS,
+        help="with --image-size, the antialiased filter of the evaluation's resize and the training's "
+             "random-resized crops (default: the pretrained config's that came with --weights; else "
+             "bilinear)")
 
 
 # ---------------------------------------------------------------- on the node's local rank 0
