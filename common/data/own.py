@@ -46,7 +46,7 @@ from common.data.device_decode import choose_decode
 from common.data.geometry import Geometry, Resampling, Stored, choose_geometry, stored_bytes
 from common.data.index import INDEX_FORMAT, SetIndex, TableWriter, map_index, publish, shapes_of, staging_for
 from common.data.indexing import ShardSamples, Survey, check_classes, index_folder, index_shards
-from common.data.loader import Dataset, DataSpec, Split
+from common.data.loader import Dataset, DataSpec, Expected, Split
 from common.data.reading import Ragged, Reader, Request, Streamed, batches_of
 from common.data.shardcache import ShardCache
 from common.data.shardformat import read_shard
@@ -79,6 +79,11 @@ class OwnData:
     image_key: str = "image"  # hf: the columns of the images and of their classes
     label_key: str = "label"
     resampling: Resampling = Resampling()  # --image-size's crop fraction and filter (--crop-pct, --interpolation)
+    # evaluate.py: the model the set is scored by. Only the test split is decoded: no statistics are
+    # measured on the training split (the checkpoint's normalization is used), no decoded copy of the
+    # set is made (one training left is used), and a set of other classes or image shape is refused
+    # once it is indexed, before any image is decoded.
+    evaluated: Expected | None = None
 
     @property
     def cache_root(self) -> Path:
@@ -138,15 +143,20 @@ def prepare(opts: OwnData, say: Say) -> dict[str, Any]:
     index = load_index(opts, say)
     check_not_empty(index)
     geometry = choose_geometry(index, opts.image_size, opts.resampling)
+    evaluated = opts.evaluated
+    if evaluated and (problem := evaluated.misfit(f"{opts.kind} {opts.data_dir}", geometry.channels, geometry.size,
+                                                  index.class_names)):
+        raise UserError(problem)
     cache = opts.shard_cache(index.versions)
     if cache:  # every run: a budget lowered since the set was indexed holds, and trims the cache now
         cache.check_budget()
         cache.evict()
-    mean, std = statistics(index, geometry, opts)
+    mean, std = (evaluated.spec.mean, evaluated.spec.std) if evaluated else statistics(index, geometry, opts)
     spec = DataSpec(geometry.channels, geometry.size, index.classes, mean, std, geometry.augment)
     report = {"index": str(index.folder), "geometry": asdict(geometry), "spec": asdict(spec),
               "class_names": index.class_names}
-    if stored_bytes(index, geometry) <= opts.cache_gb * 2**30:
+    if stored_bytes(index, geometry) <= opts.cache_gb * 2**30 and \
+            (not evaluated or (decoded_folder(index, geometry, opts) / META).is_file()):
         report["decoded"] = str(decode_into_cache(index, geometry, spec, opts, say))
     return report
 
@@ -434,12 +444,16 @@ def decode_into_cache(index: SetIndex, geometry: Geometry, spec: DataSpec, opts:
     fingerprint, the geometry, the decoder's version and --skip-broken: found again by later runs,
     shared by every rank of the node. The decoded folders together stay within --cache-gb: the
     least recently used are deleted beyond it."""
-    key = hashlib.sha256(json.dumps([DECODE_FORMAT, asdict(geometry), opts.skip_broken]).encode()).hexdigest()[:12]
-    folder = opts.cache_root / "decoded" / f"{opts.kind}-{index.fingerprint[:16]}-{key}"
+    folder = decoded_folder(index, geometry, opts)
     in_use(folder, lambda: decode_all(index, geometry, spec, opts, folder, say), say)
     os.utime(folder / META)  # when it was last used: what eviction goes by
     evict_decoded(folder.parent, int(opts.cache_gb * 2**30))
     return folder
+
+
+def decoded_folder(index: SetIndex, geometry: Geometry, opts: OwnData) -> Path:
+    key = hashlib.sha256(json.dumps([DECODE_FORMAT, asdict(geometry), opts.skip_broken]).encode()).hexdigest()[:12]
+    return opts.cache_root / "decoded" / f"{opts.kind}-{index.fingerprint[:16]}-{key}"
 
 
 def decode_all(index: SetIndex, geometry: Geometry, spec: DataSpec, opts: OwnData, folder: Path, say: Say) -> None:
@@ -550,9 +564,9 @@ def open_prepared(report: dict[str, Any], opts: OwnData) -> Dataset:
         if train.source.cache else ""
     decoded = f"read each batch's JPEGs{where}; the rank decodes (nvJPEG), crops and flips them on {opts.device} " \
         "(--decode gpu)" if on_gpu else f"decode each batch{where}"
-    held = (f"streamed: {opts.workers} DataLoader worker(s) per rank {decoded} "
-            f"(decoded it would take {stored_bytes(index, geometry) / 2**30:.3g} GB, above --cache-gb "
-            f"{opts.cache_gb:g})")
+    why = "evaluated once: no decoded copy is made" if opts.evaluated else \
+        f"decoded it would take {stored_bytes(index, geometry) / 2**30:.3g} GB, above --cache-gb {opts.cache_gb:g}"
+    held = f"streamed: {opts.workers} DataLoader worker(s) per rank {decoded} ({why})"
     return Dataset(name, spec, train, test, held, tuple(report["class_names"]), index.content)
 
 
