@@ -397,7 +397,6 @@ def storage_for(url: str, options: dict[str, Any] | None = None) -> Storage:
 # the pause between two asks grows from FIRST_PAUSE_S, doubling up to LONGEST_PAUSE_S.
 RESUME_RETRY_S = float(os.environ.get("DP_STORE_RETRY_S", "60"))
 FIRST_PAUSE_S, LONGEST_PAUSE_S = 1.0, 10.0
-T = TypeVar("T")
 
 
 class Patience:
