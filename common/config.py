@@ -1,4 +1,7 @@
-"""Command-line flags -> one frozen Config, validated before any process group exists."""
+"""The training scripts' flags -> one frozen Config, validated before any process group exists:
+the rules between flags (validate), the defaults that follow from other flags (resolve_defaults)
+and the run's identity. Each flag is registered beside what reads it (an add_*_flags function of its
+module); common/train/flags.py composes the parser."""
 from __future__ import annotations
 
 import argparse
@@ -7,28 +10,22 @@ import json
 import math
 import os
 import re
-import shlex
 import shutil
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
-from typing import Any, Callable, Sequence
+from typing import Any, Sequence
 
 from common.credentials import read_storage_options
 from common.errors import ConfigError, exit_quietly_after_the_printer
-from common.models import MODELS, model_problem
+from common.models import model_problem
 from common.optimizers import OPTIMIZERS
 from common.storage import log_url_problem, url_problem
 from common.timm_models import is_timm
-from common.weights import NORMALIZATIONS, weights_problem
+from common.weights import weights_problem
 
 DATASETS = ("cifar10", "mnist", "synthetic", "imagefolder", "shards", "hf")
-SCHEDULES = ("onecycle", "cosine", "constant", "step")
-AUGMENTS = ("basic", "randaugment", "trivialaugment", "autoaugment")
 INTERPOLATIONS = ("bilinear", "bicubic")  # --interpolation: torch's antialiased kernels of both take uint8 on a CPU
 OWN_DATASETS = ("imagefolder", "shards", "hf")  # your own images (common/shards.py, common/data/hf.py: their layouts)
-# --storage-timeout-s's default: generous, so that it covers a large checkpoint on a slow store, with
-# the storage layer's own bounded retries of transient errors, and a data set's download.
-STORAGE_TIMEOUT_S = 1800.0
 
 
 @dataclass(frozen=True)
@@ -159,8 +156,9 @@ class Config:
 
 
 # Run identity: what defines a run (IDENTITY, run_identity), its name (identity_digest, the default
-# folders), how two runs differ (differences) and the flags that continue one (settings_flags,
-# way_to_continue). One module: checkpoints, resume and the banner read it from here.
+# folders) and how two runs differ (differences): checkpoints, resume and the banner read it from
+# here. The command that continues a run (settings_flags, way_to_continue) needs every setting's
+# flag: common/train/settings.py, above the flags' owners.
 
 # Settings that change the trained weights. --synthetic-shape matters only for --dataset synthetic;
 # --data-dir and --image-size only for your own images (the built-in sets are the same anywhere).
@@ -196,17 +194,6 @@ def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
             if saved.get(key) != now.get(key)]
 
 
-def way_to_continue(saved: dict[str, Any], now: dict[str, Any]) -> str:
-    """How to continue a run of another identity: its flags; or, for a run of an earlier version
-    (whose identity lacks settings every run has now), that this version cannot."""
-    if newer := sorted(key for key in IDENTITY if key in now and key not in saved):
-        flags = ", ".join("--" + key.replace("_", "-") for key in newer[:3]) + (" ..." if len(newer) > 3 else "")
-        return (f"It was written by an earlier version of the suite, before {flags} existed, and this version "
-                "cannot continue it: finish it with the version it was trained with")
-    return (f"To continue it, rerun with its settings: {shlex.join(settings_flags(saved))} (with the flags that are "
-            "not settings, such as --checkpoint-dir, as before)")
-
-
 class RankZeroParser(argparse.ArgumentParser):
     """Every rank parses the same argv; only one of them needs to print the usage error."""
 
@@ -216,221 +203,6 @@ class RankZeroParser(argparse.ArgumentParser):
             self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
         exit_quietly_after_the_printer(ConfigError.quiet_exit_delay_s)  # rank 0 refuses the same argv
         self.exit(2)
-
-
-def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser:
-    p = RankZeroParser(
-        prog=f"train_{strategy}.py",
-        description=f"Data-parallel training ({strategy}). Launch with torchrun, or plain python for one process.",
-    )
-    add = p.add_argument
-    add("--dataset", default=default_dataset, help=f"one of {', '.join(DATASETS)} (default: %(default)s)")
-    add("--data-dir", default="./data", help="where data sets live or are downloaded: a folder, or an object-store URL "
-                                            "(s3://bucket/prefix, any fsspec URL) copied into --cache-dir "
-                                            "(default: %(default)s)")
-    add("--no-download", dest="download", action="store_false", help="never download; fail if files are missing")
-    add("--download-from", default="", metavar="BASE_URL",
-        help="download the data set's archives from BASE_URL/<file name> (a mirror) instead of their home sites")
-    add("--cache-dir", default="", help="local copy of a --data-dir URL, one per node "
-                                        "(default: $XDG_CACHE_HOME/dp-suite or ~/.cache/dp-suite)")
-    add("--storage-options", default="{}", metavar="JSON|@FILE|env:VAR",
-        help='fsspec options for URLs in --data-dir, --checkpoint-dir and --resume: a JSON object such as '
-             '\'{"endpoint_url": "http://minio:9000"}\', or @FILE (read from that JSON file) or env:VAR (from that '
-             "environment variable). Give credentials in a file or a variable: a command line is readable by every "
-             "user of the machine (ps). They are never printed or saved "
-             "(default: the standard AWS variables, profile or instance role)")
-    add("--synthetic-shape", default="cifar", choices=("cifar", "mnist"), help="image shape of --dataset synthetic")
-    own = p.add_argument_group("your own images (--dataset imagefolder | shards | hf; docs/data.md)")
-    own.add_argument("--image-size", type=int, default=0, metavar="S",
-                     help="train at S x S: random-resized crops + flips for training, resize + centre crop for "
-                          "evaluation; needed when the images differ in size (default: their common size)")
-    own.add_argument("--workers", type=int, default=None, metavar="N",
-                     help="DataLoader worker processes per rank decoding a streamed set (default: the node's cores "
-                          "/ ranks per node - 1, at least 1)")
-    own.add_argument("--decode", default="cpu", choices=("cpu", "gpu", "auto"),
-                     help="where a streamed set's JPEGs are decoded for training: cpu (the workers decode, crop and "
-                          "augment), gpu (the workers read the bytes; each CUDA rank decodes its batch with nvJPEG and "
-                          "crops it on its device, the same crops), auto (gpu on CUDA ranks for an all-JPEG set) "
-                          "(default: %(default)s)")
-    own.add_argument("--skip-broken", action="store_true",
-                     help="train without images that do not decode (each replaced by the next sample; counted and "
-                          "named in the log) instead of stopping at the first")
-    own.add_argument("--cache-gb", type=float, default=20.0, metavar="GB",
-                     help="decode a set that fits in this many GB once per node into --cache-dir, else stream it "
-                          "(default: %(default)s)")
-    own.add_argument("--shard-cache-gb", type=float, default=10.0, metavar="GB",
-                     help="the most a node keeps of shards from a --data-dir URL while streaming; the least recently "
-                          "used are deleted beyond it (default: %(default)s)")
-    own.add_argument("--verify-data", action="store_true",
-                     help="tell the set's files apart by their bytes, not their names, sizes and dates (which "
-                          "cp -p and rsync -a keep): reads the whole set at every start")
-    own.add_argument("--hf-image-key", default=None, metavar="COLUMN",
-                     help="--dataset hf: the column of the images (default: image)")
-    own.add_argument("--hf-label-key", default=None, metavar="COLUMN",
-                     help="--dataset hf: the column of the class indices, a ClassLabel names them (default: label)")
-    own.add_argument("--crop-pct", type=float, default=None, metavar="F",
-                     help="with --image-size S, evaluate on the centre S of the short side resized to floor(S / F), "
-                          "as timm does (default: the pretrained config's that came with --weights, as timm evaluates "
-                          "them; else S / 0.875, 256 for 224)")
-    own.add_argument("--interpolation", default=None, choices=INTERPOLATIONS,
-                     help="with --image-size, the antialiased filter of the evaluation's resize and the training's "
-                          "random-resized crops (default: the pretrained config's that came with --weights; else "
-                          "bilinear)")
-    add("--model", default=None, help=f"one of {', '.join(MODELS)}; torchvision:NAME, a torchvision classification "
-                                      "model, untrained; timm:NAME[.TAG], any model of timm.list_models() (pip "
-                                      "install timm), untrained; or MODULE:FUNCTION, your FUNCTION(channels, size, "
-                                      "classes) returning an nn.Module, from PYTHONPATH or the current directory "
-                                      "(default: per data set)")
-    add("--weights", default="", metavar="SOURCE",
-        help="start from trained weights: for torchvision:NAME a weights name of its registry (DEFAULT, "
-             "IMAGENET1K_V1, ...), read from the torch hub cache; for timm:NAME[.TAG] DEFAULT, timm's pretrained "
-             "weights of that tag, read from the Hugging Face cache (HF_HUB_OFFLINE honoured); for any model "
-             "local-dir:FOLDER (what `hf download REPO --local-dir FOLDER` writes), or a file or URL of a state "
-             "dict or of a checkpoint of this suite (its weights only). A head of another shape is replaced "
-             "(docs/recipes.md)")
-    add("--normalization", default="auto", choices=NORMALIZATIONS,
-        help="with --weights, the mean and std images are normalized with: auto (the weights' own where they are "
-             "torchvision's, by name or as a file of its registry, found by its name or its content; timm's "
-             "pretrained config for DEFAULT or a local-dir folder; else the data set's statistics), data (the data "
-             "set's), imagenet (ImageNet's, for weights trained on it elsewhere) (default: %(default)s)")
-    add("--epochs", type=int, default=None, help="training epochs (default: per data set)")
-    add("--batch-size", type=int, default=None, help="GLOBAL batch, split evenly across ranks (default: per data set)")
-    add("--seed", type=int, default=0, help="seed of weights, shuffling and augmentation (default: %(default)s)")
-    add("--max-steps", type=int, default=0, help="cap on optimizer steps per epoch, for smoke runs (0: no cap)")
-    add("--eval-batch-size", type=int, default=None,
-        help="per-rank evaluation batch (default: 64 on a CPU, where larger batches spill out of the caches; "
-             "1000 on a GPU and for FSDP's full sharding)")
-    add("--device", default="auto", help="auto | cpu | cuda (auto: cuda:LOCAL_RANK when there are enough GPUs)")
-    add("--backend", default="auto", choices=("auto", "gloo", "nccl"),
-        help="auto: nccl when every rank is on CUDA, else gloo")
-    add("--transport", default="auto", choices=("auto", "shm", "gloo"),
-        help="how gradient collectives travel between CPU ranks: shm (one shared-memory region per node; "
-             "one node, x86-64 Linux), gloo (the process group, TCP), or auto: shm where it can serve, else the "
-             "process group; GPUs always use the process group (default: %(default)s)")
-    add("--timeout-s", type=float, default=300.0,
-        help="process-group timeout: a dead peer ends the job after this (default: %(default)s)")
-    add("--storage-timeout-s", type=float, default=STORAGE_TIMEOUT_S,
-        help="the longest a node's data preparation or one of rank 0's checkpoint reads and saves may take; the "
-             "other ranks wait for it outside the process group, so --timeout-s does not bound it, and a process "
-             "that dies meanwhile is noticed within 30 s by its heartbeat (default: %(default)s)")
-    add("--log-dir", default="", help="TensorBoard directory, or an s3:// (or other fsspec) URL (default: the "
-                                      "resumed run's, or runs/<script>-<dataset>-<model>-w<world>-<time>)")
-    add("--checkpoint-dir", default="", help="where checkpoints are written: a folder or an object-store URL "
-                                             "(default: checkpoints/<script>-<dataset>-<model>-<run id>)")
-    add("--resume", nargs="?", const="auto", default="auto",
-        help="auto: continue this run (same settings) from its newest valid checkpoint in --checkpoint-dir, if any; "
-             "none: start a new run (other runs' files are kept); or a checkpoint file of this run (default: auto)")
-    add("--keep", type=int, default=3, help="checkpoints kept, newest first; at least 2 (default: %(default)s)")
-    add("--save-every-steps", type=int, default=0, metavar="S",
-        help="also save every S optimizer steps inside an epoch (epoch ends always save; 0: only those)")
-    add("--log-every", type=int, default=None, help="steps between step-level TensorBoard points (default: enough for "
-                                                   "at least 10 points per epoch, at most every 50 steps)")
-    add("--log-all-ranks", action="store_true", help="every rank prints its console lines, tagged [rank N]")
-    add("--check-equivalence", type=int, default=0, metavar="K",
-        help="train K steps beside a one-process reference on the same global batches, print max |dw|, "
-             "exit non-zero above 1e-5")
-    add("--sync-bn", action="store_true",
-        help="BatchNorm statistics over the global batch instead of each rank's share (one all-reduce per layer)")
-    add("--check-replicas", type=int, default=0, metavar="N",
-        help="every N steps, stop with an error if any parameter or buffer differs across ranks")
-    _add_optimizer_flags(p.add_argument_group("optimizer and schedule"))
-    _add_regularization_flags(p.add_argument_group("regularization"))
-    recipe = p.add_argument_group("recipes")
-    recipe.add_argument("--precision", default="fp32", choices=("fp32", "bf16", "fp16"),
-                        help="autocast dtype of forward and loss; fp16 adds loss scaling (default: %(default)s)")
-    recipe.add_argument("--accumulate", type=int, default=1, metavar="N",
-                        help="micro-batches per optimizer step, gradients synchronized once per step; the global "
-                             "batch stays --batch-size (default: %(default)s)")
-    recipe.add_argument("--grad-compression", default="none", choices=("none", "fp16", "bf16", "powersgd"),
-                        help="gradients on the wire: fp16/bf16 halve the bytes, powersgd (DDP only) sends a rank-1 "
-                             "approximation with error feedback (default: %(default)s)")
-    recipe.add_argument("--compile", action="store_true", help="torch.compile the model (the collectives stay outside)")
-    recipe.add_argument("--profile", action="store_true",
-                        help="trace a few steps after warm-up with torch.profiler: one Chrome/Perfetto trace per rank "
-                             "next to the TensorBoard run, and the top operators on the console")
-    recipe.add_argument("--memory-format", default="channels_last", choices=("channels_last", "contiguous"),
-                        help="layout of images and conv weights; channels_last is faster for these nets on CPU and "
-                             "GPU (default: %(default)s)")
-    return p
-
-
-def _add_optimizer_flags(group: argparse._ArgumentGroup) -> None:
-    add = group.add_argument
-    add("--optimizer", default="sgd", choices=OPTIMIZERS,
-        help="sgd (nesterov momentum), adamw, lars (SGD with layer-wise trust ratios) or lamb (AdamW with them), "
-             "for large batches (default: %(default)s)")
-    add("--lr", type=float, default=None, help="peak learning rate (default: per data set and optimizer, scaled "
-                                               "linearly with --batch-size)")
-    add("--momentum", type=float, default=0.9, help="momentum of sgd and lars (default: %(default)s)")
-    add("--betas", type=_floats, default=(0.9, 0.999), metavar="B1,B2",
-        help="adamw and lamb's moment decays (default: 0.9,0.999)")
-    add("--eps", type=float, default=1e-8, help="adamw and lamb's epsilon (default: %(default)s)")
-    add("--weight-decay", type=float, default=None,
-        help="decoupled for adamw and lamb (default: " + ", ".join(f"{r.weight_decay:g} for {name}" for name, r in
-                                                                    OPTIMIZERS.items()) + ")")
-    add("--decay-norm-and-bias", action="store_true",
-        help="decay every parameter; by default norm layers' weights and all biases get no weight decay (the "
-             "torchvision and timm references' practice; before it, this suite decayed everything)")
-    add("--layer-decay", type=float, default=0.0, metavar="D",
-        help="fine-tuning a timm:NAME model: layer-wise lr decay, each parameter's lr x D ** (depth from the head), "
-             "timm's grouping by depth (BEiT's rule; 0.65-0.75 are usual for ViTs) (0: off)")
-    add("--backbone-lr-scale", type=float, default=1.0, metavar="F",
-        help="fine-tuning: every parameter but the classifier head trains at F x the lr (with --layer-decay's "
-             "factor); 0 freezes the backbone (a linear probe), a value < 1 gives the head a higher lr than the "
-             "backbone (default: %(default)s)")
-    add("--schedule", default="onecycle", choices=SCHEDULES,
-        help="lr schedule: onecycle, cosine, constant, or step (x --gamma at each of --milestones) "
-             "(default: %(default)s)")
-    add("--warmup", type=float, default=None, metavar="N",
-        help="steps of linear warm-up from 1/100 of the peak lr, or a fraction of the run when < 1 (default: 0.25 "
-             "for onecycle, else 0)")
-    add("--extend-to", type=int, default=0, metavar="N",
-        help="train a finished run of this command on to epoch N: a new segment of the schedule over the added "
-             "epochs (--schedule again, its warm-up included; step keeps the lr the run ended at), from the run's "
-             "last checkpoint, saved as a run of its own beside it (0: no extension)")
-    add("--min-lr", type=float, default=0.0, help="the lr that onecycle and cosine end at (default: %(default)s)")
-    add("--milestones", type=_ints, default=(), metavar="E1,E2,...",
-        help="with --schedule step: the epochs after which the lr is multiplied by --gamma")
-    add("--gamma", type=float, default=0.1, help="with --schedule step: the factor at each milestone (default: "
-                                                  "%(default)s)")
-
-
-def _add_regularization_flags(group: argparse._ArgumentGroup) -> None:
-    add = group.add_argument
-    add("--drop-path", type=float, default=0.0, metavar="P",
-        help="stochastic depth of a timm:NAME model: each residual block skipped with probability up to P "
-             "(timm's drop_path_rate; 0.1 is usual for fine-tuning a ViT) (0: off)")
-    add("--label-smoothing", type=float, default=0.0, metavar="X",
-        help="cross-entropy against (1 - X) on the label and X spread over every class (default: %(default)s)")
-    add("--class-weights", default="", metavar="balanced|FILE",
-        help="weight the loss by class, for an imbalanced set: balanced (the inverse class frequency of the training "
-             "split, n / (classes x count), as scikit-learn's), or FILE of one weight per line in class order (also "
-             "W1,W2,... inline); the weighted mean over the global batch, as CrossEntropyLoss(weight=...) at any "
-             "world size (default: none)")
-    add("--mixup", type=float, default=0.0, metavar="ALPHA",
-        help="blend pairs of images and their labels by a Beta(ALPHA, ALPHA) weight, drawn per global batch "
-             "(0: off; with --cutmix, one of the two per global batch)")
-    add("--cutmix", type=float, default=0.0, metavar="ALPHA",
-        help="paste a box of a paired image, labels weighted by its area, Beta(ALPHA, ALPHA) (0: off)")
-    add("--augment", default="basic", choices=AUGMENTS,
-        help="training augmentation: basic (the data set's crop and flip), or that plus randaugment, "
-             "trivialaugment or autoaugment (ImageNet policy), drawn per sample of the global batch "
-             "(default: %(default)s)")
-    add("--random-erase", type=float, default=0.0, metavar="P",
-        help="erase a random box of each training image with probability P (default: %(default)s)")
-    add("--ema", type=float, default=0.0, metavar="DECAY",
-        help="keep an exponential moving average of the weights (decay per optimizer step, with a warm-up), "
-             "evaluated every epoch beside them and saved in every checkpoint (0: off)")
-    add("--clip-grad-norm", type=float, default=None, metavar="MAX",
-        help="scale the synchronized gradient down to this global L2 norm when above it")
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    return tuple(float(part) for part in text.split(","))
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in text.split(",") if part)
 
 
 def default_checkpoint_dir(cfg: Config) -> str:
@@ -455,7 +227,9 @@ def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
 
 
-def _validate(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int) -> None:
+def validate(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int) -> None:
+    """Every rule between the flags, on the parsed values (resolve_defaults first): exits 2 with one
+    line naming the flag."""
     if a.dataset not in DATASETS:
         p.error(f"--dataset {a.dataset!r} is unknown; choose one of {', '.join(DATASETS)}")
     _validate_own_data(p, a)
@@ -645,14 +419,14 @@ def _validate_storage(p: argparse.ArgumentParser, a: argparse.Namespace) -> None
         p.error(f"--log-dir {a.log_dir}: {problem}")
 
 
-def _resolve_defaults(a: argparse.Namespace) -> None:
+def resolve_defaults(a: argparse.Namespace) -> None:
     """The defaults that depend on other flags: the data set's recipe, the optimizer's lr and decay."""
     recipe = RECIPES.get(a.dataset, RECIPES["synthetic"])
     a.model = a.model or recipe.model
     a.epochs = recipe.epochs if a.epochs is None else a.epochs
     a.batch_size = recipe.batch_size if a.batch_size is None else a.batch_size
     rule = OPTIMIZERS[a.optimizer]
-    if a.lr is None:  # linear scaling; a bad --batch-size is reported by _validate, not as a bad lr
+    if a.lr is None:  # linear scaling; a bad --batch-size is reported by validate, not as a bad lr
         a.lr = rule.default_lr(recipe.lr, recipe.batch_size, max(a.batch_size, 1))
     if a.weight_decay is None:
         a.weight_decay = rule.weight_decay
@@ -660,58 +434,8 @@ def _resolve_defaults(a: argparse.Namespace) -> None:
         a.warmup = 0.25 if a.schedule == "onecycle" else 0.0
 
 
-# The settings whose value changes other settings' defaults: given first, so that those follow.
-LEADING = ("dataset", "optimizer", "schedule", "batch_size")
-
-
-def settings_flags(identity: dict[str, Any]) -> list[str]:
-    """The fewest flags that give a run's identity: its --dataset (the scripts' defaults differ) and
-    each setting whose value is not the default that the flags before it give (an lr that follows
-    from --batch-size is left out; so is --momentum under adamw, which does not read it). A
-    strategy's own settings (not known here) follow as --NAME VALUE. Values are plain, as saved."""
-    p = build_parser("any", default_dataset=identity.get("dataset") or "synthetic")
-    actions = {a.dest: a for a in p._actions if a.option_strings}
-    argv = ["--dataset", str(identity.get("dataset"))]
-    order = [*LEADING, *(key for key in identity if key not in LEADING)]
-    for key in (k for k in order if k in actions and k in identity):
-        a = p.parse_args(argv)
-        _resolve_defaults(a)
-        default = vars(a)[key]
-        if _plain(default) != identity[key]:
-            argv += _flag(actions[key], identity[key])
-    extra = [key for key in identity if key not in actions and identity[key] not in (None, "", False)]
-    for key in extra:
-        flag = "--" + key.replace("_", "-")
-        argv += [flag] if identity[key] is True else [flag, str(identity[key])]
-    return argv
-
-
-def _plain(value: Any) -> Any:
-    """A parsed value as Config.as_plain_dict keeps it (a tuple as one comma-separated string)."""
-    return ",".join(map(str, value)) if isinstance(value, tuple) else value
-
-
-def _flag(action: argparse.Action, value: Any) -> list[str]:
-    """The arguments that set `action`'s setting to `value`: the flag alone for an on/off flag."""
-    if action.nargs == 0:
-        return [action.option_strings[0]] if value == action.const else []
-    return [action.option_strings[-1], str(value)]
-
-
-def parse_args(argv: Sequence[str] | None = None, *, strategy: str, default_dataset: str,
-               world_size: int | None = None,
-               add_flags: Callable[[argparse.ArgumentParser], None] | None = None,
-               identity_options: Sequence[str] = ()) -> Config:
-    """Parse and validate; exits 2 with a message naming the flag on bad input.
-    `add_flags` lets a strategy add its own flags; they land in Config.options. `identity_options`
-    names those of them that change the trained weights (part of the run's identity)."""
-    p = build_parser(strategy, default_dataset)
-    if add_flags is not None:
-        add_flags(p.add_argument_group(f"{strategy} strategy"))
-    a = p.parse_args(argv)
-    world_size = world_size_from_env() if world_size is None else world_size
-    _resolve_defaults(a)
-    _validate(p, a, world_size)
+def make_config(a: argparse.Namespace, strategy: str, identity_options: Sequence[str] = ()) -> Config:
+    """The Config of parsed and validated flags: a strategy's own flags land in Config.options."""
     common = {f.name for f in fields(Config)}
     values = vars(a)
     options = {k: v for k, v in values.items() if k not in common}
@@ -720,4 +444,3 @@ def parse_args(argv: Sequence[str] | None = None, *, strategy: str, default_data
     if not cfg.checkpoint_dir:
         cfg = replace(cfg, checkpoint_dir=default_checkpoint_dir(cfg))
     return cfg
-

@@ -8,6 +8,7 @@ with one line naming --model, not with a traceback at the first step.
 """
 from __future__ import annotations
 
+import argparse
 import difflib
 import importlib
 import os
@@ -306,3 +307,13 @@ def runs_at(model: nn.Module, channels: int, size: int) -> bool:
         return True
     except Exception:
         return False
+
+
+def add_model_flags(group: argparse._ArgumentGroup) -> None:
+    """The training scripts' flag of build_model."""
+    group.add_argument("--model", default=None,
+                       help=f"one of {', '.join(MODELS)}; torchvision:NAME, a torchvision classification "
+                            "model, untrained; timm:NAME[.TAG], any model of timm.list_models() (pip "
+                            "install timm), untrained; or MODULE:FUNCTION, your FUNCTION(channels, size, "
+                            "classes) returning an nn.Module, from PYTHONPATH or the current directory "
+                            "(default: per data set)")

@@ -11,6 +11,7 @@ MISSING says something about the folder's contents; the others say the store did
 """
 from __future__ import annotations
 
+import argparse
 import contextlib
 import errno
 import importlib.util
@@ -27,6 +28,9 @@ from common.errors import UserError, first_line
 T = TypeVar("T")
 
 MISSING, DENIED, TRANSIENT, FAILED = "missing", "denied", "transient", "failed"
+# --storage-timeout-s's default: generous, so that it covers a large checkpoint on a slow store, with
+# the storage layer's own bounded retries of transient errors, and a data set's download.
+STORAGE_TIMEOUT_S = 1800.0
 
 
 class StorageError(Exception):
@@ -393,7 +397,6 @@ def storage_for(url: str, options: dict[str, Any] | None = None) -> Storage:
 # the pause between two asks grows from FIRST_PAUSE_S, doubling up to LONGEST_PAUSE_S.
 RESUME_RETRY_S = float(os.environ.get("DP_STORE_RETRY_S", "60"))
 FIRST_PAUSE_S, LONGEST_PAUSE_S = 1.0, 10.0
-T = TypeVar("T")
 
 
 class Patience:
@@ -430,3 +433,18 @@ class Patience:
             return []
         return [f"warning: the store did not answer at first ({self.last.url}: {self.last.cause}); it did after "
                 f"{self.retries} retries over {self.spent_s:.0f} s"]
+
+
+def add_storage_flags(group: argparse._ArgumentGroup) -> None:
+    """The training scripts' flags of this module: how URLs are opened and how long a store may take."""
+    add = group.add_argument
+    add("--storage-options", default="{}", metavar="JSON|@FILE|env:VAR",
+        help='fsspec options for URLs in --data-dir, --checkpoint-dir and --resume: a JSON object such as '
+             '\'{"endpoint_url": "http://minio:9000"}\', or @FILE (read from that JSON file) or env:VAR (from that '
+             "environment variable). Give credentials in a file or a variable: a command line is readable by every "
+             "user of the machine (ps). They are never printed or saved "
+             "(default: the standard AWS variables, profile or instance role)")
+    add("--storage-timeout-s", type=float, default=STORAGE_TIMEOUT_S,
+        help="the longest a node's data preparation or one of rank 0's checkpoint reads and saves may take; the "
+             "other ranks wait for it outside the process group, so --timeout-s does not bound it, and a process "
+             "that dies meanwhile is noticed within 30 s by its heartbeat (default: %(default)s)")

@@ -18,6 +18,7 @@ timm is optional: without it, every flag that needs it ends with one line naming
 """
 from __future__ import annotations
 
+import argparse
 import difflib
 import json
 import math
@@ -40,6 +41,13 @@ WEIGHT_FILES = ("model.safetensors", "pytorch_model.bin", "pytorch_model.pth", "
 # What of timm's pretrained config a run keeps: how the weights' images were prepared.
 DATA_CONFIG = ("mean", "std", "input_size", "crop_pct", "crop_mode", "interpolation")
 HUB_FILE = "model.safetensors"  # what timm's Hub repositories hold their weights in
+
+
+def add_timm_flags(group: argparse._ArgumentGroup) -> None:
+    """The training scripts' flag of timm_builder."""
+    group.add_argument("--drop-path", type=float, default=0.0, metavar="P",
+                       help="stochastic depth of a timm:NAME model: each residual block skipped with probability up "
+                            "to P (timm's drop_path_rate; 0.1 is usual for fine-tuning a ViT) (0: off)")
 
 
 def import_timm(flag: str) -> Any:

@@ -49,6 +49,7 @@ for a test, is read as it is.
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import io
 import json
@@ -500,3 +501,20 @@ def load_into(model: nn.Module, data: bytes, source: Source, channels: int, seed
     stats, normalized = normalization(choice, entry, source.model, channels, pretrained)
     return Loaded(f"{source.where}@sha256:{digest[:DIGEST_CHARS]}", what, fitted, stats, normalized, seed,
                   pretrained or {})
+
+
+def add_weights_flags(group: argparse._ArgumentGroup) -> None:
+    """The training scripts' flags of this module: the weights to start from and their normalization."""
+    add = group.add_argument
+    add("--weights", default="", metavar="SOURCE",
+        help="start from trained weights: for torchvision:NAME a weights name of its registry (DEFAULT, "
+             "IMAGENET1K_V1, ...), read from the torch hub cache; for timm:NAME[.TAG] DEFAULT, timm's pretrained "
+             "weights of that tag, read from the Hugging Face cache (HF_HUB_OFFLINE honoured); for any model "
+             "local-dir:FOLDER (what `hf download REPO --local-dir FOLDER` writes), or a file or URL of a state "
+             "dict or of a checkpoint of this suite (its weights only). A head of another shape is replaced "
+             "(docs/recipes.md)")
+    add("--normalization", default="auto", choices=NORMALIZATIONS,
+        help="with --weights, the mean and std images are normalized with: auto (the weights' own where they are "
+             "torchvision's, by name or as a file of its registry, found by its name or its content; timm's "
+             "pretrained config for DEFAULT or a local-dir folder; else the data set's statistics), data (the data "
+             "set's), imagenet (ImageNet's, for weights trained on it elsewhere) (default: %(default)s)")

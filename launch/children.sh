@@ -1,6 +1,6 @@
 # shellcheck shell=bash disable=SC2034  # `received` is read by the launcher that sources this
 # Sourced by the launchers that stay alive beside what they start (multi_node.sh and elastic.sh read torchrun's
-# stderr, run through torchrun_quietly, local_two_nodes.sh runs two agents). Each child runs in a process group of its own, so a
+# stderr, local_two_nodes.sh runs two agents). Each child runs in a process group of its own, so a
 # TERM or INT reaches it once, from forward() (a Ctrl-C in a terminal reaches the launcher's group
 # only); the launcher then waits for every child and exits with their status.
 children=()
@@ -30,15 +30,6 @@ wait_child() {  # $1: pid; returns its exit status, waiting on when a forwarded 
         wait "$1" || code=$?
     done
     return "$code"
-}
-
-torchrun_quietly() {  # torchrun "$@" through launch/quiet_torchrun.py: a handled error is its one line, no dump after it
-    local torchrun python root
-    torchrun=$(command -v torchrun) || { echo "error: torchrun is not on PATH; activate the environment that has torch" >&2; return 2; }
-    python=$(head -n 1 "$torchrun" | sed 's/^#!//')  # the interpreter torchrun belongs to
-    root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
-    # quiet_torchrun.py imports the suite's package: from the repository, whether it is installed or not
-    PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec "$python" "$root/launch/quiet_torchrun.py" "$@"
 }
 
 run_keeping_stderr() {  # runs "$@" as the child, its stderr shown and kept in the file $errors; returns its status

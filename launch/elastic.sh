@@ -116,7 +116,7 @@ export DP_SUITE_LEAVING_MARKER=$leaving
 trap 'touch "$leaving"; forward TERM' TERM
 trap 'touch "$leaving"; forward INT' INT
 status=0
-run_keeping_stderr torchrun_quietly "${cmd[@]:1}" || status=$?
+run_keeping_stderr "$(dirname "$0")/quiet_torchrun.sh" "${cmd[@]:1}" || status=$?
 rm -f "$leaving"
 if [[ -n "$received" ]] && (( status != 0 )); then
     echo "left the job after SIG${received}: the other nodes, if any, continue from the checkpoint saved at the" \

@@ -35,7 +35,7 @@ lighthouse_bin=$(command -v torchft_lighthouse) ||
     { echo "error: torchft_lighthouse is not on PATH; activate the environment of requirements.txt (torchft)" >&2; exit 2; }
 torchrun=$(command -v torchrun) || { echo "error: torchrun is not on PATH; activate the environment that has torch" >&2; exit 2; }
 python=$(head -n 1 "$torchrun" | sed 's/^#!//')  # the interpreter torchrun belongs to
-root=$(cd "$(dirname "$0")/.." && pwd)
+here=$(cd "$(dirname "$0")" && pwd)
 
 say() { printf 'ft: %s [%(%H:%M:%S)T]\n' "$*" -1; }  # the wall time: how long a group was away or alone
 ended() { if (( $1 > 128 )); then echo "killed by SIG$(kill -l $(($1 - 128)))"; else echo "exit $1"; fi; }
@@ -116,11 +116,10 @@ run_group() {  # $1: group number, then the script and its flags; restarts it wh
     trap '' INT TERM  # this loop outlives a Ctrl-C: it waits for its group's stop and says how it ended
     while :; do
         set -m  # torchrun in a process group of its own: stop_all's signal reaches it and its workers once
-        # quiet_torchrun.py: torchrun, with a worker's one-line error instead of torchrun's dump (single_node.sh).
+        # quiet_torchrun.sh: torchrun, with a worker's one-line error instead of torchrun's dump (single_node.sh).
         # The prefixing sed ignores the stop (as this loop does): it passes on the group's last lines.
         (trap - INT TERM  # the group itself takes the stop
-         REPLICA_GROUP_ID=$g FT_GROUPS=$groups TORCHFT_LIGHTHOUSE="http://127.0.0.1:$port" \
-             PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec "$python" "$root/launch/quiet_torchrun.py" \
+         REPLICA_GROUP_ID=$g FT_GROUPS=$groups TORCHFT_LIGHTHOUSE="http://127.0.0.1:$port" exec "$here/quiet_torchrun.sh" \
              --standalone "--nproc_per_node=$nproc" "$@") > >(exec sed -u "s/^/[g$g] /") 2>&1 &
         echo $! > "$logs/group$g.pid"
         set +m

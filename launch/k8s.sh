@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Kubernetes: a Kubeflow PyTorchJob (training-operator) with one master and WORKERS worker pods,
-# each running torchrun. The operator sets PET_NNODES, PET_NPROC_PER_NODE, PET_NODE_RANK,
-# PET_MASTER_ADDR and PET_MASTER_PORT in every pod, which torchrun reads as its flags.
+# each running torchrun (as launch/quiet_torchrun.sh runs it). The operator sets PET_NNODES,
+# PET_NPROC_PER_NODE, PET_NODE_RANK, PET_MASTER_ADDR and PET_MASTER_PORT in every pod, which torchrun
+# reads as its flags.
 #
 #   IMAGE=registry.example/dp-suite:1 DATA_PVC=cifar-data launch/k8s.sh train_ddp.py --dataset cifar10
 #
@@ -98,7 +99,10 @@ job, nproc, workers = env.get("JOB_NAME") or "dp-suite", number("NPROC", "1", 1)
 grace = number("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "120", 0)
 script, flags = sys.argv[1], sys.argv[2:]
 refuse_credentials(flags)
-command = ["torchrun", f"--nproc_per_node={nproc}", f"--max-restarts={number('MAX_RESTARTS', '3', 0)}", script,
+# torchrun as launch/quiet_torchrun.sh runs it (single_node.sh's): a handled error is the workers' one line in the
+# pod's log, not torchrun's failure dump after it
+command = ["bash", "launch/quiet_torchrun.sh", f"--nproc_per_node={nproc}",
+           f"--max-restarts={number('MAX_RESTARTS', '3', 0)}", script,
            "--data-dir", "/data", "--checkpoint-dir", f"/checkpoints/{job}", *flags]  # the user's flags win
 secrets = [{"secretRef": {"name": name}} for name in (env.get("SECRET_NAME") or "").split(",") if name]
 

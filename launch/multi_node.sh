@@ -74,7 +74,7 @@ fi
 # shellcheck source=launch/children.sh
 source "$(dirname "$0")/children.sh"
 status=0
-run_keeping_stderr torchrun_quietly "${cmd[@]:1}" || status=$?
+run_keeping_stderr "$(dirname "$0")/quiet_torchrun.sh" "${cmd[@]:1}" || status=$?
 if (( status != 0 )) && grep -q "RendezvousTimeoutError" "$errors"; then
     echo "error: the rendezvous at ${RDZV_ENDPOINT} did not complete within ${join_timeout} s: start this command" \
          "on all ${NNODES} nodes, and check that each reaches ${RDZV_ENDPOINT}" >&2

@@ -5,7 +5,7 @@
 # TORCH_ELASTIC_SHUTDOWN_TIMEOUT: seconds the workers get to stop (finish the step, save) after a TERM
 #   or INT before torchrun kills them (default here: 120; torchrun's own: 30).
 # DRY_RUN=1 prints the command without running it (credentials in it shown as ***).
-# It runs torchrun through launch/quiet_torchrun.py (same process, so signals reach it as before):
+# It runs torchrun through launch/quiet_torchrun.sh (same process, so signals reach it as before):
 # when the workers end on an error they reported in one line (missing data, a bad flag), that line
 # is all you see, not torchrun's failure dump after it.
 set -euo pipefail
@@ -23,8 +23,4 @@ args=(--standalone "--nproc_per_node=${nproc}" "$@")
 source "$(dirname "$0")/redact.sh"
 echo "torchrun $(shown "${args[@]}")"
 [[ "${DRY_RUN:-0}" == 1 ]] && exit 0
-torchrun=$(command -v torchrun) || { echo "error: torchrun is not on PATH; activate the environment that has torch" >&2; exit 2; }
-python=$(head -n 1 "$torchrun" | sed 's/^#!//')  # the interpreter torchrun belongs to
-root=$(cd "$(dirname "$0")/.." && pwd)
-# quiet_torchrun.py imports the suite's package: from the repository, whether it is installed or not
-PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec "$python" "$root/launch/quiet_torchrun.py" "${args[@]}"
+exec "$(dirname "$0")/quiet_torchrun.sh" "${args[@]}"

@@ -8,9 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from common.config import RECIPES, parse_args
+from common.config import RECIPES
 from common.errors import ConfigError
 from common.parallel.context import resolve_backend, resolve_device
+from common.train.flags import parse_args
 from common.train.run import Run
 from tests.conftest import ENDS_PROMPTLY_S, run_script
 

@@ -22,7 +22,6 @@ import pytest
 import torch
 from PIL import Image
 
-from common.config import parse_args
 from common.data import own
 from common.data.cache import staging_path
 from common.data.decoding import decode
@@ -30,6 +29,7 @@ from common.data.geometry import Stored
 from common.data.index import map_index
 from common.data.reading import Reader
 from common.errors import UserError
+from common.train.flags import parse_args
 from tests.conftest import ROOT, child_env, free_port
 from tests.datagen import write_imagefolder, write_shards
 from tests.s3server import S3Server

@@ -174,7 +174,7 @@ def strategy_class(script: str):
     ["--params", "1000000", "--compute-ms", "5", "--batch-per-gpu", "32", "--link-gbps", "25", "--gpus", "8,1024"],
 ])
 def test_the_recommended_launch_commands_use_flags_the_scripts_accept(argv, capsys):
-    from common.config import parse_args
+    from common.train.flags import parse_args
 
     code, out, err = run_cli([*argv, "--json", "--plot", "/dev/null"], capsys)
     assert code == 0, err

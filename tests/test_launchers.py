@@ -221,7 +221,7 @@ def test_k8s_manifest_keeps_every_argument_intact(tmp_path):
     result = k8s(tmp_path, {"IMAGE": "registry.example/dp:1", "DATA_PVC": "data", "NPROC": "2", "DRY_RUN": "1"}, args)
     assert result.returncode == 0, result.stderr
     command, manifest = split(result.stdout)
-    expected = ["torchrun", "--nproc_per_node=2", "--max-restarts=3", "train_ddp.py",
+    expected = ["bash", "launch/quiet_torchrun.sh", "--nproc_per_node=2", "--max-restarts=3", "train_ddp.py",
                 "--data-dir", "/data", "--checkpoint-dir", "/checkpoints/dp-suite", *args]
     specs = manifest["spec"]["pytorchReplicaSpecs"]
     for role in ("Master", "Worker"):
@@ -241,8 +241,8 @@ def test_k8s_applies_the_manifest_it_prints(tmp_path):
     result = k8s(tmp_path, env, ["--log-dir", "/logs/my run"])
     assert result.returncode == 0, result.stderr
     command, printed = split(result.stdout)
-    assert command == ("torchrun --nproc_per_node=4 --max-restarts=1 train_ddp.py --data-dir /data "
-                       "--checkpoint-dir /checkpoints/run7 --log-dir '/logs/my run'")
+    assert command == ("bash launch/quiet_torchrun.sh --nproc_per_node=4 --max-restarts=1 train_ddp.py "
+                       "--data-dir /data --checkpoint-dir /checkpoints/run7 --log-dir '/logs/my run'")
     assert (tmp_path / "kubectl.args").read_text().split() == ["apply", "-f", "-"]
     applied = yaml.safe_load((tmp_path / "kubectl.stdin").read_text())
     assert applied == printed
@@ -373,17 +373,17 @@ def test_k8s_takes_credentials_from_a_secret(options, tmp_path):
 
 def test_k8s_lets_the_users_own_folders_win(tmp_path):
     """The pods' --data-dir/--checkpoint-dir come before the user's flags: argparse keeps the last."""
-    from common.config import parse_args
+    from common.train.flags import parse_args
 
     result = k8s(tmp_path, {"IMAGE": "img", "DATA_PVC": "data", "DRY_RUN": "1"},
                  ["--dataset", "mnist", "--data-dir", "s3://bucket/mnist", "--checkpoint=/data/my-checkpoints"])
     assert result.returncode == 0, result.stderr
     command = split(result.stdout)[1]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0][
         "command"]
-    assert command[3] == "train_ddp.py"
-    cfg = parse_args(command[4:], strategy="ddp", default_dataset="mnist", world_size=1)
+    assert command[4] == "train_ddp.py"
+    cfg = parse_args(command[5:], strategy="ddp", default_dataset="mnist", world_size=1)
     assert (cfg.data_dir, cfg.checkpoint_dir) == ("s3://bucket/mnist", "/data/my-checkpoints")
-    default = parse_args(command[4:8], strategy="ddp", default_dataset="mnist", world_size=1)
+    default = parse_args(command[5:9], strategy="ddp", default_dataset="mnist", world_size=1)
     assert (default.data_dir, default.checkpoint_dir) == ("/data", "/checkpoints/dp-suite")
 
 
@@ -476,15 +476,29 @@ def test_slurm_finds_its_redaction_when_run_from_slurms_copy(submitted_from, tmp
         assert "submit from the repository's root" in result.stderr
 
 
-# A flag error through every launcher that runs torchrun on this machine -------------------------
+# A flag error through every launcher ------------------------------------------------------------
 FLAG_ERROR = "train_ddp.py: error: --lr must be > 0 and finite (got -1.0) (see --help)"
+BAD_FLAG = ["train_ddp.py", "--dataset", "synthetic", "--lr", "-1"]
 
 
-@pytest.mark.parametrize("launcher", ["single_node.sh", "multi_node.sh", "elastic.sh"])
+def k8s_pod_command(tmp: Path) -> tuple[list[str], dict[str, str]]:
+    """What k8s.sh's pods run (their container command, from the repository's root as the pods'
+    /workspace) and the variables the training operator sets in a one-pod job."""
+    printed = k8s(tmp, {"IMAGE": "img", "DATA_PVC": "data", "NPROC": "1", "DRY_RUN": "1"}, BAD_FLAG[1:]).stdout
+    manifest = split(printed)[1]
+    pod = manifest["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    return pod["command"], {"PET_NNODES": "1", "PET_NODE_RANK": "0", "PET_MASTER_ADDR": "127.0.0.1",
+                            "PET_MASTER_PORT": str(free_port())}
+
+
+@pytest.mark.parametrize("launcher", ["single_node.sh", "multi_node.sh", "elastic.sh", "slurm.sbatch", "k8s.sh"])
 def test_a_flag_error_is_one_line_and_status_2_through_every_launcher(launcher, tmp_path):
     """The README's promise: a bad flag is one line and exit status 2, without torchrun's failure
-    dump or the launcher's traceback after it (launch/quiet_torchrun.py runs the agent of each)."""
+    dump or the launcher's traceback after it (launch/quiet_torchrun.sh runs the agent of each).
+    slurm.sbatch runs as its batch step on one node (a stand-in srun for its relay step); k8s.sh's
+    pod command runs here as the pod would run it."""
     env = {"NPROC": "1"}
+    command, echoed = ["bash", str(LAUNCH / launcher), *BAD_FLAG], 1  # the launcher echoes its command
     store = None
     if launcher == "multi_node.sh":
         env.update(NNODES="1", RDZV_ENDPOINT=f"127.0.0.1:{free_port()}")
@@ -493,10 +507,14 @@ def test_a_flag_error_is_one_line_and_status_2_through_every_launcher(launcher, 
                                  stdout=subprocess.PIPE, text=True, env=child_env())
         port = re.search(r"port (\d+)", store.stdout.readline())[1]
         env.update(NNODES="1:2", RDZV_ENDPOINT=f"127.0.0.1:{port}", RDZV_ID=f"flag-{port}")
+    elif launcher == "slurm.sbatch":
+        fake = recording(tmp_path, "srun")  # the relay step's srun: nothing to relay here
+        env.update(SLURM_JOB_NUM_NODES="1", SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID="39",
+                   RDZV_PORT=str(free_port()), PATH=f"{fake}{os.pathsep}{child_env()['PATH']}")
+    elif launcher == "k8s.sh":
+        (command, env), echoed = k8s_pod_command(tmp_path), 0
     try:
-        result = subprocess.run(["bash", str(LAUNCH / launcher), "train_ddp.py", "--dataset", "synthetic",
-                                 "--lr", "-1"],
-                                cwd=ROOT, env=launcher_env(**env), capture_output=True, text=True,
+        result = subprocess.run(command, cwd=ROOT, env=launcher_env(**env), capture_output=True, text=True,
                                 timeout=ENDS_PROMPTLY_S)
     finally:
         if store is not None:
@@ -504,7 +522,7 @@ def test_a_flag_error_is_one_line_and_status_2_through_every_launcher(launcher, 
             store.wait(timeout=30)
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.strip().splitlines() == [FLAG_ERROR], result.stderr
-    assert len(result.stdout.strip().splitlines()) == 1  # the echoed command
+    assert len(result.stdout.strip().splitlines()) == echoed, result.stdout
 
 
 @pytest.mark.quick

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.config import parse_args
+from common.train.flags import parse_args
 from tests.conftest import (
     AVERAGING,
     equivalences,

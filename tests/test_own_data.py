@@ -15,13 +15,13 @@ from typing import Callable
 import pytest
 import torch
 
-from common.config import parse_args
 from common.data import own
 from common.data.loader import TrainLoader, global_order
 from common.data.reading import Reader
 from common.errors import UserError
 from common.shards import MANIFEST
 from common.shards import main as shards_main
+from common.train.flags import parse_args
 from tests.conftest import (
     child_env,
     equivalences,

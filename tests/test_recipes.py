@@ -167,7 +167,7 @@ class _Precision:
     ("1,2,x", "neither balanced, nor a file, nor numbers"), ("1,0,2", "every weight must be > 0 and finite"),
 ])
 def test_class_weights_flags_are_one_line(flag, says, capsys):
-    from common.config import parse_args
+    from common.train.flags import parse_args
 
     with pytest.raises(SystemExit):
         parse_args(["--class-weights", flag], strategy="ddp", default_dataset="synthetic", world_size=1)
@@ -176,8 +176,8 @@ def test_class_weights_flags_are_one_line(flag, says, capsys):
 
 @pytest.mark.quick
 def test_class_weights_from_a_file_join_the_identity_as_numbers(tmp_path):
-    from common.config import parse_args
     from common.errors import UserError
+    from common.train.flags import parse_args
     from common.train.step import class_weights
 
     file = tmp_path / "weights.txt"
@@ -195,7 +195,7 @@ def test_class_weights_from_a_file_join_the_identity_as_numbers(tmp_path):
 
 @pytest.mark.quick
 def test_tolerances_loosen_only_where_rounding_differs():
-    from common.config import parse_args
+    from common.train.flags import parse_args
 
     def bound(*flags: str) -> float:
         return tolerance(parse_args(list(flags), strategy="ddp", default_dataset="synthetic", world_size=2))

@@ -19,10 +19,10 @@ pytest.importorskip("timm", reason="timm is optional for users; CI installs it (
 
 import timm  # noqa: E402
 
-from common.config import parse_args  # noqa: E402
 from common.data.geometry import choose_resampling  # noqa: E402
 from common.errors import UserError  # noqa: E402
 from common.models import build_model, spread_rgb  # noqa: E402
+from common.train.flags import parse_args  # noqa: E402
 from common.train.optim import Stepping, make_optimizer, whole_pieces  # noqa: E402
 from common.train.step import uses_randomness  # noqa: E402
 from common.use.source import Saved  # noqa: E402

@@ -14,10 +14,10 @@ from typing import Iterator
 import pytest
 import torch
 
-from common.config import parse_args
 from common.errors import UserError
 from common.storage import LocalStorage
 from common.train.checkpoint import BackgroundWriter, CheckpointFolder
+from common.train.flags import parse_args
 from common.train.state import parse_checkpoint
 from tests.conftest import ROOT, error_lines, latest_checkpoint, latest_state, run_script, stop_after
 from train_allreduce import AllReduceStrategy
@@ -413,7 +413,7 @@ def test_extend_to_follows_the_schedule_then_a_segment_of_its_own():
 @pytest.mark.quick
 def test_the_way_to_continue_names_the_settings_only_some_runs_have():
     """--extend-to and --normalization join the identity only when given: pasted back, they come too."""
-    from common.config import settings_flags
+    from common.train.settings import settings_flags
 
     other = config("--extend-to", "4", "--weights", "w.pt", "--normalization", "imagenet")
     flags = settings_flags(other.identity())

@@ -16,7 +16,7 @@ import os
 import re
 import shutil
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -29,7 +29,8 @@ from common.data import own
 from common.data.decoding import decode
 from common.data.formats import read_cifar10
 from common.data.geometry import Resampling, Stored
-from common.data.loader import Dataset, DataSpec, Normalizer, Split, make_synthetic
+from common.data.loader import Dataset, DataSpec, Expected, Normalizer, Split, make_synthetic
+from common.errors import UserError
 from common.models import build_model
 from common.output import confusion
 from common.output.logger import EpochResult, _epoch_line
@@ -69,7 +70,8 @@ class Trained:
 def trained(tmp_path_factory) -> Trained:
     """The training run (with --ema) and evaluate.py at W=2, of its weights and of its moving average,
     in one launch (evaluate.py given the --checkpoint-dir: its newest run's newest checkpoint), then
-    evaluate.py at W=1 in one process (given the run folder)."""
+    evaluate.py at W=1 in one process (given the run folder, and a cache without the training's
+    decoded copy: it streams the test split and decodes nothing into the cache)."""
     root = tmp_path_factory.mktemp("use")
     images = write_imagefolder(root / "images", train_size=100, test_size=40, shape="cifar", sizes=(20, 40))
     checkpoints, log_dir = root / "ckpt", root / "tb"
@@ -82,8 +84,11 @@ def trained(tmp_path_factory) -> Trained:
     train_console, w2_console, _ = split_runs(launched.stdout)
     # Without --output-dir: evaluation/step-N in the checkpoint's run folder.
     newest = latest_checkpoint(checkpoints)
-    one = run_script(["evaluate.py", "--checkpoint", str(newest.parent)], cwd=root)
+    # In a node cache of its own: the test split streamed, nothing decoded into the cache
+    one = run_script(["evaluate.py", "--checkpoint", str(newest.parent), "--cache-dir", str(root / "eval-cache")],
+                     cwd=root)
     assert one.returncode == 0, one.stderr[-3000:]
+    assert (root / "eval-cache" / "index").is_dir() and not (root / "eval-cache" / "decoded").exists()
     step = int(re.search(r"step-(\d+)\.pt", newest.name)[1])
     folders = {1: newest.parent / "evaluation" / f"step-{step:08d}", 2: root / "eval-w2"}
     assert f"wrote {folders[1] / 'metrics.json'}" in one.stdout and not (root / "evaluation").exists()
@@ -98,7 +103,9 @@ def test_evaluate_equals_the_training_runs_last_evaluation_at_any_world_size(tra
     the training run's epoch line and TensorBoard (scalars, and the confusion matrix it keeps for
     the report); the loss up to summation order; per_class.csv and confusion.png written; the
     --checkpoint-dir and the run folder both lead to the run's checkpoint; without --output-dir the
-    files go to evaluation/step-N in the checkpoint's run folder, not the current directory."""
+    files go to evaluation/step-N in the checkpoint's run folder, not the current directory; W=1,
+    from a cache of its own, streams the test split (nothing decoded into its cache) to the same
+    counts as the training run's decoded copy."""
     (acc, count, top5), = EPOCH_LINE.findall(trained.train_console)
     assert "evaluation on the centre 24 of the short side resized to 30 (crop fraction 0.8), bicubic for it and for " \
         "the training crops: --crop-pct 0.8; --interpolation bicubic" in trained.train_console
@@ -386,6 +393,35 @@ def test_class_names_come_from_the_set_and_are_read_once_when_it_is_indexed(tmp_
     assert dataset(options(listed, tmp_path / "c3", kind="shards")).names()[9] == "name 9"
     monkeypatch.setattr(own, "read_from_data_dir", lambda *_: pytest.fail("the set was read again"))
     assert dataset(options(listed, tmp_path / "c3", kind="shards")).names()[9] == "name 9"
+
+
+@pytest.mark.quick
+def test_evaluate_decodes_only_the_test_split_and_checks_the_classes_before_decoding(tmp_path, monkeypatch):
+    """evaluate.py's own set (OwnData.evaluated): no statistics of the training split, no decoded copy
+    of the set (a copy training left is used), the test split streamed with the checkpoint's
+    normalization; a set of other classes or image size is one line once indexed, before any image
+    is decoded."""
+    from tests.test_own_data import options
+
+    tree = write_imagefolder(tmp_path / "tree", train_size=30, test_size=10, shape="cifar")
+    names = tuple(sorted(p.name for p in (tree / "train").iterdir()))
+    model = Expected("ckpt.pt", DataSpec(3, 32, len(names), (0.5, 0.4, 0.3), (0.2, 0.2, 0.2), "none"), names)
+    fresh = options(tree, tmp_path / "fresh", evaluated=model)
+    monkeypatch.setattr(own, "statistics", lambda *_: pytest.fail("statistics of the training split measured"))
+    monkeypatch.setattr(own, "decode_split", lambda source, *_: pytest.fail(f"{source.table.split} split decoded"))
+    report = own.prepare(fresh, lambda line: None)
+    assert "decoded" not in report and not (tmp_path / "fresh" / "decoded").exists()
+    data = own.open_prepared(report, fresh)
+    assert (data.spec.mean, data.spec.std, data.names()) == (model.spec.mean, model.spec.std, list(names))
+    assert len(data.test) == 10 and data.held.endswith("(evaluated once: no decoded copy is made)")
+    for other in (replace(model, classes=names[:-1] + ("zebra",)), replace(model, spec=replace(model.spec, size=24))):
+        with pytest.raises(UserError, match=r"^imagefolder \S+ does not fit checkpoint ckpt\.pt: its images are "
+                                            r"3x32x32 in 10 classes .* give a set of the same classes and shape$"):
+            own.prepare(options(tree, tmp_path / "other", evaluated=other), lambda line: None)
+    monkeypatch.undo()
+    trained = own.prepare(options(tree, tmp_path / "fresh"), lambda line: None)  # training decodes the set
+    monkeypatch.setattr(own, "decode_split", lambda source, *_: pytest.fail(f"{source.table.split} decoded again"))
+    assert own.prepare(fresh, lambda line: None)["decoded"] == trained["decoded"]  # and evaluate.py reads that copy
 
 
 EIGEN_NET = '''

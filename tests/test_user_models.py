@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from common.config import parse_args
 from common.errors import UserError
 from common.models import build_model
+from common.train.flags import parse_args
 from tests.conftest import error_lines, latest_checkpoint, latest_state, run_script, stop_after
 
 # A user's module: a small BatchNorm net (buffers in the checkpoint) and the ways to get it wrong.

@@ -11,11 +11,11 @@ import os
 import pytest
 import torch
 
-from common.config import parse_args
 from common.data.loader import make_synthetic
 from common.errors import UserError
 from common.models import build_model, spread_rgb
 from common.train.app import normalized_for_weights, pinned
+from common.train.flags import parse_args
 from common.train.optim import Stepping
 from common.train.state import parse_checkpoint
 from common.weights import Source, fetch_into_hub, hub_path, load_into

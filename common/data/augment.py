@@ -10,12 +10,14 @@ without them.
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import math
 from typing import Any, Callable, NamedTuple, Sequence
 
 import torch
 
+AUGMENTS = ("basic", "randaugment", "trivialaugment", "autoaugment")  # --augment
 ERASE_SCALE = (0.02, 0.33)  # torchvision's RandomErasing defaults: area fraction and aspect ratio of the box
 ERASE_RATIO = (0.3, 3.3)
 
@@ -29,6 +31,17 @@ class Draws(NamedTuple):
     step: int
     global_batch: int
     augment: str  # --augment: basic | randaugment | trivialaugment | autoaugment
+
+
+def add_augment_flags(group: argparse._ArgumentGroup) -> None:
+    """The training scripts' flags of this module: the policy and the erased boxes."""
+    add = group.add_argument
+    add("--augment", default="basic", choices=AUGMENTS,
+        help="training augmentation: basic (the data set's crop and flip), or that plus randaugment, "
+             "trivialaugment or autoaugment (ImageNet policy), drawn per sample of the global batch "
+             "(default: %(default)s)")
+    add("--random-erase", type=float, default=0.0, metavar="P",
+        help="erase a random box of each training image with probability P (default: %(default)s)")
 
 
 def draw_seed(*parts: object, bits: int = 63) -> int:

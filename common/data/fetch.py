@@ -14,6 +14,7 @@ for a complete file.
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import http.client
 import json
@@ -26,7 +27,7 @@ import urllib.request
 from pathlib import Path
 from typing import Any, Callable
 
-from common.config import STORAGE_TIMEOUT_S
+from common.config import DATASETS
 from common.data import formats, own
 from common.data.cache import META, cache_folder, default_cache_dir, file_lock, map_tensors, write_tensors
 from common.data.loader import Dataset, Split, make_synthetic
@@ -40,11 +41,26 @@ from common.parallel.context import (
     run_with_heartbeat,
     wait_for_keys,
 )
-from common.storage import StorageError, is_url, storage_for
+from common.storage import STORAGE_TIMEOUT_S, StorageError, is_url, storage_for
 
 Say = Callable[[str], None]
 
 DOWNLOAD_TIMEOUT_S = 60.0  # a stalled connection (no byte for this long) fails the download
+
+
+def add_data_flags(group: argparse._ArgumentGroup, default_dataset: str) -> None:
+    """The training scripts' flags of load_dataset: which set, where it is, and how it gets there."""
+    add = group.add_argument
+    add("--dataset", default=default_dataset, help=f"one of {', '.join(DATASETS)} (default: %(default)s)")
+    add("--data-dir", default="./data", help="where data sets live or are downloaded: a folder, or an object-store URL "
+                                            "(s3://bucket/prefix, any fsspec URL) copied into --cache-dir "
+                                            "(default: %(default)s)")
+    add("--no-download", dest="download", action="store_false", help="never download; fail if files are missing")
+    add("--download-from", default="", metavar="BASE_URL",
+        help="download the data set's archives from BASE_URL/<file name> (a mirror) instead of their home sites")
+    add("--cache-dir", default="", help="local copy of a --data-dir URL, one per node "
+                                        "(default: $XDG_CACHE_HOME/dp-suite or ~/.cache/dp-suite)")
+    add("--synthetic-shape", default="cifar", choices=("cifar", "mnist"), help="image shape of --dataset synthetic")
 
 
 def load_dataset(name: str, data_dir: str, *, ctx: DistContext, say: Say, allow_download: bool = True,

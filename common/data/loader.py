@@ -7,7 +7,7 @@ gets the files onto each node.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -23,6 +23,30 @@ class DataSpec:
     mean: tuple[float, ...]
     std: tuple[float, ...]
     augment: str  # none | pad-crop-flip (random 4-px-padded crop) | resized-crop-flip (random-resized crop)
+
+
+@dataclass(frozen=True)
+class Expected:
+    """What a trained model takes (evaluate.py: its checkpoint's): images of spec's channels and
+    size, normalized by spec's mean and std, in these classes."""
+
+    checkpoint: str
+    spec: DataSpec
+    classes: tuple[str, ...]
+
+    def misfit(self, name: str, channels: int, size: int, classes: Sequence[str]) -> str | None:
+        """One line saying how the set `name` differs from what the model takes; None if it fits."""
+        classes = tuple(classes)
+        if (channels, size, classes) == (self.spec.channels, self.spec.size, self.classes):
+            return None
+        mine, theirs = self.spec.channels, self.spec.size
+        return (f"{name} does not fit checkpoint {self.checkpoint}: its images are {channels}x{size}x{size} in "
+                f"{len(classes)} classes ({listed(classes)}), the model's {mine}x{theirs}x{theirs} in "
+                f"{len(self.classes)} ({listed(self.classes)}); give a set of the same classes and shape")
+
+
+def listed(names: Sequence[str]) -> str:
+    return f"{', '.join(names[:5])}{', ...' * (len(names) > 5)}"
 
 
 CIFAR_SPEC = DataSpec(3, 32, 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), augment="pad-crop-flip")

@@ -9,6 +9,7 @@ Both ways give the same batches: the same order, the same decoded pixels, the sa
 """
 from __future__ import annotations
 
+import argparse
 import errno
 import hashlib
 import json
@@ -24,6 +25,7 @@ import torch
 
 from common import hfsets
 from common import shards as layout
+from common.config import INTERPOLATIONS
 from common.data import hf
 from common.data.cache import (
     META,
@@ -44,7 +46,7 @@ from common.data.device_decode import choose_decode
 from common.data.geometry import Geometry, Resampling, Stored, choose_geometry, stored_bytes
 from common.data.index import INDEX_FORMAT, SetIndex, TableWriter, map_index, publish, shapes_of, staging_for
 from common.data.indexing import ShardSamples, Survey, check_classes, index_folder, index_shards
-from common.data.loader import Dataset, DataSpec, Split
+from common.data.loader import Dataset, DataSpec, Expected, Split
 from common.data.reading import Ragged, Reader, Request, Streamed, batches_of
 from common.data.shardcache import ShardCache
 from common.data.shardformat import read_shard
@@ -77,6 +79,11 @@ class OwnData:
     image_key: str = "image"  # hf: the columns of the images and of their classes
     label_key: str = "label"
     resampling: Resampling = Resampling()  # --image-size's crop fraction and filter (--crop-pct, --interpolation)
+    # evaluate.py: the model the set is scored by. Only the test split is decoded: no statistics are
+    # measured on the training split (the checkpoint's normalization is used), no decoded copy of the
+    # set is made (one training left is used), and a set of other classes or image shape is refused
+    # once it is indexed, before any image is decoded.
+    evaluated: Expected | None = None
 
     @property
     def cache_root(self) -> Path:
@@ -89,6 +96,46 @@ class OwnData:
                           int(self.shard_cache_gb * 2**30), versions)
 
 
+def add_own_data_flags(group: argparse._ArgumentGroup) -> None:
+    """The training scripts' flags of OwnData: how your own images are read, decoded and resized."""
+    add = group.add_argument
+    add("--image-size", type=int, default=0, metavar="S",
+        help="train at S x S: random-resized crops + flips for training, resize + centre crop for "
+             "evaluation; needed when the images differ in size (default: their common size)")
+    add("--workers", type=int, default=None, metavar="N",
+        help="DataLoader worker processes per rank decoding a streamed set (default: the node's cores "
+             "/ ranks per node - 1, at least 1)")
+    add("--decode", default="cpu", choices=("cpu", "gpu", "auto"),
+        help="where a streamed set's JPEGs are decoded for training: cpu (the workers decode, crop and "
+             "augment), gpu (the workers read the bytes; each CUDA rank decodes its batch with nvJPEG and "
+             "crops it on its device, the same crops), auto (gpu on CUDA ranks for an all-JPEG set) "
+             "(default: %(default)s)")
+    add("--skip-broken", action="store_true",
+        help="train without images that do not decode (each replaced by the next sample; counted and "
+             "named in the log) instead of stopping at the first")
+    add("--cache-gb", type=float, default=20.0, metavar="GB",
+        help="decode a set that fits in this many GB once per node into --cache-dir, else stream it "
+             "(default: %(default)s)")
+    add("--shard-cache-gb", type=float, default=10.0, metavar="GB",
+        help="the most a node keeps of shards from a --data-dir URL while streaming; the least recently "
+             "used are deleted beyond it (default: %(default)s)")
+    add("--verify-data", action="store_true",
+        help="tell the set's files apart by their bytes, not their names, sizes and dates (which "
+             "cp -p and rsync -a keep): reads the whole set at every start")
+    add("--hf-image-key", default=None, metavar="COLUMN",
+        help="--dataset hf: the column of the images (default: image)")
+    add("--hf-label-key", default=None, metavar="COLUMN",
+        help="--dataset hf: the column of the class indices, a ClassLabel names them (default: label)")
+    add("--crop-pct", type=float, default=None, metavar="F",
+        help="with --image-size S, evaluate on the centre S of the short side resized to floor(S / F), "
+             "as timm does (default: the pretrained config's that came with --weights, as timm evaluates "
+             "them; else S / 0.875, 256 for 224)")
+    add("--interpolation", default=None, choices=INTERPOLATIONS,
+        help="with --image-size, the antialiased filter of the evaluation's resize and the training's "
+             "random-resized crops (default: the pretrained config's that came with --weights; else "
+             "bilinear)")
+
+
 # ---------------------------------------------------------------- on the node's local rank 0
 
 def prepare(opts: OwnData, say: Say) -> dict[str, Any]:
@@ -96,15 +143,20 @@ def prepare(opts: OwnData, say: Say) -> dict[str, Any]:
     index = load_index(opts, say)
     check_not_empty(index)
     geometry = choose_geometry(index, opts.image_size, opts.resampling)
+    evaluated = opts.evaluated
+    if evaluated and (problem := evaluated.misfit(f"{opts.kind} {opts.data_dir}", geometry.channels, geometry.size,
+                                                  index.class_names)):
+        raise UserError(problem)
     cache = opts.shard_cache(index.versions)
     if cache:  # every run: a budget lowered since the set was indexed holds, and trims the cache now
         cache.check_budget()
         cache.evict()
-    mean, std = statistics(index, geometry, opts)
+    mean, std = (evaluated.spec.mean, evaluated.spec.std) if evaluated else statistics(index, geometry, opts)
     spec = DataSpec(geometry.channels, geometry.size, index.classes, mean, std, geometry.augment)
     report = {"index": str(index.folder), "geometry": asdict(geometry), "spec": asdict(spec),
               "class_names": index.class_names}
-    if stored_bytes(index, geometry) <= opts.cache_gb * 2**30:
+    if stored_bytes(index, geometry) <= opts.cache_gb * 2**30 and \
+            (not evaluated or (decoded_folder(index, geometry, opts) / META).is_file()):
         report["decoded"] = str(decode_into_cache(index, geometry, spec, opts, say))
     return report
 
@@ -392,12 +444,16 @@ def decode_into_cache(index: SetIndex, geometry: Geometry, spec: DataSpec, opts:
     fingerprint, the geometry, the decoder's version and --skip-broken: found again by later runs,
     shared by every rank of the node. The decoded folders together stay within --cache-gb: the
     least recently used are deleted beyond it."""
-    key = hashlib.sha256(json.dumps([DECODE_FORMAT, asdict(geometry), opts.skip_broken]).encode()).hexdigest()[:12]
-    folder = opts.cache_root / "decoded" / f"{opts.kind}-{index.fingerprint[:16]}-{key}"
+    folder = decoded_folder(index, geometry, opts)
     in_use(folder, lambda: decode_all(index, geometry, spec, opts, folder, say), say)
     os.utime(folder / META)  # when it was last used: what eviction goes by
     evict_decoded(folder.parent, int(opts.cache_gb * 2**30))
     return folder
+
+
+def decoded_folder(index: SetIndex, geometry: Geometry, opts: OwnData) -> Path:
+    key = hashlib.sha256(json.dumps([DECODE_FORMAT, asdict(geometry), opts.skip_broken]).encode()).hexdigest()[:12]
+    return opts.cache_root / "decoded" / f"{opts.kind}-{index.fingerprint[:16]}-{key}"
 
 
 def decode_all(index: SetIndex, geometry: Geometry, spec: DataSpec, opts: OwnData, folder: Path, say: Say) -> None:
@@ -508,9 +564,9 @@ def open_prepared(report: dict[str, Any], opts: OwnData) -> Dataset:
         if train.source.cache else ""
     decoded = f"read each batch's JPEGs{where}; the rank decodes (nvJPEG), crops and flips them on {opts.device} " \
         "(--decode gpu)" if on_gpu else f"decode each batch{where}"
-    held = (f"streamed: {opts.workers} DataLoader worker(s) per rank {decoded} "
-            f"(decoded it would take {stored_bytes(index, geometry) / 2**30:.3g} GB, above --cache-gb "
-            f"{opts.cache_gb:g})")
+    why = "evaluated once: no decoded copy is made" if opts.evaluated else \
+        f"decoded it would take {stored_bytes(index, geometry) / 2**30:.3g} GB, above --cache-gb {opts.cache_gb:g}"
+    held = f"streamed: {opts.workers} DataLoader worker(s) per rank {decoded} ({why})"
     return Dataset(name, spec, train, test, held, tuple(report["class_names"]), index.content)
 
 

@@ -6,6 +6,7 @@ which rank it is on. Figures arrive already combined over ranks: losses averaged
 """
 from __future__ import annotations
 
+import argparse
 import math
 import sys
 import time
@@ -20,6 +21,16 @@ if TYPE_CHECKING:
     import torch
 
 T = TypeVar("T")
+
+
+def add_logging_flags(group: argparse._ArgumentGroup) -> None:
+    """The training scripts' flags of this module: where TensorBoard logs go, how often, which ranks print."""
+    add = group.add_argument
+    add("--log-dir", default="", help="TensorBoard directory, or an s3:// (or other fsspec) URL (default: the "
+                                      "resumed run's, or runs/<script>-<dataset>-<model>-w<world>-<time>)")
+    add("--log-every", type=int, default=None, help="steps between step-level TensorBoard points (default: enough for "
+                                                   "at least 10 points per epoch, at most every 50 steps)")
+    add("--log-all-ranks", action="store_true", help="every rank prints its console lines, tagged [rank N]")
 
 # TensorBoard's custom-scalars dashboard: one chart per question people ask of a run.
 LAYOUT = {

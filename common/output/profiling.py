@@ -8,6 +8,7 @@ looks like.
 """
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 import torch
@@ -17,6 +18,13 @@ from common.output.logger import NullLogger
 from common.storage import is_url
 
 WAIT, WARMUP, ACTIVE = 5, 2, 4  # steps skipped (first-step costs, DDP's bucket rebuild), warmed up, traced
+
+
+def add_profiling_flags(group: argparse._ArgumentGroup) -> None:
+    """The training scripts' flag of StepProfiler."""
+    group.add_argument("--profile", action="store_true",
+                       help="trace a few steps after warm-up with torch.profiler: one Chrome/Perfetto trace per rank "
+                            "next to the TensorBoard run, and the top operators on the console")
 
 
 def trace_folder(log_dir: str, run_id: str) -> Path:

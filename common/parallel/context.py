@@ -11,6 +11,7 @@ STALE_AFTER_S (the worker was killed or froze), or STALE_AFTER_S after the deadl
 """
 from __future__ import annotations
 
+import argparse
 import hashlib
 import itertools
 import json
@@ -40,6 +41,20 @@ from common.parallel.transport import (
 )
 
 T = TypeVar("T")
+
+
+def add_process_group_flags(group: argparse._ArgumentGroup) -> None:
+    """The training scripts' flags of distributed(): the device, the backend and the transport."""
+    add = group.add_argument
+    add("--device", default="auto", help="auto | cpu | cuda (auto: cuda:LOCAL_RANK when there are enough GPUs)")
+    add("--backend", default="auto", choices=("auto", "gloo", "nccl"),
+        help="auto: nccl when every rank is on CUDA, else gloo")
+    add("--transport", default="auto", choices=("auto", "shm", "gloo"),
+        help="how gradient collectives travel between CPU ranks: shm (one shared-memory region per node; "
+             "one node, x86-64 Linux), gloo (the process group, TCP), or auto: shm where it can serve, else the "
+             "process group; GPUs always use the process group (default: %(default)s)")
+    add("--timeout-s", type=float, default=300.0,
+        help="process-group timeout: a dead peer ends the job after this (default: %(default)s)")
 
 HEARTBEAT_EVERY_S = 1.0  # a worker bumps its heartbeat key this often
 # No heartbeat for this long: the worker is dead or frozen. Far above any pause of a live worker

@@ -1,10 +1,19 @@
 """Replica check: every parameter and buffer must be the same on every rank."""
 from __future__ import annotations
 
+import argparse
+
 import torch
 import torch.distributed as dist
 
 from common.parallel.context import DistContext
+
+
+def add_replica_check_flags(group: argparse._ArgumentGroup) -> None:
+    """The training scripts' flag of the replicas' comparison."""
+    group.add_argument("--check-replicas", type=int, default=0, metavar="N",
+                       help="every N steps, stop with an error if any parameter or buffer differs across ranks")
+
 
 RELATIVE_TOLERANCE = 1e-6  # ranks on different device types (CPU + CUDA) differ in the last bits
 

@@ -8,10 +8,19 @@ hand-written strategies. Two passes (mean, then squared deviations) keep float32
 """
 from __future__ import annotations
 
+import argparse
+
 import torch
 import torch.distributed as dist
 import torch.distributed.nn.functional as dist_fn
 from torch import nn
+
+
+def add_sync_bn_flags(group: argparse._ArgumentGroup) -> None:
+    """The training scripts' flag of convert_batchnorm."""
+    group.add_argument("--sync-bn", action="store_true",
+                       help="BatchNorm statistics over the global batch instead of each rank's share (one all-reduce "
+                            "per layer)")
 
 
 class GlobalBatchNorm(nn.modules.batchnorm._BatchNorm):

@@ -10,7 +10,7 @@ from typing import Callable, Sequence
 import torch
 
 from common.collector import ended_cleanly, pause_during_set_up, resume_for_training
-from common.config import OWN_DATASETS, Config, default_checkpoint_dir, default_log_dir, parse_args, world_size_from_env
+from common.config import OWN_DATASETS, Config, default_checkpoint_dir, default_log_dir, world_size_from_env
 from common.data.augment import Draws
 from common.data.fetch import load_dataset
 from common.data.geometry import Resampling, choose_resampling
@@ -28,6 +28,7 @@ from common.parallel.sync_batchnorm import convert_batchnorm
 from common.train.checkpoint import Checkpoints, Resumed
 from common.train.ema import EMA
 from common.train.equivalence import check_equivalence
+from common.train.flags import parse_args
 from common.train.mixing import Mixing
 from common.train.optim import make_scheduler
 from common.train.precision import Precision

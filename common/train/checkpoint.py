@@ -50,6 +50,7 @@ once the start is accepted (a resumed run is written by one job at a time).
 """
 from __future__ import annotations
 
+import argparse
 import json
 import re
 import secrets
@@ -61,11 +62,12 @@ from typing import Any, Callable, TypeVar
 
 import torch
 
-from common.config import STORAGE_TIMEOUT_S, differences, way_to_continue
+from common.config import differences
 from common.errors import UserError, first_line
 from common.parallel.context import DistContext
-from common.storage import MISSING, Patience, Storage, StorageError, split, storage_for
+from common.storage import MISSING, STORAGE_TIMEOUT_S, Patience, Storage, StorageError, split, storage_for
 from common.train.run import Position, Run
+from common.train.settings import way_to_continue
 from common.train.state import (
     InvalidCheckpoint,
     data_entry,
@@ -81,6 +83,19 @@ POINTER = "latest.json"
 STEP_FILE = re.compile(r"step-(\d{8})\.pt$")
 RUN_STARTED = "%Y%m%d-%H%M%S"  # the time-sortable start of a run folder's name
 T = TypeVar("T")
+
+def add_checkpoint_flags(group: argparse._ArgumentGroup) -> None:
+    """The training scripts' flags of Checkpoints: where, how many, how often, and what to resume."""
+    add = group.add_argument
+    add("--checkpoint-dir", default="", help="where checkpoints are written: a folder or an object-store URL "
+                                             "(default: checkpoints/<script>-<dataset>-<model>-<run id>)")
+    add("--resume", nargs="?", const="auto", default="auto",
+        help="auto: continue this run (same settings) from its newest valid checkpoint in --checkpoint-dir, if any; "
+             "none: start a new run (other runs' files are kept); or a checkpoint file of this run (default: auto)")
+    add("--keep", type=int, default=3, help="checkpoints kept, newest first; at least 2 (default: %(default)s)")
+    add("--save-every-steps", type=int, default=0, metavar="S",
+        help="also save every S optimizer steps inside an epoch (epoch ends always save; 0: only those)")
+
 
 def _step_files(run: str, names: list[str]) -> list[str]:
     """The run's step files among a listing of its folder, oldest first."""

@@ -9,6 +9,7 @@ the averaged model, updated at each averaging with the decay of the steps since 
 """
 from __future__ import annotations
 
+import argparse
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -18,6 +19,13 @@ from torch import nn
 from common.train.strategy import Strategy
 
 WARMUP = 10  # the decay rises as (1 + n) / (WARMUP + n) over the first updates (timm's, TensorFlow's)
+
+
+def add_ema_flags(group: argparse._ArgumentGroup) -> None:
+    """The training scripts' flag of EMA."""
+    group.add_argument("--ema", type=float, default=0.0, metavar="DECAY",
+                       help="keep an exponential moving average of the weights (decay per optimizer step, with a "
+                            "warm-up), evaluated every epoch beside them and saved in every checkpoint (0: off)")
 
 
 class EMA:

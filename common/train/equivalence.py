@@ -7,6 +7,7 @@ single process on the concatenated batch (`_test_DDP_niter`), made a user-facing
 """
 from __future__ import annotations
 
+import argparse
 import io
 from itertools import count
 
@@ -23,6 +24,14 @@ from common.train.precision import Precision
 from common.train.run import Run
 from common.train.step import StepRecipe, train_step
 from common.train.strategy import Strategy
+
+
+def add_equivalence_flags(group: argparse._ArgumentGroup) -> None:
+    """The training scripts' flag of check_equivalence."""
+    group.add_argument("--check-equivalence", type=int, default=0, metavar="K",
+                       help="train K steps beside a one-process reference on the same global batches, print max "
+                            "|dw|, exit non-zero above 1e-5")
+
 
 TOLERANCE = 1e-5  # float32 on CPU; the two sides sum the same numbers in a different order
 # (flag, value, bound) where the two sides round differently. Measured max |dw| after 4 steps (lenet,

@@ -10,6 +10,7 @@ random pairs.
 """
 from __future__ import annotations
 
+import argparse
 from typing import Iterator
 
 import numpy as np
@@ -20,6 +21,16 @@ from common.config import Config
 from common.data.augment import draw_seed
 
 SWITCH = 0.5  # with both flags, the share of global batches that use cutmix (timm's switch_prob)
+
+
+def add_mixing_flags(group: argparse._ArgumentGroup) -> None:
+    """The training scripts' flags of Mixing."""
+    add = group.add_argument
+    add("--mixup", type=float, default=0.0, metavar="ALPHA",
+        help="blend pairs of images and their labels by a Beta(ALPHA, ALPHA) weight, drawn per global batch "
+             "(0: off; with --cutmix, one of the two per global batch)")
+    add("--cutmix", type=float, default=0.0, metavar="ALPHA",
+        help="paste a box of a paired image, labels weighted by its area, Beta(ALPHA, ALPHA) (0: off)")
 
 
 class Mixing:

@@ -11,6 +11,7 @@ pieces it holds: a group per (decays, lr scale), decayed ones first. Without --l
 """
 from __future__ import annotations
 
+import argparse
 import math
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Sequence
@@ -25,9 +26,60 @@ from common.weights import head_keys
 if TYPE_CHECKING:
     from common.config import Config
 
+SCHEDULES = ("onecycle", "cosine", "constant", "step")  # --schedule
 ONECYCLE_START = 0.04  # the one-cycle warm-up rises from 1/25 of the peak lr
 WARMUP_START = 0.01  # other schedules warm up from 1/100 of it (torchvision's lr_warmup_decay)
 LARS_TRUST = 0.001  # eta of the LARS paper (You et al. 2017): the trust in ||w|| / ||g||
+
+
+def add_optimizer_flags(group: argparse._ArgumentGroup) -> None:
+    """The training scripts' flags of the optimizer (OPTIMIZERS) and of make_scheduler's schedule."""
+    add = group.add_argument
+    add("--optimizer", default="sgd", choices=OPTIMIZERS,
+        help="sgd (nesterov momentum), adamw, lars (SGD with layer-wise trust ratios) or lamb (AdamW with them), "
+             "for large batches (default: %(default)s)")
+    add("--lr", type=float, default=None, help="peak learning rate (default: per data set and optimizer, scaled "
+                                               "linearly with --batch-size)")
+    add("--momentum", type=float, default=0.9, help="momentum of sgd and lars (default: %(default)s)")
+    add("--betas", type=floats, default=(0.9, 0.999), metavar="B1,B2",
+        help="adamw and lamb's moment decays (default: 0.9,0.999)")
+    add("--eps", type=float, default=1e-8, help="adamw and lamb's epsilon (default: %(default)s)")
+    add("--weight-decay", type=float, default=None,
+        help="decoupled for adamw and lamb (default: " + ", ".join(f"{r.weight_decay:g} for {name}" for name, r in
+                                                                    OPTIMIZERS.items()) + ")")
+    add("--decay-norm-and-bias", action="store_true",
+        help="decay every parameter; by default norm layers' weights and all biases get no weight decay (the "
+             "torchvision and timm references' practice; before it, this suite decayed everything)")
+    add("--layer-decay", type=float, default=0.0, metavar="D",
+        help="fine-tuning a timm:NAME model: layer-wise lr decay, each parameter's lr x D ** (depth from the head), "
+             "timm's grouping by depth (BEiT's rule; 0.65-0.75 are usual for ViTs) (0: off)")
+    add("--backbone-lr-scale", type=float, default=1.0, metavar="F",
+        help="fine-tuning: every parameter but the classifier head trains at F x the lr (with --layer-decay's "
+             "factor); 0 freezes the backbone (a linear probe), a value < 1 gives the head a higher lr than the "
+             "backbone (default: %(default)s)")
+    add("--schedule", default="onecycle", choices=SCHEDULES,
+        help="lr schedule: onecycle, cosine, constant, or step (x --gamma at each of --milestones) "
+             "(default: %(default)s)")
+    add("--warmup", type=float, default=None, metavar="N",
+        help="steps of linear warm-up from 1/100 of the peak lr, or a fraction of the run when < 1 (default: 0.25 "
+             "for onecycle, else 0)")
+    add("--extend-to", type=int, default=0, metavar="N",
+        help="train a finished run of this command on to epoch N: a new segment of the schedule over the added "
+             "epochs (--schedule again, its warm-up included; step keeps the lr the run ended at), from the run's "
+             "last checkpoint, saved as a run of its own beside it (0: no extension)")
+    add("--min-lr", type=float, default=0.0, help="the lr that onecycle and cosine end at (default: %(default)s)")
+    add("--milestones", type=ints, default=(), metavar="E1,E2,...",
+        help="with --schedule step: the epochs after which the lr is multiplied by --gamma")
+    add("--gamma", type=float, default=0.1, help="with --schedule step: the factor at each milestone (default: "
+                                                  "%(default)s)")
+
+
+def floats(text: str) -> tuple[float, ...]:
+    return tuple(float(part) for part in text.split(","))
+
+
+def ints(text: str) -> tuple[int, ...]:
+    return tuple(int(part) for part in text.split(",") if part)
 
 
 @dataclass(frozen=True)

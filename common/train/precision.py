@@ -2,12 +2,19 @@
 (the strategies see it only through this class, so neither module imports the other for it)."""
 from __future__ import annotations
 
+import argparse
 from contextlib import nullcontext
 from typing import Any, ContextManager
 
 import torch
 
 PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def add_precision_flags(group: argparse._ArgumentGroup) -> None:
+    """The training scripts' flag of Precision."""
+    group.add_argument("--precision", default="fp32", choices=tuple(PRECISIONS),
+                       help="autocast dtype of forward and loss; fp16 adds loss scaling (default: %(default)s)")
 
 
 class Precision:

@@ -1,6 +1,7 @@
 """What a training job is made of, built once and handed around as one bundle."""
 from __future__ import annotations
 
+import argparse
 from dataclasses import dataclass
 
 import torch
@@ -22,6 +23,27 @@ AUTO_MAX_INTERVAL = 50
 # A strategy whose forward is itself a collective (FSDP) keeps the large batch: each forward
 # all-gathers the weights, so smaller batches would multiply those collectives.
 EVAL_BATCH_LARGE, EVAL_BATCH_CPU = 1000, 64
+
+
+def add_run_flags(group: argparse._ArgumentGroup) -> None:
+    """The training scripts' flags of the run's length, batch and seed."""
+    add = group.add_argument
+    add("--epochs", type=int, default=None, help="training epochs (default: per data set)")
+    add("--batch-size", type=int, default=None, help="GLOBAL batch, split evenly across ranks (default: per data set)")
+    add("--seed", type=int, default=0, help="seed of weights, shuffling and augmentation (default: %(default)s)")
+    add("--max-steps", type=int, default=0, help="cap on optimizer steps per epoch, for smoke runs (0: no cap)")
+    add("--eval-batch-size", type=int, default=None,
+        help="per-rank evaluation batch (default: 64 on a CPU, where larger batches spill out of the caches; "
+             "1000 on a GPU and for FSDP's full sharding)")
+
+
+def add_model_placement_flags(group: argparse._ArgumentGroup) -> None:
+    """The training scripts' flags of how the model is laid out and compiled (torch_memory_format)."""
+    add = group.add_argument
+    add("--compile", action="store_true", help="torch.compile the model (the collectives stay outside)")
+    add("--memory-format", default="channels_last", choices=("channels_last", "contiguous"),
+        help="layout of images and conv weights; channels_last is faster for these nets on CPU and "
+             "GPU (default: %(default)s)")
 
 
 def torch_memory_format(name: str) -> torch.memory_format:

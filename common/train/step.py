@@ -3,6 +3,7 @@
 step's time."""
 from __future__ import annotations
 
+import argparse
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -18,6 +19,27 @@ from common.train.precision import Precision
 from common.train.strategy import Strategy
 
 DATA, COMPUTE, SYNC = range(3)
+
+
+def add_step_flags(group: argparse._ArgumentGroup) -> None:
+    """The training scripts' flag of how a step splits its batch (StepRecipe's micro-batches)."""
+    group.add_argument("--accumulate", type=int, default=1, metavar="N",
+                       help="micro-batches per optimizer step, gradients synchronized once per step; the global "
+                            "batch stays --batch-size (default: %(default)s)")
+
+
+def add_loss_flags(group: argparse._ArgumentGroup) -> None:
+    """The training scripts' flags of the loss and the update (cross_entropy, clip_gradients)."""
+    add = group.add_argument
+    add("--label-smoothing", type=float, default=0.0, metavar="X",
+        help="cross-entropy against (1 - X) on the label and X spread over every class (default: %(default)s)")
+    add("--class-weights", default="", metavar="balanced|FILE",
+        help="weight the loss by class, for an imbalanced set: balanced (the inverse class frequency of the training "
+             "split, n / (classes x count), as scikit-learn's), or FILE of one weight per line in class order (also "
+             "W1,W2,... inline); the weighted mean over the global batch, as CrossEntropyLoss(weight=...) at any "
+             "world size (default: none)")
+    add("--clip-grad-norm", type=float, default=None, metavar="MAX",
+        help="scale the synchronized gradient down to this global L2 norm when above it")
 
 
 class StepClock:

@@ -20,6 +20,13 @@ from common.train.precision import Precision
 from common.train.preemption import StopRequest
 
 
+def add_compression_flags(group: argparse._ArgumentGroup) -> None:
+    """The training scripts' flag of what a strategy sends (Strategy.compressions: the ones each takes)."""
+    group.add_argument("--grad-compression", default="none", choices=("none", "fp16", "bf16", "powersgd"),
+                       help="gradients on the wire: fp16/bf16 halve the bytes, powersgd (DDP only) sends a rank-1 "
+                            "approximation with error feedback (default: %(default)s)")
+
+
 class Strategy:
     """Defaults describe a strategy that needs no help: override what yours does differently."""
 

@@ -21,7 +21,7 @@ from typing import Any, Sequence
 
 from common.config import DATASETS, OWN_DATASETS
 from common.data.fetch import load_dataset
-from common.data.loader import Dataset
+from common.data.loader import Dataset, Expected
 from common.data.own import OwnData
 from common.data.reading import default_workers
 from common.errors import ConfigError
@@ -138,8 +138,10 @@ def score(flags: Flags, saved: Saved, preprocessing: Preprocessing, ctx: DistCon
 
 def load_data(flags: Flags, saved: Saved, preprocessing: Preprocessing, ctx: DistContext) -> Dataset:
     """The test split of the flags' data set (default: the checkpoint's), normalized as the
-    training run was; every rank ends with one line if its classes or image shape differ."""
+    training run was; every rank ends with one line if its classes or image shape differ (your own
+    images: once indexed, before any is decoded, and the training split is never decoded)."""
     cfg = saved.config
+    expected = Expected(saved.path, preprocessing.spec, preprocessing.classes)
     dataset, data_dir = flags.dataset or cfg["dataset"], flags.data_dir or cfg["data_dir"]
     cache_dir = cfg["cache_dir"] if flags.cache_dir is None else flags.cache_dir
     own = None
@@ -150,19 +152,13 @@ def load_data(flags: Flags, saved: Saved, preprocessing: Preprocessing, ctx: Dis
                       default_workers(ctx.local_world_size) if flags.workers is None else flags.workers,
                       default_workers(1) + 1, flags.skip_broken, cfg["cache_gb"], cfg["shard_cache_gb"],
                       cfg["verify_data"], image_key=cfg.get("hf_image_key", "image"),
-                      label_key=cfg.get("hf_label_key", "label"), resampling=preprocessing.resampling)
+                      label_key=cfg.get("hf_label_key", "label"), resampling=preprocessing.resampling,
+                      evaluated=expected)
     data = load_dataset(dataset, data_dir, ctx=ctx, say=node_console(ctx), allow_download=flags.download,
                         download_from=flags.download_from, cache_dir=cache_dir, storage_options=flags.storage_options,
                         synthetic_shape=cfg["synthetic_shape"], deadline_s=flags.storage_timeout_s, own_data=own)
-    names = tuple(data.names())
-    if (data.spec.channels, data.spec.size, names) != (preprocessing.channels, preprocessing.size,
-                                                       preprocessing.classes):
-        ctx.fail_together(f"{data.name} does not fit checkpoint {saved.path}: its images are "
-                          f"{data.spec.channels}x{data.spec.size}x{data.spec.size} in {len(names)} classes "
-                          f"({', '.join(names[:5])}{', ...' * (len(names) > 5)}), the model's "
-                          f"{preprocessing.channels}x{preprocessing.size}x{preprocessing.size} in "
-                          f"{len(preprocessing.classes)} ({', '.join(preprocessing.classes[:5])}"
-                          f"{', ...' * (len(preprocessing.classes) > 5)}); give a set of the same classes and shape")
+    if problem := expected.misfit(data.name, data.spec.channels, data.spec.size, data.names()):
+        ctx.fail_together(problem)
     return replace(data, spec=preprocessing.spec)  # the training's normalization, not this set's statistics
 
 

@@ -10,12 +10,12 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
-from common.config import STORAGE_TIMEOUT_S, RankZeroParser
+from common.config import RankZeroParser
 from common.credentials import read_storage_options
 from common.errors import ConfigError, exit_quietly_after_the_printer
 from common.parallel.context import DeadlinePassed, abandon_hung_thread, run_within
 from common.parallel.failures import parsed_telling_torchrun, told
-from common.storage import url_problem
+from common.storage import STORAGE_TIMEOUT_S, url_problem
 from common.use.source import Saved, find_checkpoint
 
 
