@@ -31,7 +31,9 @@ SCALE = (0.08, 1.0)  # torchvision's RandomResizedCrop defaults: area fraction o
 RATIO = (3 / 4, 4 / 3)  # ... and aspect ratio (width / height) of the box
 EVAL_CROP = 0.875  # evaluation: resize the short side to S / 0.875, centre-crop S (224 of 256)
 TRIES = 10
-LOG_RATIO = torch.log(torch.tensor(RATIO))  # float32, as torchvision computes it (made once, not per sample)
+# torchvision's float32 log-ratio bounds, as Python floats (exact): uniform_ takes its bounds as
+# doubles, and a float made once costs nothing per sample where a 0-d tensor is converted per draw.
+LOG_RATIO = tuple(torch.log(torch.tensor(RATIO)).tolist())
 
 
 class Box(NamedTuple):
@@ -57,10 +59,11 @@ def random_resized_box(g: torch.Generator, height: int, width: int, scale: tuple
     from the same generator state it returns the same box, draw for draw (its float32 log-ratio
     bounds, its rounding, its ten tries, then its centre fallback clamped to the ratio range)."""
     area = height * width
-    log_ratio = LOG_RATIO if ratio == RATIO else torch.log(torch.tensor(ratio))
+    log_ratio = LOG_RATIO if ratio == RATIO else tuple(torch.log(torch.tensor(ratio)).tolist())
+    draw = torch.empty(1)  # one scalar drawn into over and over: a tensor made per draw costs a microsecond each
     for _ in range(TRIES):
-        target_area = area * torch.empty(1).uniform_(scale[0], scale[1], generator=g).item()
-        aspect = torch.exp(torch.empty(1).uniform_(log_ratio[0], log_ratio[1], generator=g)).item()
+        target_area = area * draw.uniform_(scale[0], scale[1], generator=g).item()
+        aspect = draw.uniform_(log_ratio[0], log_ratio[1], generator=g).exp_().item()
         w = int(round(math.sqrt(target_area * aspect)))
         h = int(round(math.sqrt(target_area / aspect)))
         if 0 < w <= width and 0 < h <= height:

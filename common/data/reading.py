@@ -93,7 +93,10 @@ class Reader(torch.utils.data.Dataset):
     def read(self, i: int) -> bytes:
         t = self.table
         if not t.sharded:
-            return (Path(self.root) / t.names[i]).read_bytes()
+            # Unbuffered: readall reads to the end of the file straight into its bytes, half the CPU
+            # of Path.read_bytes (no buffer object, fewer system calls) for a photo read once.
+            with open(os.path.join(self.root, t.names[i]), "rb", buffering=0) as f:
+                return f.read()
         shard, offset, size = t.names[int(t.group[i])], int(t.offset[i]), int(t.size[i])
         if self.cache:
             return self.cache.read(shard, offset, size)
@@ -121,11 +124,12 @@ class Reader(torch.utils.data.Dataset):
     def render(self, i: int, out: torch.Tensor, box_of: Callable[[int, int], Box] | None) -> None:
         """Sample i into `out` (C, S, S): the box box_of(height, width) of its whole image resized
         to S, or (box_of None) the image as it is, which must be S x S."""
-        box = box_of(*self.dims(i)) if box_of else None
+        dims = self.dims(i) if box_of else (0, 0)
+        box = box_of(*dims) if box_of else None
         image = self.pixels(i, box, out.shape[-1])
         height, width = image.shape[-2:]
         if box is not None:
-            resized_crop(image, scaled(box, height, width, *self.dims(i)), out.shape[-1], out, self.view.interpolation)
+            resized_crop(image, scaled(box, height, width, *dims), out.shape[-1], out, self.view.interpolation)
         elif tuple(image.shape) == tuple(out.shape):
             out.copy_(image)
         else:
@@ -167,16 +171,16 @@ class Reader(torch.utils.data.Dataset):
         draws, side = request.draws, self.view.side
         train_crops = draws is not None and self.augment == "resized-crop-flip"
         out = torch.empty(len(request.indices), self.channels, side, side, dtype=torch.uint8)
-        labels = torch.empty(len(request.indices), dtype=torch.int64)
+        labels = []
         for k, i in enumerate(request.indices):
             if train_crops:
                 box_of = functools.partial(train_box, draws.seed, draws.epoch, draws.step, request.positions[k])
             else:
                 box_of = functools.partial(_view_box, self.view) if self.view.short else None
-            labels[k] = self.label(self.decodable_from(i, skipped, out[k], box_of))
+            labels.append(self.label(self.decodable_from(i, skipped, out[k], box_of)))
         if draws is not None:
             self.augmented(out, request)
-        return out, labels
+        return out, torch.tensor(labels, dtype=torch.int64)
 
     def augmented(self, out: torch.Tensor, request: Request) -> None:
         """A same-size colour set's pad-crop + flip (drawn for the global batch, as the in-memory
