@@ -39,7 +39,7 @@ from pathlib import Path
 import torch
 from PIL import Image
 
-from bench.pipeline import derive, installed_photos, measure, our_data, our_path, photo_size
+from bench.pipeline import derive, installed_photos, measure, our_data, our_path, photo_size, reference, training_files
 from bench.wall import EPOCH, ROOT
 from common.data.geometry import eval_short
 from common.shards import Reencode, convert
@@ -146,17 +146,19 @@ def train(command: list[str], top1: re.Pattern[str], timeout_s: float) -> Run:
 # ---------------------------------------------------------------- the report
 
 def input_rates(tree: Path, shards: Path, size: int, cache: Path) -> dict[str, float]:
-    """Our whole training input path (worker + rank, basic augmentation) in images per CPU-second,
-    one thread, on the original photos and on the --max-side shards."""
+    """Images per CPU-second, one thread: our whole training input path (worker + rank, basic
+    augmentation) on the original photos and on the --max-side shards, and torchvision's reference
+    train transform on the original photos (bench pipeline's rows)."""
     torch.set_num_threads(1)
     rows = [measure(name, our_path(our_data(kind, data, cache, size), "basic"))
             for name, kind, data in (("original", "imagefolder", tree), ("max-side", "shards", shards))]
+    rows.append(measure("reference", reference(training_files(tree), size, None)))
     return {row.name: row.rate for row in rows}
 
 
 def table(results: dict[str, list[Run]]) -> str:
     first = next(iter(results.values()))
-    lines = [f"| run | top-1 per seed (%) | mean | mean - {next(iter(results))}'s | CPU s per run (mean) |",
+    lines = ["| run | top-1 per seed (%) | mean | mean - the first row's | CPU s per run (mean) |",
              "|---|---|---|---|---|"]
     base = statistics.mean(run.top1 for run in first)
     for name, runs in results.items():
@@ -182,13 +184,13 @@ def run_all(a: argparse.Namespace, recipe: Recipe, tmp: Path) -> None:
     tree = write_task(tmp / "photos", sources, a.train_per_class, a.val_per_class)
     shards = tmp / f"max-side-{a.max_side}"
     convert(tree, str(shards), reencode=Reencode(max_side=a.max_side))
-    reference = copy_reference(a.reference, tmp / "reference")
+    their_folder = copy_reference(a.reference, tmp / "reference")
     names = ("ours, original photos", "torchvision reference train.py, original photos",
              f"ours, --max-side {a.max_side} shards")
     results: dict[str, list[Run]] = {name: [] for name in names}
     for seed in range(a.seeds):
         commands = (our_command(recipe, "imagefolder", tree, seed, tmp),
-                    their_command(recipe, reference, tree, seed),
+                    their_command(recipe, their_folder, tree, seed),
                     our_command(recipe, "shards", shards, seed, tmp))
         for name, command, top1 in zip(names, commands, (EPOCH, THEIR_TOP1, EPOCH)):
             results[name].append(run := train(command, top1, a.timeout_s))
@@ -200,9 +202,10 @@ def run_all(a: argparse.Namespace, recipe: Recipe, tmp: Path) -> None:
           f"lr {recipe.lr} x0.1 after epoch {recipe.milestone}, weight decay {recipe.weight_decay}; one process, "
           f"one thread, one loader worker each; torch {torch.__version__}\n")
     print(table(results))
-    print(f"\nour input path (worker + rank), images per CPU-second: {rates['original']:.0f} from the original "
-          f"photos, {rates['max-side']:.0f} from the --max-side {a.max_side} shards "
-          f"({rates['max-side'] / rates['original']:.2f}x)")
+    print(f"\nimages per CPU-second at {recipe.image_size} px: our input path (worker + rank) {rates['original']:.0f} "
+          f"from the original photos, {rates['max-side']:.0f} from the --max-side {a.max_side} shards "
+          f"({rates['max-side'] / rates['original']:.2f}x); torchvision's reference transform {rates['reference']:.0f} "
+          f"on the original photos")
 
 
 def main() -> None:
