@@ -24,6 +24,8 @@ BENCHMARKS = {  # name (a module of this package) -> what it measures
              "process, the statistics' and the decode's time and peak memory",
     "pipeline": "images per CPU-second of our training input path and torchvision's reference transform, decode_jpeg "
                 "alone, with and without RandAugment, from --max-side shards too; the cores an 8-GPU node needs",
+    "accuracy": "top-1 on real photos: our ImageFolder run beside torchvision's reference train.py (same model, "
+                "epochs, batch, schedule), and ours from --max-side shards; seeds, their mean, CPU seconds",
     "finetune": "transfer from --weights against from scratch, the recipe's items one by one; LARS/LAMB at 8x the "
                 "batch; images/s of each optimizer on each strategy; AdamW's state per rank when sharded",
     "ft": "train_ft.py: images/s against DDP when nothing fails; a group SIGKILLed: time to the next step, steps "

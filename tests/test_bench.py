@@ -96,3 +96,46 @@ def test_the_gpu_benchs_decode_rows_run_on_cpu_tensors(tmp_path):
                                                "decode: --decode gpu + RandAugment (ours)"]
     assert len(rows) == 3 + dali
     assert all(row.passed and row.images_per_s > 0 for row in rows[:3]), rows
+
+
+@pytest.mark.quick
+def test_the_accuracy_bench_splits_each_photo_and_gives_both_scripts_one_recipe(tmp_path):
+    """bench accuracy's parts in-process: training photos come from one half of each source and
+    validation photos from the other (sources red on one half, blue on the other, both
+    orientations); our command parses with the suite's own parser, and torchvision's train.py is
+    given the same model, epochs, batch, lr, milestone, weight decay and sizes; its top-1 line is read."""
+    from PIL import Image
+
+    from bench import accuracy
+    from common.config import parse_args
+
+    sources = []
+    for name, size, blue_box in (("wide", (600, 400), (300, 0, 600, 400)), ("tall", (400, 600), (0, 300, 400, 600))):
+        photo = Image.new("RGB", size, (255, 0, 0))
+        photo.paste((0, 0, 255), blue_box)
+        photo.save(path := tmp_path / f"{name}.png")
+        sources.append(path)
+    tree = accuracy.write_task(tmp_path / "task", sources, train_per_class=3, val_per_class=2)
+    for split, (more, less) in (("train", (0, 2)), ("val", (2, 0))):
+        photos = sorted((tree / split).glob("*/*.jpg"))
+        assert len(photos) == {"train": 6, "val": 4}[split] and {p.parent.name for p in photos} == {"wide", "tall"}
+        for path in photos:
+            pixels = Image.open(path).convert("RGB").resize((8, 8)).get_flattened_data()
+            assert all(pixel[more] > 200 and pixel[less] < 50 for pixel in pixels), (split, path)
+
+    recipe = accuracy.Recipe("shufflenet_v2_x0_5", image_size=112, epochs=5, batch=32, lr=0.05, milestone=3)
+    ours = parse_args(accuracy.our_command(recipe, "imagefolder", tree, 0, tmp_path)[2:], strategy="ddp",
+                      default_dataset="cifar10", world_size=1)
+    assert (ours.optimizer, ours.schedule, ours.warmup, ours.milestones, ours.gamma) == ("sgd", "step", 0, (3,), 0.1)
+    assert ours.decay_norm_and_bias and ours.momentum == 0.9 and ours.cache_gb == 0 and ours.workers == 1
+    theirs = accuracy.their_command(recipe, tmp_path / "reference", tree, 0)
+    flags = dict(zip(theirs[5::2], theirs[6::2]))  # after: python -c CODE SEED DIR
+    assert (flags["--model"], flags["--opt"], flags["--lr-scheduler"]) == (recipe.model, "sgd_nesterov", "steplr")
+    assert ours.model == f"torchvision:{flags['--model']}" and ours.batch_size == int(flags["-b"])
+    assert (ours.epochs, ours.lr, ours.weight_decay) == (int(flags["--epochs"]), float(flags["--lr"]),
+                                                        float(flags["--wd"]))
+    assert ours.milestones[0] == int(flags["--lr-step-size"]) and float(flags["--lr-gamma"]) == ours.gamma
+    assert ours.image_size == int(flags["--train-crop-size"]) == int(flags["--val-crop-size"])
+    assert int(flags["--val-resize-size"]) == 128  # ours at 112: 112 / 0.875
+    assert accuracy.THEIR_TOP1.findall("Test:  Acc@1 62.500 Acc@5 90.000\nTest:  Acc@1 70.250 Acc@5 95.000") == \
+        ["62.500", "70.250"]
