@@ -107,7 +107,7 @@ def test_the_accuracy_bench_splits_each_photo_and_gives_both_scripts_one_recipe(
     from PIL import Image
 
     from bench import accuracy
-    from common.config import parse_args
+    from common.train.flags import parse_args
 
     sources = []
     for name, size, blue_box in (("wide", (600, 400), (300, 0, 600, 400)), ("tall", (400, 600), (0, 300, 400, 600))):

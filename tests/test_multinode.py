@@ -205,8 +205,8 @@ def test_launchers_print_the_torchrun_command():
     k8s = dry("k8s.sh", {"IMAGE": "registry.example/dp:1", "DATA_PVC": "cifar", "WORKERS": "3", "NPROC": "4"},
               "train_ddp.py", "--epochs", "5")
     command, _, manifest = k8s.partition("\n")
-    assert command == ("# each pod runs: torchrun --nproc_per_node=4 --max-restarts=3 train_ddp.py --data-dir /data "
-                       "--checkpoint-dir /checkpoints/dp-suite --epochs 5")
+    assert command == ("# each pod runs: bash launch/quiet_torchrun.sh --nproc_per_node=4 --max-restarts=3 "
+                       "train_ddp.py --data-dir /data --checkpoint-dir /checkpoints/dp-suite --epochs 5")
     pod = {"containers": [{"name": "pytorch", "image": "registry.example/dp:1", "workingDir": "/workspace",
                            "command": command.removeprefix("# each pod runs: ").split(),
                            "env": [{"name": "TORCH_ELASTIC_SHUTDOWN_TIMEOUT", "value": "120"}],
