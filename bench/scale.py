@@ -301,6 +301,7 @@ def rank_reads(data_dir: str, cache_dir: str, world: int, workers: int = 2, batc
 
     opts = own.OwnData("hf", data_dir, cache_dir, {}, 0, workers, 1, False, 0.0, 10.0)
     data = own.open_prepared(own.prepare(opts, quiet), opts)
+    shutil.rmtree(opts.cache_root / "rowgroups", ignore_errors=True)  # the statistics' copies: the ranks make them
     reader = data.train.source
     order = global_order(len(reader), 0, 0, data.train.groups)
     context = multiprocessing.get_context("fork")
@@ -325,8 +326,8 @@ def hf_row_groups(tmp: Path, groups: int) -> None:
           f"({ROW_GROUP_ROWS} rows of {ROW_BYTES / 1e6:.2f} MB), {groups} of them; 2 DataLoader workers per rank, "
           "global batch 64, each rank's first epoch read (no decode), the ranks of one node in turn\n")
     print("| world | per rank: MB decompressed | MB of its samples | decompressed / used | per node: MB decompressed | "
-          "CPU ms / sample (workers) | a worker's peak RSS: MB (at its start) | its peak anonymous memory: MB |\n"
-          "|---|---|---|---|---|---|---|---|")
+          "CPU ms / sample (workers) | a worker's peak RSS: MB (at its start) | peak anonymous memory: MB, a worker "
+          "that decompressed | one that did not |\n|---|---|---|---|---|---|---|---|---|")
     for world in (1, 2, 4):
         shutil.rmtree(tmp / "hf-rows-cache", ignore_errors=True)
         ranks = in_fresh_process(f"rank_reads({str(source)!r}, {str(tmp / 'hf-rows-cache')!r}, {world})")
@@ -334,9 +335,11 @@ def hf_row_groups(tmp: Path, groups: int) -> None:
         node = sum(w["decompressed"] for w in workers) / 1e6
         used = sum(w["used"] for w in workers) / 1e6
         cpu_ms = sum(w["cpu"] for w in workers) / sum(w["samples"] for w in workers) * 1e3
-        peak, anon = max(workers, key=lambda w: w["peak_rss"]), max(w["peak_anon"] for w in workers)
+        peak = max(workers, key=lambda w: w["peak_rss"])
+        anon = [max((w["peak_anon"] for w in workers if bool(w["decompressed"]) == did), default=math.nan)
+                for did in (True, False)]
         print(f"| {world} | {node / world:,.0f} | {used / world:,.0f} | {node / used:.2f} | {node:,.0f} | "
-              f"{cpu_ms:.2f} | {peak['peak_rss']:,.0f} ({peak['start_rss']:,.0f}) | {anon:,.0f} |",
+              f"{cpu_ms:.2f} | {peak['peak_rss']:,.0f} ({peak['start_rss']:,.0f}) | {anon[0]:,.0f} | {anon[1]:,.0f} |",
               flush=True)
     shutil.rmtree(source)
 

@@ -257,8 +257,9 @@ def build_parser(strategy: str, default_dataset: str) -> argparse.ArgumentParser
                      help="decode a set that fits in this many GB once per node into --cache-dir, else stream it "
                           "(default: %(default)s)")
     own.add_argument("--shard-cache-gb", type=float, default=10.0, metavar="GB",
-                     help="the most a node keeps of shards from a --data-dir URL while streaming; the least recently "
-                          "used are deleted beyond it (default: %(default)s)")
+                     help="the most a node keeps of shards from a --data-dir URL, or of a parquet set's row groups "
+                          "(--dataset hf), while streaming; the least recently used are deleted beyond it "
+                          "(default: %(default)s)")
     own.add_argument("--verify-data", action="store_true",
                      help="tell the set's files apart by their bytes, not their names, sizes and dates (which "
                           "cp -p and rsync -a keep): reads the whole set at every start")

@@ -83,10 +83,18 @@ class OwnData:
         return Path(self.cache_dir or default_cache_dir())
 
     def shard_cache(self, versions: dict[str, str]) -> ShardCache | None:
-        if not is_url(self.data_dir) or self.kind == "hf":  # hf reads a URL's row groups by range: no copies
+        if not is_url(self.data_dir) or self.kind == "hf":
             return None
         return ShardCache(self.data_dir, self.storage_options, cache_folder(self.cache_dir, self.data_dir) / "shards",
                           int(self.shard_cache_gb * 2**30), versions)
+
+    def stream_cache(self, index: SetIndex) -> ShardCache | None:
+        """What a streamed set is read through on the node: shards from a URL, or (hf) copies of a
+        parquet set's row groups, each decompressed once per node."""
+        if self.kind == "hf":
+            return hf.row_group_cache(index, self.cache_root / "rowgroups", self.storage_options,
+                                      int(self.shard_cache_gb * 2**30), self.image_key)
+        return self.shard_cache(index.versions)
 
 
 # ---------------------------------------------------------------- on the node's local rank 0
@@ -96,7 +104,7 @@ def prepare(opts: OwnData, say: Say) -> dict[str, Any]:
     index = load_index(opts, say)
     check_not_empty(index)
     geometry = choose_geometry(index, opts.image_size, opts.resampling)
-    cache = opts.shard_cache(index.versions)
+    cache = opts.stream_cache(index)
     if cache:  # every run: a budget lowered since the set was indexed holds, and trims the cache now
         cache.check_budget()
         cache.evict()
@@ -321,11 +329,12 @@ def class_names(opts: OwnData, shard_set: layout.ShardSet, listing: dict[str, st
 def reader(index: SetIndex, split: str, geometry: Geometry, opts: OwnData, store: Ragged | None = None) -> Reader:
     table = index.train if split == "train" else index.test
     stored = geometry.train if split == "train" else geometry.test
+    cache = opts.stream_cache(index)
     if opts.kind == "hf":
         return hf.HFReader(table, index.root, stored, geometry.channels, opts.skip_broken,
                            geometry.augment if split == "train" else "none", store, opts.image_key,
-                           opts.storage_options)
-    return Reader(table, index.root, stored, geometry.channels, opts.skip_broken, opts.shard_cache(index.versions),
+                           opts.storage_options, cache)
+    return Reader(table, index.root, stored, geometry.channels, opts.skip_broken, cache,
                   geometry.augment if split == "train" else "none", store)
 
 
@@ -504,8 +513,9 @@ def open_prepared(report: dict[str, Any], opts: OwnData) -> Dataset:
     on_gpu = decodes_on_gpu(opts, index, geometry)
     train = Streamed(reader(index, "train", geometry, opts), opts.workers, gpu_decode=on_gpu)
     test = Streamed(reader(index, "test", geometry, opts), opts.workers)
-    where = f", through the shard cache {train.source.cache.folder} (at most {opts.shard_cache_gb:g} GB)" \
-        if train.source.cache else ""
+    cache = train.source.cache
+    where = f", through the node's {cache.WHAT} cache {cache.folder} (at most {opts.shard_cache_gb:g} GB)" \
+        if cache else ""
     decoded = f"read each batch's JPEGs{where}; the rank decodes (nvJPEG), crops and flips them on {opts.device} " \
         "(--decode gpu)" if on_gpu else f"decode each batch{where}"
     held = (f"streamed: {opts.workers} DataLoader worker(s) per rank {decoded} "

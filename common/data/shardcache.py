@@ -34,6 +34,10 @@ T = TypeVar("T")
 class ShardCache:
     """Picklable (DataLoader workers each build their own store client on first use)."""
 
+    SUFFIX = ".tar"  # what the cached copies' names end with: what eviction counts
+    WHAT = "shard"  # what is cached, in a budget's error line
+    SMALLER = "write smaller shards (python -m common.shards --shard-mb)"  # the other way out of a small budget
+
     def __init__(self, url: str, options: dict[str, Any], folder: Path, budget_bytes: int,
                  versions: dict[str, str]) -> None:
         self.url, self.options, self.folder, self.budget = url.rstrip("/"), options, folder, budget_bytes
@@ -47,7 +51,7 @@ class ShardCache:
     def local(self, name: str) -> Path:
         """The version-named local file a shard is cached as."""
         tag = hashlib.sha256(self.versions[name].encode()).hexdigest()[:12]
-        return self.folder / f"{name.removesuffix('.tar')}.{tag}.tar"
+        return self.folder / f"{name.removesuffix('.tar')}.{tag}{self.SUFFIX}"
 
     def path(self, name: str) -> Path:
         """A local copy of shard `name`, fetched if the cache lacks it; marks it recently used."""
@@ -95,17 +99,22 @@ class ShardCache:
     def _fetch(self, name: str, target: Path) -> None:
         part = staging_path(target)
         try:
-            if self._store_pid != os.getpid():  # a forked worker holds its parent's client: s3fs refuses it
-                self._store, self._store_pid = storage_for(self.url, self.options), os.getpid()
-            self._store.get(name, part)
+            self._fill(name, part)
             os.replace(part, target)
-        except StorageError as e:
-            raise UserError(f"--data-dir {e}; check the URL and the credentials") from None
         except OSError as e:
             raise UserError(f"--cache-dir {self.folder}: {e.strerror or e}; pass a --cache-dir with room for "
                             f"--shard-cache-gb") from None
         finally:
             part.unlink(missing_ok=True)
+
+    def _fill(self, name: str, part: Path) -> None:
+        """Writes the copy of `name` to `part`: a shard fetched from the store."""
+        try:
+            if self._store_pid != os.getpid():  # a forked worker holds its parent's client: s3fs refuses it
+                self._store, self._store_pid = storage_for(self.url, self.options), os.getpid()
+            self._store.get(name, part)
+        except StorageError as e:
+            raise UserError(f"--data-dir {e}; check the URL and the credentials") from None
 
     def evict(self, keep: Path | None = None) -> None:
         """Delete the least recently used shards until the cache is within its budget (at start-up
@@ -113,7 +122,7 @@ class ShardCache:
         if not self.folder.is_dir():
             return
         with file_lock(self.folder / ".evict.lock"):
-            cached = sorted(((p.stat().st_mtime, p) for p in self.folder.glob("*.tar") if p.is_file()),
+            cached = sorted(((p.stat().st_mtime, p) for p in self.folder.glob(f"*{self.SUFFIX}") if p.is_file()),
                             key=lambda pair: pair[0])
             total = sum(p.stat().st_size for _, p in cached)
             for _, path in cached:
@@ -133,16 +142,17 @@ class ShardCache:
         return max(int(version.split("-")[0]) for version in self.versions.values())
 
     def check_budget(self) -> None:
-        check_budget(self.budget, self.largest(), "--shard-cache-gb")
+        check_budget(self.budget, self.largest(), "--shard-cache-gb", self.WHAT, self.SMALLER)
 
 
-def check_budget(budget_bytes: int, largest: int, flag: str) -> None:
+def check_budget(budget_bytes: int, largest: int, flag: str, what: str = "shard",
+                 smaller: str = ShardCache.SMALLER) -> None:
     if budget_bytes < MIN_SHARDS * largest:
         need = MIN_SHARDS * largest / 2**30
         digits = max(2, 2 - math.floor(math.log10(need)))  # three significant digits, rounded up: enough
-        raise UserError(f"{flag} {budget_bytes / 2**30:g} holds fewer than {MIN_SHARDS} of the largest shard "
+        raise UserError(f"{flag} {budget_bytes / 2**30:g} holds fewer than {MIN_SHARDS} of the largest {what} "
                         f"({largest / 2**20:.2f} MB); pass {flag} {math.ceil(need * 10**digits) / 10**digits:g} or "
-                        "more, or write smaller shards (python -m common.shards --shard-mb)")
+                        f"more, or {smaller}")
 
 
 class Prefetcher:
