@@ -161,7 +161,8 @@ def epochs(tmp: Path, sizes: list[int]) -> None:
 def parquet_set(root: Path, train: int, val: int, classes: int = 1000, rows_per_group: int = 100,
                 rows_per_file: int = 100_000) -> Path:
     """A Hugging Face parquet set in the Hub's layout: the distinct PNGs of linked_tree, row n of a
-    split holding PNG n % distinct in class n % classes; an Image and a ClassLabel column."""
+    split's file k holding PNG n % distinct in class (n + k) % classes (so that no two files hold
+    the same rows: --dataset hf refuses copies); an Image and a ClassLabel column."""
     import io
 
     import pyarrow as pa
@@ -184,7 +185,7 @@ def parquet_set(root: Path, train: int, val: int, classes: int = 1000, rows_per_
         for k in range(files):
             rows = range(k * rows_per_file, min(count, (k + 1) * rows_per_file))
             table = pa.table({"image": [{"bytes": encoded[n % sources], "path": None} for n in rows],
-                              "label": [n % classes for n in rows]}, schema=schema)
+                              "label": [(n + k) % classes for n in rows]}, schema=schema)
             name = f"{split}-{k:05d}-of-{files:05d}.parquet"
             pq.write_table(table, root / "data" / name, row_group_size=rows_per_group)
     return root
@@ -277,14 +278,14 @@ def counted_reads(reader, batches: list[list[int]]) -> dict:
     hfsets.Files.columns = counting(hfsets.Files.columns)
     if hasattr(hfsets.Files, "column_batches"):
         hfsets.Files.column_batches = counting(hfsets.Files.column_batches)
-    start_rss, anon, used = proc_status_mb("VmRSS"), 0.0, 0
+    start_rss, start_anon, anon, used = proc_status_mb("VmRSS"), proc_status_mb("RssAnon"), 0.0, 0
     cpu = time.process_time()
     for batch in batches:
         used += sum(len(reader.read(i)) for i in batch)
         anon = max(anon, proc_status_mb("RssAnon"))
     return {"cpu": time.process_time() - cpu, "samples": sum(map(len, batches)), "used": used,
             "decompressed": decompressed[0], "start_rss": start_rss, "peak_rss": proc_status_mb("VmHWM"),
-            "peak_anon": anon}
+            "start_anon": start_anon, "peak_anon": anon}
 
 
 def in_child(work, queue) -> None:
@@ -327,7 +328,8 @@ def hf_row_groups(tmp: Path, groups: int) -> None:
           "global batch 64, each rank's first epoch read (no decode), the ranks of one node in turn\n")
     print("| world | per rank: MB decompressed | MB of its samples | decompressed / used | per node: MB decompressed | "
           "CPU ms / sample (workers) | a worker's peak RSS: MB (at its start) | peak anonymous memory: MB, a worker "
-          "that decompressed | one that did not |\n|---|---|---|---|---|---|---|---|---|")
+          "that decompressed | one that did not | a worker's anonymous memory at its start: MB (its parent's) |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
     for world in (1, 2, 4):
         shutil.rmtree(tmp / "hf-rows-cache", ignore_errors=True)
         ranks = in_fresh_process(f"rank_reads({str(source)!r}, {str(tmp / 'hf-rows-cache')!r}, {world})")
@@ -337,10 +339,10 @@ def hf_row_groups(tmp: Path, groups: int) -> None:
         cpu_ms = sum(w["cpu"] for w in workers) / sum(w["samples"] for w in workers) * 1e3
         peak = max(workers, key=lambda w: w["peak_rss"])
         anon = [max((w["peak_anon"] for w in workers if bool(w["decompressed"]) == did), default=math.nan)
-                for did in (True, False)]
+                for did in (True, False)] + [max(w["start_anon"] for w in workers)]
         print(f"| {world} | {node / world:,.0f} | {used / world:,.0f} | {node / used:.2f} | {node:,.0f} | "
-              f"{cpu_ms:.2f} | {peak['peak_rss']:,.0f} ({peak['start_rss']:,.0f}) | {anon[0]:,.0f} | {anon[1]:,.0f} |",
-              flush=True)
+              f"{cpu_ms:.2f} | {peak['peak_rss']:,.0f} ({peak['start_rss']:,.0f}) | "
+              + " | ".join(f"{mb:,.0f}" for mb in anon) + " |", flush=True)
     shutil.rmtree(source)
 
 

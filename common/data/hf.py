@@ -42,7 +42,8 @@ from common.hfsets import (
 )
 
 ROW_GROUPS_HELD = 2 * SHUFFLE_WINDOW  # a batch that spans two windows reads from both
-COPY_PIECE_BYTES = 16 * 2**20  # a row group is copied into the cache in pieces of this size: its memory bound
+COPY_PIECE_BYTES = 16 * 2**20  # a row group is copied into the cache in pieces of this size (and pyarrow holds
+# the page it decodes: a process that copies holds about its largest page, one that reads holds no image)
 
 
 # ---------------------------------------------------------------- indexing
@@ -207,8 +208,7 @@ class HFReader(Reader):
     file; a process holds only the row starts of the last ROW_GROUPS_HELD row groups it read."""
 
     def __init__(self, table, root: str, view: Stored, channels: int, skip: bool, augment: str,
-                 store: Ragged | None, image_key: str, options: dict[str, Any],
-                 cache: RowGroupCache | None = None) -> None:
+                 store: Ragged | None, image_key: str, options: dict[str, Any], cache: RowGroupCache | None) -> None:
         super().__init__(table, root, view, channels, skip, cache, augment, store)
         self.files, self.image_key = Files(root, options), image_key
         self.held: OrderedDict[int, np.ndarray] = OrderedDict()
