@@ -4,6 +4,7 @@ real loading code; in-process where the behaviour is the loader's, under torchru
 from __future__ import annotations
 
 import io
+import os
 import re
 import shutil
 import sys
@@ -21,7 +22,6 @@ from common.config import parse_args
 from common.data import hf, own
 from common.data.loader import TrainLoader, global_order
 from common.data.reading import Reader
-from common.data.shardcache import ShardCache
 from common.errors import UserError
 from common.shards import MANIFEST
 from common.shards import main as shards_main
@@ -128,18 +128,18 @@ def test_a_parquet_row_group_is_decompressed_once_a_node_and_a_rank_reads_only_i
     row-group cache, however many ranks (and the statistics) read it; each rank reads back exactly
     the bytes of its own samples. A later epoch decompresses nothing while the cache holds the set."""
     copied, read_back = [], []
-    column_batches, cache_read = hfsets.Files.column_batches, ShardCache.read
+    column_batches, pread = hfsets.Files.column_batches, os.pread
 
     def copying(self, name, group, *rest):
         copied.append(f"{name}#{group}")
         return column_batches(self, name, group, *rest)
 
-    def reading(self, name, offset, size):
+    def reading(fd, size, offset):
         read_back.append(size)
-        return cache_read(self, name, offset, size)
+        return pread(fd, size, offset)
 
     monkeypatch.setattr(hfsets.Files, "column_batches", copying)
-    monkeypatch.setattr(ShardCache, "read", reading)
+    monkeypatch.setattr(os, "pread", reading)
     streamed = dataset(options(sets["hf"], tmp_path, "hf", cache_gb=0.0))  # its statistics read training rows
     sizes = streamed.train.source.table.size
     for rank in range(2):
@@ -172,7 +172,7 @@ def test_a_row_group_is_copied_in_pieces_and_a_reader_holds_no_image(sets, tmp_p
     for i in range(len(reader)):
         reader.read(i)
     assert 0 < len(reader.held) <= hf.ROW_GROUPS_HELD
-    assert all(starts.dtype == np.int64 and starts.nbytes <= 8 * 38 for starts in reader.held.values())
+    assert all(starts.dtype == np.int64 and starts.nbytes <= 8 * 38 for starts, _ in reader.held.values())
 
 
 @pytest.mark.quick

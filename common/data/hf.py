@@ -15,7 +15,7 @@ import hashlib
 import os
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
@@ -25,7 +25,7 @@ from common.data.index import SetIndex, Table, TableWriter
 from common.data.indexing import ShardSamples, Survey, parallel
 from common.data.loader import SHUFFLE_WINDOW
 from common.data.reading import Ragged, Reader
-from common.data.shardcache import ShardCache
+from common.data.shardcache import GONE, ShardCache
 from common.errors import UserError
 from common.hfsets import (
     ARROW,
@@ -174,15 +174,20 @@ class RowGroupCache(ShardCache):
                     ends.append(ends[-1] + len(data or b""))
             out.write(np.asarray(ends, dtype="<i8").tobytes() + (len(ends) - 1).to_bytes(8, "little"))
 
-    def starts(self, name: str) -> np.ndarray:
-        """Each row's start in the copy of row group `name`, and the end (fetched if not cached)."""
-        def read(path: Path) -> np.ndarray:
-            with open(path, "rb") as f:
-                f.seek(-8, os.SEEK_END)
-                rows = int.from_bytes(f.read(8), "little")
-                f.seek(-8 * (rows + 2), os.SEEK_END)
-                return np.frombuffer(f.read(8 * (rows + 1)), dtype="<i8")
-        return self._retrying(name, read)
+    def opened(self, name: str) -> tuple[np.ndarray, BinaryIO]:
+        """The copy of row group `name` open for reading (made if the cache lacks it), and each
+        row's start in it, then the end. Open, it stays readable when another process evicts it."""
+        def open_copy(path: Path) -> tuple[np.ndarray, BinaryIO]:
+            copy = open(path, "rb")
+            try:
+                copy.seek(-8, os.SEEK_END)
+                rows = int.from_bytes(copy.read(8), "little")
+                copy.seek(-8 * (rows + 2), os.SEEK_END)
+                return np.frombuffer(copy.read(8 * (rows + 1)), dtype="<i8"), copy
+            except BaseException:
+                copy.close()
+                raise
+        return self._retrying(name, open_copy)
 
 
 def row_group_cache(index: SetIndex, folder: Path, options: dict[str, Any], budget_bytes: int,
@@ -205,13 +210,14 @@ def group_bytes(table: Table) -> dict[str, float]:
 class HFReader(Reader):
     """A Reader whose samples are rows of SOURCE's files: sample i is row offset[i] of row group
     group[i], read from the node's copy of the row group (RowGroupCache), or from the mapped Arrow
-    file; a process holds only the row starts of the last ROW_GROUPS_HELD row groups it read."""
+    file; a process holds the copies of the last ROW_GROUPS_HELD row groups it read open, with their
+    row starts (8 bytes a row), and no image."""
 
     def __init__(self, table, root: str, view: Stored, channels: int, skip: bool, augment: str,
                  store: Ragged | None, image_key: str, options: dict[str, Any], cache: RowGroupCache | None) -> None:
         super().__init__(table, root, view, channels, skip, cache, augment, store)
         self.files, self.image_key = Files(root, options), image_key
-        self.held: OrderedDict[int, np.ndarray] = OrderedDict()
+        self.held: OrderedDict[int, tuple[np.ndarray, BinaryIO]] = OrderedDict()
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "held": OrderedDict()}
@@ -227,10 +233,20 @@ class HFReader(Reader):
         if fmt_of(file) == ARROW:
             (column,) = self.files.columns(file, int(number), [self.image_key])
             return image_bytes(column)[row].as_py() or b""
+        try:
+            return self.row_bytes(group, row)
+        except OSError as e:  # on NFS a copy another node evicted fails even while open here: a fresh one
+            if e.errno not in GONE or group not in self.held:
+                raise
+            self.held.pop(group)[1].close()
+            return self.row_bytes(group, row)
+
+    def row_bytes(self, group: int, row: int) -> bytes:
         if group not in self.held:
-            self.held[group] = self.cache.starts(name)
+            self.held[group] = self.cache.opened(self.table.names[group])
             if len(self.held) > ROW_GROUPS_HELD:
-                self.held.popitem(last=False)
+                self.held.popitem(last=False)[1][1].close()
         self.held.move_to_end(group)
-        start, end = int(self.held[group][row]), int(self.held[group][row + 1])
-        return self.cache.read(name, start, end - start)
+        starts, copy = self.held[group]
+        start, end = int(starts[row]), int(starts[row + 1])
+        return os.pread(copy.fileno(), end - start, start)
