@@ -122,15 +122,25 @@ class ShardCache:
         if not self.folder.is_dir():
             return
         with file_lock(self.folder / ".evict.lock"):
-            cached = sorted(((p.stat().st_mtime, p) for p in self.folder.glob(f"*{self.SUFFIX}") if p.is_file()),
-                            key=lambda pair: pair[0])
-            total = sum(p.stat().st_size for _, p in cached)
-            for _, path in cached:
+            cached = sorted(self._copies(), key=lambda copy: copy[0])
+            total = sum(size for _, size, _ in cached)
+            for _, size, path in cached:
                 if total <= self.budget:
                     break
                 if path != keep:
-                    total -= path.stat().st_size
+                    total -= size
                     path.unlink(missing_ok=True)
+
+    def _copies(self) -> list[tuple[float, int, Path]]:
+        """(last use, size, path) of each cached copy, one stat each: eviction runs after every
+        miss, over as many copies as the budget holds (thousands of small row groups)."""
+        copies = []
+        with os.scandir(self.folder) as entries:
+            for entry in entries:
+                if entry.name.endswith(self.SUFFIX) and not entry.name.startswith(".") and entry.is_file():
+                    info = entry.stat()
+                    copies.append((info.st_mtime, info.st_size, Path(entry.path)))
+        return copies
 
     def ahead(self) -> int:
         """How many shards the prefetcher may fetch beyond the one being read without evicting a
