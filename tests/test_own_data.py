@@ -159,7 +159,9 @@ def test_a_parquet_row_group_is_decompressed_once_a_node_and_a_rank_reads_only_i
 def test_a_row_group_cache_smaller_than_the_set_stays_in_its_budget_and_streams_the_same(sets, tmp_path):
     """Row groups of 10 rows (24 for training) and --shard-cache-gb holding 8 of the largest: copies
     are evicted as the epoch goes, the folder stays within the budget (each copy's row offsets
-    aside), and the global batches (world 2, 2 workers) are those of the set decoded into the cache."""
+    aside), and the global batches (world 2, 2 workers) are those of the set decoded into the cache.
+    The ledger (the copies' total, kept per copy instead of listing the folder) is the folder's total,
+    and no temp file is left in the staging folder."""
     source = write_hf(sets["folder"], tmp_path / "hf", rows_per_group=10)
     reference = global_batches(dataset(options(source, tmp_path / "decoded", "hf")), 1)
     largest = dataset(options(source, tmp_path / "probe", "hf", cache_gb=0.0)).train.source.cache.largest()
@@ -168,8 +170,10 @@ def test_a_row_group_cache_smaller_than_the_set_stays_in_its_budget_and_streams_
                                shard_cache_gb=budget / 2**30))
     got = global_batches(streamed, 2)
     assert len(got) == len(reference) and all(torch.equal(a, b) for a, b in zip(got, reference))
-    copies = [p.stat().st_size for p in (tmp_path / "small" / "rowgroups").glob("*.rows")]
+    folder = tmp_path / "small" / "rowgroups"
+    copies = [p.stat().st_size for p in folder.glob("*.rows")]
     assert 0 < len(copies) < 24 and sum(copies) <= budget + len(copies) * 8 * 12, (len(copies), sum(copies), budget)
+    assert int((folder / ".usage").read_text()) == sum(copies) and not list((folder / ".staging").iterdir())
 
 
 @pytest.mark.quick

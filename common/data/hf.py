@@ -169,9 +169,9 @@ class RowGroupCache(ShardCache):
         ends = [0]
         with open(part, "wb") as out:
             for piece in self.files.column_batches(file, int(group), self.image_key, COPY_PIECE_BYTES):
-                for data in image_bytes(piece).to_pylist():
-                    out.write(data or b"")
-                    ends.append(ends[-1] + len(data or b""))
+                rows = [data or b"" for data in image_bytes(piece).to_pylist()]
+                out.write(b"".join(rows))  # one write a piece: a row group of small images has hundreds of rows
+                ends.extend((ends[-1] + np.cumsum([len(data) for data in rows], dtype=np.int64)).tolist())
             out.write(np.asarray(ends, dtype="<i8").tobytes() + (len(ends) - 1).to_bytes(8, "little"))
 
     def opened(self, name: str) -> tuple[np.ndarray, BinaryIO]:
