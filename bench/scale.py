@@ -20,6 +20,15 @@
    PNGs' bytes, 1,000 classes (a ClassLabel), row groups of 100 rows (what the Hub writes for image
    sets), 100,000 rows a file; streamed (--cache-gb 0), so each epoch reads its row groups. Target:
    the CPU time per sample at the largest size within 1.2x of the smallest.
+5. hf-rows: a parquet set of --hf-groups row groups of 227 MB each (100 rows of 2.27 MB: a 16-px
+   JPEG padded with random bytes, which compress to nothing), streamed at world 1, 2 and 4 with 2
+   DataLoader workers per rank. Each rank's first epoch is read as its workers would read it (rank r
+   takes every W-th sample of each global batch of 64; worker j the batches k = j mod 2), every rank
+   in turn, each worker a forked process that reads its samples' bytes (Reader.read: no decode).
+   Per rank: the bytes pyarrow decompressed (the row groups' image columns read whole, or written
+   once per node into the row-group cache) and the bytes read back per sample, against the bytes
+   of the samples used; CPU per sample (workers); each worker's peak RSS, and its peak anonymous
+   memory (RssAnon: what is not shared page cache).
 3. prepare: 2,300 photo-sized JPEGs (about 500 x 375) prepared at --image-size 224, each step in a
    fresh interpreter with the app's prepare workers (default_workers(1) + 1): the index, the
    statistics on 2,048 images, the decode into the cache. Wall time, and peak RSS (ru_maxrss) of
@@ -32,6 +41,7 @@
     python -m bench scale --only memory --memory-sizes 1000000
     python -m bench scale --only prepare
     python -m bench scale --only hf-epoch --hf-sizes 10000,300000
+    python -m bench scale --only hf-rows
 """
 from __future__ import annotations
 
@@ -151,7 +161,8 @@ def epochs(tmp: Path, sizes: list[int]) -> None:
 def parquet_set(root: Path, train: int, val: int, classes: int = 1000, rows_per_group: int = 100,
                 rows_per_file: int = 100_000) -> Path:
     """A Hugging Face parquet set in the Hub's layout: the distinct PNGs of linked_tree, row n of a
-    split holding PNG n % distinct in class n % classes; an Image and a ClassLabel column."""
+    split's file k holding PNG n % distinct in class (n + k) % classes (so that no two files hold
+    the same rows: --dataset hf refuses copies); an Image and a ClassLabel column."""
     import io
 
     import pyarrow as pa
@@ -174,7 +185,7 @@ def parquet_set(root: Path, train: int, val: int, classes: int = 1000, rows_per_
         for k in range(files):
             rows = range(k * rows_per_file, min(count, (k + 1) * rows_per_file))
             table = pa.table({"image": [{"bytes": encoded[n % sources], "path": None} for n in rows],
-                              "label": [n % classes for n in rows]}, schema=schema)
+                              "label": [(n + k) % classes for n in rows]}, schema=schema)
             name = f"{split}-{k:05d}-of-{files:05d}.parquet"
             pq.write_table(table, root / "data" / name, row_group_size=rows_per_group)
     return root
@@ -201,6 +212,138 @@ def hf_epochs(tmp: Path, sizes: list[int]) -> None:
         print(f"| {size:,} | {folder_mb(source / 'data'):.1f} | {prepared:.1f} | {seconds:.1f} | {us:.0f} | "
               f"{us / wall_ref:.2f}x | {cpu_us:.0f} | {cpu_us / cpu_ref:.2f}x |", flush=True)
         shutil.rmtree(source)
+
+
+# ---------------------------------------------------------------- 5. parquet row groups larger than a rank's share
+
+ROW_GROUP_ROWS, ROW_BYTES = 100, 2_270_000  # row groups of 227 MB
+
+
+def large_row_groups(root: Path, groups: int) -> Path:
+    """A parquet set in the Hub's layout whose training file holds `groups` row groups of
+    ROW_GROUP_ROWS rows of ROW_BYTES: a 16-px JPEG padded with random bytes (incompressible), a
+    random class of 10; its validation file one small row group."""
+    import io
+
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    out = io.BytesIO()
+    Image.new("RGB", (16, 16), (90, 120, 200)).save(out, "JPEG")
+    jpeg = out.getvalue()
+    schema = pa.schema([("image", pa.struct([("bytes", pa.binary()), ("path", pa.string())])), ("label", pa.int64())])
+    (root / "data").mkdir(parents=True)
+    for split, count, rows in (("train", groups, ROW_GROUP_ROWS), ("validation", 1, 20)):
+        with pq.ParquetWriter(root / "data" / f"{split}-00000-of-00001.parquet", schema) as writer:
+            for _ in range(count):  # one write_table, one row group
+                images = [{"bytes": jpeg + rng.bytes(ROW_BYTES - len(jpeg)), "path": None} for _ in range(rows)]
+                writer.write_table(pa.table({"image": images, "label": rng.integers(0, 10, rows)}, schema=schema))
+    return root
+
+
+def proc_status_mb(field: str) -> float:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) / 1024
+    return math.nan
+
+
+def counted_reads(reader, batches: list[list[int]]) -> dict:
+    """One worker's reads of its batches' samples: the bytes pyarrow decompressed for it (an image
+    column read whole by Files.columns, or streamed by Files.column_batches into the row-group
+    cache), the bytes of the samples, CPU seconds, peak RSS and peak anonymous memory (MB)."""
+    import pyarrow.compute as pc
+
+    from common import hfsets
+
+    decompressed = [0]
+
+    def counting(method):
+        def counted(*args, **kwargs):
+            out = method(*args, **kwargs)
+            items = out if isinstance(out, list) else None
+            if items is None:  # a generator of arrays: counted as they come
+                def passing():
+                    for array in out:
+                        decompressed[0] += int(pc.sum(pc.binary_length(hfsets.image_bytes(array))).as_py() or 0)
+                        yield array
+                return passing()
+            decompressed[0] += sum(int(pc.sum(pc.binary_length(hfsets.image_bytes(a))).as_py() or 0) for a in items[:1])
+            return out
+        return counted
+
+    hfsets.Files.columns = counting(hfsets.Files.columns)
+    if hasattr(hfsets.Files, "column_batches"):
+        hfsets.Files.column_batches = counting(hfsets.Files.column_batches)
+    start_rss, start_anon, anon, used = proc_status_mb("VmRSS"), proc_status_mb("RssAnon"), 0.0, 0
+    cpu = time.process_time()
+    for batch in batches:
+        used += sum(len(reader.read(i)) for i in batch)
+        anon = max(anon, proc_status_mb("RssAnon"))
+    return {"cpu": time.process_time() - cpu, "samples": sum(map(len, batches)), "used": used,
+            "decompressed": decompressed[0], "start_rss": start_rss, "peak_rss": proc_status_mb("VmHWM"),
+            "start_anon": start_anon, "peak_anon": anon}
+
+
+def in_child(work, queue) -> None:
+    queue.put(work())
+
+
+def rank_reads(data_dir: str, cache_dir: str, world: int, workers: int = 2, batch: int = 64) -> list[list[dict]]:
+    """Every rank's first epoch of the streamed set read by its `workers` forked processes, one rank
+    after another (the ranks of one node): per rank, each worker's counted_reads."""
+    import functools
+    import multiprocessing
+
+    from common.data.loader import global_order
+
+    opts = own.OwnData("hf", data_dir, cache_dir, {}, 0, workers, 1, False, 0.0, 10.0)
+    data = own.open_prepared(own.prepare(opts, quiet), opts)
+    shutil.rmtree(opts.cache_root / "rowgroups", ignore_errors=True)  # the statistics' copies: the ranks make them
+    reader = data.train.source
+    order = global_order(len(reader), 0, 0, data.train.groups)
+    context = multiprocessing.get_context("fork")
+    ranks = []
+    for rank in range(world):
+        batches = [order[k * batch + rank:(k + 1) * batch:world].tolist() for k in range(len(order) // batch)]
+        queue = context.SimpleQueue()
+        children = [context.Process(target=in_child, args=(functools.partial(counted_reads, reader,
+                                                                              batches[j::workers]), queue))
+                    for j in range(workers)]
+        for child in children:
+            child.start()
+        ranks.append([queue.get() for _ in children])
+        for child in children:
+            child.join()
+    return ranks
+
+
+def hf_row_groups(tmp: Path, groups: int) -> None:
+    source = large_row_groups(tmp / "hf-rows", groups)
+    print(f"\nA parquet set streamed (--cache-gb 0) from row groups of {ROW_GROUP_ROWS * ROW_BYTES / 1e6:.0f} MB "
+          f"({ROW_GROUP_ROWS} rows of {ROW_BYTES / 1e6:.2f} MB), {groups} of them; 2 DataLoader workers per rank, "
+          "global batch 64, each rank's first epoch read (no decode), the ranks of one node in turn\n")
+    print("| world | per rank: MB decompressed | MB of its samples | decompressed / used | per node: MB decompressed | "
+          "CPU ms / sample (workers) | a worker's peak RSS: MB (at its start) | peak anonymous memory: MB, a worker "
+          "that decompressed | one that did not | a worker's anonymous memory at its start: MB (its parent's) |\n"
+          "|---|---|---|---|---|---|---|---|---|---|")
+    for world in (1, 2, 4):
+        shutil.rmtree(tmp / "hf-rows-cache", ignore_errors=True)
+        ranks = in_fresh_process(f"rank_reads({str(source)!r}, {str(tmp / 'hf-rows-cache')!r}, {world})")
+        workers = [w for rank in ranks for w in rank]
+        node = sum(w["decompressed"] for w in workers) / 1e6
+        used = sum(w["used"] for w in workers) / 1e6
+        cpu_ms = sum(w["cpu"] for w in workers) / sum(w["samples"] for w in workers) * 1e3
+        peak = max(workers, key=lambda w: w["peak_rss"])
+        anon = [max((w["peak_anon"] for w in workers if bool(w["decompressed"]) == did), default=math.nan)
+                for did in (True, False)] + [max(w["start_anon"] for w in workers)]
+        print(f"| {world} | {node / world:,.0f} | {used / world:,.0f} | {node / used:.2f} | {node:,.0f} | "
+              f"{cpu_ms:.2f} | {peak['peak_rss']:,.0f} ({peak['start_rss']:,.0f}) | "
+              + " | ".join(f"{mb:,.0f}" for mb in anon) + " |", flush=True)
+    shutil.rmtree(source)
 
 
 # ---------------------------------------------------------------- 2. the index's memory per process
@@ -387,9 +530,10 @@ def prepare_costs(tmp: Path, train: int, val: int) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", choices=("epoch", "memory", "prepare", "hf-epoch"), default=None)
+    p.add_argument("--only", choices=("epoch", "memory", "prepare", "hf-epoch", "hf-rows"), default=None)
     p.add_argument("--sizes", default="10000,1000000", help="epoch: training samples (default: %(default)s)")
     p.add_argument("--hf-sizes", default="10000,300000", help="hf-epoch: training rows (default: %(default)s)")
+    p.add_argument("--hf-groups", type=int, default=4, help="hf-rows: the row groups of 227 MB (default: %(default)s)")
     p.add_argument("--memory-sizes", default="1000000,10000000",
                    help="memory: training samples (default: %(default)s)")
     p.add_argument("--tmp", type=Path, default=None,
@@ -406,6 +550,8 @@ def main() -> None:
             prepare_costs(Path(tmp), 2200, 100)
         if a.only in (None, "hf-epoch"):
             hf_epochs(Path(tmp), [int(s) for s in a.hf_sizes.split(",")])
+        if a.only in (None, "hf-rows"):
+            hf_row_groups(Path(tmp), a.hf_groups)
 
 
 if __name__ == "__main__":

@@ -18,7 +18,7 @@ import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from common.errors import UserError
 from common.storage import StorageError, is_url, storage_for
@@ -58,53 +58,55 @@ class Source:
                                          sort_keys=True).encode()).hexdigest()
 
 
-def resolve(data_dir: str, options: dict[str, Any], version: Callable[[Path], str]) -> Source:
+def resolve(data_dir: str, options: dict[str, Any], version: Callable[[Path], str], flag: str = "--data-dir",
+            ) -> Source:
     """SOURCE as files: a save_to_disk folder, a folder or URL of parquet files, or a Hub name in
-    the local cache. `version` is a local file's version (size and date, or its bytes' hash)."""
+    the local cache. `version` is a local file's version (size and date, or its bytes' hash);
+    `flag` what the caller calls SOURCE (the converter: SRC), in the error lines."""
     pyarrow_modules()
     if is_url(data_dir):
-        return parquet_source(data_dir, remote_files(data_dir, options))
+        return parquet_source(data_dir, remote_files(data_dir, options, flag), flag)
     path = Path(data_dir)
     if not path.exists() and HUB_NAME.fullmatch(data_dir):
-        path = hub_snapshot(data_dir)
+        path = hub_snapshot(data_dir, flag)
     if not path.is_dir():
-        raise UserError(f"--data-dir {data_dir} is not a folder; give a folder written by save_to_disk, a folder of "
+        raise UserError(f"{flag} {data_dir} is not a folder; give a folder written by save_to_disk, a folder of "
                         "parquet files, a Hub data set's name in the local Hugging Face cache, or an fsspec URL")
     if (path / "state.json").is_file():
-        raise UserError(f"--data-dir {data_dir} holds one split (a Dataset saved with save_to_disk); save a "
+        raise UserError(f"{flag} {data_dir} holds one split (a Dataset saved with save_to_disk); save a "
                         "DatasetDict with a train and a validation (or test) split, e.g. "
                         "ds.train_test_split(test_size=0.1, seed=0).save_to_disk(DIR)")
     if (path / "dataset_dict.json").is_file():
-        return saved_source(path, version)
+        return saved_source(path, version, flag)
     files = {str(p.relative_to(path)): version(p) for p in sorted(path.rglob("*.parquet"))
              if not any(part.startswith(".") for part in p.relative_to(path).parts)}
-    return parquet_source(str(path), files)
+    return parquet_source(str(path), files, flag)
 
 
-def hub_snapshot(name: str) -> Path:
+def hub_snapshot(name: str, flag: str) -> Path:
     """The newest snapshot of Hub data set `name` in the local cache (HF_HOME, HF_HUB_CACHE honoured);
     never a download."""
     try:
         from huggingface_hub import constants, snapshot_download
     except ImportError:
-        raise UserError(f"--data-dir {name}: reading a Hub data set by its name needs huggingface_hub: "
+        raise UserError(f"{flag} {name}: reading a Hub data set by its name needs huggingface_hub: "
                         f"{INSTALL}") from None
     try:
         return Path(snapshot_download(name, repo_type="dataset", local_files_only=True))
     except Exception:  # noqa: BLE001 - not in the cache, whatever huggingface_hub calls it
         owner_name = name.replace("/", "--")
-        raise UserError(f"--data-dir {name}: no folder of that name, and no snapshot of the Hub data set {name} in "
+        raise UserError(f"{flag} {name}: no folder of that name, and no snapshot of the Hub data set {name} in "
                         f"the Hugging Face cache {constants.HF_HUB_CACHE}; on a machine with network run "
                         f"`hf download {name} --repo-type dataset` and copy its datasets--{owner_name} folder into "
-                        f"that cache (or `--local-dir DIR` and pass --data-dir DIR)") from None
+                        f"that cache (or `--local-dir DIR` and pass {flag} DIR)") from None
 
 
-def remote_files(url: str, options: dict[str, Any]) -> dict[str, str]:
+def remote_files(url: str, options: dict[str, Any], flag: str) -> dict[str, str]:
     try:
         return {name: version for name, version in storage_for(url, options).files().items()
                 if name.endswith(".parquet")}
     except StorageError as e:
-        raise UserError(f"--data-dir {e}; check the URL and the credentials") from None
+        raise UserError(f"{flag} {e}; check the URL and the credentials") from None
 
 
 def split_of(name: str) -> tuple[str, str] | None:
@@ -123,46 +125,46 @@ def split_of(name: str) -> tuple[str, str] | None:
     return config, split
 
 
-def parquet_source(root: str, files: dict[str, str]) -> Source:
+def parquet_source(root: str, files: dict[str, str], flag: str) -> Source:
     found: dict[str, dict[str, list[str]]] = {}
     for name in sorted(files):
         if (place := split_of(name)) is not None:
             found.setdefault(place[0], {}).setdefault(place[1], []).append(name)
     configs = sorted(config for config, splits in found.items() if TRAIN_SPLIT in splits)
     if not configs:
-        raise UserError(f"--data-dir {root} holds no training parquet file in the Hub's layout "
+        raise UserError(f"{flag} {root} holds no training parquet file in the Hub's layout "
                         "(data/train-00000-of-00001.parquet, ...); write one with ds.to_parquet, or give the folder "
                         "that save_to_disk wrote")
     if len(configs) > 1:
-        raise UserError(f"--data-dir {root} holds several configurations ({', '.join(configs)}); pass the folder of "
-                        f"one: --data-dir {root.rstrip('/')}/{configs[0]}")
+        raise UserError(f"{flag} {root} holds several configurations ({', '.join(configs)}); pass the folder of "
+                        f"one: {flag} {root.rstrip('/')}/{configs[0]}")
     splits = found[configs[0]]
     eval_split = next((split for split in EVAL_SPLITS if split in splits), None)
     if eval_split is None:
-        raise UserError(f"--data-dir {root} has a train split but no {' or '.join(EVAL_SPLITS[:2])} or test split to "
+        raise UserError(f"{flag} {root} has a train split but no {' or '.join(EVAL_SPLITS[:2])} or test split to "
                         "evaluate on; write one (e.g. ds.train_test_split(test_size=0.1, seed=0))")
     used = splits[TRAIN_SPLIT] + splits[eval_split]
     return Source(root, splits[TRAIN_SPLIT], splits[eval_split], eval_split, {n: files[n] for n in used})
 
 
-def saved_source(path: Path, version: Callable[[Path], str]) -> Source:
+def saved_source(path: Path, version: Callable[[Path], str], flag: str) -> Source:
     """A DatasetDict.save_to_disk folder: dataset_dict.json names the splits, each split's
     state.json its Arrow files."""
     try:
         splits = json.loads((path / "dataset_dict.json").read_text())["splits"]
         if TRAIN_SPLIT not in splits:
-            raise UserError(f"--data-dir {path} has no train split (its splits: {', '.join(splits)}); save the "
+            raise UserError(f"{flag} {path} has no train split (its splits: {', '.join(splits)}); save the "
                             "training rows as the split named train")
         eval_split = next((split for split in EVAL_SPLITS if split in splits), None)
         if eval_split is None:
-            raise UserError(f"--data-dir {path} has no validation or test split to evaluate on (its splits: "
+            raise UserError(f"{flag} {path} has no validation or test split to evaluate on (its splits: "
                             f"{', '.join(splits)}); add one (e.g. ds.train_test_split(test_size=0.1, seed=0))")
         chosen = {split: [f"{split}/{entry['filename']}" for entry in
                           json.loads((path / split / "state.json").read_text())["_data_files"]]
                   for split in (TRAIN_SPLIT, eval_split)}
         versions = {name: version(path / name) for names in chosen.values() for name in names}
     except (OSError, ValueError, KeyError, TypeError) as e:
-        raise UserError(f"--data-dir {path} is not a whole save_to_disk folder ({type(e).__name__}: {e}); save it "
+        raise UserError(f"{flag} {path} is not a whole save_to_disk folder ({type(e).__name__}: {e}); save it "
                         "again") from None
     return Source(str(path), chosen[TRAIN_SPLIT], chosen[eval_split], eval_split, versions)
 
@@ -173,8 +175,8 @@ class Files:
     """SOURCE's files open in this process (a forked worker opens its own): parquet files by
     their footers, Arrow files memory-mapped; each row group's image bytes read on demand."""
 
-    def __init__(self, root: str, options: dict[str, Any]) -> None:
-        self.root, self.options = root, options
+    def __init__(self, root: str, options: dict[str, Any], flag: str = "--data-dir") -> None:
+        self.root, self.options, self.flag = root, options, flag  # flag: what the caller calls SOURCE
         self._open: dict[str, Any] = {}
         self._pid = 0
 
@@ -212,7 +214,7 @@ class Files:
         try:
             return read()
         except StorageError as e:
-            raise UserError(f"--data-dir {e}; check the URL and the credentials") from None
+            raise UserError(f"{self.flag} {e}; check the URL and the credentials") from None
         except PermissionError:  # not a damaged file: copying it again would not help
             raise UserError(f"{self.where(name)} is not readable by this user (permission denied); make it readable "
                             "(chmod a+r), or run as a user that may read it") from None
@@ -245,6 +247,17 @@ class Files:
         return [opened[group].column(key) for key in keys]
 
 
+    def column_batches(self, name: str, group: int, key: str, most_bytes: int) -> Iterator[Any]:
+        """One column of a parquet row group in pieces of about `most_bytes` (as stored: uncompressed),
+        read one after another: what the pieces hold is not all in memory at once."""
+        opened = self.opened(name)
+        meta = opened.metadata.row_group(group)
+        rows = max(1, most_bytes * meta.num_rows // max(meta.total_byte_size, 1))
+        pieces = opened.iter_batches(batch_size=rows, row_groups=[group], columns=[key], use_threads=False)
+        while (piece := self.guarded(name, lambda: next(pieces, None))) is not None:
+            yield piece.column(0)
+
+
 def fmt_of(name: str) -> str:
     return ARROW if name.endswith(".arrow") else PARQUET
 
@@ -266,6 +279,37 @@ def check_embedded(column: Any, row: int, where: str) -> None:
                         "set made from image files so); write the set with the images in it: ds.save_to_disk(DIR), or "
                         "ds.with_format('arrow').map(datasets.table.embed_table_storage, batched=True)"
                         ".with_format(None).to_parquet(FILE)")
+
+
+# ---------------------------------------------------------------- the same rows under two names
+
+NO_ROWS = hashlib.sha256().digest()  # the digest of a row group without rows
+
+
+def rows_digest(images: list[bytes | None], labels: list[Any]) -> bytes:
+    """A row group's rows (image bytes and label, in order), hashed: a file's digest is its groups'."""
+    digest = hashlib.sha256()
+    for data, label in zip(images, labels):
+        data = data or b""
+        digest.update(len(data).to_bytes(8, "little") + data + str(label).encode() + b"\0")
+    return digest.digest()
+
+
+def check_distinct(files: Files, digests: dict[str, list[bytes]]) -> None:
+    """Refuses two files of SOURCE that hold the same rows (a copy under another name, e.g.
+    train-00000-of-00002.parquet beside train-00000-of-00002 (1).parquet): each row would be
+    trained twice an epoch, or evaluated on after being trained on. `digests`: each file's
+    rows_digest per row group; a file without rows is no copy of anything."""
+    seen: dict[bytes, str] = {}
+    for name, groups in digests.items():
+        groups = [digest for digest in groups if digest != NO_ROWS]
+        if not groups:
+            continue
+        key = hashlib.sha256(b"".join(groups)).digest()
+        if key in seen:
+            raise UserError(f"{files.where(seen[key])} and {files.where(name)} hold the same rows (a copy under "
+                            "another name?): each would be read twice; remove one of them")
+        seen[key] = name
 
 
 # ---------------------------------------------------------------- the columns and classes

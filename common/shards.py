@@ -370,6 +370,9 @@ def check_reencode(reencode: Reencode | None) -> None:
         raise UserError(problem)
 
 
+SRC = "SRC"  # what the converter's error lines call its source (--dataset hf's call it --data-dir)
+
+
 def convert_hf(src: str, dest: str, image_key: str = "image", label_key: str = "label", shard_mb: float = 64,
                seed: int = 0, storage_options: dict[str, Any] | None = None,
                reencode: Reencode | None = None) -> dict[str, tuple[int, int, int]]:
@@ -377,7 +380,7 @@ def convert_hf(src: str, dest: str, image_key: str = "image", label_key: str = "
     image bytes first saved to local scratch as a file named by its format."""
     check_reencode(reencode)
     options = storage_options or {}
-    source = hfsets.resolve(src, options, lambda path: "")
+    source = hfsets.resolve(src, options, lambda path: "", flag=SRC)
     with tempfile.TemporaryDirectory(prefix="common.shards.") as scratch:
         classes, splits = _extract(source, Path(scratch), options, image_key, label_key)
         return write_set(Path(scratch), classes, splits, dest, shard_mb, seed, storage_options, reencode)
@@ -390,17 +393,20 @@ IMAGE_FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP
 def _extract(source: hfsets.Source, folder: Path, options: dict[str, Any], image_key: str,
              label_key: str) -> tuple[list[str], dict[str, list[tuple[str, int]]]]:
     """The rows of both splits as files folder/SPLIT/NNNNNNNN.EXT, with their labels; the classes."""
-    files = hfsets.Files(source.root, options)
+    files = hfsets.Files(source.root, options, flag=SRC)
     for name in source.train + source.test:
         hfsets.check_columns(files, name, image_key, label_key)
     rows = {TRAIN: [], VAL: []}
+    digests: dict[str, list[bytes]] = {name: [] for name in source.train + source.test}
     for split, names in ((TRAIN, source.train), (VAL, source.test)):
         (folder / split).mkdir()
         for name in names:
             start = 0  # the group's first row in the file: a row is named as --dataset hf names it
             for group, count in enumerate(files.row_groups(name)):
                 images, labels = files.columns(name, group, [image_key, label_key])
-                for row, (data, label) in enumerate(zip(hfsets.image_bytes(images).to_pylist(), labels.to_pylist())):
+                datas, label_list = hfsets.image_bytes(images).to_pylist(), labels.to_pylist()
+                digests[name].append(hfsets.rows_digest(datas, label_list))
+                for row, (data, label) in enumerate(zip(datas, label_list)):
                     where = f"{files.where(name)}:row {start + row}"
                     if not data:
                         hfsets.check_embedded(images, row, where)
@@ -408,6 +414,7 @@ def _extract(source: hfsets.Source, folder: Path, options: dict[str, Any], image
                     (folder / rel).write_bytes(data)
                     rows[split].append((rel, _label(label, where)))
                 start += count
+    hfsets.check_distinct(files, digests)
     classes = hfsets.class_names(files, source, label_key) or \
         [str(i) for i in range(max(label for _, label in rows[TRAIN]) + 1)]
     for split in (TRAIN, VAL):
@@ -542,7 +549,7 @@ def _write_shard(f: BinaryIO, src: Path, samples: list[tuple[str, int]], start: 
 def main(argv: list[str] | None = None) -> int:
     p = _Parser(prog="python -m common.shards", description=__doc__,
                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("src", metavar="SRC", help="the ImageFolder tree with train/ and val/, or a Hugging Face data set "
+    p.add_argument("src", metavar=SRC, help="the ImageFolder tree with train/ and val/, or a Hugging Face data set "
                                               "(as --dataset hf reads it)")
     p.add_argument("dest", metavar="DEST_DIR_OR_URL", help="a folder, or an fsspec URL such as s3://bucket/prefix")
     p.add_argument("--shard-mb", type=float, default=64.0, help="a shard's largest size in MiB (default: %(default)s)")

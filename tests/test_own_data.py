@@ -4,6 +4,7 @@ real loading code; in-process where the behaviour is the loader's, under torchru
 from __future__ import annotations
 
 import io
+import os
 import re
 import shutil
 import sys
@@ -12,10 +13,12 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import pytest
 import torch
 
-from common.data import own
+from common import hfsets
+from common.data import hf, own
 from common.data.loader import TrainLoader, global_order
 from common.data.reading import Reader
 from common.errors import UserError
@@ -116,6 +119,109 @@ def test_a_stream_resumed_mid_epoch_is_the_rest_of_the_epoch(layout, sets, tmp_p
         whole = [images for images, _ in loader.epoch(1)]
         resumed = [images for images, _ in loader.epoch(1, start_step=7)]
         assert len(resumed) == 3 and all(torch.equal(a, b) for a, b in zip(resumed, whole[7:]))
+
+
+@pytest.mark.quick
+def test_a_parquet_row_group_is_decompressed_once_a_node_and_a_rank_reads_only_its_rows(sets, tmp_path,
+                                                                                         monkeypatch):
+    """World 2 in one process (workers 0): every row group read by pyarrow once, into the node's
+    row-group cache, however many ranks (and the statistics) read it; each rank reads back exactly
+    the bytes of its own samples. A later epoch decompresses nothing while the cache holds the set."""
+    copied, read_back = [], []
+    column_batches, pread = hfsets.Files.column_batches, os.pread
+
+    def copying(self, name, group, *rest):
+        copied.append(f"{name}#{group}")
+        return column_batches(self, name, group, *rest)
+
+    def reading(fd, size, offset):
+        read_back.append(size)
+        return pread(fd, size, offset)
+
+    monkeypatch.setattr(hfsets.Files, "column_batches", copying)
+    monkeypatch.setattr(os, "pread", reading)
+    streamed = dataset(options(sets["hf"], tmp_path, "hf", cache_gb=0.0))  # its statistics read training rows
+    sizes = streamed.train.source.table.size
+    for rank in range(2):
+        loader = TrainLoader(streamed.train, streamed.spec, 24, rank, 2, seed=3, device=CPU)
+        read_back.clear()
+        assert sum(1 for _ in loader.epoch(1)) == 10
+        used = torch.cat([loader.order(1)[step * 24 + rank:(step + 1) * 24:2] for step in range(10)])
+        assert sum(read_back) == int(sizes[used.numpy()].sum()) and len(read_back) == len(used), rank
+    groups = streamed.train.source.table.names
+    assert sorted(copied) == sorted(groups)  # once each, for both ranks
+    copied.clear()
+    assert sum(1 for _ in TrainLoader(streamed.train, streamed.spec, 24, 0, 2, seed=3, device=CPU).epoch(2)) == 10
+    assert copied == []
+
+
+@pytest.mark.quick
+def test_a_row_group_cache_smaller_than_the_set_stays_in_its_budget_and_streams_the_same(sets, tmp_path):
+    """Row groups of 10 rows (24 for training) and --shard-cache-gb holding 8 of the largest: copies
+    are evicted as the epoch goes, the folder stays within the budget (each copy's row offsets
+    aside), and the global batches (world 2, 2 workers) are those of the set decoded into the cache.
+    The ledger (the copies' total, kept per copy instead of listing the folder) is the folder's total,
+    and no temp file is left in the staging folder."""
+    source = write_hf(sets["folder"], tmp_path / "hf", rows_per_group=10)
+    reference = global_batches(dataset(options(source, tmp_path / "decoded", "hf")), 1)
+    largest = dataset(options(source, tmp_path / "probe", "hf", cache_gb=0.0)).train.source.cache.largest()
+    budget = 8 * largest
+    streamed = dataset(options(source, tmp_path / "small", "hf", cache_gb=0.0, workers=2,
+                               shard_cache_gb=budget / 2**30))
+    got = global_batches(streamed, 2)
+    assert len(got) == len(reference) and all(torch.equal(a, b) for a, b in zip(got, reference))
+    folder = tmp_path / "small" / "rowgroups"
+    copies = [p.stat().st_size for p in folder.glob("*.rows")]
+    assert 0 < len(copies) < 24 and sum(copies) <= budget + len(copies) * 8 * 12, (len(copies), sum(copies), budget)
+    assert int((folder / ".usage").read_text()) == sum(copies) and not list((folder / ".staging").iterdir())
+
+
+@pytest.mark.quick
+def test_a_row_group_is_copied_in_pieces_and_a_reader_holds_no_image(sets, tmp_path):
+    """The copy's memory is bounded by its pieces, not the row group: a quarter of the group's bytes
+    asked for gives pieces of a quarter of its rows, which together are the column; a reader
+    process holds only row starts (8 bytes a row) of at most ROW_GROUPS_HELD groups."""
+    files = hfsets.Files(str(sets["hf"]), {})
+    name = "data/train-00000-of-00002.parquet"
+    whole = files.columns(name, 0, ["image"])[0]
+    quarter = files.opened(name).metadata.row_group(0).total_byte_size // 4
+    pieces = list(files.column_batches(name, 0, "image", quarter))
+    assert len(pieces) >= 4 and max(map(len, pieces)) <= len(whole) // 4
+    assert [row for piece in pieces for row in piece.to_pylist()] == whole.to_pylist()
+    streamed = dataset(options(sets["hf"], tmp_path, "hf", cache_gb=0.0))
+    reader = streamed.train.source
+    for i in range(len(reader)):
+        reader.read(i)
+    assert 0 < len(reader.held) <= hf.ROW_GROUPS_HELD
+    assert all(starts.dtype == np.int64 and starts.nbytes <= 8 * 38 for starts, _ in reader.held.values())
+
+
+@pytest.mark.quick
+def test_a_cache_budget_below_eight_row_groups_is_one_line_with_the_ways_out(sets, tmp_path):
+    with pytest.raises(UserError, match=r"^--shard-cache-gb [\d.e-]+ holds fewer than 8 of the largest row group "
+                                        r"\(.* MB\); pass --shard-cache-gb .* or more, or write smaller row groups"):
+        dataset(options(sets["hf"], tmp_path, "hf", cache_gb=0.0, shard_cache_gb=1e-5))
+
+
+@pytest.mark.quick
+def test_the_same_rows_under_two_names_are_one_line_naming_both(sets, tmp_path, capsys):
+    """A parquet file copied under another name (here train-copy.parquet: a name of the train
+    split) would train its rows twice an epoch: refused by --dataset hf and by the converter, which
+    calls its source SRC."""
+    source = Path(shutil.copytree(sets["hf"], tmp_path / "copy"))
+    shutil.copy(source / "data" / "train-00001-of-00002.parquet", source / "data" / "train-copy.parquet")
+    both = rf"{source}/data/train-00001-of-00002.parquet and {source}/data/train-copy.parquet hold the same rows"
+    with pytest.raises(UserError, match=f"^{re.escape(both)}.*remove one of them$") as error:
+        dataset(options(source, tmp_path / "cache", "hf"))
+    assert "\n" not in str(error.value)
+    with pytest.raises(SystemExit) as exit:
+        shards_main([str(source), str(tmp_path / "shards")])
+    err = capsys.readouterr().err
+    assert exit.value.code == 2 and err.count("\n") == 1 and both in err, err
+    with pytest.raises(SystemExit):
+        shards_main([str(tmp_path / "nowhere"), str(tmp_path / "shards")])
+    err = capsys.readouterr().err
+    assert f"SRC {tmp_path / 'nowhere'} is not a folder" in err and "--data-dir" not in err, err
 
 
 @pytest.mark.quick

@@ -3,28 +3,47 @@ own-data layout: indexed, then decoded into the node's cache or streamed like th
 
 The index (common/data/index.py) is a sharded table whose groups are the files' row groups (an
 Arrow file's record batches): a sample is row `offset` of group `group`. The epoch's order shuffles
-the groups, then the rows within windows of SHUFFLE_WINDOW groups (loader.global_order), so a
-process reads a row group only when one of its samples is in it, and holds the last
-ROW_GROUPS_HELD it read.
+the groups, then the rows within windows of SHUFFLE_WINDOW groups (loader.global_order). Each rank
+uses about 1/W of a window's rows, and a parquet row group's pages decompress only whole (pyarrow
+writes pages of up to 1,024 rows), so a row group is decompressed once per node into the node's
+row-group cache (RowGroupCache), and every rank and worker reads only its own rows from there. An
+Arrow file is memory-mapped: its rows are read where they are.
 """
 from __future__ import annotations
 
+import hashlib
+import os
 from collections import OrderedDict
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import numpy as np
 
 from common.data.decoding import broken_message, header
 from common.data.geometry import Stored
-from common.data.index import TableWriter
+from common.data.index import SetIndex, Table, TableWriter
 from common.data.indexing import ShardSamples, Survey, parallel
 from common.data.loader import SHUFFLE_WINDOW
 from common.data.reading import Ragged, Reader
+from common.data.shardcache import GONE, ShardCache
 from common.errors import UserError
-from common.hfsets import GROUP_MARK, Files, Source, check_columns, check_embedded, class_names, image_bytes
+from common.hfsets import (
+    ARROW,
+    GROUP_MARK,
+    Files,
+    Source,
+    check_columns,
+    check_distinct,
+    check_embedded,
+    class_names,
+    fmt_of,
+    image_bytes,
+    rows_digest,
+)
 
 ROW_GROUPS_HELD = 2 * SHUFFLE_WINDOW  # a batch that spans two windows reads from both
+COPY_PIECE_BYTES = 16 * 2**20  # a row group is copied into the cache in pieces of this size (and pyarrow holds
+# the page it decodes: a process that copies holds about its largest page, one that reads holds no image)
 
 
 # ---------------------------------------------------------------- indexing
@@ -38,20 +57,23 @@ def index_into(source: Source, folder: Path, options: dict[str, Any], image_key:
         check_columns(files, name, image_key, label_key)
     names = class_names(files, source, label_key)
     survey, tops = Survey(), {}
+    digests: dict[str, list[bytes]] = {name: [] for name in source.train + source.test}
     for split, split_files in (("train", source.train), ("test", source.test)):
         groups = [(name, group, start, label_key, image_key) for name in split_files
                   for group, start in enumerate(starts(files.row_groups(name)))]
         writer = TableWriter(folder, split, sharded=True)
         work = lambda item: read_group(files, item, skip)  # noqa: E731
         top = -1
-        for number, ((name, group, *_), found) in enumerate(zip(groups, parallel(groups, work, workers))):
+        for number, ((name, group, *_), (found, digest)) in enumerate(zip(groups, parallel(groups, work, workers))):
             writer.add_shard(f"{name}{GROUP_MARK}{group}", number, found.offsets, found.sizes, found.keys,
                              found.labels, found.dims)
             survey.merge(found.survey)
             top = max([top, *found.labels])
             check_labels(found, names, files.where(name), label_key)
+            digests[name].append(digest)
         writer.close()
         tops[split] = top
+    check_distinct(files, digests)
     classes = names or [str(i) for i in range(tops["train"] + 1)]
     if tops["test"] >= len(classes):
         raise UserError(f"the {source.eval_split} split of {source.root} has class {tops['test']}, outside the "
@@ -65,12 +87,14 @@ def starts(rows: list[int]) -> list[int]:
     return np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(int).tolist() if rows else []
 
 
-def read_group(files: Files, item: tuple[str, int, int, str, str], skip: bool) -> ShardSamples:
-    """One row group's samples: each row's place in it, its image's size, (width, height) and mode."""
+def read_group(files: Files, item: tuple[str, int, int, str, str], skip: bool) -> tuple[ShardSamples, bytes]:
+    """One row group's samples (each row's place in it, its image's size, (width, height) and
+    mode), and its rows' digest."""
     name, group, start, label_key, image_key = item
     column, labels = files.columns(name, group, [image_key, label_key])
+    images, labels = image_bytes(column).to_pylist(), labels.to_pylist()
     out = ShardSamples()
-    for row, (data, label) in enumerate(zip(image_bytes(column).to_pylist(), labels.to_pylist())):
+    for row, (data, label) in enumerate(zip(images, labels)):
         key = f"row {start + row}"
         where = f"{files.where(name)}:{key}"
         if not data:
@@ -92,7 +116,7 @@ def read_group(files: Files, item: tuple[str, int, int, str, str], skip: bool) -
         out.labels.append(int(label))
         out.dims.append((width, height))
         out.survey.saw(f"{width}x{height}", where, mode, kind)
-    return out
+    return out, rows_digest(images, labels)
 
 
 def check_labels(found: ShardSamples, names: list[str] | None, where: str, label_key: str) -> None:
@@ -120,15 +144,80 @@ def check_shuffled(folder: Path, source: Source, classes: int) -> None:
 
 # ---------------------------------------------------------------- reading while training
 
+class RowGroupCache(ShardCache):
+    """The image bytes of a parquet set's row groups, each copied once per node into --cache-dir by
+    the first process that needs it (under the cache's lock, in pieces of COPY_PIECE_BYTES): the
+    bytes of its rows end to end, then each row's start and the end (int64), then the row count.
+    Every rank and worker of the node reads its own rows from that copy; the copies are bounded by
+    --shard-cache-gb as shards from a URL are, the least recently used deleted beyond it."""
+
+    SUFFIX = ".rows"
+    WHAT = "row group"
+    SMALLER = "write smaller row groups (row_group_size), or convert the set to shards (python -m common.shards)"
+
+    def __init__(self, root: str, options: dict[str, Any], folder: Path, budget_bytes: int,
+                 versions: dict[str, str], image_key: str) -> None:
+        super().__init__(root, options, folder, budget_bytes, versions)
+        self.files, self.image_key = Files(root, options), image_key
+
+    def local(self, name: str) -> Path:
+        tag = hashlib.sha256(f"{self.url}\0{name}\0{self.versions[name]}".encode()).hexdigest()[:16]
+        return self.folder / f"{name.rsplit('/', 1)[-1]}.{tag}{self.SUFFIX}"
+
+    def _fill(self, name: str, part: Path) -> None:
+        file, group = name.rsplit(GROUP_MARK, 1)
+        ends = [0]
+        with open(part, "wb") as out:
+            for piece in self.files.column_batches(file, int(group), self.image_key, COPY_PIECE_BYTES):
+                rows = [data or b"" for data in image_bytes(piece).to_pylist()]
+                out.write(b"".join(rows))  # one write a piece: a row group of small images has hundreds of rows
+                ends.extend((ends[-1] + np.cumsum([len(data) for data in rows], dtype=np.int64)).tolist())
+            out.write(np.asarray(ends, dtype="<i8").tobytes() + (len(ends) - 1).to_bytes(8, "little"))
+
+    def opened(self, name: str) -> tuple[np.ndarray, BinaryIO]:
+        """The copy of row group `name` open for reading (made if the cache lacks it), and each
+        row's start in it, then the end. Open, it stays readable when another process evicts it."""
+        def open_copy(path: Path) -> tuple[np.ndarray, BinaryIO]:
+            copy = open(path, "rb")
+            try:
+                copy.seek(-8, os.SEEK_END)
+                rows = int.from_bytes(copy.read(8), "little")
+                copy.seek(-8 * (rows + 2), os.SEEK_END)
+                return np.frombuffer(copy.read(8 * (rows + 1)), dtype="<i8"), copy
+            except BaseException:
+                copy.close()
+                raise
+        return self._retrying(name, open_copy)
+
+
+def row_group_cache(index: SetIndex, folder: Path, options: dict[str, Any], budget_bytes: int,
+                    image_key: str) -> RowGroupCache | None:
+    """The node's cache of the set's parquet row groups (None for Arrow files: those are mapped),
+    each named by the set's fingerprint and sized by its rows' bytes as indexed."""
+    sizes = {name: int(size) for table in (index.train, index.test) for name, size in group_bytes(table).items()}
+    if not sizes or all(fmt_of(name.rsplit(GROUP_MARK, 1)[0]) == ARROW for name in sizes):
+        return None
+    versions = {name: f"{size}-{index.fingerprint}" for name, size in sizes.items()}
+    return RowGroupCache(index.root, options, folder, budget_bytes, versions, image_key)
+
+
+def group_bytes(table: Table) -> dict[str, float]:
+    """Each row group's bytes of images, as indexed (a row --skip-broken passed over is not counted)."""
+    total = np.bincount(np.asarray(table.group), weights=np.asarray(table.size), minlength=len(table.names))
+    return dict(zip(table.names, total.tolist()))
+
+
 class HFReader(Reader):
     """A Reader whose samples are rows of SOURCE's files: sample i is row offset[i] of row group
-    group[i]; a process holds the image bytes of the last ROW_GROUPS_HELD row groups it read."""
+    group[i], read from the node's copy of the row group (RowGroupCache), or from the mapped Arrow
+    file; a process holds the copies of the last ROW_GROUPS_HELD row groups it read open, with their
+    row starts (8 bytes a row), and no image."""
 
     def __init__(self, table, root: str, view: Stored, channels: int, skip: bool, augment: str,
-                 store: Ragged | None, image_key: str, options: dict[str, Any]) -> None:
-        super().__init__(table, root, view, channels, skip, None, augment, store)
+                 store: Ragged | None, image_key: str, options: dict[str, Any], cache: RowGroupCache | None) -> None:
+        super().__init__(table, root, view, channels, skip, cache, augment, store)
         self.files, self.image_key = Files(root, options), image_key
-        self.held: OrderedDict[int, Any] = OrderedDict()
+        self.held: OrderedDict[int, tuple[np.ndarray, BinaryIO]] = OrderedDict()
 
     def __getstate__(self) -> dict:
         return {**self.__dict__, "held": OrderedDict()}
@@ -138,13 +227,26 @@ class HFReader(Reader):
         return f"{self.files.where(file)}:{self.table.keys[i]}"
 
     def read(self, i: int) -> bytes:
-        group = int(self.table.group[i])
-        if group not in self.held:
-            file, number = self.table.names[group].rsplit(GROUP_MARK, 1)
+        group, row = int(self.table.group[i]), int(self.table.offset[i])
+        name = self.table.names[group]
+        file, number = name.rsplit(GROUP_MARK, 1)
+        if fmt_of(file) == ARROW:
             (column,) = self.files.columns(file, int(number), [self.image_key])
-            self.held[group] = image_bytes(column)
+            return image_bytes(column)[row].as_py() or b""
+        try:
+            return self.row_bytes(group, row)
+        except OSError as e:  # on NFS a copy another node evicted fails even while open here: a fresh one
+            if e.errno not in GONE or group not in self.held:
+                raise
+            self.held.pop(group)[1].close()
+            return self.row_bytes(group, row)
+
+    def row_bytes(self, group: int, row: int) -> bytes:
+        if group not in self.held:
+            self.held[group] = self.cache.opened(self.table.names[group])
             if len(self.held) > ROW_GROUPS_HELD:
-                self.held.popitem(last=False)
+                self.held.popitem(last=False)[1][1].close()
         self.held.move_to_end(group)
-        data = self.held[group][int(self.table.offset[i])].as_py()
-        return data or b""
+        starts, copy = self.held[group]
+        start, end = int(starts[row]), int(starts[row + 1])
+        return os.pread(copy.fileno(), end - start, start)

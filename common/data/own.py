@@ -90,10 +90,18 @@ class OwnData:
         return Path(self.cache_dir or default_cache_dir())
 
     def shard_cache(self, versions: dict[str, str]) -> ShardCache | None:
-        if not is_url(self.data_dir) or self.kind == "hf":  # hf reads a URL's row groups by range: no copies
+        if not is_url(self.data_dir) or self.kind == "hf":
             return None
         return ShardCache(self.data_dir, self.storage_options, cache_folder(self.cache_dir, self.data_dir) / "shards",
                           int(self.shard_cache_gb * 2**30), versions)
+
+    def stream_cache(self, index: SetIndex) -> ShardCache | None:
+        """What a streamed set is read through on the node: shards from a URL, or (hf) copies of a
+        parquet set's row groups, each decompressed once per node."""
+        if self.kind == "hf":
+            return hf.row_group_cache(index, self.cache_root / "rowgroups", self.storage_options,
+                                      int(self.shard_cache_gb * 2**30), self.image_key)
+        return self.shard_cache(index.versions)
 
 
 def add_own_data_flags(group: argparse._ArgumentGroup) -> None:
@@ -117,8 +125,9 @@ def add_own_data_flags(group: argparse._ArgumentGroup) -> None:
         help="decode a set that fits in this many GB once per node into --cache-dir, else stream it "
              "(default: %(default)s)")
     add("--shard-cache-gb", type=float, default=10.0, metavar="GB",
-        help="the most a node keeps of shards from a --data-dir URL while streaming; the least recently "
-             "used are deleted beyond it (default: %(default)s)")
+        help="the most a node keeps of shards from a --data-dir URL, or of a parquet set's row groups "
+             "(--dataset hf), while streaming; the least recently used are deleted beyond it "
+             "(default: %(default)s)")
     add("--verify-data", action="store_true",
         help="tell the set's files apart by their bytes, not their names, sizes and dates (which "
              "cp -p and rsync -a keep): reads the whole set at every start")
@@ -147,7 +156,7 @@ def prepare(opts: OwnData, say: Say) -> dict[str, Any]:
     if evaluated and (problem := evaluated.misfit(f"{opts.kind} {opts.data_dir}", geometry.channels, geometry.size,
                                                   index.class_names)):
         raise UserError(problem)
-    cache = opts.shard_cache(index.versions)
+    cache = opts.stream_cache(index)
     if cache:  # every run: a budget lowered since the set was indexed holds, and trims the cache now
         cache.check_budget()
         cache.evict()
@@ -373,11 +382,12 @@ def class_names(opts: OwnData, shard_set: layout.ShardSet, listing: dict[str, st
 def reader(index: SetIndex, split: str, geometry: Geometry, opts: OwnData, store: Ragged | None = None) -> Reader:
     table = index.train if split == "train" else index.test
     stored = geometry.train if split == "train" else geometry.test
+    cache = opts.stream_cache(index)
     if opts.kind == "hf":
         return hf.HFReader(table, index.root, stored, geometry.channels, opts.skip_broken,
                            geometry.augment if split == "train" else "none", store, opts.image_key,
-                           opts.storage_options)
-    return Reader(table, index.root, stored, geometry.channels, opts.skip_broken, opts.shard_cache(index.versions),
+                           opts.storage_options, cache)
+    return Reader(table, index.root, stored, geometry.channels, opts.skip_broken, cache,
                   geometry.augment if split == "train" else "none", store)
 
 
@@ -560,8 +570,9 @@ def open_prepared(report: dict[str, Any], opts: OwnData) -> Dataset:
     on_gpu = decodes_on_gpu(opts, index, geometry)
     train = Streamed(reader(index, "train", geometry, opts), opts.workers, gpu_decode=on_gpu)
     test = Streamed(reader(index, "test", geometry, opts), opts.workers)
-    where = f", through the shard cache {train.source.cache.folder} (at most {opts.shard_cache_gb:g} GB)" \
-        if train.source.cache else ""
+    cache = train.source.cache
+    where = f", through the node's {cache.WHAT} cache {cache.folder} (at most {opts.shard_cache_gb:g} GB)" \
+        if cache else ""
     decoded = f"read each batch's JPEGs{where}; the rank decodes (nvJPEG), crops and flips them on {opts.device} " \
         "(--decode gpu)" if on_gpu else f"decode each batch{where}"
     why = "evaluated once: no decoded copy is made" if opts.evaluated else \

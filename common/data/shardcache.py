@@ -5,6 +5,12 @@ then renamed: every rank and worker of the node shares the copy, and a cut downl
 for a shard) and kept while the cache holds at most its budget: beyond it, the least recently used
 shards are deleted (a reader that has one open keeps reading it: Linux frees it on close). A
 thread fetches the shards the coming batches need ahead of the workers that read them.
+
+A copy costs the same bookkeeping however many the folder holds (thousands of small parquet row
+groups): the cache's total size is kept in a ledger file updated under the eviction lock, temp
+files are written in a staging subfolder that holds only fetches in flight (or killed), and the
+folder is listed only to evict, down to a low-water mark so that a cache at its budget is not
+listed at every miss.
 """
 from __future__ import annotations
 
@@ -24,6 +30,11 @@ from common.storage import StorageError, storage_for
 # A budget must hold this many of the largest shard: the window being read, and the next one that
 # workers already read from while the first one's last batches are still in flight.
 MIN_SHARDS = 2 * SHUFFLE_WINDOW
+# Eviction deletes down to this share of the budget: a cache at its budget is then listed once per
+# 1/LOW_WATER_PARTS of its bytes fetched, not after every miss.
+LOW_WATER_PARTS = 8
+LEDGER = ".usage"  # the cached copies' total bytes, as the last fetch or eviction left it
+STAGING = ".staging"  # temp files of fetches in flight, and of killed ones
 
 
 OPEN_TRIES = 3
@@ -33,6 +44,10 @@ T = TypeVar("T")
 
 class ShardCache:
     """Picklable (DataLoader workers each build their own store client on first use)."""
+
+    SUFFIX = ".tar"  # what the cached copies' names end with: what eviction counts
+    WHAT = "shard"  # what is cached, in a budget's error line
+    SMALLER = "write smaller shards (python -m common.shards --shard-mb)"  # the other way out of a small budget
 
     def __init__(self, url: str, options: dict[str, Any], folder: Path, budget_bytes: int,
                  versions: dict[str, str]) -> None:
@@ -47,7 +62,7 @@ class ShardCache:
     def local(self, name: str) -> Path:
         """The version-named local file a shard is cached as."""
         tag = hashlib.sha256(self.versions[name].encode()).hexdigest()[:12]
-        return self.folder / f"{name.removesuffix('.tar')}.{tag}.tar"
+        return self.folder / f"{name.removesuffix('.tar')}.{tag}{self.SUFFIX}"
 
     def path(self, name: str) -> Path:
         """A local copy of shard `name`, fetched if the cache lacks it; marks it recently used."""
@@ -56,16 +71,17 @@ class ShardCache:
             self.hits += 1
             os.utime(target)
             return target
-        self.folder.mkdir(parents=True, exist_ok=True)
+        (self.folder / STAGING).mkdir(parents=True, exist_ok=True)
         with file_lock(self.folder / f".{target.name}.lock"):
             if target.is_file():  # another rank or worker fetched it meanwhile
                 self.hits += 1
                 return target
-            for leftover in self.folder.glob(f".{target.name}.tmp-*"):  # of a fetch killed while it held this lock
-                leftover.unlink(missing_ok=True)
+            # of a fetch killed while it held this lock (the staging folder holds only fetches in flight)
+            with os.scandir(self.folder / STAGING) as entries:  # a prefix test: a glob compiles a pattern a call
+                for leftover in [e.path for e in entries if e.name.startswith(f".{target.name}.tmp-")]:
+                    os.unlink(leftover)
             self._fetch(name, target)
             self.misses += 1
-        self.evict(keep=target)
         return target
 
     def open(self, name: str) -> BinaryIO:
@@ -93,56 +109,104 @@ class ShardCache:
         return use(self.path(name))
 
     def _fetch(self, name: str, target: Path) -> None:
-        part = staging_path(target)
+        part = staging_path(self.folder / STAGING / target.name)
         try:
-            if self._store_pid != os.getpid():  # a forked worker holds its parent's client: s3fs refuses it
-                self._store, self._store_pid = storage_for(self.url, self.options), os.getpid()
-            self._store.get(name, part)
-            os.replace(part, target)
-        except StorageError as e:
-            raise UserError(f"--data-dir {e}; check the URL and the credentials") from None
+            self._fill(name, part)
+            self.publish(part, target)
         except OSError as e:
             raise UserError(f"--cache-dir {self.folder}: {e.strerror or e}; pass a --cache-dir with room for "
                             f"--shard-cache-gb") from None
         finally:
             part.unlink(missing_ok=True)
 
-    def evict(self, keep: Path | None = None) -> None:
-        """Delete the least recently used shards until the cache is within its budget (at start-up
-        too: a lowered --shard-cache-gb trims a cache that would otherwise only get hits)."""
+    def _fill(self, name: str, part: Path) -> None:
+        """Writes the copy of `name` to `part`: a shard fetched from the store."""
+        try:
+            if self._store_pid != os.getpid():  # a forked worker holds its parent's client: s3fs refuses it
+                self._store, self._store_pid = storage_for(self.url, self.options), os.getpid()
+            self._store.get(name, part)
+        except StorageError as e:
+            raise UserError(f"--data-dir {e}; check the URL and the credentials") from None
+
+    def evict(self) -> None:
+        """Delete the least recently used shards until the cache is within its budget, and write
+        the ledger; at start-up (a lowered --shard-cache-gb trims a cache that would otherwise only
+        get hits, and the ledger is made true after anything outside the suite deleted files)."""
         if not self.folder.is_dir():
             return
         with file_lock(self.folder / ".evict.lock"):
-            cached = sorted(((p.stat().st_mtime, p) for p in self.folder.glob("*.tar") if p.is_file()),
-                            key=lambda pair: pair[0])
-            total = sum(p.stat().st_size for _, p in cached)
-            for _, path in cached:
-                if total <= self.budget:
-                    break
-                if path != keep:
-                    total -= path.stat().st_size
-                    path.unlink(missing_ok=True)
+            self._evict(self.budget, None)
+
+    def publish(self, part: Path, target: Path) -> None:
+        """Renames a fetched copy to `target` and counts it in the ledger, in one step under the
+        eviction lock (an eviction between the two would count it twice), then evicts when the
+        cache is over its budget: one small file read and written per copy, the folder listed
+        only to evict (or when the ledger is missing or unreadable)."""
+        with file_lock(self.folder / ".evict.lock"):
+            size = part.stat().st_size
+            os.replace(part, target)
+            try:
+                total = int((self.folder / LEDGER).read_text()) + size
+            except (OSError, ValueError):  # no ledger yet (a cache from before it), or one cut short
+                total = None
+            if total is None:
+                self._evict(self.budget, target)
+            elif total > self.budget:
+                self._evict(self.low_water(), target)
+            else:
+                self._write_ledger(total)
+
+    def low_water(self) -> int:
+        return self.budget - self.budget // LOW_WATER_PARTS
+
+    def _evict(self, limit: int, keep: Path | None) -> None:
+        """Under the eviction lock: the least recently used copies deleted until at most `limit`
+        bytes are left, then the ledger written with what is left."""
+        cached = sorted(self._copies(), key=lambda copy: copy[0])
+        total = sum(size for _, size, _ in cached)
+        for _, size, path in cached:
+            if total <= limit:
+                break
+            if path != keep:
+                total -= size
+                path.unlink(missing_ok=True)
+        self._write_ledger(total)
+
+    def _write_ledger(self, total: int) -> None:
+        (self.folder / LEDGER).write_text(str(total))
+
+    def _copies(self) -> list[tuple[float, int, Path]]:
+        """(last use, size, path) of each cached copy, one stat each (the folder holds as many
+        copies as the budget does: thousands of small row groups)."""
+        copies = []
+        with os.scandir(self.folder) as entries:
+            for entry in entries:
+                if entry.name.endswith(self.SUFFIX) and not entry.name.startswith(".") and entry.is_file():
+                    info = entry.stat()
+                    copies.append((info.st_mtime, info.st_size, Path(entry.path)))
+        return copies
 
     def ahead(self) -> int:
         """How many shards the prefetcher may fetch beyond the one being read without evicting a
-        shard that workers still read."""
-        return max(1, self.budget // max(self.largest(), 1) - MIN_SHARDS)
+        shard that workers still read (eviction may go down to the low-water mark)."""
+        return max(1, self.low_water() // max(self.largest(), 1) - MIN_SHARDS)
 
     def largest(self) -> int:
         """The largest shard's size, from its version (SIZE-TAG)."""
         return max(int(version.split("-")[0]) for version in self.versions.values())
 
     def check_budget(self) -> None:
-        check_budget(self.budget, self.largest(), "--shard-cache-gb")
+        check_budget(self.budget, self.largest(), "--shard-cache-gb", self.WHAT, self.SMALLER)
 
 
-def check_budget(budget_bytes: int, largest: int, flag: str) -> None:
+def check_budget(budget_bytes: int, largest: int, flag: str, what: str = "shard",
+                 smaller: str = ShardCache.SMALLER) -> None:
     if budget_bytes < MIN_SHARDS * largest:
         need = MIN_SHARDS * largest / 2**30
         digits = max(2, 2 - math.floor(math.log10(need)))  # three significant digits, rounded up: enough
-        raise UserError(f"{flag} {budget_bytes / 2**30:g} holds fewer than {MIN_SHARDS} of the largest shard "
+        raise UserError(f"{flag} {budget_bytes / 2**30:g} holds fewer than {MIN_SHARDS} of the largest {what} "
                         f"({largest / 2**20:.2f} MB); pass {flag} {math.ceil(need * 10**digits) / 10**digits:g} or "
-                        "more, or write smaller shards (python -m common.shards --shard-mb)")
+                        f"more, or {smaller}")
 
 
 class Prefetcher:
