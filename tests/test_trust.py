@@ -19,7 +19,16 @@ from common.storage import LocalStorage
 from common.train.checkpoint import BackgroundWriter, CheckpointFolder
 from common.train.flags import parse_args
 from common.train.state import parse_checkpoint
-from tests.conftest import ROOT, error_lines, latest_checkpoint, latest_state, run_script, stop_after
+from tests.conftest import (
+    ROOT,
+    error_lines,
+    latest_checkpoint,
+    latest_state,
+    one_launch,
+    run_script,
+    split_runs,
+    stop_after,
+)
 from train_allreduce import AllReduceStrategy
 from train_master import MasterWorkerStrategy
 
@@ -186,18 +195,19 @@ def test_runs_in_one_folder_never_prune_each_other(tmp_path):
 # ---------------------------------------------------------------- run identity, end to end
 
 def test_smoke_run_then_real_run_trains_the_real_run(tmp_path):
-    """Before: the real run printed 'training already complete' and trained nothing."""
-    smoke = run_script(["train_ddp.py", *FLAGS, "--epochs", "2", "--max-steps", "2"], nproc=2, cwd=tmp_path)
-    ok(smoke)
+    """Before: the real run printed 'training already complete' and trained nothing. The three
+    commands one after another in one launch (tests/runs.py), in the default folders."""
     real_flags = [*FLAGS, "--epochs", "1", "--max-steps", "3", "--lr", "0.01", "--seed", "7"]
-    real = run_script(["train_ddp.py", *real_flags], nproc=2, cwd=tmp_path)
-    ok(real)
-    assert "already complete" not in real.stdout and "resumed" not in real.stdout and "epoch 1/1" in real.stdout
+    runs = [["train_ddp.py", *FLAGS, "--epochs", "2", "--max-steps", "2"], ["train_ddp.py", *real_flags],
+            ["train_ddp.py", *real_flags]]  # a smoke run, the real run, the same command again: that run
+    launch = run_script(one_launch(runs), nproc=2, cwd=tmp_path)
+    ok(launch)
+    smoke, real, again = split_runs(launch.stdout)
+    assert "epoch 2/2" in smoke, smoke
+    assert "already complete" not in real and "resumed" not in real and "epoch 1/1" in real, real
     folders = sorted(p.name for p in (tmp_path / "checkpoints").iterdir())
     assert len(folders) == 2 and all(f.startswith("ddp-synthetic-lenet-") for f in folders), folders
-    again = run_script(["train_ddp.py", *real_flags], nproc=2, cwd=tmp_path)  # the same command: that run
-    ok(again)
-    assert "training already complete" in again.stdout
+    assert "training already complete" in again, again
 
 
 def test_changed_lr_never_continues_an_unfinished_run(tmp_path):
@@ -205,18 +215,19 @@ def test_changed_lr_never_continues_an_unfinished_run(tmp_path):
     cut = run_script(["tests/faults.py", "ddp", "sigterm", "10", *FLAGS, "--epochs", "1", "--max-steps", "16"],
                      nproc=2, cwd=tmp_path)
     assert f"stopped by SIGTERM after step {stop_after(10)} " in cut.stderr, cut.stderr[-3000:]
-    changed = run_script(["train_ddp.py", *FLAGS, "--epochs", "1", "--max-steps", "16", "--lr", "0.01"],
-                         nproc=2, cwd=tmp_path)
-    ok(changed)
-    assert "resumed" not in changed.stdout and "peak lr 0.01;" in changed.stdout
+    # The changed command, then the first one again: one after another in one launch (tests/runs.py).
+    runs = [["train_ddp.py", *FLAGS, "--epochs", "1", "--max-steps", "16", "--lr", "0.01"],
+            ["train_ddp.py", *FLAGS, "--epochs", "1", "--max-steps", "16"]]
+    launch = run_script(one_launch(runs), nproc=2, cwd=tmp_path)
+    ok(launch)
+    changed, same = split_runs(launch.stdout)
+    assert "resumed" not in changed and "peak lr 0.01;" in changed, changed
     folders = list((tmp_path / "checkpoints").iterdir())
     assert len(folders) == 2
     for folder in folders:  # each run with its own optimizer state
         state = latest_state(folder)
         assert state["optimizer"]["param_groups"][0]["initial_lr"] == state["config"]["lr"]
-    same = run_script(["train_ddp.py", *FLAGS, "--epochs", "1", "--max-steps", "16"], nproc=2, cwd=tmp_path)
-    ok(same)
-    assert "resumed from" in same.stdout and f"epoch 1, step {stop_after(10)}" in same.stdout  # where it stopped
+    assert "resumed from" in same and f"epoch 1, step {stop_after(10)}" in same, same  # where it stopped
     # Pointed at one explicit folder, a changed command stops with the differences instead:
     # test_resume.py's test_checkpoint_of_another_model_is_a_clear_error.
 
