@@ -246,7 +246,6 @@ class Files:
             return [table.column(key).combine_chunks() for key in keys]
         return [opened[group].column(key) for key in keys]
 
-
     def column_batches(self, name: str, group: int, key: str, most_bytes: int) -> Iterator[Any]:
         """One column of a parquet row group in pieces of about `most_bytes` (as stored: uncompressed),
         read one after another: what the pieces hold is not all in memory at once."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 import numpy as np
+from PIL import Image, ImageDraw, ImageFont
 
 Counts = Sequence[Sequence[int]]
 # Where a training run's TensorBoard keeps them (common/output/logger.py), for people and for the report.
@@ -91,11 +92,9 @@ def _blues(shares: np.ndarray) -> np.ndarray:
     return np.stack([np.interp(shares, steps, BLUES[:, c]) for c in range(3)], axis=-1).round().astype(np.uint8)
 
 
-def _picture(counts: Counts, names: Sequence[str], title: str):
+def _picture(counts: Counts, names: Sequence[str], title: str) -> Image.Image:
     """Drawn with PIL, not matplotlib: a run's end draws one, and matplotlib's import and layout cost
     about a CPU-second a run (PIL: milliseconds)."""
-    from PIL import Image, ImageDraw, ImageFont
-
     matrix = np.asarray(counts, dtype=np.int64)
     classes = max(len(matrix), 1)
     shares = matrix / np.maximum(matrix.sum(axis=1, keepdims=True), 1)
@@ -125,10 +124,8 @@ def _picture(counts: Counts, names: Sequence[str], title: str):
     return picture
 
 
-def _colour_bar(picture, font, corner: tuple[int, int], height: int) -> None:
+def _colour_bar(picture: Image.Image, font: ImageFont.FreeTypeFont, corner: tuple[int, int], height: int) -> None:
     """The scale beside the grid: share 1 at the top, 0 at the bottom, and what it measures."""
-    from PIL import Image, ImageDraw
-
     x, y = corner
     ramp = _blues(np.linspace(1.0, 0.0, max(height, 2)))[:, None, :].repeat(BAR, axis=1)
     picture.paste(Image.fromarray(ramp), (x, y))
@@ -140,11 +137,9 @@ def _colour_bar(picture, font, corner: tuple[int, int], height: int) -> None:
               anchor="middle")
 
 
-def _vertical(picture, text: str, font, at: tuple[int, int], anchor: str) -> None:
-    """`text` turned a quarter left, its top-left at `at` (anchor "top": the text's end at `at`, going
-    down; "middle": centred on `at` vertically)."""
-    from PIL import Image, ImageDraw
-
+def _vertical(picture: Image.Image, text: str, font: ImageFont.FreeTypeFont, at: tuple[int, int], anchor: str) -> None:
+    """`text` turned a quarter left (read bottom to top), centred on `at` across; along, its top at `at`
+    (anchor "top") or its middle (anchor "middle")."""
     width = max(int(font.getlength(text)), 1)
     mask = Image.new("L", (width, TEXT + 2))
     ImageDraw.Draw(mask).text((0, 0), text, fill=255, font=font)
