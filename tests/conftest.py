@@ -27,6 +27,17 @@ pytest_plugins = ["tests.launches"]
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """`-m quick` leaves out the tests marked slow as well: the inner loop stays under a minute, and
+    the full suite runs them."""
+    if config.getoption("markexpr") != "quick":
+        return
+    slow = [item for item in items if item.get_closest_marker("slow")]
+    if slow:
+        config.hook.pytest_deselected(items=slow)
+        items[:] = [item for item in items if not item.get_closest_marker("slow")]
+
+
 # The gradient-averaging strategies, as every test that loops over strategies names them.
 AVERAGING = {
     "ddp": ["train_ddp.py"],

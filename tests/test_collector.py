@@ -98,6 +98,7 @@ ctypes.CDLL(None).printf(b"C LINE\\n")
 """
 
 
+@pytest.mark.slow
 @pytest.mark.quick
 @pytest.mark.parametrize("batch, status", [(16, 0), (10**6, 1)], ids=["clean", "error"])
 def test_a_clean_run_ends_without_the_interpreters_teardown_and_loses_no_output(tmp_path, batch, status):
@@ -122,6 +123,7 @@ def test_a_clean_run_ends_without_the_interpreters_teardown_and_loses_no_output(
         assert "ENDED BY" not in result.stdout and "--batch-size 1000000" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.quick
 def test_importing_a_training_script_leaves_the_importers_collector_alone():
     code = "import gc, train_allreduce, train_ddp; print(gc.isenabled(), gc.get_freeze_count())"

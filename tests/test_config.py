@@ -108,6 +108,7 @@ def test_script_rejects_bad_flag_before_process_group():
     assert time.monotonic() - start < ENDS_PROMPTLY_S
 
 
+@pytest.mark.slow
 @pytest.mark.quick
 def test_nccl_without_gpu_is_a_clear_error():
     if torch.cuda.is_available():

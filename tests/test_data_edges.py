@@ -226,6 +226,7 @@ own.prepare(opts, print)
 """
 
 
+@pytest.mark.slow
 def test_a_build_killed_mid_way_leaves_staging_that_the_next_run_sweeps(small, tmp_path):
     cache = tmp_path / "cache"
     killed = subprocess.run([sys.executable, "-c", KILLED_BUILD, str(small), str(cache)], cwd=ROOT, env=child_env(),
@@ -244,6 +245,7 @@ own.prepare(options(sys.argv[1], sys.argv[2], image_size=int(sys.argv[3]), cache
 """
 
 
+@pytest.mark.slow
 def test_decoded_sets_together_stay_within_cache_gb_and_one_in_use_is_kept(tmp_path):
     varying = write_imagefolder(tmp_path / "varying", train_size=40, test_size=10, sizes=(20, 30))
     cache, budget = tmp_path / "cache", 1.5 * (40 * 23 ** 2 + 10 * 20 ** 2) / 2**30  # one set at 20 px fits, not two
@@ -268,6 +270,7 @@ def test_the_decoded_cache_key_includes_skip_broken(small, tmp_path):
 
 # ---------------------------------------------------------------- 7. the shard cache's budget
 
+@pytest.mark.slow
 def test_a_lowered_shard_cache_budget_is_checked_and_trims_the_cache(small, tmp_path, monkeypatch):
     shards = write_shards(small, tmp_path / "shards", shard_mb=0.004)
     count, largest = len(list(shards.glob("*.tar"))), max(p.stat().st_size for p in shards.glob("*.tar"))
@@ -436,6 +439,7 @@ time.sleep(float(sys.argv[3]))  # a job training on the set: it maps the index a
 """
 
 
+@pytest.mark.slow
 def test_a_second_preparer_waits_for_a_live_first_ones_build_then_maps_it(small, tmp_path):
     """Before: the builder went on to hold its build lock shared for its life, and a second
     preparer waiting for that lock waited as long (two nodes sharing a cache: until

@@ -190,6 +190,7 @@ def test_the_recommended_launch_commands_use_flags_the_scripts_accept(argv, caps
         assert cfg.batch_size == 32 * r["gpus"]
 
 
+@pytest.mark.slow
 @pytest.mark.quick
 def test_a_model_by_name_brings_its_parameters_blocks_and_buffers():
     from common.models import build_model

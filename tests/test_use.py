@@ -441,6 +441,7 @@ def build(channels, size, classes):
 '''
 
 
+@pytest.mark.slow
 @pytest.mark.quick
 def test_export_of_a_model_that_does_not_export_names_the_operator(tmp_path, capsys, monkeypatch):
     import export
@@ -497,6 +498,7 @@ def test_bad_flags_are_one_line_exit_2(argv, message, capsys):
     assert ended.value.code == 2 and len(lines) == 1 and message in lines[0], lines
 
 
+@pytest.mark.slow
 @pytest.mark.quick
 def test_a_checkpoint_store_that_never_answers_ends_the_program_at_its_deadline(tmp_path):
     """A server that accepts and never replies: one line naming --storage-timeout-s, within it."""
