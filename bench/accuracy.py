@@ -19,6 +19,7 @@ script has no seed flag of its own). Ours: `python train_ddp.py`, one process, s
 
     python -m bench accuracy --reference ~/vision/references/classification
     python -m bench accuracy --reference DIR --seeds 3 --epochs 12 --image-size 128 --max-side 183
+    python -m bench accuracy --reference DIR --seeds 5 --jobs 15     # every run at once, on 15+ cores
 """
 from __future__ import annotations
 
@@ -26,13 +27,14 @@ import argparse
 import os
 import random
 import re
-import resource
 import shutil
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -123,23 +125,29 @@ class Run:
     wall_s: float
 
 
-def children_cpu_s() -> float:
-    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return usage.ru_utime + usage.ru_stime
-
-
 def train(command: list[str], top1: re.Pattern[str], timeout_s: float) -> Run:
-    """One training run to its end: its last top-1 (`top1`'s first group, on stdout) and its cost."""
-    cpu, started = children_cpu_s(), time.perf_counter()
+    """One training run to its end: its last top-1 (`top1`'s first group, on stdout) and its cost, the
+    CPU seconds of its own processes alone (wait4's usage: runs side by side do not count each other's)."""
+    started = time.perf_counter()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout_s)
-    if done.returncode:
-        raise SystemExit(f"error: {' '.join(command[:3])} ... failed (exit {done.returncode}):\n{done.stderr[-3000:]}")
-    found = top1.findall(done.stdout)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
+        timer = threading.Timer(timeout_s, process.kill)
+        timer.start()
+        try:
+            _, status, usage = os.wait4(process.pid, 0)
+        finally:
+            timer.cancel()
+        process.returncode = os.waitstatus_to_exitcode(status)
+        out.seek(0), err.seek(0)
+        stdout, stderr = out.read(), err.read()
+    if process.returncode:
+        raise SystemExit(f"error: {' '.join(command[:3])} ... failed (exit {process.returncode}):\n{stderr[-3000:]}")
+    found = top1.findall(stdout)
     if not found:
-        raise SystemExit(f"error: no top-1 in the output of {' '.join(command[:3])} ...:\n{done.stdout[-2000:]}")
+        raise SystemExit(f"error: no top-1 in the output of {' '.join(command[:3])} ...:\n{stdout[-2000:]}")
     last = found[-1]
-    return Run(float(last[1] if isinstance(last, tuple) else last), children_cpu_s() - cpu,
+    return Run(float(last[1] if isinstance(last, tuple) else last), usage.ru_utime + usage.ru_stime,
                time.perf_counter() - started)
 
 
@@ -187,14 +195,22 @@ def run_all(a: argparse.Namespace, recipe: Recipe, tmp: Path) -> None:
     their_folder = copy_reference(a.reference, tmp / "reference")
     names = ("ours, original photos", "torchvision reference train.py, original photos",
              f"ours, --max-side {a.max_side} shards")
+    planned = [(name, seed, command, top1) for seed in range(a.seeds)
+               for name, command, top1 in zip(names, (our_command(recipe, "imagefolder", tree, seed, tmp),
+                                                      their_command(recipe, their_folder, tree, seed),
+                                                      our_command(recipe, "shards", shards, seed, tmp)),
+                                              (EPOCH, THEIR_TOP1, EPOCH))]
+
+    def run(name: str, seed: int, command: list[str], top1: re.Pattern[str]) -> Run:
+        done = train(command, top1, a.timeout_s)
+        print(f"  {name}, seed {seed}: top-1 {done.top1:.2f}%, {done.cpu_s:.0f} CPU s", file=sys.stderr, flush=True)
+        return done
+
+    with ThreadPoolExecutor(a.jobs) as pool:
+        finished = list(pool.map(lambda planned_run: run(*planned_run), planned))
     results: dict[str, list[Run]] = {name: [] for name in names}
-    for seed in range(a.seeds):
-        commands = (our_command(recipe, "imagefolder", tree, seed, tmp),
-                    their_command(recipe, their_folder, tree, seed),
-                    our_command(recipe, "shards", shards, seed, tmp))
-        for name, command, top1 in zip(names, commands, (EPOCH, THEIR_TOP1, EPOCH)):
-            results[name].append(run := train(command, top1, a.timeout_s))
-            print(f"  {name}, seed {seed}: top-1 {run.top1:.2f}%, {run.cpu_s:.0f} CPU s", file=sys.stderr, flush=True)
+    for (name, *_), done in zip(planned, finished):
+        results[name].append(done)
     rates = input_rates(tree, shards, recipe.image_size, tmp / "rates")
     print(f"{len(sources)} classes ({', '.join(p.stem for p in sources)}); {a.train_per_class} training and "
           f"{a.val_per_class} validation photos per class from disjoint halves; torchvision:{recipe.model} from "
@@ -226,11 +242,16 @@ def main() -> None:
     p.add_argument("--train-per-class", type=int, default=96, help="(default: %(default)s)")
     p.add_argument("--val-per-class", type=int, default=40, help="(default: %(default)s)")
     p.add_argument("--timeout-s", type=float, default=1800, help="the most one training run may take")
+    p.add_argument("--jobs", type=int, default=1,
+                   help="training runs at once, one core each (default: %(default)s; on a machine with cores to spare, "
+                        "up to 3 x --seeds); the CPU seconds are each run's own")
     a = p.parse_args()
     missing = [name for name in REFERENCE_FILES if not (a.reference / name).is_file()]
     if missing:
         p.error(f"--reference {a.reference} lacks {', '.join(missing)}: pass pytorch/vision's "
                 "references/classification folder")
+    if a.jobs < 1:
+        p.error(f"--jobs {a.jobs}: give 1 or more (training runs at once)")
     if a.photos is not None and not a.photos.is_dir():
         p.error(f"--photos {a.photos} is not a folder")
     recipe = Recipe(a.model, a.image_size, a.epochs, a.batch_size, a.lr, a.milestone)
