@@ -182,6 +182,15 @@ def check_own_data_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> N
 
 def prepare(opts: OwnData, say: Say) -> dict[str, Any]:
     """Index, geometry, statistics; then the decoded cache, or the index to stream from."""
+    # evaluate.py (opts.evaluated) indexes the training split too, on purpose: the set's classes are the
+    # training split's (train/'s class folders, the training shards' labels, the hf ClassLabel), its
+    # geometry (channels, one common size) is both splits', and its index is one cache entry per node
+    # that the run which trained on it built already (an evaluation there maps it: no header read).
+    # Only a node that never indexed the set pays the training split's headers: measured with a
+    # 4,000-image training split beside a 40-image val split (100x), 0.21 ms of CPU per training
+    # image when cold (1.38 s against 0.03 s of prepare(), 0.88 s of CPU), 0.03 ms warm (the
+    # fingerprint's stat of each file: 0.19 s against 0.01 s); evaluate.py end to end, 8.0 against
+    # 7.0 CPU-s cold. No training image is ever decoded (no statistics, no decoded copy).
     index = load_index(opts, say)
     check_not_empty(index)
     geometry = choose_geometry(index, opts.image_size, opts.resampling)
