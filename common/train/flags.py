@@ -70,7 +70,6 @@ def check_flags(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: i
     check_own_data_flags(p, a)  # before the URLs are checked: a file:// --data-dir is a local folder
     check_model_flags(p, a)
     check_run_flags(p, a, world_size)
-    check_optimizer_flags(p, a)
     if a.max_steps < 0 or (a.eval_batch_size is not None and a.eval_batch_size < 1) or a.timeout_s <= 0 or \
             a.storage_timeout_s <= 0 or (a.log_every is not None and a.log_every < 1):
         p.error("--max-steps must be >= 0, --eval-batch-size >= 1, --timeout-s and --storage-timeout-s > 0 and "
@@ -78,9 +77,10 @@ def check_flags(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: i
     check_checkpoint_flags(p, a)
     if a.check_equivalence < 0 or a.check_replicas < 0:
         p.error("--check-equivalence and --check-replicas take a step count >= 0")
-    check_equivalence_flags(p, a)
     check_step_flags(p, a, world_size)
+    check_equivalence_flags(p, a)
     check_model_placement_flags(p, a)
+    check_optimizer_flags(p, a)
     check_timm_flags(p, a)
     if not (0 <= a.label_smoothing < 1 and 0 <= a.random_erase <= 1 and 0 <= a.ema < 1):
         p.error(f"--label-smoothing must be in [0, 1), --random-erase in [0, 1] and --ema in (0, 1), or 0 for off "
