@@ -1,27 +1,20 @@
-"""The training scripts' flags -> one frozen Config, validated before any process group exists:
-the rules between flags (validate), the defaults that follow from other flags (resolve_defaults)
-and the run's identity. Each flag is registered beside what reads it (an add_*_flags function of its
-module); common/train/flags.py composes the parser."""
+"""The training scripts' flags -> one frozen Config: the defaults that follow from other flags
+(resolve_defaults) and the run's identity. Each flag is registered beside what reads it (an
+add_*_flags function of its module), and its rules are checked there too (check_*_flags);
+common/train/flags.py composes both, and holds the few rules that span several owners."""
 from __future__ import annotations
 
 import argparse
 import hashlib
 import json
-import math
 import os
 import re
-import shutil
 import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Sequence
 
-from common.credentials import read_storage_options
 from common.errors import ConfigError, exit_quietly_after_the_printer
-from common.models import model_problem
 from common.optimizers import OPTIMIZERS
-from common.storage import log_url_problem, url_problem
-from common.timm_models import is_timm
-from common.weights import weights_problem
 
 DATASETS = ("cifar10", "mnist", "synthetic", "imagefolder", "shards", "hf")
 INTERPOLATIONS = ("bilinear", "bicubic")  # --interpolation: torch's antialiased kernels of both take uint8 on a CPU
@@ -225,198 +218,6 @@ def path_part(text: str) -> str:
 
 def world_size_from_env() -> int:
     return int(os.environ.get("WORLD_SIZE", "1"))
-
-
-def validate(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int) -> None:
-    """Every rule between the flags, on the parsed values (resolve_defaults first): exits 2 with one
-    line naming the flag."""
-    if a.dataset not in DATASETS:
-        p.error(f"--dataset {a.dataset!r} is unknown; choose one of {', '.join(DATASETS)}")
-    _validate_own_data(p, a)
-    if problem := model_problem(a.model):
-        p.error(f"--model {a.model!r} {problem}")
-    if a.batch_size < 1:
-        p.error(f"--batch-size must be >= 1 (got {a.batch_size})")
-    if a.batch_size % world_size:
-        p.error(f"--batch-size {a.batch_size} is the global batch and must divide evenly across the "
-                f"world size {world_size}; use a multiple of {world_size}")
-    if a.epochs < 1:
-        p.error(f"--epochs must be >= 1 (got {a.epochs})")
-    if not 0 < a.lr < math.inf:
-        p.error(f"--lr must be > 0 and finite (got {a.lr})")
-    if a.max_steps < 0 or (a.eval_batch_size is not None and a.eval_batch_size < 1) or a.timeout_s <= 0 or \
-            a.storage_timeout_s <= 0 or (a.log_every is not None and a.log_every < 1):
-        p.error("--max-steps must be >= 0, --eval-batch-size >= 1, --timeout-s and --storage-timeout-s > 0 and "
-                "--log-every >= 1")
-    if a.keep < 2:
-        p.error(f"--keep must be >= 2 (got {a.keep}): the newest checkpoint may be the one a crash cut short")
-    if a.save_every_steps < 0:
-        p.error(f"--save-every-steps must be >= 0 (got {a.save_every_steps})")
-    if a.check_equivalence < 0 or a.check_replicas < 0:
-        p.error("--check-equivalence and --check-replicas take a step count >= 0")
-    _validate_recipes(p, a, world_size)
-    _validate_optimizer(p, a)
-    _validate_fine_tuning(p, a)
-    _validate_regularization(p, a, world_size)
-    _validate_storage(p, a)
-    if a.normalization != "auto" and not a.weights:
-        p.error(f"--normalization {a.normalization} chooses how images are normalized for --weights; without "
-                "--weights the data set's statistics are used: drop it or give --weights")
-    if problem := weights_problem(a.weights, a.model):
-        p.error(f"--weights {a.weights} {problem}")
-
-
-def _validate_optimizer(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    if a.extend_to and a.extend_to <= a.epochs:
-        p.error(f"--extend-to {a.extend_to} must be more than --epochs {a.epochs}: the epoch the extension trains "
-                "the finished run on to")
-    if len(a.betas) != 2 or not all(0 <= b < 1 for b in a.betas):
-        p.error(f"--betas takes two decays in [0, 1) as B1,B2 (got {','.join(map(str, a.betas))})")
-    if not (0 < a.eps < math.inf and 0 <= a.weight_decay < math.inf and 0 <= a.momentum < 1):
-        p.error(f"--eps must be > 0, --weight-decay >= 0 (both finite) and --momentum in [0, 1) (got {a.eps}, "
-                f"{a.weight_decay}, {a.momentum})")
-    if not (0 <= a.warmup < math.inf and 0 <= a.min_lr < a.lr and 0 < a.gamma < math.inf):
-        p.error(f"--warmup must be >= 0 (steps, or a fraction of the run when < 1), --min-lr in [0, --lr {a.lr:g}) "
-                f"and --gamma > 0 (got {a.warmup:g}, {a.min_lr:g}, {a.gamma:g})")
-    if (a.schedule == "step") != bool(a.milestones):
-        p.error("--schedule step and --milestones E1,E2,... go together: the epochs after which the lr drops")
-    if list(a.milestones) != sorted(set(a.milestones)) or any(not 0 < m < a.epochs for m in a.milestones):
-        p.error(f"--milestones {','.join(map(str, a.milestones))}: increasing epochs between 1 and --epochs - 1 "
-                f"({a.epochs - 1})")
-    _refuse_unused(p, a)
-
-
-def _validate_fine_tuning(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    ranges = (("--layer-decay", a.layer_decay, 0 <= a.layer_decay <= 1, "in (0, 1], or 0 for off"),
-              ("--backbone-lr-scale", a.backbone_lr_scale, 0 <= a.backbone_lr_scale < math.inf, ">= 0 and finite"),
-              ("--drop-path", a.drop_path, 0 <= a.drop_path < 1, "in [0, 1), 0 for off"))
-    for flag, value, valid, bounds in ranges:
-        if not valid:
-            p.error(f"{flag} must be {bounds} (got {value:g})")
-    if a.drop_path and a.check_equivalence:
-        p.error("--check-equivalence cannot pass with --drop-path: stochastic depth draws its own masks on each rank, "
-                "unlike one process over the whole batch; check without --drop-path")
-    needs_timm = [flag for flag, value in (("--layer-decay", a.layer_decay), ("--drop-path", a.drop_path)) if value]
-    if needs_timm and not is_timm(a.model):
-        p.error(f"{' and '.join(needs_timm)} need{'s' if len(needs_timm) == 1 else ''} a timm model (timm's grouping "
-                f"by depth, its stochastic depth); --model {a.model} is not one: give --model timm:NAME or drop it")
-
-
-def _refuse_unused(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    """A setting the chosen optimizer or schedule does not read is a mistake to say, not to ignore."""
-    defaults = {action.dest: action.default for action in p._actions}
-    changed = {dest for dest in ("betas", "eps", "momentum", "gamma", "min_lr") if getattr(a, dest) != defaults[dest]}
-    reads = OPTIMIZERS[a.optimizer].reads
-    unused = {"betas": "betas" not in reads, "eps": "eps" not in reads, "momentum": "momentum" not in reads,
-              "gamma": a.schedule != "step", "min_lr": a.schedule not in ("onecycle", "cosine")}
-    readers = "; ".join(f"--{flag}: {', '.join(n for n, r in OPTIMIZERS.items() if flag in r.reads)}"
-                        for flag in ("betas", "eps", "momentum"))
-    if wasted := sorted(dest for dest in changed if unused[dest]):
-        p.error(f"{', '.join('--' + d.replace('_', '-') for d in wasted)} {'has' if len(wasted) == 1 else 'have'} no "
-                f"effect with --optimizer {a.optimizer} --schedule {a.schedule} ({readers}; --gamma: step; "
-                "--min-lr: onecycle, cosine); drop it or choose what reads it")
-
-
-def _validate_regularization(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int) -> None:
-    if not (0 <= a.label_smoothing < 1 and 0 <= a.random_erase <= 1 and 0 <= a.ema < 1):
-        p.error(f"--label-smoothing must be in [0, 1), --random-erase in [0, 1] and --ema in (0, 1), or 0 for off "
-                f"(got {a.label_smoothing:g}, {a.random_erase:g}, {a.ema:g})")
-    if not (0 <= a.mixup < math.inf and 0 <= a.cutmix < math.inf):
-        p.error(f"--mixup and --cutmix take a Beta distribution's ALPHA > 0, or 0 for off (got {a.mixup:g}, "
-                f"{a.cutmix:g})")
-    if a.class_weights not in ("", "balanced"):
-        a.class_weights = read_class_weights(p, a.class_weights)
-    if a.clip_grad_norm is not None and not 0 < a.clip_grad_norm < math.inf:
-        p.error(f"--clip-grad-norm must be > 0 (got {a.clip_grad_norm:g}); leave it out for no clipping")
-    per_rank = a.batch_size // world_size
-    if (a.mixup or a.cutmix) and per_rank % 2:
-        p.error(f"--mixup/--cutmix pair position g of each global batch with g + B/2, which stays on one rank only "
-                f"when each rank's batch is even (--batch-size {a.batch_size} / {world_size} rank(s) = {per_rank}); "
-                f"use a --batch-size that is a multiple of {2 * world_size}")
-
-
-def read_class_weights(p: argparse.ArgumentParser, flag: str) -> str:
-    """--class-weights FILE (one weight per line) or W1,W2,...: the weights as W1,W2,... (what the
-    run's identity and checkpoint keep: a changed file is another run). Each > 0 and finite."""
-    text = flag
-    if os.path.isfile(flag):
-        try:
-            text = ",".join(line.strip() for line in open(flag).read().splitlines() if line.strip())
-        except (OSError, UnicodeDecodeError) as e:
-            p.error(f"--class-weights {flag}: reading it failed ({e}); give a text file of one weight per line")
-    try:
-        weights = [float(w) for w in text.split(",")]
-    except ValueError:
-        p.error(f"--class-weights {flag}: neither balanced, nor a file, nor numbers W1,W2,...; give balanced or a "
-                "FILE of one weight per line in class order")
-    if not all(0 < w < math.inf for w in weights):
-        p.error(f"--class-weights {flag}: every weight must be > 0 and finite (got {','.join(map(str, weights))})")
-    return ",".join(map(repr, weights))
-
-
-def _validate_own_data(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    own = a.dataset in OWN_DATASETS
-    if own and a.data_dir.startswith("file://"):
-        a.data_dir = a.data_dir.removeprefix("file://")  # a local folder, read as one (the converter takes both)
-    if a.image_size and not own:
-        p.error(f"--image-size applies to --dataset {' or '.join(OWN_DATASETS)}; the built-in sets have one size")
-    if own and a.data_dir == "./data":
-        p.error(f"--dataset {a.dataset} needs --data-dir: the folder (or, for shards and hf, the URL) of your images")
-    keys = [flag for flag, value in (("--hf-image-key", a.hf_image_key), ("--hf-label-key", a.hf_label_key)) if value]
-    if keys and a.dataset != "hf":
-        p.error(f"{' and '.join(keys)} {'apply' if len(keys) > 1 else 'applies'} to --dataset hf (the columns of a "
-                "Hugging Face data set)")
-    a.hf_image_key, a.hf_label_key = a.hf_image_key or "image", a.hf_label_key or "label"
-    if own and a.dataset == "imagefolder" and "://" in a.data_dir:
-        p.error("--dataset imagefolder reads a local folder; for a store, convert it to shards "
-                "(python -m common.shards FOLDER URL) and pass --dataset shards")
-    chosen = [flag for flag, value in (("--crop-pct", a.crop_pct), ("--interpolation", a.interpolation))
-              if value is not None]
-    if chosen and not (own and a.image_size):
-        p.error(f"{' and '.join(chosen)} choose{'s' if len(chosen) == 1 else ''} how --image-size S resizes your own "
-                "images (--dataset imagefolder, shards or hf); without it the images train and evaluate as stored: "
-                "drop it or give --image-size S")
-    if a.crop_pct is not None and not 0 < a.crop_pct <= 1:
-        p.error(f"--crop-pct must be in (0, 1]: the fraction of the resized short side the centre crop keeps "
-                f"(got {a.crop_pct:g})")
-    if a.image_size < 0 or (a.workers is not None and a.workers < 0) or not 0 <= a.cache_gb < math.inf \
-            or not 0 < a.shard_cache_gb < math.inf:
-        p.error("--image-size, --workers and --cache-gb must be >= 0 and --shard-cache-gb > 0 (finite: for no bound, "
-                "give more than the disk holds)")
-
-
-def _validate_recipes(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int) -> None:
-    per_rank = a.batch_size // world_size
-    if a.accumulate < 1:
-        p.error(f"--accumulate must be >= 1 (got {a.accumulate})")
-    if per_rank % a.accumulate:
-        p.error(f"--accumulate {a.accumulate}: each rank's batch (--batch-size {a.batch_size} / {world_size} rank(s) = "
-                f"{per_rank}) does not split into {a.accumulate} equal micro-batches; use a divisor of {per_rank} "
-                "or another --batch-size")
-    if a.check_equivalence and a.grad_compression == "powersgd":
-        p.error("--check-equivalence compares against exact gradient averaging, which PowerSGD approximates on "
-                "purpose; drop one of the two flags")
-    if a.compile and a.device != "cuda" and not _cpp_compiler():
-        p.error("--compile on the CPU needs a C++ compiler for TorchInductor, and none was found (g++, c++, "
-                "clang++ or $CXX): install one (Debian/Ubuntu: apt-get install g++) or drop --compile")
-
-
-def _cpp_compiler() -> str | None:
-    return next(filter(None, (shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c)),
-                None)
-
-
-def _validate_storage(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
-    """URLs this installation cannot open are found here, before any process group starts."""
-    try:
-        a.storage_options = read_storage_options(a.storage_options)
-    except ValueError as e:
-        p.error(f"--storage-options {e}")
-    for flag, value in (("--data-dir", a.data_dir), ("--checkpoint-dir", a.checkpoint_dir), ("--resume", a.resume)):
-        if problem := url_problem(value):
-            p.error(f"{flag} {value}: {problem}")
-    if problem := log_url_problem(a.log_dir):
-        p.error(f"--log-dir {a.log_dir}: {problem}")
 
 
 def resolve_defaults(a: argparse.Namespace) -> None:

@@ -317,3 +317,8 @@ def add_model_flags(group: argparse._ArgumentGroup) -> None:
                             "install timm), untrained; or MODULE:FUNCTION, your FUNCTION(channels, size, "
                             "classes) returning an nn.Module, from PYTHONPATH or the current directory "
                             "(default: per data set)")
+
+
+def check_model_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if problem := model_problem(a.model):
+        p.error(f"--model {a.model!r} {problem}")

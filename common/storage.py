@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, Protocol, TypeVar
 
-from common.credentials import secrets_in
+from common.credentials import read_storage_options, secrets_in
 from common.errors import UserError, first_line
 
 T = TypeVar("T")
@@ -448,3 +448,17 @@ def add_storage_flags(group: argparse._ArgumentGroup) -> None:
         help="the longest a node's data preparation or one of rank 0's checkpoint reads and saves may take; the "
              "other ranks wait for it outside the process group, so --timeout-s does not bound it, and a process "
              "that dies meanwhile is noticed within 30 s by its heartbeat (default: %(default)s)")
+
+
+def check_storage_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """URLs this installation cannot open are found here, before any process group starts; the
+    --storage-options read (JSON, @FILE or env:VAR) become the options themselves."""
+    try:
+        a.storage_options = read_storage_options(a.storage_options)
+    except ValueError as e:
+        p.error(f"--storage-options {e}")
+    for flag, value in (("--data-dir", a.data_dir), ("--checkpoint-dir", a.checkpoint_dir), ("--resume", a.resume)):
+        if problem := url_problem(value):
+            p.error(f"{flag} {value}: {problem}")
+    if problem := log_url_problem(a.log_dir):
+        p.error(f"--log-dir {a.log_dir}: {problem}")

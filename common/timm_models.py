@@ -50,6 +50,16 @@ def add_timm_flags(group: argparse._ArgumentGroup) -> None:
                             "to P (timm's drop_path_rate; 0.1 is usual for fine-tuning a ViT) (0: off)")
 
 
+def check_timm_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """--drop-path's range, and the fine-tuning flags that only a timm model has the structure for."""
+    if not 0 <= a.drop_path < 1:
+        p.error(f"--drop-path must be in [0, 1), 0 for off (got {a.drop_path:g})")
+    needs_timm = [flag for flag, value in (("--layer-decay", a.layer_decay), ("--drop-path", a.drop_path)) if value]
+    if needs_timm and not is_timm(a.model):
+        p.error(f"{' and '.join(needs_timm)} need{'s' if len(needs_timm) == 1 else ''} a timm model (timm's grouping "
+                f"by depth, its stochastic depth); --model {a.model} is not one: give --model timm:NAME or drop it")
+
+
 def import_timm(flag: str) -> Any:
     """timm, or a UserError naming `flag` and the install command."""
     try:

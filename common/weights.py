@@ -518,3 +518,11 @@ def add_weights_flags(group: argparse._ArgumentGroup) -> None:
              "torchvision's, by name or as a file of its registry, found by its name or its content; timm's "
              "pretrained config for DEFAULT or a local-dir folder; else the data set's statistics), data (the data "
              "set's), imagenet (ImageNet's, for weights trained on it elsewhere) (default: %(default)s)")
+
+
+def check_weights_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if a.normalization != "auto" and not a.weights:
+        p.error(f"--normalization {a.normalization} chooses how images are normalized for --weights; without "
+                "--weights the data set's statistics are used: drop it or give --weights")
+    if problem := weights_problem(a.weights, a.model):
+        p.error(f"--weights {a.weights} {problem}")

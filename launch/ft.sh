@@ -7,7 +7,8 @@
 #   launch/ft.sh 2 1 train_ft.py --dataset mnist
 #
 # One line per event: "ft: group G lost (...); restarted (...)", "ft: group G left (stopped by SIGTERM)" (a
-# group stopped on its own is not restarted; the others go on without it); the groups' own lines
+# group stopped on its own is not restarted; the others go on without it), "ft: group G gave up (...); not
+# restarted" (its step failed across groups 21 times in a row: status 3); the groups' own lines
 # (prefixed [gG]) say "quorum of N group(s) at step S: this group (group G) is number I [HH:MM:SS]" and
 # "group G healed from group K at step S". The events and the quorums end with the wall time.
 # Ctrl-C or SIGTERM stops every group: the quorum's first group saves the stop checkpoint, as a plain
@@ -128,6 +129,10 @@ run_group() {  # $1: group number, then the script and its flags; restarts it wh
         (( code == 0 )) && { say "group $g finished"; return 0; }
         [[ -e "$logs/stopping" ]] && return "$code"
         (( code == 2 )) && return 2  # a flag it refused: every restart would refuse it too
+        if (( code == 3 )); then  # common/train/ft.py's GAVE_UP: a restart's steps would fail alike
+            say "group $g gave up (its line above says why); not restarted: a restart would fail alike"
+            return 3
+        fi
         if (( code == 130 || code == 143 )); then say "group $g left (stopped by SIG$(kill -l $((code - 128))))"; return "$code"; fi
         kill -0 "$supervisor" 2>/dev/null || { say "group $g ended (exit $code); the Lighthouse is gone"; return "$code"; }
         (( attempt < restarts )) || { say "group $g lost (exit $code); no restarts left (FT_RESTARTS=$restarts)"; return "$code"; }

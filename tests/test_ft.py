@@ -508,3 +508,29 @@ def test_another_run_or_batch_cut_is_refused_and_ctrl_c_stops_every_group_saved(
     assert latest_state(tmp_path / "a" / "ckpt")["global_step"] == int(saved[1])
     print(f"\nCtrl-C: ft.sh ended {ended:.1f} s later, group 0 saved step {saved[1]}; a second ft.sh on the port "
           "refused")
+
+
+# 6 -------------------------------------------------------------------------------------------
+def test_a_group_short_of_min_groups_gives_up_in_one_line_saved_and_is_not_restarted(mnist_root, tmp_path):
+    """One group of a run planned for two, with --min-groups 2: torchft's vote fails every step (one live
+    group). The step is trained again MAX_RETRIES times; then the group gives up with one line, saved where
+    it stands, status GAVE_UP, and launch/ft.sh (restarts left: 3) does not restart it and says so in one
+    line. Nothing here acts on the run: it ends on its own, the quorum being one group short from step 1."""
+    from common.train.ft import GAVE_UP, MAX_RETRIES
+
+    run = FtRun(tmp_path, 1, ["train_ft.py", *flags(mnist_root, tmp_path, "--groups", "2", "--min-groups", "2")])
+    code = run.job.finish(timeout=120)
+    text = run.job.text()
+    assert code == GAVE_UP, text[-5000:]
+    assert text.count("step 1 failed across groups and is trained again") == MAX_RETRIES, text[-5000:]
+    errors = re.findall(r"^\[g0\] error: .*$", text, re.M)
+    assert len(errors) == 1 and re.fullmatch(
+        rf"\[g0\] error: group 0 gave up at step 1: it failed across groups {MAX_RETRIES + 1} times in a row "
+        r"\(fewer than --min-groups 2 live groups, .*\): stopped after step 0; checkpoint (\S+); .*", errors[0]), text
+    assert Path(re.search(r"checkpoint (\S+);", errors[0])[1]).exists(), errors[0]
+    ended = [line for line in text.splitlines() if line.startswith("ft: group 0")]
+    assert len(ended) == 1 and re.fullmatch(r"ft: group 0 gave up \(its line above says why\); not restarted: a "
+                                            r"restart would fail alike \[\d\d:\d\d:\d\d\]", ended[0]), text[-3000:]
+    assert "Traceback" not in text and "restarted (" not in text and "should_commit" not in text, text[-5000:]
+    print(f"\n--min-groups 2 with one group: gave up after {MAX_RETRIES} retries of step 1, status {code}, "
+          f"{len(text.splitlines())} lines of output, not restarted")

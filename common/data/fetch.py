@@ -63,6 +63,11 @@ def add_data_flags(group: argparse._ArgumentGroup, default_dataset: str) -> None
     add("--synthetic-shape", default="cifar", choices=("cifar", "mnist"), help="image shape of --dataset synthetic")
 
 
+def check_data_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if a.dataset not in DATASETS:
+        p.error(f"--dataset {a.dataset!r} is unknown; choose one of {', '.join(DATASETS)}")
+
+
 def load_dataset(name: str, data_dir: str, *, ctx: DistContext, say: Say, allow_download: bool = True,
                  download_from: str = "", cache_dir: str = "", storage_options: dict[str, Any] | None = None,
                  synthetic_shape: str = "cifar", deadline_s: float = STORAGE_TIMEOUT_S,

@@ -25,7 +25,7 @@ import torch
 
 from common import hfsets
 from common import shards as layout
-from common.config import INTERPOLATIONS
+from common.config import INTERPOLATIONS, OWN_DATASETS
 from common.data import hf
 from common.data.cache import (
     META,
@@ -145,10 +145,52 @@ def add_own_data_flags(group: argparse._ArgumentGroup) -> None:
              "bilinear)")
 
 
+def check_own_data_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """The rules of add_own_data_flags' flags and --data-dir for your own images. A local folder given
+    as file:// is read as one, and the hf column names get their defaults."""
+    own = a.dataset in OWN_DATASETS
+    if own and a.data_dir.startswith("file://"):
+        a.data_dir = a.data_dir.removeprefix("file://")  # a local folder, read as one (the converter takes both)
+    if a.image_size and not own:
+        p.error(f"--image-size applies to --dataset {' or '.join(OWN_DATASETS)}; the built-in sets have one size")
+    if own and a.data_dir == "./data":
+        p.error(f"--dataset {a.dataset} needs --data-dir: the folder (or, for shards and hf, the URL) of your images")
+    keys = [flag for flag, value in (("--hf-image-key", a.hf_image_key), ("--hf-label-key", a.hf_label_key)) if value]
+    if keys and a.dataset != "hf":
+        p.error(f"{' and '.join(keys)} {'apply' if len(keys) > 1 else 'applies'} to --dataset hf (the columns of a "
+                "Hugging Face data set)")
+    a.hf_image_key, a.hf_label_key = a.hf_image_key or "image", a.hf_label_key or "label"
+    if own and a.dataset == "imagefolder" and "://" in a.data_dir:
+        p.error("--dataset imagefolder reads a local folder; for a store, convert it to shards "
+                "(python -m common.shards FOLDER URL) and pass --dataset shards")
+    chosen = [flag for flag, value in (("--crop-pct", a.crop_pct), ("--interpolation", a.interpolation))
+              if value is not None]
+    if chosen and not (own and a.image_size):
+        p.error(f"{' and '.join(chosen)} choose{'s' if len(chosen) == 1 else ''} how --image-size S resizes your own "
+                "images (--dataset imagefolder, shards or hf); without it the images train and evaluate as stored: "
+                "drop it or give --image-size S")
+    if a.crop_pct is not None and not 0 < a.crop_pct <= 1:
+        p.error(f"--crop-pct must be in (0, 1]: the fraction of the resized short side the centre crop keeps "
+                f"(got {a.crop_pct:g})")
+    if a.image_size < 0 or (a.workers is not None and a.workers < 0) or not 0 <= a.cache_gb < math.inf \
+            or not 0 < a.shard_cache_gb < math.inf:
+        p.error("--image-size, --workers and --cache-gb must be >= 0 and --shard-cache-gb > 0 (finite: for no bound, "
+                "give more than the disk holds)")
+
+
 # ---------------------------------------------------------------- on the node's local rank 0
 
 def prepare(opts: OwnData, say: Say) -> dict[str, Any]:
     """Index, geometry, statistics; then the decoded cache, or the index to stream from."""
+    # evaluate.py (opts.evaluated) indexes the training split too, on purpose: the set's classes are the
+    # training split's (train/'s class folders, the training shards' labels, the hf ClassLabel), its
+    # geometry (channels, one common size) is both splits', and its index is one cache entry per node
+    # that the run which trained on it built already (an evaluation there maps it: no header read).
+    # Only a node that never indexed the set pays the training split's headers: measured with a
+    # 4,000-image training split beside a 40-image val split (100x), 0.21 ms of CPU per training
+    # image when cold (1.38 s against 0.03 s of prepare(), 0.88 s of CPU), 0.03 ms warm (the
+    # fingerprint's stat of each file: 0.19 s against 0.01 s); evaluate.py end to end, 8.0 against
+    # 7.0 CPU-s cold. No training image is ever decoded (no statistics, no decoded copy).
     index = load_index(opts, say)
     check_not_empty(index)
     geometry = choose_geometry(index, opts.image_size, opts.resampling)

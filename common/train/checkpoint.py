@@ -97,6 +97,13 @@ def add_checkpoint_flags(group: argparse._ArgumentGroup) -> None:
         help="also save every S optimizer steps inside an epoch (epoch ends always save; 0: only those)")
 
 
+def check_checkpoint_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if a.keep < 2:
+        p.error(f"--keep must be >= 2 (got {a.keep}): the newest checkpoint may be the one a crash cut short")
+    if a.save_every_steps < 0:
+        p.error(f"--save-every-steps must be >= 0 (got {a.save_every_steps})")
+
+
 def _step_files(run: str, names: list[str]) -> list[str]:
     """The run's step files among a listing of its folder, oldest first."""
     return sorted((f"{run}/{n}" for n in names if STEP_FILE.match(n)), key=_step_number)

@@ -33,6 +33,16 @@ def add_equivalence_flags(group: argparse._ArgumentGroup) -> None:
                             "|dw|, exit non-zero above 1e-5")
 
 
+def check_equivalence_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """What cannot pass the check by design: a flag whose run is not one process's over the whole batch."""
+    if a.check_equivalence and a.grad_compression == "powersgd":
+        p.error("--check-equivalence compares against exact gradient averaging, which PowerSGD approximates on "
+                "purpose; drop one of the two flags")
+    if a.drop_path and a.check_equivalence:
+        p.error("--check-equivalence cannot pass with --drop-path: stochastic depth draws its own masks on each rank, "
+                "unlike one process over the whole batch; check without --drop-path")
+
+
 TOLERANCE = 1e-5  # float32 on CPU; the two sides sum the same numbers in a different order
 # (flag, value, bound) where the two sides round differently. Measured max |dw| after 4 steps (lenet,
 # global batch 48, world 2): bf16 autocast 1.21e-06, bf16 gradients on the wire 1.56e-06; fp16

@@ -38,6 +38,7 @@ except ImportError as missing:  # torchft ships manylinux x86_64 wheels only
     TORCHFT_MISSING = str(missing)
 
 MAX_RETRIES = 20  # consecutive failed steps before a group gives up (a peer that fails every step)
+GAVE_UP = 3  # a group's exit status once it gave up: launch/ft.sh does not restart it (a restart fails alike)
 # One quorum request's bound: a request in flight when the Lighthouse died is never answered (the new one
 # knows nothing of it), so it is asked again after this long. Above a quorum's usual wait: the Lighthouse's
 # join wait and heartbeat timeout (launch/ft.sh: 2 s and 3 s).
@@ -118,8 +119,8 @@ class FaultTolerantTrainer(Trainer):
                     self.steps.take_epoch()
                     self.stop.drain()
                     start = healed.at
-                except LighthouseLost as lost:
-                    self.end_without_lighthouse(lost)
+                except NoStep as ended:
+                    self.end_saved(ended)
         finally:
             self.manager.shutdown(wait=False)
 
@@ -168,16 +169,16 @@ class FaultTolerantTrainer(Trainer):
         return batches, trained
 
     def commit(self, at: Position) -> bool:
-        """Every group's vote on the step. torchft raises once MAX_RETRIES steps in a row failed: a
-        peer that fails every step, or fewer live groups than --min-groups for that long."""
+        """Every group's vote on the step. torchft raises once the step was retried MAX_RETRIES times:
+        a peer that fails every step, or fewer live groups than --min-groups for that long."""
         try:
             return self.manager.should_commit()
         except RuntimeError as error:
             if "should_commit failed" not in str(error):
                 raise
-            raise UserError(f"group {self.ft.group_id} gave up at step {self.run.global_step(at) + 1}: {MAX_RETRIES} "
-                            f"steps in a row failed across groups (fewer than --min-groups {self.ft.min_groups} "
-                            "live, or a group that fails every step); see the other groups' lines") from None
+            raise GaveUp(f"group {self.ft.group_id} gave up at step {self.run.global_step(at) + 1}: it failed across "
+                         f"groups {MAX_RETRIES + 1} times in a row (fewer than --min-groups {self.ft.min_groups} "
+                         "live groups, or a group that fails every step: see the other groups' lines)", at) from None
 
     def settle(self, at: Position) -> Quorum:
         """Wait for the quorum asked for as the step started. A group behind the others is not one of its
@@ -296,12 +297,15 @@ class FaultTolerantTrainer(Trainer):
         for b, value in zip(self.ft.buffers, unflatten(values, self.ft.buffers)):
             b.copy_(value)
 
-    def end_without_lighthouse(self, lost: LighthouseLost) -> None:
-        """No quorum means no step: the group saves where it stands and ends with one line."""
-        where = self.save(lost.at, wait=True, check_stop=False) if self.saves() else \
+    def end_saved(self, ended: NoStep) -> None:
+        """No step can commit: the group saves where it stands and ends with one line (rank 0's: the
+        group's ranks reached the verdict together), with the status of the kind of end."""
+        where = self.save(ended.at, wait=True, check_stop=False) if self.saves() else \
             "none from this group (the quorum's first group saves)"
-        raise UserError(f"{lost}: stopped after step {self.run.global_step(lost.at)}; checkpoint {where}; start the "
-                        "Lighthouse again and rerun the same command to resume")
+        final = UserError(f"{ended}: stopped after step {self.run.global_step(ended.at)}; checkpoint {where}; "
+                          f"{ended.remedy}")
+        final.exit_code = ended.exit_code
+        self.run.ctx.fail_together_with(final)
 
     def peer_state(self) -> dict[str, Any]:
         """What a healing group receives (in the quorum, between two steps): a checkpoint's state."""
@@ -370,10 +374,26 @@ def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     return (data * (torch.arange(len(data)) % 65_521 + 1)).sum()
 
 
-class LighthouseLost(UserError):
+class NoStep(UserError):
+    """No step can commit from `at` on: the group ends, saved (FaultTolerantTrainer.end_saved)."""
+
+    remedy = ""  # what the user does next
+
     def __init__(self, message: str, at: Position) -> None:
         super().__init__(message)
         self.at = at
+
+
+class LighthouseLost(NoStep):
+    remedy = "start the Lighthouse again and rerun the same command to resume"
+
+
+class GaveUp(NoStep):
+    """Every retry of the step failed: torchft's vote would fail a restarted group alike."""
+
+    exit_code = GAVE_UP
+    remedy = ("start the missing groups or lower --min-groups, or fix the group that fails, then rerun the same "
+              "command to resume")
 
 
 class SlotBatches:

@@ -11,6 +11,7 @@ random pairs.
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Iterator
 
 import numpy as np
@@ -31,6 +32,17 @@ def add_mixing_flags(group: argparse._ArgumentGroup) -> None:
              "(0: off; with --cutmix, one of the two per global batch)")
     add("--cutmix", type=float, default=0.0, metavar="ALPHA",
         help="paste a box of a paired image, labels weighted by its area, Beta(ALPHA, ALPHA) (0: off)")
+
+
+def check_mixing_flags(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int) -> None:
+    if not (0 <= a.mixup < math.inf and 0 <= a.cutmix < math.inf):
+        p.error(f"--mixup and --cutmix take a Beta distribution's ALPHA > 0, or 0 for off (got {a.mixup:g}, "
+                f"{a.cutmix:g})")
+    per_rank = a.batch_size // world_size
+    if (a.mixup or a.cutmix) and per_rank % 2:
+        p.error(f"--mixup/--cutmix pair position g of each global batch with g + B/2, which stays on one rank only "
+                f"when each rank's batch is even (--batch-size {a.batch_size} / {world_size} rank(s) = {per_rank}); "
+                f"use a --batch-size that is a multiple of {2 * world_size}")
 
 
 class Mixing:

@@ -74,6 +74,49 @@ def add_optimizer_flags(group: argparse._ArgumentGroup) -> None:
                                                   "%(default)s)")
 
 
+def check_optimizer_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """The rules of add_optimizer_flags' flags (resolve_defaults first: --lr and --weight-decay set)."""
+    if not 0 < a.lr < math.inf:
+        p.error(f"--lr must be > 0 and finite (got {a.lr})")
+    if a.extend_to and a.extend_to <= a.epochs:
+        p.error(f"--extend-to {a.extend_to} must be more than --epochs {a.epochs}: the epoch the extension trains "
+                "the finished run on to")
+    if len(a.betas) != 2 or not all(0 <= b < 1 for b in a.betas):
+        p.error(f"--betas takes two decays in [0, 1) as B1,B2 (got {','.join(map(str, a.betas))})")
+    if not (0 < a.eps < math.inf and 0 <= a.weight_decay < math.inf and 0 <= a.momentum < 1):
+        p.error(f"--eps must be > 0, --weight-decay >= 0 (both finite) and --momentum in [0, 1) (got {a.eps}, "
+                f"{a.weight_decay}, {a.momentum})")
+    if not (0 <= a.warmup < math.inf and 0 <= a.min_lr < a.lr and 0 < a.gamma < math.inf):
+        p.error(f"--warmup must be >= 0 (steps, or a fraction of the run when < 1), --min-lr in [0, --lr {a.lr:g}) "
+                f"and --gamma > 0 (got {a.warmup:g}, {a.min_lr:g}, {a.gamma:g})")
+    if (a.schedule == "step") != bool(a.milestones):
+        p.error("--schedule step and --milestones E1,E2,... go together: the epochs after which the lr drops")
+    if list(a.milestones) != sorted(set(a.milestones)) or any(not 0 < m < a.epochs for m in a.milestones):
+        p.error(f"--milestones {','.join(map(str, a.milestones))}: increasing epochs between 1 and --epochs - 1 "
+                f"({a.epochs - 1})")
+    _refuse_unused(p, a)
+    ranges = (("--layer-decay", a.layer_decay, 0 <= a.layer_decay <= 1, "in (0, 1], or 0 for off"),
+              ("--backbone-lr-scale", a.backbone_lr_scale, 0 <= a.backbone_lr_scale < math.inf, ">= 0 and finite"))
+    for flag, value, valid, bounds in ranges:
+        if not valid:
+            p.error(f"{flag} must be {bounds} (got {value:g})")
+
+
+def _refuse_unused(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """A setting the chosen optimizer or schedule does not read is a mistake to say, not to ignore."""
+    defaults = {action.dest: action.default for action in p._actions}
+    changed = {dest for dest in ("betas", "eps", "momentum", "gamma", "min_lr") if getattr(a, dest) != defaults[dest]}
+    reads = OPTIMIZERS[a.optimizer].reads
+    unused = {"betas": "betas" not in reads, "eps": "eps" not in reads, "momentum": "momentum" not in reads,
+              "gamma": a.schedule != "step", "min_lr": a.schedule not in ("onecycle", "cosine")}
+    readers = "; ".join(f"--{flag}: {', '.join(n for n, r in OPTIMIZERS.items() if flag in r.reads)}"
+                        for flag in ("betas", "eps", "momentum"))
+    if wasted := sorted(dest for dest in changed if unused[dest]):
+        p.error(f"{', '.join('--' + d.replace('_', '-') for d in wasted)} {'has' if len(wasted) == 1 else 'have'} no "
+                f"effect with --optimizer {a.optimizer} --schedule {a.schedule} ({readers}; --gamma: step; "
+                "--min-lr: onecycle, cosine); drop it or choose what reads it")
+
+
 def floats(text: str) -> tuple[float, ...]:
     return tuple(float(part) for part in text.split(","))
 

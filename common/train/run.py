@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +39,16 @@ def add_run_flags(group: argparse._ArgumentGroup) -> None:
              "1000 on a GPU and for FSDP's full sharding)")
 
 
+def check_run_flags(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int) -> None:
+    if a.batch_size < 1:
+        p.error(f"--batch-size must be >= 1 (got {a.batch_size})")
+    if a.batch_size % world_size:
+        p.error(f"--batch-size {a.batch_size} is the global batch and must divide evenly across the "
+                f"world size {world_size}; use a multiple of {world_size}")
+    if a.epochs < 1:
+        p.error(f"--epochs must be >= 1 (got {a.epochs})")
+
+
 def add_model_placement_flags(group: argparse._ArgumentGroup) -> None:
     """The training scripts' flags of how the model is laid out and compiled (torch_memory_format)."""
     add = group.add_argument
@@ -44,6 +56,17 @@ def add_model_placement_flags(group: argparse._ArgumentGroup) -> None:
     add("--memory-format", default="channels_last", choices=("channels_last", "contiguous"),
         help="layout of images and conv weights; channels_last is faster for these nets on CPU and "
              "GPU (default: %(default)s)")
+
+
+def check_model_placement_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    if a.compile and a.device != "cuda" and not _cpp_compiler():
+        p.error("--compile on the CPU needs a C++ compiler for TorchInductor, and none was found (g++, c++, "
+                "clang++ or $CXX): install one (Debian/Ubuntu: apt-get install g++) or drop --compile")
+
+
+def _cpp_compiler() -> str | None:
+    return next(filter(None, (shutil.which(c) for c in (os.environ.get("CXX", ""), "g++", "c++", "clang++") if c)),
+                None)
 
 
 def torch_memory_format(name: str) -> torch.memory_format:

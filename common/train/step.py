@@ -4,6 +4,8 @@ step's time."""
 from __future__ import annotations
 
 import argparse
+import math
+import os
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -28,6 +30,16 @@ def add_step_flags(group: argparse._ArgumentGroup) -> None:
                             "batch stays --batch-size (default: %(default)s)")
 
 
+def check_step_flags(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int) -> None:
+    per_rank = a.batch_size // world_size
+    if a.accumulate < 1:
+        p.error(f"--accumulate must be >= 1 (got {a.accumulate})")
+    if per_rank % a.accumulate:
+        p.error(f"--accumulate {a.accumulate}: each rank's batch (--batch-size {a.batch_size} / {world_size} rank(s) = "
+                f"{per_rank}) does not split into {a.accumulate} equal micro-batches; use a divisor of {per_rank} "
+                "or another --batch-size")
+
+
 def add_loss_flags(group: argparse._ArgumentGroup) -> None:
     """The training scripts' flags of the loss and the update (cross_entropy, clip_gradients)."""
     add = group.add_argument
@@ -40,6 +52,33 @@ def add_loss_flags(group: argparse._ArgumentGroup) -> None:
              "world size (default: none)")
     add("--clip-grad-norm", type=float, default=None, metavar="MAX",
         help="scale the synchronized gradient down to this global L2 norm when above it")
+
+
+def check_loss_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """--class-weights FILE or W1,W2,... becomes the numbers themselves (read_class_weights)."""
+    if a.class_weights not in ("", "balanced"):
+        a.class_weights = read_class_weights(p, a.class_weights)
+    if a.clip_grad_norm is not None and not 0 < a.clip_grad_norm < math.inf:
+        p.error(f"--clip-grad-norm must be > 0 (got {a.clip_grad_norm:g}); leave it out for no clipping")
+
+
+def read_class_weights(p: argparse.ArgumentParser, flag: str) -> str:
+    """--class-weights FILE (one weight per line) or W1,W2,...: the weights as W1,W2,... (what the
+    run's identity and checkpoint keep: a changed file is another run). Each > 0 and finite."""
+    text = flag
+    if os.path.isfile(flag):
+        try:
+            text = ",".join(line.strip() for line in open(flag).read().splitlines() if line.strip())
+        except (OSError, UnicodeDecodeError) as e:
+            p.error(f"--class-weights {flag}: reading it failed ({e}); give a text file of one weight per line")
+    try:
+        weights = [float(w) for w in text.split(",")]
+    except ValueError:
+        p.error(f"--class-weights {flag}: neither balanced, nor a file, nor numbers W1,W2,...; give balanced or a "
+                "FILE of one weight per line in class order")
+    if not all(0 < w < math.inf for w in weights):
+        p.error(f"--class-weights {flag}: every weight must be > 0 and finite (got {','.join(map(str, weights))})")
+    return ",".join(map(repr, weights))
 
 
 class StepClock:
