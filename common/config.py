@@ -195,7 +195,7 @@ def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
 
 class RankZeroParser(argparse.ArgumentParser):
-    """Every rank parses the same argv; only one of them needs to print the usage error."""
+    """Every rank parses the same argv; one of each node (its console) prints the usage error."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
         """One line, not the usage block: the message names the flag and what to do. Printed once
