@@ -13,7 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields, replace
 from typing import Any, Sequence
 
-from common.errors import ConfigError, exit_quietly_after_the_printer
+from common.errors import ConfigError, exit_quietly_after_the_printer, node_prints
 from common.optimizers import OPTIMIZERS
 
 DATASETS = ("cifar10", "mnist", "synthetic", "imagefolder", "shards", "hf")
@@ -188,13 +188,15 @@ def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
 
 class RankZeroParser(argparse.ArgumentParser):
-    """Every rank parses the same argv; only one of them needs to print the usage error."""
+    """Every rank parses the same argv; one of each node (its console) prints the usage error."""
 
     def error(self, message: str) -> None:  # type: ignore[override]
-        """One line, not the usage block: the message names the flag and what to do."""
-        if os.environ.get("RANK", "0") == "0":
+        """One line, not the usage block: the message names the flag and what to do. Printed once
+        per node, as a ConfigError is: a refusal that depends on the node (a --class-weights file
+        missing there) would otherwise be printed nowhere, its ranks waiting for rank 0 in vain."""
+        if node_prints():
             self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-        exit_quietly_after_the_printer(ConfigError.quiet_exit_delay_s)  # rank 0 refuses the same argv
+        exit_quietly_after_the_printer(ConfigError.quiet_exit_delay_s)  # the node's local rank 0 refuses the same
         self.exit(2)
 
 

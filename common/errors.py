@@ -30,6 +30,12 @@ def exit_quietly_after_the_printer(seconds: float) -> None:
         time.sleep(seconds)
 
 
+def node_prints() -> bool:
+    """Whether this process is the one of its node that prints an error every rank of the node
+    reaches alike (each node has its own console): local rank 0."""
+    return os.environ.get("LOCAL_RANK", "0") == "0"
+
+
 class ConfigError(UserError):
     """A flag that cannot work here (e.g. --backend nccl without GPUs); exit 2 like argparse.
     Found before any process group exists, from the flags and the node's hardware, so every rank
@@ -40,7 +46,7 @@ class ConfigError(UserError):
     quiet_exit_delay_s = 10.0  # local rank 0 reaches the same verdict at the same point
 
     def should_print(self) -> bool:
-        return os.environ.get("LOCAL_RANK", "0") == "0"
+        return node_prints()
 
 
 class PeerFailed(UserError):

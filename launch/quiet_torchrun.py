@@ -14,6 +14,8 @@ and what the job was doing then (from the survivors' error files), and exits 1. 
 (a crash: the worker printed its traceback and a line) gets torchrun's full report, as plain
 torchrun would.
 
+A training script that is not there is one line and status 2, before any worker starts.
+
 A run whose workers refused a flag (exit 2) is not restarted (--max-restarts): every restart would
 refuse it again.
 
@@ -111,7 +113,21 @@ def no_restart_after_a_refused_flag() -> None:
     LocalElasticAgent._monitor_workers = monitored
 
 
+def missing_script(args: object) -> str | None:
+    """The line for a training script that is not there, before any worker starts: each of them
+    would print Python's "can't open file", then torchrun its failure dump."""
+    script = args.training_script
+    if args.module or args.no_python or os.path.isfile(script):
+        return None
+    return (f"error: {script}: no such file, the script torchrun is to run; give its path from this folder "
+            f"({os.getcwd()}) or an absolute one")
+
+
 def main() -> None:
+    args = parse_args(sys.argv[1:])
+    if (missing := missing_script(args)) is not None:
+        print(missing, file=sys.stderr, flush=True)
+        sys.exit(2)
     # torchrun's own log lines ("failed (exitcode: 1)", "Sending process ... SIGTERM") are held back
     # and shown only if the failure turns out not to be a handled one.
     held = logging.handlers.MemoryHandler(capacity=10_000, flushLevel=logging.CRITICAL + 1,
@@ -122,7 +138,6 @@ def main() -> None:
     resume_for_training()  # the agent watches its workers for the whole run: its garbage is collected
     os.environ[LAUNCHER_NAMES_FAILURES] = "1"  # the workers leave the naming of a vanished peer to signal_lines
     no_restart_after_a_refused_flag()
-    args = parse_args(sys.argv[1:])
     if str(args.nproc_per_node).isdigit() and int(args.nproc_per_node) > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets then, without its five-line banner
     try:

@@ -47,10 +47,27 @@ def test_a_rank_that_does_not_print_a_flag_error_exits_after_the_one_that_does(m
     waits: list[float] = []
     monkeypatch.setattr("common.errors.time.sleep", waits.append)
     monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")  # torchrun sets both
     monkeypatch.setenv("TORCHELASTIC_RUN_ID", "a-launch")
     with pytest.raises(SystemExit) as exc:
         parse("--epochs", "0")
     assert exc.value.code == 2 and capsys.readouterr().err == "" and waits == [ConfigError.quiet_exit_delay_s]
+
+
+@pytest.mark.quick
+def test_a_flag_error_is_printed_once_per_node_without_a_wait(monkeypatch, capsys):
+    """On a second node (local rank 0, global rank 2) the refusal is printed there, at once: a
+    refusal that depends on the node (a --class-weights file missing on it) was printed nowhere,
+    its ranks waiting 10 s for a rank 0 that did not refuse."""
+    waits: list[float] = []
+    monkeypatch.setattr("common.errors.time.sleep", waits.append)
+    monkeypatch.setenv("RANK", "2")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "a-launch")
+    with pytest.raises(SystemExit) as exc:
+        parse("--epochs", "0")
+    err = capsys.readouterr().err
+    assert exc.value.code == 2 and "--epochs must be >= 1" in err and err.count("\n") == 1 and waits == []
 
 
 @pytest.mark.quick

@@ -437,15 +437,21 @@ def test_slurm_signals_the_stop_early_enough_for_torchruns_grace():
     assert lead and int(lead.group(1)) >= 120 + 30
 
 
+def quiet_torchrun():
+    """launch/quiet_torchrun.py as a module (it is a script, not part of the package)."""
+    spec = importlib.util.spec_from_file_location("quiet_torchrun", LAUNCH / "quiet_torchrun.py")
+    quiet = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quiet)
+    return quiet
+
+
 @pytest.mark.quick
 def test_quiet_torchrun_gives_the_workers_120_s_to_stop(monkeypatch):
     """The value torchrun's own configuration takes from what launch/quiet_torchrun.py sets."""
     from torch.distributed.run import config_from_args, parse_args
 
     monkeypatch.delenv("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", raising=False)
-    spec = importlib.util.spec_from_file_location("quiet_torchrun", LAUNCH / "quiet_torchrun.py")
-    quiet = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(quiet)
+    quiet = quiet_torchrun()
     quiet.give_workers_time_to_stop()
     config = config_from_args(parse_args(["--standalone", "--nproc_per_node=1", "train_ddp.py"]))[0]
     assert config.shutdown_timeout == 120
@@ -523,6 +529,23 @@ def test_a_flag_error_is_one_line_and_status_2_through_every_launcher(launcher, 
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.strip().splitlines() == [FLAG_ERROR], result.stderr
     assert len(result.stdout.strip().splitlines()) == echoed, result.stdout
+
+
+@pytest.mark.quick
+def test_a_missing_script_is_one_line_and_status_2_before_any_worker_starts(monkeypatch, capsys):
+    """A mistyped script name: one line naming it, not each worker's "can't open file" and torchrun's
+    failure dump (exit 1) after them. A module (-m) is not a file, and is left to torchrun."""
+    quiet = quiet_torchrun()
+    monkeypatch.setattr(quiet, "run", lambda args: pytest.fail("a worker was started"))
+    monkeypatch.setattr(sys, "argv", ["quiet_torchrun.py", "--standalone", "--nproc_per_node=2", "train_dpp.py"])
+    with pytest.raises(SystemExit) as exit:
+        quiet.main()
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: train_dpp.py: no such file, the script torchrun is to run; give its path from this folder "
+        f"({os.getcwd()}) or an absolute one"]
+    for present in (["train_ddp.py"], ["-m", "json.tool"]):
+        assert quiet.missing_script(quiet.parse_args(["--nproc_per_node=1", *present])) is None
 
 
 @pytest.mark.quick

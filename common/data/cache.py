@@ -3,6 +3,7 @@ lock that makes one process per node (or per shared volume) do the work, and the
 every rank of a node maps (shared pages, no copy)."""
 from __future__ import annotations
 
+import errno
 import fcntl
 import json
 import math
@@ -17,6 +18,7 @@ from typing import Callable, Iterator
 
 import torch
 
+from common.errors import UserError
 from common.parallel.context import POLL_S, PROGRESS_EVERY_S
 
 META = "meta.json"
@@ -54,6 +56,24 @@ def file_lock(path: Path, say: Callable[[str], None] = lambda line: None) -> Ite
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
+def cache_error(folder: Path, error: OSError, budget_flag: str = "") -> UserError:
+    """A write into the cache that failed, in one line naming --cache-dir and what to do (for a
+    full disk under a bounded cache, its budget's flag too: the bound may be above the room)."""
+    room = f", pass a smaller {budget_flag}" if budget_flag else ""
+    advice = CACHE_ADVICE.get(error.errno, CACHE_ADVICE[None]).format(room=room)
+    return UserError(f"--cache-dir {folder}: {error.strerror or error}; {advice}")
+
+
+CACHE_ADVICE = {errno.ENOSPC: "free space there{room}, or pass another --cache-dir",
+                errno.EDQUOT: "free space in your quota there{room}, or pass another --cache-dir",
+                errno.EROFS: "pass a --cache-dir on a writable file system",
+                errno.EACCES: "make it writable for this user, or pass another --cache-dir",
+                errno.ENOTDIR: "a part of that path is a file, not a folder: pass another --cache-dir",
+                errno.EEXIST: "a part of that path is a file, not a folder: pass another --cache-dir",
+                errno.EISDIR: "a file it needs there is a folder: pass another --cache-dir",
+                None: "pass a --cache-dir that is a writable folder with room"}
+
+
 def staging_path(target: Path) -> Path:
     """A temp name beside `target`, unique across processes and hosts (two pods share a pid; a
     --cache-dir on NFS is shared by nodes): .NAME.tmp-HOST-PID-RANDOM."""
@@ -69,7 +89,10 @@ def hold_shared(lock: Path) -> None:
     sharing the cache, skips a folder in use: on NFS, deleting a file another client maps makes
     that client's next page fault a SIGBUS."""
     if lock not in _HELD:
-        handle = open(lock, "a")
+        try:
+            handle = open(lock, "a")  # a read-only cache is refused here, where every run starts
+        except OSError as e:
+            raise cache_error(lock.parent, e) from None
         fcntl.flock(handle, fcntl.LOCK_SH)
         _HELD[lock] = handle
 
@@ -89,14 +112,15 @@ def unused(lock: Path) -> Iterator[bool]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def sweep_staging(parent: Path, target: Path) -> None:
+def sweep_staging(parent: Path, target: Path | None = None, locks: Path | None = None) -> None:
     """Delete what builds killed mid-way left in `parent`: a staging .NAME.tmp-* whose build lock
-    .NAME.lock no process holds (flock is released when its holder dies, on any node sharing the
-    volume). The caller holds `target`'s build lock: its leftovers go too."""
+    .NAME.lock (in `locks`, by default `parent`) no process holds (flock is released when its
+    holder dies, on any node sharing the volume). The caller holds `target`'s build lock: its
+    leftovers go too."""
     for staging in parent.glob(".*.tmp-*"):
         name = staging.name[1:].split(".tmp-")[0]
-        with unused(parent / f".{name}.lock") as free:
-            if free or name == target.name:
+        with unused((locks or parent) / f".{name}.lock") as free:
+            if free or (target is not None and name == target.name):
                 shutil.rmtree(staging, ignore_errors=True) if staging.is_dir() else staging.unlink(missing_ok=True)
 
 

@@ -11,6 +11,7 @@ Arrow file is memory-mapped: its rows are read where they are.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
 from collections import OrderedDict
@@ -176,18 +177,39 @@ class RowGroupCache(ShardCache):
 
     def opened(self, name: str) -> tuple[np.ndarray, BinaryIO]:
         """The copy of row group `name` open for reading (made if the cache lacks it), and each
-        row's start in it, then the end. Open, it stays readable when another process evicts it."""
+        row's start in it, then the end. Open, it stays readable when another process evicts it.
+        A copy whose layout does not add up to its size (cut short or zeroed: a crash before its
+        bytes reached the disk, or an edit) is deleted and made again, never read as rows."""
         def open_copy(path: Path) -> tuple[np.ndarray, BinaryIO]:
             copy = open(path, "rb")
             try:
-                copy.seek(-8, os.SEEK_END)
-                rows = int.from_bytes(copy.read(8), "little")
-                copy.seek(-8 * (rows + 2), os.SEEK_END)
-                return np.frombuffer(copy.read(8 * (rows + 1)), dtype="<i8"), copy
+                starts = row_starts(copy)
+                if starts is None:
+                    self.discard(path)
+                    raise FileNotFoundError(errno.ENOENT, "a damaged copy of a row group, deleted", str(path))
+                return starts, copy
             except BaseException:
                 copy.close()
                 raise
         return self._retrying(name, open_copy)
+
+
+def row_starts(copy: BinaryIO) -> np.ndarray | None:
+    """Each row's start in an open copy (RowGroupCache's layout), then the end of the rows; None
+    when the row count, the starts and the file's size disagree."""
+    size = os.fstat(copy.fileno()).st_size
+    if size < 16:
+        return None
+    copy.seek(size - 8)
+    rows = int.from_bytes(copy.read(8), "little")
+    table = 8 * (rows + 1)
+    if table + 8 > size:
+        return None
+    copy.seek(size - 8 - table)
+    starts = np.frombuffer(copy.read(table), dtype="<i8")
+    if starts[0] != 0 or starts[-1] != size - 8 - table or bool(np.any(np.diff(starts) < 0)):
+        return None
+    return starts
 
 
 def row_group_cache(index: SetIndex, folder: Path, options: dict[str, Any], budget_bytes: int,

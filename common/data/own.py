@@ -10,7 +10,6 @@ Both ways give the same batches: the same order, the same decoded pixels, the sa
 from __future__ import annotations
 
 import argparse
-import errno
 import hashlib
 import json
 import math
@@ -29,6 +28,7 @@ from common.config import INTERPOLATIONS, OWN_DATASETS
 from common.data import hf
 from common.data.cache import (
     META,
+    cache_error,
     cache_folder,
     default_cache_dir,
     file_lock,
@@ -198,16 +198,18 @@ def prepare(opts: OwnData, say: Say) -> dict[str, Any]:
     if evaluated and (problem := evaluated.misfit(f"{opts.kind} {opts.data_dir}", geometry.channels, geometry.size,
                                                   index.class_names)):
         raise UserError(problem)
+    decoded = stored_bytes(index, geometry) <= opts.cache_gb * 2**30 and \
+        (not evaluated or (decoded_folder(index, geometry, opts) / META).is_file())
     cache = opts.stream_cache(index)
     if cache:  # every run: a budget lowered since the set was indexed holds, and trims the cache now
-        cache.check_budget()
+        if not decoded:  # read once in order to be decoded, the set needs no window of shards held
+            cache.check_budget()
         cache.evict()
     mean, std = (evaluated.spec.mean, evaluated.spec.std) if evaluated else statistics(index, geometry, opts)
     spec = DataSpec(geometry.channels, geometry.size, index.classes, mean, std, geometry.augment)
     report = {"index": str(index.folder), "geometry": asdict(geometry), "spec": asdict(spec),
               "class_names": index.class_names}
-    if stored_bytes(index, geometry) <= opts.cache_gb * 2**30 and \
-            (not evaluated or (decoded_folder(index, geometry, opts) / META).is_file()):
+    if decoded:
         report["decoded"] = str(decode_into_cache(index, geometry, spec, opts, say))
     return report
 
@@ -262,21 +264,6 @@ def writing_cache(parent: Path, target: Path, say: Say) -> Iterator[None]:
             raise UserError(f"{e.filename}: {e.strerror or e}; check that it is readable and that the data does not "
                             "change while it is indexed") from None
         raise cache_error(parent, e) from None
-
-
-def cache_error(folder: Path, error: OSError) -> UserError:
-    """A write into the cache that failed, in one line naming --cache-dir and what to do."""
-    return UserError(f"--cache-dir {folder}: {error.strerror or error}; "
-                     f"{CACHE_ADVICE.get(error.errno, CACHE_ADVICE[None])}")
-
-
-CACHE_ADVICE = {errno.ENOSPC: "free space there, or pass another --cache-dir",
-                errno.EDQUOT: "free space in your quota there, or pass another --cache-dir",
-                errno.EROFS: "pass a --cache-dir on a writable file system",
-                errno.EACCES: "make it writable for this user, or pass another --cache-dir",
-                errno.ENOTDIR: "a part of that path is a file, not a folder: pass another --cache-dir",
-                errno.EEXIST: "a part of that path is a file, not a folder: pass another --cache-dir",
-                None: "pass a --cache-dir that is a writable folder with room"}
 
 
 def build_index(opts: OwnData, folder: Path, listing: dict[str, str] | hfsets.Source, fingerprint: str,

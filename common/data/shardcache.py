@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, TypeVar
 
-from common.data.cache import file_lock, staging_path
+from common.data.cache import cache_error, file_lock, staging_path, sweep_staging
 from common.data.loader import SHUFFLE_WINDOW
 from common.errors import UserError
 from common.storage import StorageError, storage_for
@@ -65,24 +65,31 @@ class ShardCache:
         return self.folder / f"{name.removesuffix('.tar')}.{tag}{self.SUFFIX}"
 
     def path(self, name: str) -> Path:
-        """A local copy of shard `name`, fetched if the cache lacks it; marks it recently used."""
+        """A local copy of shard `name`, fetched if the cache lacks it; marks it recently used. A
+        cache that cannot be written (read-only, full) is one line naming --cache-dir."""
         target = self.local(name)
-        if target.is_file():
-            self.hits += 1
-            os.utime(target)
+        try:
+            if target.is_file():
+                try:
+                    os.utime(target)
+                    self.hits += 1
+                    return target
+                except FileNotFoundError:  # evicted since: fetched again below
+                    pass
+            (self.folder / STAGING).mkdir(parents=True, exist_ok=True)
+            with file_lock(self.folder / f".{target.name}.lock"):
+                if target.is_file():  # another rank or worker fetched it meanwhile
+                    self.hits += 1
+                    return target
+                # of a fetch killed while it held this lock (the staging folder holds only fetches in flight)
+                with os.scandir(self.folder / STAGING) as entries:  # a prefix test: a glob compiles a pattern a call
+                    for leftover in [e.path for e in entries if e.name.startswith(f".{target.name}.tmp-")]:
+                        os.unlink(leftover)
+                self._fetch(name, target)
+                self.misses += 1
             return target
-        (self.folder / STAGING).mkdir(parents=True, exist_ok=True)
-        with file_lock(self.folder / f".{target.name}.lock"):
-            if target.is_file():  # another rank or worker fetched it meanwhile
-                self.hits += 1
-                return target
-            # of a fetch killed while it held this lock (the staging folder holds only fetches in flight)
-            with os.scandir(self.folder / STAGING) as entries:  # a prefix test: a glob compiles a pattern a call
-                for leftover in [e.path for e in entries if e.name.startswith(f".{target.name}.tmp-")]:
-                    os.unlink(leftover)
-            self._fetch(name, target)
-            self.misses += 1
-        return target
+        except OSError as e:
+            raise cache_error(self.folder, e, "--shard-cache-gb") from None
 
     def open(self, name: str) -> BinaryIO:
         """Shard `name` open for reading. Another process may evict it between the fetch and the
@@ -113,9 +120,6 @@ class ShardCache:
         try:
             self._fill(name, part)
             self.publish(part, target)
-        except OSError as e:
-            raise UserError(f"--cache-dir {self.folder}: {e.strerror or e}; pass a --cache-dir with room for "
-                            f"--shard-cache-gb") from None
         finally:
             part.unlink(missing_ok=True)
 
@@ -131,11 +135,18 @@ class ShardCache:
     def evict(self) -> None:
         """Delete the least recently used shards until the cache is within its budget, and write
         the ledger; at start-up (a lowered --shard-cache-gb trims a cache that would otherwise only
-        get hits, and the ledger is made true after anything outside the suite deleted files)."""
+        get hits, and the ledger is made true after anything outside the suite deleted files). The
+        temp files of fetches killed mid-copy go too: a fetch of the same copy deletes its own, but
+        one that is never fetched again (the set changed) would stay, outside the budget."""
         if not self.folder.is_dir():
             return
-        with file_lock(self.folder / ".evict.lock"):
-            self._evict(self.budget, None)
+        try:
+            with file_lock(self.folder / ".evict.lock"):
+                if (self.folder / STAGING).is_dir():
+                    sweep_staging(self.folder / STAGING, locks=self.folder)
+                self._evict(self.budget, None)
+        except OSError as e:
+            raise cache_error(self.folder, e, "--shard-cache-gb") from None
 
     def publish(self, part: Path, target: Path) -> None:
         """Renames a fetched copy to `target` and counts it in the ledger, in one step under the
@@ -145,16 +156,32 @@ class ShardCache:
         with file_lock(self.folder / ".evict.lock"):
             size = part.stat().st_size
             os.replace(part, target)
-            try:
-                total = int((self.folder / LEDGER).read_text()) + size
-            except (OSError, ValueError):  # no ledger yet (a cache from before it), or one cut short
-                total = None
+            total = self._ledger()
             if total is None:
                 self._evict(self.budget, target)
-            elif total > self.budget:
+            elif total + size > self.budget:
                 self._evict(self.low_water(), target)
             else:
-                self._write_ledger(total)
+                self._write_ledger(total + size)
+
+    def discard(self, path: Path) -> None:
+        """Deletes a damaged copy (see RowGroupCache.opened), and its bytes from the ledger."""
+        with file_lock(self.folder / ".evict.lock"):
+            try:
+                size = path.stat().st_size
+                path.unlink()
+            except FileNotFoundError:  # another process discarded it first
+                return
+            total = self._ledger()
+            if total is not None:
+                self._write_ledger(max(total - size, 0))
+
+    def _ledger(self) -> int | None:
+        """The ledger's total; None without one (a cache from before it) or with one cut short."""
+        try:
+            return int((self.folder / LEDGER).read_text())
+        except (OSError, ValueError):
+            return None
 
     def low_water(self) -> int:
         return self.budget - self.budget // LOW_WATER_PARTS
