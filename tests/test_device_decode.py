@@ -225,7 +225,7 @@ def torchs_weights(length: int, size: int, interpolation: str) -> torch.Tensor:
 
 @pytest.mark.parametrize("interpolation", INTERPOLATIONS)
 def test_the_batched_weights_are_torchs_antialiased_kernels_weights(interpolation):
-    lengths = [1, 2, 3, 5, 31, 63, 64, 65, 100, 223, 224, 225, 375, 700]  # up, none and down
+    lengths = [1, 2, 3, 5, 31, 63, 64, 65, 100, 223, 224, 225, 500]  # up, none and down
     for size in (7, 64, 224):
         weights = filter_weights(torch.tensor(lengths), size, max(lengths) + 3, interpolation)
         for length, row in zip(lengths, weights):
@@ -274,15 +274,17 @@ def random_batch(g: torch.Generator, count: int, channels: int = 3, sides: tuple
 @pytest.mark.parametrize("interpolation", INTERPOLATIONS)
 @pytest.mark.parametrize("size", [48, 160])  # most boxes shrink to 48, many grow to 160
 def test_the_batched_crop_is_torchs_float_kernel_on_random_boxes(interpolation, size):
-    images, boxes = random_batch(torch.Generator().manual_seed(1), 10)
+    images, boxes = random_batch(torch.Generator().manual_seed(0), 8, sides=(1, 250))
     assert {box.flip for box in boxes} == {True, False}
     assert {side < size for box in boxes for side in box[2:4]} == {True, False}  # upscaled and downscaled sides
     assert_torchs_float_kernel(images, boxes, size, interpolation)
-    assert len(crop_chunks(boxes, 3, 3 * 120 * 120)) > 2
-    assert_torchs_float_kernel(images, boxes, size, interpolation, chunk_elements=3 * 120 * 120)
+    assert len(crop_chunks(boxes, 3, 3 * 100 * 100)) > 2
+    assert_torchs_float_kernel(images, boxes, size, interpolation, chunk_elements=3 * 100 * 100)
 
 
 def odd_batch(case: str) -> tuple[list[torch.Tensor], list[Box]]:
+    """A batch of one; boxes of 1 px (and 1 px across); boxes of the whole image (one of the
+    output's size); a grey batch; images of very different sizes together."""
     g = torch.Generator().manual_seed(5)
     if case == "one":
         return random_batch(g, 1, sides=(200, 400))
@@ -294,7 +296,7 @@ def odd_batch(case: str) -> tuple[list[torch.Tensor], list[Box]]:
     if case == "whole":
         small = torch.randint(0, 256, (3, 64, 64), dtype=torch.uint8, generator=g)
         return [image, small, small], [Box(0, 0, 375, 500), Box(0, 0, 64, 64), Box(0, 0, 64, 64, True)]
-    sizes = [(6, 9), (700, 500), (20, 1200), (1, 1), (240, 320)]  # "mixed": very different sizes in one batch
+    sizes = [(6, 9), (500, 350), (12, 900), (1, 1), (240, 320)]  # "mixed": very different sizes in one batch
     images = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g) for h, w in sizes]
     return images, [Box(0, 0, h, w, k % 2 == 1) for k, (h, w) in enumerate(sizes)]
 
@@ -310,7 +312,7 @@ def test_the_batched_crop_of_odd_batches(case, interpolation):
 
 
 def test_chunks_bound_the_padded_crops_and_take_every_sample_once():
-    images, boxes = random_batch(torch.Generator().manual_seed(3), 40)
+    _, boxes = random_batch(torch.Generator().manual_seed(3), 40)
     for limit in (1, 3 * 100 * 100, 3 * 300 * 300, CHUNK_ELEMENTS):
         groups = crop_chunks(boxes, 3, limit)
         assert sorted(itertools.chain(*groups)) == list(range(len(boxes)))

@@ -79,7 +79,7 @@ def decode_and_crop(batch: EncodedBatch, boxes: Sequence[Box], size: int, channe
     resized to size x size with `interpolation` (mirrored where the box says): uint8 (N, channels,
     size, size) on `device`. On CUDA the crop is batched (a crop per sample is bound by its kernel
     launches there); on CPU tensors it is the CPU workers' own kernel, per sample (the batched
-    float matmuls are about 70 times slower on a CPU, and its uint8 kernel gives the workers' pixels)."""
+    float matmuls are 50 to 70 times slower on a CPU, and its uint8 kernel gives the workers' pixels)."""
     crop = batched_resized_crop if device.type == "cuda" else resized_crops
     return crop(decoded(batch, channels, device), boxes, size, interpolation)
 
