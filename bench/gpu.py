@@ -2,8 +2,8 @@
 nccl (fp32, bf16, --compile), the equivalence check on CUDA (every strategy, and the recipes it
 covers), DataParallel over all GPUs, `--device cpu,cuda` ranks over gloo, FSDP2 and ZeRO-1, and a
 kill-and-resume; --decode gpu's input path (nvJPEG batch decode alone, then with our crop and flip
-per sample, DALI's fused decode + random crop beside it where nvidia-dali is installed) on bench
-pipeline's photo set; then one table: images/s, max |dw|, peak CUDA memory per rank, pass/fail.
+per sample and batched, DALI's fused decode + random crop beside it where nvidia-dali is installed)
+on bench pipeline's photo set; then one table: images/s, max |dw|, peak CUDA memory per rank, pass/fail.
 
     python -m bench gpu                          # every row (several minutes)
     python -m bench gpu --only equivalence       # the rows whose label contains these words
@@ -143,8 +143,8 @@ DECODE_SIZE = 224
 
 def decode_rows(photos: Path | None, count: int, device: torch.device, model: str) -> list[Row]:
     """Images/s of the rank's side of --decode gpu on `device` (GPU 0; wall clock, synchronized,
-    after one warm-up pass): nvJPEG on the batch alone; with geometry's crop + flip per sample
-    (ours); DALI's decoders.image_random_crop + resize + flip where nvidia-dali is installed. Then
+    after one warm-up pass): nvJPEG on the batch alone; with geometry's crop + flip per sample, and
+    batched (ours); DALI's decoders.image_random_crop + resize + flip where nvidia-dali is installed. Then
     how far the GPU's crops are from the CPU workers' (grey levels), and train_ddp.py streaming the
     photos with --decode gpu and with --decode cpu (the node's cores as workers)."""
     from bench.pipeline import photo_set, training_files
@@ -162,23 +162,31 @@ def decode_rows(photos: Path | None, count: int, device: torch.device, model: st
 
 
 def decode_speed_rows(files: list[bytes], device: torch.device) -> list[Row]:
-    from common.data.device_decode import decode_and_crop, encoded_batch, train_boxes
+    """Images/s on `device` of nvJPEG's batch decode alone, then with the crop and flip made per
+    sample (geometry.resized_crops: several kernels a sample) and batched (batched_resized_crop,
+    what --decode gpu runs on CUDA), then --decode gpu with RandAugment; DALI's beside them where
+    it is installed."""
+    from common.data.device_decode import decoded, encoded_batch, train_boxes
+    from common.data.geometry import batched_resized_crop, resized_crops
 
     batches = [encoded_batch(files[i:i + DECODE_BATCH], [0] * len(files[i:i + DECODE_BATCH]))
                for i in range(0, len(files), DECODE_BATCH)]
     boxes = [train_boxes(b.sizes, 0, 1, step, range(len(b.sizes))) for step, b in enumerate(batches)]
 
     def nvjpeg() -> None:
-        from torchvision.io import ImageReadMode, decode_jpeg
         for batch in batches:
-            decode_jpeg(batch.data, mode=ImageReadMode.RGB, device=device)
+            decoded(batch, 3, device)
 
-    def ours() -> None:
-        for batch, its_boxes in zip(batches, boxes):
-            decode_and_crop(batch, its_boxes, DECODE_SIZE, 3, device)
+    def cropped(crop: Callable[..., torch.Tensor]) -> Callable[[], None]:
+        def epoch() -> None:
+            for batch, its_boxes in zip(batches, boxes):
+                crop(decoded(batch, 3, device), its_boxes, DECODE_SIZE)
+        return epoch
 
     rows = [timed_row("decode: nvJPEG batch decode alone", nvjpeg, len(files), device),
-            timed_row("decode: --decode gpu, nvJPEG + crop + flip (ours)", ours, len(files), device)]
+            timed_row("decode: nvJPEG + per-sample crop + flip", cropped(resized_crops), len(files), device),
+            timed_row("decode: nvJPEG + batched crop + flip (--decode gpu)", cropped(batched_resized_crop),
+                      len(files), device)]
     rows.append(timed_row("decode: --decode gpu + RandAugment (ours)", lambda: with_policy(batches, boxes, device),
                           len(files), device))
     try:

@@ -91,11 +91,12 @@ def test_the_gpu_benchs_decode_rows_run_on_cpu_tensors(tmp_path):
     files = [path.read_bytes() for path in sorted(photos.glob("train/*/*.jpg"))]
     rows = decode_speed_rows(files, torch.device("cpu"))
     dali = importlib.util.find_spec("nvidia.dali") is not None
-    assert [row.label for row in rows][:3] == ["decode: nvJPEG batch decode alone",
-                                               "decode: --decode gpu, nvJPEG + crop + flip (ours)",
+    assert [row.label for row in rows][:4] == ["decode: nvJPEG batch decode alone",
+                                               "decode: nvJPEG + per-sample crop + flip",
+                                               "decode: nvJPEG + batched crop + flip (--decode gpu)",
                                                "decode: --decode gpu + RandAugment (ours)"]
-    assert len(rows) == 3 + dali
-    assert all(row.passed and row.images_per_s > 0 for row in rows[:3]), rows
+    assert len(rows) == 4 + dali
+    assert all(row.passed and row.images_per_s > 0 for row in rows[:4]), rows
 
 
 @pytest.mark.quick

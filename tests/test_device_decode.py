@@ -1,9 +1,14 @@
 """--decode gpu's rank side (common/data/device_decode.py) on CPU tensors: the boxes are
 torchvision's RandomResizedCrop + flip drawn per global sample position (the CPU workers' boxes),
-the pixels those of the CPU path's crop of the same decoded image, the labels in order."""
+the pixels those of the CPU path's crop of the same decoded image, the labels in order; the
+batched crop CUDA ranks run (geometry.batched_resized_crop) is torch's antialiased float kernel,
+weight for weight, on random and odd boxes, in a number of kernels that does not grow with the batch."""
 from __future__ import annotations
 
 import io
+import itertools
+from collections import Counter
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -15,7 +20,17 @@ from torchvision.transforms.v2 import functional as F
 
 from common.data.augment import sample_seed
 from common.data.device_decode import choose_decode, decode_and_crop, encoded_batch, train_boxes
-from common.data.geometry import INTERPOLATIONS, Box, resized_crop
+from common.data.geometry import (
+    CHUNK_ELEMENTS,
+    INTERPOLATIONS,
+    Box,
+    batched_resized_crop,
+    crop_chunks,
+    filter_weights,
+    resized_chunks,
+    resized_crop,
+    resized_crops,
+)
 from common.errors import UserError
 
 pytestmark = pytest.mark.quick
@@ -76,6 +91,10 @@ def test_decode_and_crop_makes_the_cpu_paths_crops_and_keeps_the_labels(files, i
                                    interpolation=InterpolationMode(interpolation))
         reference = F.horizontal_flip(reference) if box.flip else reference
         assert (made.int() - reference.int()).abs().max() <= 1  # torchvision's v2 resized_crop on that box
+    decoded = [decode_jpeg(torch.frombuffer(bytearray(data), dtype=torch.uint8), mode=ImageReadMode.RGB)
+               for data in files]
+    batched = batched_resized_crop(decoded, boxes, SIZE, interpolation)  # what a CUDA rank runs
+    assert (batched.int() - images.int()).abs().max() <= 1
 
 
 def test_grayscale_jpegs_decode_to_one_channel():
@@ -187,3 +206,149 @@ def test_decoding_ahead_keeps_the_order_passes_errors_on_and_raises_the_threads_
         raise UserError("x.jpg does not decode on cpu")
     with pytest.raises(UserError, match="x.jpg does not decode"):
         list(DecodeAhead(iter(batches), failing, CPU, deadline_s=30))
+
+
+# ---------------------------------------------------------------- the batched crop of CUDA ranks
+
+# Before rounding, the batched crops may differ from torch's float kernel by float32 rounding alone:
+# torch's own float32 weights are up to 5e-7 off the exact ones (255 x 5e-7 = 1.3e-4 grey levels),
+# and the matmuls sum in another order. Measured at most 1.8e-4 (bicubic, uniform noise).
+FLOAT_LEVELS = 2.5e-4
+
+
+def torchs_weights(length: int, size: int, interpolation: str) -> torch.Tensor:
+    """torch's own antialiased float32 weights making `size` pixels of a line of `length`: its
+    vertical pass over an identity image (the horizontal pass keeps the width: a weight of 1 each)."""
+    eye = torch.eye(length)[None, None]
+    return torch.nn.functional.interpolate(eye, size=(size, length), mode=interpolation, antialias=True)[0, 0]
+
+
+@pytest.mark.parametrize("interpolation", INTERPOLATIONS)
+def test_the_batched_weights_are_torchs_antialiased_kernels_weights(interpolation):
+    lengths = [1, 2, 3, 5, 31, 63, 64, 65, 100, 223, 224, 225, 500]  # up, none and down
+    for size in (7, 64, 224):
+        weights = filter_weights(torch.tensor(lengths), size, max(lengths) + 3, interpolation)
+        for length, row in zip(lengths, weights):
+            assert (row[:, :length] - torchs_weights(length, size, interpolation)).abs().max() <= 1e-6, (size, length)
+            assert not row[:, length:].any()  # taps beyond the line
+
+
+def float_crop(image: torch.Tensor, box: Box, size: int, interpolation: str) -> torch.Tensor:
+    """torch's antialiased float kernel on the box, mirrored where it says, before rounding: the
+    per-sample crop as a GPU makes it (geometry.antialiased)."""
+    crop = image[None, :, box.top:box.top + box.height, box.left:box.left + box.width].float()
+    resized = torch.nn.functional.interpolate(crop, size=(size, size), mode=interpolation, antialias=True)[0]
+    return resized.flip(-1) if box.flip else resized
+
+
+def assert_torchs_float_kernel(images: list[torch.Tensor], boxes: list[Box], size: int, interpolation: str,
+                               chunk_elements: int = CHUNK_ELEMENTS) -> None:
+    """Each batched crop against torch's float kernel on its own: within FLOAT_LEVELS before
+    rounding, within a grey level after; every sample made once."""
+    made, places = batched_resized_crop(images, boxes, size, interpolation, chunk_elements), []
+    for chunk, resized in resized_chunks(images, boxes, size, interpolation, chunk_elements):
+        for place, floats in zip(chunk.tolist(), resized):
+            reference = float_crop(images[place], boxes[place], size, interpolation)
+            assert (floats - reference).abs().max() <= FLOAT_LEVELS, (place, boxes[place], images[place].shape)
+            rounded = reference.clamp(0, 255).round()
+            assert (made[place].float() - rounded).abs().max() <= 1, (place, boxes[place])
+            places.append(place)
+    assert sorted(places) == list(range(len(images))) and made.shape == (len(images), images[0].shape[0], size, size)
+
+
+def random_batch(g: torch.Generator, count: int, channels: int = 3, sides: tuple[int, int] = (1, 300),
+                 ) -> tuple[list[torch.Tensor], list[Box]]:
+    """Noise images of random sizes, each with a random box (any size from 1 px to the whole image), half mirrored."""
+    def draw(low: int, high: int) -> int:
+        return int(torch.randint(low, high + 1, (1,), generator=g))
+
+    images, boxes = [], []
+    for _ in range(count):
+        height, width = draw(*sides), draw(*sides)
+        images.append(torch.randint(0, 256, (channels, height, width), dtype=torch.uint8, generator=g))
+        h, w = draw(1, height), draw(1, width)
+        boxes.append(Box(draw(0, height - h), draw(0, width - w), h, w, bool(draw(0, 1))))
+    return images, boxes
+
+
+@pytest.mark.parametrize("interpolation", INTERPOLATIONS)
+@pytest.mark.parametrize("size", [48, 160])  # most boxes shrink to 48, many grow to 160
+def test_the_batched_crop_is_torchs_float_kernel_on_random_boxes(interpolation, size):
+    images, boxes = random_batch(torch.Generator().manual_seed(0), 8, sides=(1, 250))
+    assert {box.flip for box in boxes} == {True, False}
+    assert {side < size for box in boxes for side in box[2:4]} == {True, False}  # upscaled and downscaled sides
+    assert_torchs_float_kernel(images, boxes, size, interpolation)
+    assert len(crop_chunks(boxes, 3, 3 * 100 * 100)) > 2
+    assert_torchs_float_kernel(images, boxes, size, interpolation, chunk_elements=3 * 100 * 100)
+
+
+def odd_batch(case: str) -> tuple[list[torch.Tensor], list[Box]]:
+    """A batch of one; boxes of 1 px (and 1 px across); boxes of the whole image (one of the
+    output's size); a grey batch; images of very different sizes together."""
+    g = torch.Generator().manual_seed(5)
+    if case == "one":
+        return random_batch(g, 1, sides=(200, 400))
+    if case == "grey":
+        return random_batch(g, 5, channels=1)
+    image = torch.randint(0, 256, (3, 375, 500), dtype=torch.uint8, generator=g)
+    if case == "1 px":
+        return [image] * 4, [Box(0, 0, 1, 1), Box(374, 499, 1, 1, True), Box(10, 3, 1, 200), Box(7, 20, 300, 1, True)]
+    if case == "whole":
+        small = torch.randint(0, 256, (3, 64, 64), dtype=torch.uint8, generator=g)
+        return [image, small, small], [Box(0, 0, 375, 500), Box(0, 0, 64, 64), Box(0, 0, 64, 64, True)]
+    sizes = [(6, 9), (500, 350), (12, 900), (1, 1), (240, 320)]  # "mixed": very different sizes in one batch
+    images = [torch.randint(0, 256, (3, h, w), dtype=torch.uint8, generator=g) for h, w in sizes]
+    return images, [Box(0, 0, h, w, k % 2 == 1) for k, (h, w) in enumerate(sizes)]
+
+
+@pytest.mark.parametrize("interpolation", INTERPOLATIONS)
+@pytest.mark.parametrize("case", ["one", "1 px", "whole", "grey", "mixed"])
+def test_the_batched_crop_of_odd_batches(case, interpolation):
+    images, boxes = odd_batch(case)
+    assert_torchs_float_kernel(images, boxes, 64, interpolation)
+    if case == "whole":  # a box of the output's size is copied, pixel for pixel (mirrored where it says)
+        made = batched_resized_crop(images, boxes, 64, interpolation)
+        assert torch.equal(made[1], images[1]) and torch.equal(made[2], images[2].flip(-1))
+
+
+def test_chunks_bound_the_padded_crops_and_take_every_sample_once():
+    _, boxes = random_batch(torch.Generator().manual_seed(3), 40)
+    for limit in (1, 3 * 100 * 100, 3 * 300 * 300, CHUNK_ELEMENTS):
+        groups = crop_chunks(boxes, 3, limit)
+        assert sorted(itertools.chain(*groups)) == list(range(len(boxes)))
+        for group in groups:
+            padded = len(group) * 3 * max(boxes[i].height for i in group) * max(boxes[i].width for i in group)
+            assert padded <= limit or len(group) == 1, (limit, group)
+    assert len(crop_chunks(boxes, 3, CHUNK_ELEMENTS)) == 1 and len(crop_chunks(boxes, 3, 1)) == len(boxes)
+
+
+def kernels(crop: Callable[..., torch.Tensor], *args: object) -> Counter:
+    """The aten operations crop(*args) runs that are not views (a view launches no kernel), by name."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Counting(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.ran: Counter = Counter()
+
+        def __torch_dispatch__(self, func: torch._ops.OpOverload, types: object, args: tuple = (),
+                               kwargs: dict | None = None) -> object:
+            if not func.is_view:
+                self.ran[str(func)] += 1
+            return func(*args, **(kwargs or {}))
+
+    with Counting() as counting:
+        crop(*args)
+    return counting.ran
+
+
+@pytest.mark.parametrize("interpolation", INTERPOLATIONS)
+def test_the_batched_crops_kernels_do_not_grow_with_the_batch(interpolation):
+    image = torch.randint(0, 256, (3, 60, 80), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    made = {}
+    for count in (2, 32):
+        images, boxes = [image] * count, [Box(k % 7, k % 9, 40 + k % 11, 50 + k % 13, k % 2 == 1) for k in range(count)]
+        made[count] = [kernels(crop, images, boxes, 32, interpolation)
+                       for crop in (batched_resized_crop, resized_crops)]
+    assert made[2][0] == made[32][0] and sum(made[2][0].values()) < 100
+    assert sum(made[32][1].values()) > 10 * sum(made[2][1].values())  # per sample: the count grows with the batch

@@ -6,12 +6,14 @@ its size from the JPEG header (reading.Reader.encoded); the rank decodes the who
 torchvision.io.decode_jpeg(list, device=...) call (nvJPEG on CUDA) and makes each sample's crop
 with the same geometry as the CPU workers: the box is geometry.train_box of the sample's global
 position (torchvision's RandomResizedCrop and flip, drawn from the sample's own generator), the
-pixels geometry.resized_crop's (torch's antialiased kernel of --interpolation), so a sample gets the same
-crop whichever path made it: on CPU tensors the very pixels of the CPU workers' batch, where the
-worker decodes at full scale (it decodes at 1/2, 1/4 or 1/8 where the box keeps 2, 4 or 8 times
-the model's size across; nvJPEG decodes at full scale; on CUDA, nvJPEG's IDCT and the device's
-resize may differ by a grey level). The functions take any device: on a host without a GPU they
-run on CPU tensors, which is how the tests check them against the CPU path.
+pixels those of torch's antialiased kernel of --interpolation: on CUDA the whole batch's crops in
+one batched pass (geometry.batched_resized_crop: the float kernel's weights as matmuls), on CPU
+tensors geometry.resized_crop per sample. So a sample gets the same crop whichever path made it:
+on CPU tensors the very pixels of the CPU workers' batch, where the worker decodes at full scale
+(it decodes at 1/2, 1/4 or 1/8 where the box keeps 2, 4 or 8 times the model's size across;
+nvJPEG decodes at full scale; on CUDA, nvJPEG's IDCT and the float resize may differ by a grey
+level). The functions take any device: on a host without a GPU they run on CPU tensors, which is
+how the tests check them against the CPU path.
 """
 from __future__ import annotations
 
@@ -23,7 +25,7 @@ from typing import Any, Callable, Iterator, NamedTuple, Sequence
 import torch
 
 from common.data.decoding import header
-from common.data.geometry import Box, resized_crop, train_box
+from common.data.geometry import Box, batched_resized_crop, resized_crops, train_box
 from common.errors import UserError
 
 
@@ -75,7 +77,16 @@ def decode_and_crop(batch: EncodedBatch, boxes: Sequence[Box], size: int, channe
                     device: torch.device, interpolation: str = "bilinear") -> torch.Tensor:
     """The batch decoded on `device` in one call (nvJPEG batched on CUDA) and each image's box
     resized to size x size with `interpolation` (mirrored where the box says): uint8 (N, channels,
-    size, size) on `device`."""
+    size, size) on `device`. On CUDA the crop is batched (a crop per sample is bound by its kernel
+    launches there); on CPU tensors it is the CPU workers' own kernel, per sample (the batched
+    float matmuls are 50 to 70 times slower on a CPU, and its uint8 kernel gives the workers' pixels)."""
+    crop = batched_resized_crop if device.type == "cuda" else resized_crops
+    return crop(decoded(batch, channels, device), boxes, size, interpolation)
+
+
+def decoded(batch: EncodedBatch, channels: int, device: torch.device) -> list[torch.Tensor]:
+    """The batch's JPEGs decoded on `device` in one call: uint8 (channels, H, W) each, of the size
+    its header gave (the boxes were drawn for that size)."""
     from torchvision.io import ImageReadMode, decode_jpeg
 
     mode = ImageReadMode.GRAY if channels == 1 else ImageReadMode.RGB
@@ -83,13 +94,11 @@ def decode_and_crop(batch: EncodedBatch, boxes: Sequence[Box], size: int, channe
         images = decode_jpeg(batch.data, mode=mode, device=device)
     except RuntimeError:
         raise UserError(undecodable(batch, mode, device)) from None
-    out = torch.empty(len(images), channels, size, size, dtype=torch.uint8, device=device)
-    for i, (image, box, row) in enumerate(zip(images, boxes, out)):
-        if tuple(image.shape[-2:]) != batch.sizes[i]:  # the boxes were drawn for the header's size
+    for i, image in enumerate(images):
+        if tuple(image.shape[-2:]) != batch.sizes[i]:
             raise ValueError(f"sample {i} of the batch decodes to {tuple(image.shape[-2:])} pixels, its header "
                              f"says {batch.sizes[i]}")
-        resized_crop(image, box, size, row, interpolation)
-    return out
+    return images
 
 
 def undecodable(batch: EncodedBatch, mode: object, device: torch.device) -> str:

@@ -16,9 +16,10 @@ Box in the source image's pixels; `resized_crop` makes the model's S x S input o
 """
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any, Iterator, NamedTuple, Sequence
 
 import torch
 
@@ -132,6 +133,15 @@ def resized_crop(image: torch.Tensor, box: Box, size: int, out: torch.Tensor | N
     return out
 
 
+def resized_crops(images: Sequence[torch.Tensor], boxes: Sequence[Box], size: int,
+                  interpolation: str = "bilinear") -> torch.Tensor:
+    """resized_crop of each (image, box) of a batch, one after the other: uint8 (N, C, size, size)."""
+    out = torch.empty(len(images), images[0].shape[0], size, size, dtype=torch.uint8, device=images[0].device)
+    for image, box, row in zip(images, boxes, out):
+        resized_crop(image, box, size, row, interpolation)
+    return out
+
+
 def antialiased(crop: torch.Tensor, size: int, interpolation: str = "bilinear") -> torch.Tensor:
     """A uint8 (1, C, h, w) crop resized to size x size, antialiased bilinear or bicubic. The uint8
     kernels are the CPU's alone; on a GPU the crop goes through float32 and is clamped and rounded
@@ -142,7 +152,118 @@ def antialiased(crop: torch.Tensor, size: int, interpolation: str = "bilinear") 
                                                antialias=True)
     resized = torch.nn.functional.interpolate(crop.float(), size=(size, size), mode=interpolation,
                                               align_corners=False, antialias=True)
+    return to_uint8(resized)
+
+
+def to_uint8(resized: torch.Tensor) -> torch.Tensor:
+    """A float resize back to uint8 as torchvision's v2 resize does on a GPU: clamped (bicubic
+    overshoots), then rounded."""
     return resized.clamp_(0, 255).round_().to(torch.uint8)
+
+
+# ---------------------------------------------------------------- the batched crop (--decode gpu)
+
+# torch's antialiased filters (UpSampleKernel.cpp, aa_filter): their reach at scale 1 (interp_size / 2),
+# and the bicubic's a: PIL's -0.5 (torch's plain, not antialiased, bicubic takes -0.75)
+FILTER_RADIUS = {"bilinear": 1.0, "bicubic": 2.0}
+BICUBIC_A = -0.5
+# A chunk's zero-padded crops hold at most this many elements: 128 MiB as float32, beside 256 MiB of
+# int64 gather indices and 32 MiB of bytes (a single box beyond it is a chunk of its own; the resized
+# batch, N x C x S x S float32, comes on top). A batch of 128 training crops takes two chunks on
+# 500 x 375 photos, three on ImageNet's mix (30% of them up to 1024 px).
+CHUNK_ELEMENTS = 2 ** 25
+
+
+def batched_resized_crop(images: Sequence[torch.Tensor], boxes: Sequence[Box], size: int,
+                         interpolation: str = "bilinear", chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+    """resized_crop of each (image, box) of a batch of uint8 (C, H_i, W_i) images, in kernels whose
+    count does not grow with the batch (a GPU's crop per sample is bound by its launches): the
+    chunks of resized_chunks, clamped and rounded as `antialiased` rounds on a GPU. uint8
+    (N, C, size, size) on the images' device, within a grey level of the float kernel's."""
+    out = torch.empty(len(images), images[0].shape[0], size, size, dtype=torch.uint8, device=images[0].device)
+    with torch.autocast(out.device.type, enabled=False):  # float32 matmuls: in bf16 a pixel is grey levels off
+        for places, resized in resized_chunks(images, boxes, size, interpolation, chunk_elements):
+            out.index_copy_(0, places, to_uint8(resized))
+    return out
+
+
+def resized_chunks(images: Sequence[torch.Tensor], boxes: Sequence[Box], size: int, interpolation: str,
+                   chunk_elements: int = CHUNK_ELEMENTS) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """The batch's crops resized, in float32, chunk by chunk (crop_chunks): the samples' places in
+    the batch and their (n, C, size, size) crops. The images are laid end to end in one buffer;
+    a chunk's boxes are gathered zero-padded by one index and resized by two batched matmuls with
+    the weights of torch's antialiased float kernel (filter_weights), the flip folded into the
+    horizontal ones."""
+    channels, device = images[0].shape[0], images[0].device
+    flat = torch.cat([image.reshape(-1) for image in images] + [images[0].new_zeros(1)])  # its last byte pads
+    starts = list(itertools.accumulate((image.numel() for image in images), initial=0))
+    groups = crop_chunks(boxes, channels, chunk_elements)
+    # one row per sample, in chunk order: its place in the batch, where it starts in `flat`, its
+    # image's height and width, its box (top, left, height, width, flip)
+    table = torch.tensor([[i, starts[i], *images[i].shape[-2:], *boxes[i]] for group in groups for i in group],
+                         dtype=torch.int64, device=device)
+    first = 0
+    for group in groups:
+        rows, first = table[first:first + len(group)], first + len(group)
+        height, width = max(boxes[i].height for i in group), max(boxes[i].width for i in group)
+        weights = filter_weights(rows[:, 6:8].T.reshape(-1), size, max(height, width), interpolation)  # both at once
+        wy, wx = weights[:len(group), :, :height], weights[len(group):, :, :width]
+        wx = torch.where(rows[:, 8, None, None].bool(), wx.flip(1), wx)
+        yield rows[:, 0], wy[:, None] @ padded_crops(flat, rows, channels, height, width) @ wx.transpose(1, 2)[:, None]
+
+
+def crop_chunks(boxes: Sequence[Box], channels: int, limit: int) -> list[list[int]]:
+    """The batch's samples (their places) in groups whose zero-padded crops, channels x the group's
+    tallest box x its widest, hold at most `limit` elements; largest boxes first, so that a group
+    pads its boxes to sizes like their own."""
+    groups: list[list[int]] = []
+    height = width = 0
+    for i in sorted(range(len(boxes)), key=lambda k: -boxes[k].height * boxes[k].width):
+        height, width = max(height, boxes[i].height), max(width, boxes[i].width)
+        if not groups or (len(groups[-1]) + 1) * channels * height * width > limit:
+            groups.append([])
+            height, width = boxes[i].height, boxes[i].width
+        groups[-1].append(i)
+    return groups
+
+
+def padded_crops(flat: torch.Tensor, rows: torch.Tensor, channels: int, height: int, width: int) -> torch.Tensor:
+    """Each row's box as float32 (n, channels, height, width), zero beyond the box: one gather from
+    the images laid end to end in `flat` (its last element a zero)."""
+    _, start, image_height, image_width, top, left, box_height, box_width, _ = rows.T[:, :, None, None, None]
+    y = torch.arange(height, device=flat.device)[:, None]
+    x = torch.arange(width, device=flat.device)
+    c = torch.arange(channels, device=flat.device)[:, None, None]
+    index = start + c * (image_height * image_width) + (top + y) * image_width + (left + x)
+    return flat.take(index.masked_fill_((y >= box_height) | (x >= box_width), flat.numel() - 1)).float()
+
+
+def filter_weights(lengths: torch.Tensor, size: int, taps: int, interpolation: str) -> torch.Tensor:
+    """(n, size, taps) float32: row i of sample k holds the weights by which torch's antialiased
+    float kernel makes output pixel i of size from a line of lengths[k] pixels (UpSampleKernel.cpp,
+    _compute_weights_aa: the support widened by the downscale factor, cut at the line's ends, the
+    weights normalised per output pixel); taps beyond the line weigh 0. The scale and the centres
+    are torch's float32 ones (they decide which taps count), the weights computed from them in
+    float64 and rounded once: torch's float32 weights are within 5e-7 of them."""
+    length = lengths.float()[:, None, None]
+    scale = length / size
+    center = (scale * (torch.arange(size, dtype=torch.float32, device=lengths.device)[:, None] + 0.5)).double()
+    stretch = scale.double().clamp(min=1)  # antialiasing: a downscale widens the filter by its factor
+    support = FILTER_RADIUS[interpolation] * stretch
+    j = torch.arange(taps, dtype=torch.float64, device=lengths.device)
+    inside = (j >= (center - support + 0.5).floor()) & (j < torch.minimum((center + support + 0.5).floor(), length))
+    weights = aa_filter((j - center + 0.5) / stretch, interpolation) * inside
+    return (weights / weights.sum(-1, keepdim=True)).float()
+
+
+def aa_filter(x: torch.Tensor, interpolation: str) -> torch.Tensor:
+    """torch's antialiased filter of `interpolation` at distances x (in the filter's units)."""
+    x = x.abs()
+    if interpolation == "bilinear":
+        return (1 - x).clamp_(min=0)
+    a = BICUBIC_A
+    return torch.where(x < 1, ((a + 2) * x - (a + 3)) * x * x + 1,
+                       torch.where(x < 2, (((x - 5) * x + 8) * x - 4) * a, 0.0))
 
 
 # ---------------------------------------------------------------- a set's geometry
