@@ -116,6 +116,7 @@ class Config:
     accumulate: int
     grad_compression: str
     compile: bool
+    deterministic: bool
     profile: bool
     memory_format: str
     # May hold credentials: never logged, saved, or shown in a repr of the Config.

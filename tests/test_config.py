@@ -89,11 +89,15 @@ def test_defaults_follow_the_dataset_and_scale_lr_with_batch():
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("argv, device, collective_forward, batch", [
-    ((), "cpu", False, 64), ((), "cuda", False, 1000), ((), "cpu", True, 1000),
-    (("--eval-batch-size", "300"), "cpu", False, 300)])
-def test_the_evaluation_batch_is_cache_sized_on_a_cpu_unless_given(argv, device, collective_forward, batch):
-    run = SimpleNamespace(cfg=parse(*argv), ctx=SimpleNamespace(device=torch.device(device)),
+@pytest.mark.parametrize("argv, devices, collective_forward, batch", [
+    ((), ("cpu", "cpu"), False, 64), ((), ("cuda", "cuda"), False, 1000), ((), ("cpu",), True, 1000),
+    ((), ("cuda", "cpu"), False, 64), ((), ("cpu", "cuda"), False, 64),  # one size for the job: every rank's
+    (("--eval-batch-size", "300"), ("cpu",), False, 300)])
+def test_the_evaluation_batch_is_cache_sized_where_a_rank_is_on_a_cpu_unless_given(argv, devices, collective_forward,
+                                                                                    batch):
+    """A CUDA rank beside a CPU rank (--device cpu,cuda) takes the CPU's size: evaluation runs as many
+    batches on every rank and checks the stop at the same ones (on an H200, two sizes aborted gloo)."""
+    run = SimpleNamespace(cfg=parse(*argv), ctx=SimpleNamespace(devices=devices),
                           strategy=SimpleNamespace(collective_forward=collective_forward))
     assert Run.eval_batch_size.fget(run) == batch
 

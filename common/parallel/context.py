@@ -83,6 +83,9 @@ class DistContext:
     waits: Iterator[int] = field(default_factory=itertools.count, repr=False, compare=False)
     # Every rank's (host, pid), in rank order: a survivor names the rank that vanished (common/parallel/failures.py).
     peers: tuple[tuple[str, int], ...] = field(default=(), repr=False, compare=False)
+    # Every rank's device type ("cpu", "cuda"), in rank order: a default that must be one for the job
+    # (the evaluation batch) follows all of them, whatever --device each node was given.
+    devices: tuple[str, ...] = field(default=(), repr=False, compare=False)
 
     @property
     def is_primary(self) -> bool:
@@ -458,7 +461,9 @@ def distributed(cfg: Config) -> Iterator[DistContext]:
         dist.init_process_group(ctx.backend, store=store, rank=0, world_size=1, timeout=timeout)
     ctx = replace(ctx, store=dist.PrefixStore("suite", store))  # our keys apart from the process group's
     try:
-        ctx = replace(ctx, peers=tuple(map(tuple, ctx.all_gather_json([socket.gethostname(), os.getpid()]))))
+        ranks = ctx.all_gather_json([socket.gethostname(), os.getpid(), ctx.device.type])
+        ctx = replace(ctx, peers=tuple((host, pid) for host, pid, _ in ranks),
+                      devices=tuple(kind for *_, kind in ranks))
         transport, note = open_transport(ctx, cfg.transport, cfg.timeout_s)
         ctx = replace(ctx, transport=transport, transport_note=note)
         yield ctx

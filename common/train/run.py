@@ -5,6 +5,7 @@ import argparse
 import os
 import shutil
 from dataclasses import dataclass
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -53,6 +54,9 @@ def add_model_placement_flags(group: argparse._ArgumentGroup) -> None:
     """The training scripts' flags of how the model is laid out and compiled (torch_memory_format)."""
     add = group.add_argument
     add("--compile", action="store_true", help="torch.compile the model (the collectives stay outside)")
+    add("--deterministic", action="store_true",
+        help="on a GPU, the same kernels in every process (torch.use_deterministic_algorithms, cuDNN's benchmark "
+             "off): a resumed run's weights then equal the uninterrupted run's bit for bit, as on a CPU, at some speed")
     add("--memory-format", default="channels_last", choices=("channels_last", "contiguous"),
         help="layout of images and conv weights; channels_last is faster for these nets on CPU and "
              "GPU (default: %(default)s)")
@@ -74,9 +78,12 @@ def torch_memory_format(name: str) -> torch.memory_format:
     return torch.channels_last if name == "channels_last" else torch.contiguous_format
 
 
-def default_eval_batch(device: torch.device, collective_forward: bool = False) -> int:
-    """--eval-batch-size left unset: cache-sized on a CPU, unless each forward is a collective."""
-    return EVAL_BATCH_CPU if device.type == "cpu" and not collective_forward else EVAL_BATCH_LARGE
+def default_eval_batch(devices: Sequence[str], collective_forward: bool = False) -> int:
+    """--eval-batch-size left unset: cache-sized where any rank (`devices`: every rank's device type)
+    is on a CPU, unless each forward is a collective. One size for the whole job: every rank runs as
+    many evaluation batches, and the stop is checked at the same ones (a CUDA rank beside a CPU one
+    that took its own default aborted gloo with a collective mismatch)."""
+    return EVAL_BATCH_CPU if "cpu" in devices and not collective_forward else EVAL_BATCH_LARGE
 
 
 @dataclass(frozen=True)
@@ -130,7 +137,7 @@ class Run:
 
     @property
     def eval_batch_size(self) -> int:
-        return self.cfg.eval_batch_size or default_eval_batch(self.ctx.device, self.strategy.collective_forward)
+        return self.cfg.eval_batch_size or default_eval_batch(self.ctx.devices, self.strategy.collective_forward)
 
     @property
     def steps_per_epoch(self) -> int:

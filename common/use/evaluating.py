@@ -130,7 +130,7 @@ def score(flags: Flags, saved: Saved, preprocessing: Preprocessing, ctx: DistCon
     data = load_data(flags, saved, preprocessing, ctx)
     memory_format = torch_memory_format(cfg["memory_format"])
     model = ctx.together(lambda: saved.model(flags.ema)).to(ctx.device, memory_format=memory_format)
-    batch = flags.batch_size or cfg.get("eval_batch_size") or default_eval_batch(ctx.device)
+    batch = flags.batch_size or cfg.get("eval_batch_size") or default_eval_batch(ctx.devices)
     metrics = evaluate(model, data, ctx, batch, Precision(cfg["precision"], ctx.device), memory_format)
     if ctx.is_primary:  # after the last collective
         report(flags, saved, data, preprocessing.classes, metrics, ctx.world_size)
