@@ -788,8 +788,30 @@ def prepare(mode: str, store: str | None, folder: Path, data: Path, args: argpar
     return make(mode, folder, data, args), RESTART_KINDS + STORES[store], [f"checkpoints on a tmpfs of {DISK_SIZE}"]
 
 
+@dataclass
+class Outcome:
+    """A run under chaos against the oracle."""
+    lines: list[str]  # how its kinds land, or why one is not drawn
+    faults: list[Fault]
+    code: int
+    dw: float  # max |dw| against the fault-free run
+    processes: list[int]
+    files: list[Path]
+    tracebacks: int
+    table: str
+
+    @property
+    def not_back(self) -> list[Fault]:
+        return [f for f in self.faults if f.landed and not f.back]
+
+    @property
+    def proved(self) -> bool:
+        return (self.code == 0 and self.dw == 0 and not self.processes and not self.files and not self.tracebacks
+                and not self.not_back)
+
+
 def chaos_run(mode: str, store: str | None, seed: int, count: int, args: argparse.Namespace, tmp: Path, data: Path,
-              planned: dict[str, torch.Tensor]) -> tuple[str, bool]:
+              planned: dict[str, torch.Tensor]) -> Outcome:
     folder = tmp / f"{mode}{'-' + store if store else ''}-seed{seed}"
     with contextlib.ExitStack() as stack:
         chaos, kinds, lines = prepare(mode, store, folder, data, args, stack)
@@ -806,13 +828,11 @@ def chaos_run(mode: str, store: str | None, seed: int, count: int, args: argpars
         processes, files = left_behind(folder), temp_files(folder)
     for pid in processes:
         signal_pid(pid, signal.SIGKILL)
-    table = report(mode, faults, chaos, code, dw, processes, files)
-    ok = code == 0 and dw == 0 and not processes and not files and not tracebacks(chaos.output()) \
-        and all(f.back for f in chaos.landed)
-    return "\n".join([*lines, "", table]), ok
+    return Outcome(lines, faults, code, dw, processes, files, tracebacks(chaos.output()),
+                   report(mode, faults, chaos, code, dw, processes, files))
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=("ft", "restart", "both"), default="both")
     p.add_argument("--faults", type=int, default=30, help="faults per run, every kind drawn (default: %(default)s)")
@@ -828,6 +848,11 @@ def main() -> None:
     p.add_argument("--groups", type=int, default=3, help="ft mode: replica groups of one process")
     p.add_argument("--save-every", type=int, default=20, help="restart mode: --save-every-steps")
     p.add_argument("--keep", help="a folder to keep the runs' files in (default: a temporary one)")
+    return p
+
+
+def main() -> None:
+    p = parser()
     args = p.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
     stores = args.stores.split(",")
@@ -845,10 +870,11 @@ def main() -> None:
             planned = fault_free(mode, tmp / f"{mode}-fault-free", data, args)
             for store in stores if mode == "restart" else [None]:
                 for seed in seeds:
-                    table, ok = chaos_run(mode, store, seed, args.faults, args, tmp, data, planned)
+                    outcome = chaos_run(mode, store, seed, args.faults, args, tmp, data, planned)
                     title = f"{mode}{f' ({store})' if store else ''}, seed {seed}, {args.faults} faults"
-                    print(f"\n## {title}: {'proved' if ok else 'NOT proved'}\n\n{table}", flush=True)
-                    failed |= not ok
+                    table = "\n".join([*outcome.lines, "", outcome.table])
+                    print(f"\n## {title}: {'proved' if outcome.proved else 'NOT proved'}\n\n{table}", flush=True)
+                    failed |= not outcome.proved
         sys.exit(1 if failed else 0)
 
 
