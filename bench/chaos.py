@@ -5,11 +5,16 @@ Two modes, each against its fault-free run:
            run's bit for bit, whatever failed when (faults: a worker SIGKILLed, frozen for 2-8 s, SIGKILLed
            during its set-up or while it heals; its torchrun agent SIGKILLed; a group SIGTERMed, which
            leaves, and started again by hand, which rejoins; the Lighthouse SIGKILLed, which ft.sh starts
-           again)
+           again; the link between the groups slowed, or made lossy, for 2-8 s: the job runs in a network
+           namespace of its own, whose loopback gets a `tc` queue, netem's delay and loss where the kernel
+           has it, else a rate limit)
   restart  checkpoint-and-restart (train_ddp.py at world 2 under torchrun --max-restarts): exact resume,
            the uninterrupted run's weights (faults: a rank SIGKILLed, during its set-up, during a save,
            during the epoch's evaluation; a rank frozen; torchrun's agent SIGKILLed, after which the
-           same command is run again, as a cluster's scheduler would)
+           same command is run again, as a cluster's scheduler would), once with its checkpoints on a disk
+           (a small tmpfs, which fills up before a save: the job ends with its one line, the runner frees the
+           disk as an operator would, and torchrun's next restart resumes) and once in the local S3 server
+           (tests/s3server.py), stopped for 2-8 s during a save, or as the restarted ranks resume
 
 A fault is drawn at a training step (the run's progress, read from its TensorBoard points), not at
 a time, so that the schedule means the same on any host; it lands as soon as the run reaches it.
@@ -19,14 +24,22 @@ files left, tracebacks in the output.
 
     python -m bench chaos --mode ft --faults 30 --seed 1
     python -m bench chaos --mode restart --faults 30 --seed 1
+
+A kind this host cannot inject (a tmpfs needs root; a slowed link needs `ip netns` and `tc`) is not
+drawn, and the table says why.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
+import errno
+import logging
 import os
 import random
 import re
+import shutil
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -35,20 +48,26 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterator
 
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from tests.conftest import child_env, free_port, latest_state
 from tests.datagen import write_mnist
+from tests.s3server import S3Server
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
 TAG = "train/loss"
 FT_KINDS = ("kill-worker", "freeze-worker", "kill-in-set-up", "kill-while-healing", "kill-agent", "leave-and-rejoin",
-            "kill-lighthouse")
+            "kill-lighthouse", "slow-link")
 RESTART_KINDS = ("kill-rank", "freeze-rank", "kill-in-set-up", "kill-while-saving", "kill-during-evaluation",
                  "kill-agent")
+STORES = {"disk": ("full-disk",), "s3": ("store-down-in-save", "store-down-in-resume")}  # restart mode's, by store
+JOB_WIDE = ("kill-lighthouse", "slow-link")  # ft faults that hit every group, not one
+BUCKET = "chaos"
+DISK_SIZE = "64m"  # the tmpfs of the checkpoints: a few lenet checkpoints (~3.5 MB each) and room to spare
 
 
 @dataclass
@@ -187,6 +206,132 @@ def tracebacks(text: str) -> int:
     return text.count("Traceback (most recent call last)") + len(re.findall(r"^\S*\s*frame #0", text, re.M))
 
 
+def said_since(job: Job, since: float, pattern: str, timeout: float) -> str | None:
+    """The first line matching `pattern` the job printed after `since` (time.monotonic()), waited for
+    until `timeout` seconds from now or the job's end (None if none came)."""
+    wanted, deadline = re.compile(pattern), time.monotonic() + timeout
+    while True:
+        ended = job.process.poll() is not None
+        found = [line for at, line in list(job.lines) if at > since and wanted.search(line)]
+        if found or ended or time.monotonic() > deadline:
+            return found[0] if found else None
+        time.sleep(0.1)
+
+
+def fill(path: Path) -> None:
+    """Write `path` until its disk is full."""
+    with path.open("wb", buffering=0) as f:
+        try:
+            while True:
+                f.write(bytes(1 << 20))
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+
+
+def mount_tmpfs(path: Path, size: str) -> str | None:
+    """A tmpfs of `size` at `path`; why not, where this host cannot (it needs root)."""
+    path.mkdir(parents=True, exist_ok=True)
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
+                             text=True, timeout=30)
+    return f"cannot mount a tmpfs (needs root): {mounted.stderr.strip()}" if mounted.returncode else None
+
+
+class Dropper:
+    """A stopped store's port that accepts every connection and closes it at once (as a proxy in front of
+    a stopped store does), counting them: the runner knows when a client met the outage."""
+
+    def __init__(self, port: int) -> None:
+        self.listener = socket.create_server(("127.0.0.1", port))
+        self.listener.settimeout(0.2)  # a blocked accept() would keep the port open after close()
+        self.dropped, self.over = 0, threading.Event()
+        self.thread = threading.Thread(target=self._drop, daemon=True)
+        self.thread.start()
+
+    def _drop(self) -> None:
+        while not self.over.is_set():
+            try:
+                connection, _ = self.listener.accept()
+            except TimeoutError:
+                continue
+            connection.close()
+            self.dropped += 1
+
+    def tried(self, timeout: float) -> bool:
+        """Whether a connection came (since `dropped` was last set to 0) within `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        while not self.dropped and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return bool(self.dropped)
+
+    def __enter__(self) -> Dropper:
+        return self
+
+    def __exit__(self, *_) -> None:
+        self.over.set()
+        self.thread.join(5)
+        self.listener.close()
+
+
+class Namespace:
+    """A network namespace of its own for a job (its loopback up), whose loopback a fault can slow
+    without touching anything else on the host."""
+
+    NETEM = ["netem", "delay", "20ms", "10ms", "loss", "2%"]
+    RATE = ["tbf", "rate", "8mbit", "burst", "32kb", "latency", "200ms"]  # ~0.15 s more per step for the convnet
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.queue: list[str] = []
+
+    def __enter__(self) -> Namespace:
+        subprocess.run(["ip", "netns", "add", self.name], check=True, capture_output=True, timeout=30)
+        self.exec("ip", "link", "set", "lo", "up")
+        return self
+
+    def __exit__(self, *_) -> None:
+        subprocess.run(["ip", "netns", "del", self.name], capture_output=True, timeout=30)
+
+    def prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", self.name]
+
+    def exec(self, *command: str) -> bool:
+        return not subprocess.run([*self.prefix(), *command], capture_output=True, timeout=30).returncode
+
+    def slow(self) -> bool:
+        return self.exec("tc", "qdisc", "add", "dev", "lo", "root", *self.queue)
+
+    def restore(self) -> bool:
+        return self.exec("tc", "qdisc", "del", "dev", "lo", "root")
+
+    def pick_queue(self) -> str | None:
+        """netem's delay and loss where the kernel has it, else a rate limit; why not, where neither."""
+        for queue in (self.NETEM, self.RATE):
+            self.queue = queue
+            if self.slow():
+                self.restore()
+                return None
+        return "tc has neither netem nor tbf on this host"
+
+    def describe(self) -> str:
+        if self.queue == self.NETEM:
+            return "netem: 20 +- 10 ms delay and 2% loss on every packet"
+        return "a rate limit of 8 Mbit/s (tbf): this kernel has no netem, so no delay or loss"
+
+
+def link_refusal() -> str | None:
+    """Why this host cannot slow a job's link (None: it can)."""
+    missing = [tool for tool in ("ip", "tc") if not shutil.which(tool)]
+    if missing:
+        return f"no {' or '.join(missing)} on this host"
+    probe = Namespace(f"chaos-probe-{os.getpid()}")
+    try:
+        with probe:
+            return probe.pick_queue()
+    except subprocess.CalledProcessError as e:
+        return f"cannot make a network namespace (needs root): {e.stderr.decode(errors='replace').strip()}"
+
+
 class Chaos:
     """One mode's run with its faults, and what the oracle needs of it."""
 
@@ -198,12 +343,13 @@ class Chaos:
         self.folder, self.data, self.epochs, self.batch = folder, data, epochs, batch
         self.patches = f"slow-steps={slow_steps}"  # steps long enough for a fault's recovery to be a part of the run
         self.progress = Progress(folder / "tb")
+        self.checkpoints = str(folder / "ckpt")  # --checkpoint-dir: a folder, or a URL
         self.job: Job | None = None
 
     def flags(self) -> list[str]:
         return ["--dataset", "mnist", "--data-dir", str(self.data), "--model", self.model, "--epochs", str(self.epochs),
                 "--batch-size", str(self.batch), "--lr", "0.05", "--log-every", "1",
-                "--checkpoint-dir", str(self.folder / "ckpt"), "--log-dir", str(self.folder / "tb")]
+                "--checkpoint-dir", self.checkpoints, "--log-dir", str(self.folder / "tb")]
 
     def run(self, faults: list[Fault]) -> int:
         """Each fault lands once the run has reached its step and a target is free (its action in a
@@ -224,8 +370,15 @@ class Chaos:
                 continue
             fault.landed = time.monotonic()
             self.landed.append(fault)
-            threading.Thread(target=getattr(self, fault.kind.replace("-", "_")), args=(fault,), daemon=True).start()
+            threading.Thread(target=self.land, args=(fault,), daemon=True).start()
         return self.finish()
+
+    def land(self, fault: Fault) -> None:
+        """The fault's action; one that fails says so in the table (it never comes back)."""
+        try:
+            getattr(self, fault.kind.replace("-", "_"))(fault)
+        except Exception as e:  # noqa: BLE001 - any failure of the runner's own action is the fault's note
+            fault.notes.append(f"the runner's action failed: {type(e).__name__}: {e}")
 
     def free(self, fault: Fault) -> bool:
         """Whether the fault may land now (and on which target: it may change `fault.target`)."""
@@ -292,9 +445,10 @@ class ReplicaGroups(Chaos):
     script = "train_ft.py"
     model = "convnet"  # BatchNorm: its statistics go through the faults too
 
-    def __init__(self, folder: Path, data: Path, epochs: int, batch: int, slow_steps: float, groups: int) -> None:
+    def __init__(self, folder: Path, data: Path, epochs: int, batch: int, slow_steps: float, groups: int,
+                 namespace: Namespace | None = None) -> None:
         super().__init__(folder, data, epochs, batch, slow_steps)
-        self.groups, self.logs = groups, folder / "ft-logs"
+        self.groups, self.logs, self.namespace = groups, folder / "ft-logs", namespace
         self.env = {**child_env(), "FT_PORT": str(free_port()), "FT_LOGS": str(self.logs), "FT_RESTARTS": "100",
                     "FT_LIGHTHOUSE_RESTARTS": "100"}
         self.rejoined: dict[int, Job] = {}
@@ -304,7 +458,11 @@ class ReplicaGroups(Chaos):
                 "--groups", str(self.groups), "--exact-sums", "--ft-timeout-s", "5"]
 
     def start(self) -> None:
-        self.job = Job(["bash", "launch/ft.sh", str(self.groups), "1", *self.training()], self.env)
+        self.job = Job([*self.inside(), "bash", "launch/ft.sh", str(self.groups), "1", *self.training()], self.env)
+
+    def inside(self) -> list[str]:
+        """What runs a command in the job's network namespace (ip netns exec execs it: the pid is the same)."""
+        return self.namespace.prefix() if self.namespace else []
 
     def running(self) -> bool:
         return self.job.process.poll() is None
@@ -333,9 +491,9 @@ class ReplicaGroups(Chaos):
     def free(self, fault: Fault) -> bool:
         """One group at least is never faulted at once: the run goes on through anything else. A
         fault whose target is away moves to a group that is not."""
-        if fault.kind == "kill-lighthouse":
+        if fault.kind in JOB_WIDE:
             return all(f.back is not None for f in self.landed if f.kind == fault.kind)
-        away = {f.target for f in self.landed if f.back is None and f.kind != "kill-lighthouse"}
+        away = {f.target for f in self.landed if f.back is None and f.kind not in JOB_WIDE}
         if len(away) + 1 >= self.groups:
             return False
         if fault.target in away:
@@ -382,8 +540,9 @@ class ReplicaGroups(Chaos):
             time.sleep(fault.seconds)
             env = {**self.env, "REPLICA_GROUP_ID": str(fault.target), "FT_GROUPS": str(self.groups),
                    "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{self.env['FT_PORT']}"}
-            self.rejoined[fault.target] = Job([sys.executable, "launch/quiet_torchrun.py", "--standalone",
-                                               "--nproc_per_node=1", *self.training()], env, f"[g{fault.target}] ")
+            self.rejoined[fault.target] = Job([*self.inside(), sys.executable, "launch/quiet_torchrun.py",
+                                               "--standalone", "--nproc_per_node=1", *self.training()], env,
+                                              f"[g{fault.target}] ")
         threading.Thread(target=rejoin, daemon=True).start()
         self.back(fault)
 
@@ -395,14 +554,27 @@ class ReplicaGroups(Chaos):
         fault.seconds = 0.0  # back: the groups' next step
         self.back_when_trained(fault, fresh=False)
 
+    def slow_link(self, fault: Fault) -> None:
+        """Every link of the job slowed (or lossy) for `fault.seconds`; back: a step after that."""
+        if not self.namespace.slow():
+            fault.notes.append(f"tc refused {' '.join(self.namespace.queue)}")
+        threading.Timer(fault.seconds, self.namespace.restore).start()
+        self.back_when_trained(fault, fresh=False)
+
 
 class Restarts(Chaos):
     script = "train_ddp.py"
 
-    def __init__(self, folder: Path, data: Path, epochs: int, batch: int, slow_steps: float, save_every: int) -> None:
+    def __init__(self, folder: Path, data: Path, epochs: int, batch: int, slow_steps: float, save_every: int,
+                 server: S3Server | None = None) -> None:
+        """Checkpoints in the S3 server's bucket when one is given (--checkpoint-dir s3://...), else in
+        the run's folder (a tmpfs, where the caller mounted one)."""
         super().__init__(folder, data, epochs, batch, slow_steps)
-        self.save_every, self.jobs, self.restarting = save_every, [], False
+        self.save_every, self.jobs, self.restarting, self.server = save_every, [], False, server
         self.env = child_env()
+        if server:
+            self.checkpoints = f"s3://{BUCKET}/{folder.name}"
+            self.env.update(server.env())
 
     def command(self) -> list[str]:
         return [*TORCHRUN, "--standalone", "--nproc_per_node=2", "--max-restarts=100", "tests/patched.py",
@@ -444,10 +616,58 @@ class Restarts(Chaos):
 
     def kill_while_saving(self, fault: Fault) -> None:
         """Rank 0 (the writer) as the run passes the next --save-every-steps step."""
-        due = (self.progress.step() // self.save_every + 1) * self.save_every
+        due = self.next_save()
         while self.progress.step() < due and self.running():
             time.sleep(0.02)
         signal_pid(self.rank(0), signal.SIGKILL)
+        self.back_when_trained(fault)
+
+    def next_save(self) -> int:
+        return (self.progress.step() // self.save_every + 1) * self.save_every
+
+    def full_disk(self, fault: Fault) -> None:
+        """The checkpoint disk filled to less than a checkpoint's room: the next save fails, and every
+        rank ends with the one line docs/fault-tolerance.md promises (checked). Then, as an operator
+        would, the disk is freed; the same command (torchrun's next restart) resumes."""
+        filler = Path(self.checkpoints) / "filler"
+        fill(filler)
+        line = said_since(self.job, fault.landed, r"^error: saving checkpoint .* failed \(No space left on device", 120)
+        if not line:
+            fault.notes.append("no ENOSPC line within 120 s")
+        elif "is intact and the same command resumes from it" not in line:
+            fault.notes.append(f"the line names no intact checkpoint: {line}")
+        filler.unlink()
+        self.back_when_trained(fault)
+
+    def store_down_in_save(self, fault: Fault) -> None:
+        """The store stopped until the next save has failed (the ranks end with one line), and `fault.seconds`
+        more: torchrun restarts the ranks, and their resume waits for the store (RESUME_RETRY_S)."""
+        self.server.stop()
+        if not said_since(self.job, fault.landed, r"^error: saving checkpoint s3://.* failed", 120):
+            fault.notes.append("no failed save within 120 s")
+        time.sleep(fault.seconds)  # the outage's length, drawn
+        self.server.start()
+        self.back_when_trained(fault)
+
+    def store_down_in_resume(self, fault: Fault) -> None:
+        """Once the store holds a checkpoint, a rank SIGKILLed and the store stopped: torchrun's restarted
+        ranks find no store at resume, which asks again until it answers. Its port meanwhile drops every
+        connection, counting them: the store starts again `fault.seconds` after the resume's first try
+        (the client's own retries or the resume's, "the store did not answer at first", outlast it)."""
+        if not said_since(self.job, 0.0, r"^saved s3://", 300):
+            fault.notes.append("no checkpoint in the store within 300 s")
+        old = self.rank(fault.target)
+        self.server.stop()
+        with Dropper(self.server.port) as port:
+            signal_pid(old, signal.SIGKILL)
+            deadline = time.monotonic() + 120
+            while self.rank(fault.target) in (old, None) and time.monotonic() < deadline:
+                time.sleep(0.1)  # a poll with a deadline: torchrun starts the ranks again
+            port.dropped = 0  # the killed rank's writer is gone: what comes now is the resume
+            if not port.tried(120):
+                fault.notes.append("no resume reached the store within 120 s")
+            time.sleep(fault.seconds)  # the outage's length, drawn
+        self.server.start()
         self.back_when_trained(fault)
 
     def kill_during_evaluation(self, fault: Fault) -> None:
@@ -506,6 +726,8 @@ def _stat(values: list[float]) -> str:
 
 
 def fault_free(mode: str, folder: Path, data: Path, args: argparse.Namespace) -> dict[str, torch.Tensor]:
+    """The fault-free run's weights (restart mode: one run for both stores: where checkpoints go does
+    not change what is trained)."""
     chaos = make(mode, folder, data, args)
     code = chaos.run([])
     if code:
@@ -513,39 +735,112 @@ def fault_free(mode: str, folder: Path, data: Path, args: argparse.Namespace) ->
     return latest_state(folder / "ckpt")["model"]
 
 
-def make(mode: str, folder: Path, data: Path, args: argparse.Namespace) -> Chaos:
+def make(mode: str, folder: Path, data: Path, args: argparse.Namespace, namespace: Namespace | None = None,
+         server: S3Server | None = None) -> Chaos:
     if mode == "ft":
-        return ReplicaGroups(folder, data, args.epochs, args.batch_size, args.slow_steps, args.groups)
-    return Restarts(folder, data, args.epochs, args.batch_size, args.slow_steps, args.save_every)
+        return ReplicaGroups(folder, data, args.epochs, args.batch_size, args.slow_steps, args.groups, namespace)
+    return Restarts(folder, data, args.epochs, args.batch_size, args.slow_steps, args.save_every, server)
 
 
-def chaos_run(mode: str, seed: int, count: int, args: argparse.Namespace, tmp: Path, data: Path,
-              planned: dict[str, torch.Tensor]) -> tuple[str, bool]:
-    folder = tmp / f"{mode}-seed{seed}"
-    chaos = make(mode, folder, data, args)
-    steps = args.epochs * (1200 // args.batch_size)
-    kinds = FT_KINDS if mode == "ft" else RESTART_KINDS
-    faults = draw(kinds, count, steps, args.groups if mode == "ft" else 2, seed)
-    code = chaos.run(faults)
-    (folder / "output.txt").write_text(chaos.output())
-    time.sleep(5)  # what a fault orphaned has its deadline to end (a watch polls every 0.5 s)
-    if not any((folder / "ckpt").rglob("step-*.pt")):
-        raise SystemExit(f"the {mode} run under chaos saved nothing (exit {code}):\n{chaos.output()[-4000:]}")
-    state = latest_state(folder / "ckpt")
-    dw = max_dw(state["model"], planned)
-    processes, files = left_behind(folder), temp_files(folder)
+@contextlib.contextmanager
+def s3_store() -> Iterator[S3Server]:
+    """The local S3 server with the runs' bucket, for one run."""
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # not a line per request
+    server = S3Server(free_port())
+    server.start()
+    try:
+        server.client().create_bucket(Bucket=BUCKET)
+        yield server
+    finally:
+        server.stop()
+
+
+def from_store(server: S3Server, prefix: str, folder: Path) -> Path:
+    """The run's objects copied into `folder` (keys as paths), to read as a local checkpoint folder."""
+    client = server.client()
+    for found in client.list_objects_v2(Bucket=BUCKET, Prefix=f"{prefix}/").get("Contents", []):
+        path = folder / found["Key"].removeprefix(f"{prefix}/")
+        path.parent.mkdir(parents=True, exist_ok=True)
+        client.download_file(BUCKET, found["Key"], str(path))
+    return folder
+
+
+def prepare(mode: str, store: str | None, folder: Path, data: Path, args: argparse.Namespace,
+            stack: contextlib.ExitStack) -> tuple[Chaos, tuple[str, ...], list[str]]:
+    """The run under chaos in what its kinds need (a network namespace, a tmpfs, the S3 server, each
+    given back by `stack`), the kinds it draws, and lines on how they land (or why one is not drawn)."""
+    if mode == "ft":
+        why = link_refusal()
+        if why:
+            return make(mode, folder, data, args), tuple(k for k in FT_KINDS if k != "slow-link"), \
+                [f"slow-link not drawn: {why}"]
+        namespace = stack.enter_context(Namespace(f"chaos-{os.getpid()}-{folder.name}"))
+        namespace.pick_queue()
+        return make(mode, folder, data, args, namespace), FT_KINDS, [f"slow-link: {namespace.describe()}"]
+    if store == "s3":
+        server = stack.enter_context(s3_store())
+        return make(mode, folder, data, args, server=server), RESTART_KINDS + STORES[store], \
+            [f"checkpoints in the local S3 server: --checkpoint-dir s3://{BUCKET}/{folder.name}"]
+    why = mount_tmpfs(folder / "ckpt", DISK_SIZE)
+    if why:
+        return make(mode, folder, data, args), RESTART_KINDS, [f"full-disk not drawn: {why}"]
+    stack.callback(subprocess.run, ["umount", "-l", str(folder / "ckpt")], capture_output=True, timeout=30)
+    return make(mode, folder, data, args), RESTART_KINDS + STORES[store], [f"checkpoints on a tmpfs of {DISK_SIZE}"]
+
+
+@dataclass
+class Outcome:
+    """A run under chaos against the oracle."""
+    lines: list[str]  # how its kinds land, or why one is not drawn
+    faults: list[Fault]
+    code: int
+    dw: float  # max |dw| against the fault-free run
+    processes: list[int]
+    files: list[Path]
+    tracebacks: int
+    table: str
+
+    @property
+    def not_back(self) -> list[Fault]:
+        return [f for f in self.faults if f.landed and not f.back]
+
+    @property
+    def proved(self) -> bool:
+        return (self.code == 0 and self.dw == 0 and not self.processes and not self.files and not self.tracebacks
+                and not self.not_back)
+
+
+def chaos_run(mode: str, store: str | None, seed: int, count: int, args: argparse.Namespace, tmp: Path, data: Path,
+              planned: dict[str, torch.Tensor]) -> Outcome:
+    folder = tmp / f"{mode}{'-' + store if store else ''}-seed{seed}"
+    with contextlib.ExitStack() as stack:
+        chaos, kinds, lines = prepare(mode, store, folder, data, args, stack)
+        kinds = tuple(k for k in kinds if not args.kinds or k in args.kinds)
+        steps = args.epochs * (1200 // args.batch_size)
+        faults = draw(kinds, count, steps, args.groups if mode == "ft" else 2, seed)
+        code = chaos.run(faults)
+        (folder / "output.txt").write_text(chaos.output())
+        time.sleep(5)  # what a fault orphaned has its deadline to end (a watch polls every 0.5 s)
+        saved = from_store(chaos.server, folder.name, folder / "ckpt") if store == "s3" else folder / "ckpt"
+        if not any(saved.rglob("step-*.pt")):
+            raise SystemExit(f"the {mode} run under chaos saved nothing (exit {code}):\n{chaos.output()[-4000:]}")
+        dw = max_dw(latest_state(saved)["model"], planned)
+        processes, files = left_behind(folder), temp_files(folder)
     for pid in processes:
         signal_pid(pid, signal.SIGKILL)
-    table = report(mode, faults, chaos, code, dw, processes, files)
-    ok = code == 0 and dw == 0 and not processes and not files and not tracebacks(chaos.output())
-    return table, ok
+    return Outcome(lines, faults, code, dw, processes, files, tracebacks(chaos.output()),
+                   report(mode, faults, chaos, code, dw, processes, files))
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mode", choices=("ft", "restart", "both"), default="both")
     p.add_argument("--faults", type=int, default=30, help="faults per run, every kind drawn (default: %(default)s)")
     p.add_argument("--seeds", default="1,2,3", help="one run per seed (default: %(default)s)")
+    p.add_argument("--stores", default="disk,s3",
+                   help="restart mode: one run per seed for each of these checkpoint stores (default: %(default)s)")
+    p.add_argument("--kinds", type=lambda text: text.split(","),
+                   help="draw only these kinds, a comma-separated list (default: every kind of the mode)")
     p.add_argument("--epochs", type=int, default=40, help="of 1,200 MNIST-format images (default: %(default)s)")
     p.add_argument("--slow-steps", type=float, default=0.05,
                    help="seconds added to each step, so that recoveries happen inside the run (default: %(default)s)")
@@ -553,20 +848,33 @@ def main() -> None:
     p.add_argument("--groups", type=int, default=3, help="ft mode: replica groups of one process")
     p.add_argument("--save-every", type=int, default=20, help="restart mode: --save-every-steps")
     p.add_argument("--keep", help="a folder to keep the runs' files in (default: a temporary one)")
+    return p
+
+
+def main() -> None:
+    p = parser()
     args = p.parse_args()
     seeds = [int(s) for s in args.seeds.split(",")]
+    stores = args.stores.split(",")
+    if not set(stores) <= set(STORES):
+        p.error(f"--stores {args.stores}: each store is one of {', '.join(STORES)}")
     modes = ("ft", "restart") if args.mode == "both" else (args.mode,)
+    known = {*FT_KINDS, *RESTART_KINDS, *(k for kinds in STORES.values() for k in kinds)}
+    if args.kinds and not set(args.kinds) <= known:
+        p.error(f"--kinds: {', '.join(sorted(set(args.kinds) - known))} unknown; the kinds: {', '.join(sorted(known))}")
     with tempfile.TemporaryDirectory() as scratch:
         tmp = Path(args.keep or scratch)
         data = write_mnist(tmp / "mnist")
         failed = False
         for mode in modes:
             planned = fault_free(mode, tmp / f"{mode}-fault-free", data, args)
-            for seed in seeds:
-                table, ok = chaos_run(mode, seed, args.faults, args, tmp, data, planned)
-                print(f"\n## {mode}, seed {seed}, {args.faults} faults: {'proved' if ok else 'NOT proved'}\n\n{table}",
-                      flush=True)
-                failed |= not ok
+            for store in stores if mode == "restart" else [None]:
+                for seed in seeds:
+                    outcome = chaos_run(mode, store, seed, args.faults, args, tmp, data, planned)
+                    title = f"{mode}{f' ({store})' if store else ''}, seed {seed}, {args.faults} faults"
+                    table = "\n".join([*outcome.lines, "", outcome.table])
+                    print(f"\n## {title}: {'proved' if outcome.proved else 'NOT proved'}\n\n{table}", flush=True)
+                    failed |= not outcome.proved
         sys.exit(1 if failed else 0)
 
 

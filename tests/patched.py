@@ -22,8 +22,13 @@ Patches:
                          fault at a known step on a host of any speed (tests/gates.py; GATE_DIR names the
                          folder of its markers)
 """
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 - ruff wants a blank line above `# isort: split`, test_layout none
 
+# The package first, as every train_*.py imports it: its watch on torchrun's agent and its quiet C++ log
+# level (common/orphans.py) must come before torch's import, or the patched run prints what the
+# script alone does not (c10d's dumps of C++ frames when a peer dies).
+import common  # noqa: F401
+# isort: split
 import errno
 import hashlib
 import os

@@ -45,10 +45,17 @@ class S3Server(ThreadedMotoServer):
     def __init__(self, port: int) -> None:
         super().__init__(ip_address="127.0.0.1", port=port, verbose=False)
         self.log = RequestLog()
-        self.endpoint = f"http://127.0.0.1:{port}"
+        self.port, self.endpoint = port, f"http://127.0.0.1:{port}"
         # Credentials unique to this run, so a test can search every output for them.
         self.key_id = f"AKIATEST{secrets.token_hex(6).upper()}"
         self.secret = f"secret-{secrets.token_hex(16)}"
+
+    def start(self) -> None:
+        """moto's, with a deadline: a port that cannot be bound is an error, not a wait for good."""
+        self._thread = threading.Thread(target=self._server_entry, daemon=True)
+        self._thread.start()
+        if not self._server_ready_event.wait(30):
+            raise RuntimeError(f"the S3 server did not start on {self.endpoint} within 30 s")
 
     def _server_entry(self) -> None:
         app = self.log.middleware(DomainDispatcherApplication(create_backend_app))
