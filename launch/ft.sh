@@ -8,7 +8,8 @@
 #
 # One line per event: "ft: group G lost (...); restarted (...)", "ft: group G left (stopped by SIGTERM)" (a
 # group stopped on its own is not restarted; the others go on without it), "ft: group G gave up (...); not
-# restarted" (its step failed across groups 21 times in a row: status 3); the groups' own lines
+# restarted" (status 3: its step failed across groups 21 times in a row, or no quorum of --min-groups groups
+# formed within --quorum-timeout-s); the groups' own lines
 # (prefixed [gG]) say "quorum of N group(s) at step S: this group (group G) is number I [HH:MM:SS]" and
 # "group G healed from group K at step S". The events and the quorums end with the wall time.
 # Ctrl-C or SIGTERM stops every group: the quorum's first group saves the stop checkpoint, as a plain
@@ -20,6 +21,8 @@
 #   FT_HEARTBEAT_MS       a group silent this long is out of the quorum (default 3000)
 #   FT_JOIN_MS            how long a quorum waits for late groups once enough have joined (default 2000)
 #   FT_LOGS               where the Lighthouse's log goes (default: a new folder under /tmp)
+# The Lighthouse forms quorums of the run's --min-groups (among the FLAGS; 1 without it) or more groups: a group
+# up before its peers waits for them (docs/fault-tolerance.md, "--min-groups").
 # On several machines, Slurm or Kubernetes: docs/clusters.md ("Fault-tolerant replica groups").
 set -uo pipefail
 
@@ -37,6 +40,17 @@ lighthouse_bin=$(command -v torchft_lighthouse) ||
 torchrun=$(command -v torchrun) || { echo "error: torchrun is not on PATH; activate the environment that has torch" >&2; exit 2; }
 python=$(head -n 1 "$torchrun" | sed 's/^#!//')  # the interpreter torchrun belongs to
 here=$(cd "$(dirname "$0")" && pwd)
+
+# The run's --min-groups (the last one given, as train_ft.py's parser takes it; --min-groups=N and argparse's
+# abbreviations too). The Lighthouse forms no quorum of fewer groups: a group that comes up before its peers
+# waits for them (within --quorum-timeout-s) instead of failing its steps alone and giving up in a second.
+min_groups=1
+for ((i = 2; i <= $#; i++)); do  # $1: the script
+    flag=${!i%%=*} value=
+    [[ $flag == --min-g* && --min-groups == "$flag"* ]] || continue
+    if [[ ${!i} == *=* ]]; then value=${!i#*=}; else next=$((i + 1)); value=${!next-}; fi
+    [[ $value =~ ^[1-9][0-9]*$ ]] && min_groups=$value  # anything else: train_ft.py refuses it in one line
+done
 
 say() { printf 'ft: %s [%(%H:%M:%S)T]\n' "$*" -1; }  # the wall time: how long a group was away or alone
 ended() { if (( $1 > 128 )); then echo "killed by SIG$(kill -l $(($1 - 128)))"; else echo "exit $1"; fi; }
@@ -64,7 +78,7 @@ probe.bind(("127.0.0.1", int(sys.argv[1])))' "$port" 2>/dev/null ||
 start_lighthouse() {
     RUST_LOG=${RUST_LOG:-info} "$python" -c 'import ctypes, os, signal, sys
 ctypes.CDLL(None).prctl(1, signal.SIGTERM)
-os.execv(sys.argv[1], sys.argv[1:])' "$lighthouse_bin" --min_replicas 1 --bind "127.0.0.1:$port" \
+os.execv(sys.argv[1], sys.argv[1:])' "$lighthouse_bin" --min_replicas "$min_groups" --bind "127.0.0.1:$port" \
         --heartbeat_timeout_ms "${FT_HEARTBEAT_MS:-3000}" --join_timeout_ms "${FT_JOIN_MS:-2000}" \
         >> "$logs/lighthouse.log" 2>&1 &
     echo $! > "$logs/lighthouse.pid"
@@ -109,7 +123,8 @@ for ((waited = 0; ; waited++)); do  # serving within 60 s, or one line (its entr
     fi
     sleep 0.1
 done
-say "Lighthouse on 127.0.0.1:$port (pid $lighthouse, log $logs/lighthouse.log), $groups group(s) of $nproc process(es)"
+say "Lighthouse on 127.0.0.1:$port (pid $lighthouse, log $logs/lighthouse.log, quorums of $min_groups group(s) or" \
+    "more: --min-groups), $groups group(s) of $nproc process(es)"
 
 run_group() {  # $1: group number, then the script and its flags; restarts it when it dies
     local g=$1 attempt=0 code

@@ -11,11 +11,13 @@ import http.server
 import logging
 import os
 import signal
+import socket
 import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterator
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -75,8 +77,8 @@ def connect(group_id: int, lighthouse: str, min_groups: int, backend: str, ft_ti
                        max_retries=MAX_RETRIES)
     except RuntimeError as error:  # the Lighthouse did not answer within the connect timeout
         raise UserError(f"--lighthouse {lighthouse}: no answer within --quorum-timeout-s {quorum_timeout_s:g} "
-                        f"({first_line(error)}); start it (torchft_lighthouse --min_replicas 1 --bind "
-                        "[::]:PORT, or launch/ft.sh) or correct the URL") from None
+                        f"({first_line(error)}); start it (torchft_lighthouse --min_replicas {min_groups} --bind "
+                        "[::]:PORT, --min_replicas being --min-groups; or launch/ft.sh) or correct the URL") from None
 
 
 @dataclass(frozen=True)
@@ -178,7 +180,8 @@ class FaultTolerantTrainer(Trainer):
                 raise
             raise GaveUp(f"group {self.ft.group_id} gave up at step {self.run.global_step(at) + 1}: it failed across "
                          f"groups {MAX_RETRIES + 1} times in a row (fewer than --min-groups {self.ft.min_groups} "
-                         "live groups, or a group that fails every step: see the other groups' lines)", at) from None
+                         "live groups, from a Lighthouse whose --min_replicas is lower, or a group that fails every "
+                         "step: see the other groups' lines)", at) from None
 
     def settle(self, at: Position) -> Quorum:
         """Wait for the quorum asked for as the step started. A group behind the others is not one of its
@@ -194,12 +197,10 @@ class FaultTolerantTrainer(Trainer):
             except Exception as error:  # torchft's quorum raises once its attempt's timeout ran out
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    raise LighthouseLost(f"no quorum from the Lighthouse at {self.ft.lighthouse} within "
-                                         f"--quorum-timeout-s {self.ft.quorum_timeout_s:g} "
-                                         f"({type(error).__name__})", at) from None
+                    raise self.no_quorum(at, type(error).__name__) from None
                 self.log.warn(f"no quorum from the Lighthouse at {self.ft.lighthouse} at step "
-                              f"{self.run.global_step(at) + 1} ({type(error).__name__}): asking again, for "
-                              f"{left:.0f} s more at most (--quorum-timeout-s)")
+                              f"{self.run.global_step(at) + 1} ({type(error).__name__}{self.short_of_groups()}): "
+                              f"asking again, for {left:.0f} s more at most (--quorum-timeout-s)")
                 self.agreed_in = -1  # a Lighthouse started again counts its quorums from 1 anew
                 self.manager._quorum_future = None  # torchft 0.2.0 raises a failed quorum again at the next start
                 self.manager.start_quorum(timeout=timedelta(seconds=min(QUORUM_ATTEMPT_S, left)))
@@ -214,6 +215,23 @@ class FaultTolerantTrainer(Trainer):
                           f"(group {self.ft.group_id}) {place} [{time.strftime('%H:%M:%S')}]")
             self.quorum = quorum
         return quorum
+
+    def short_of_groups(self) -> str:
+        """Why a live Lighthouse may not answer: it forms no quorum of fewer groups than --min-groups
+        (launch/ft.sh starts it with --min_replicas set so)."""
+        return f"; fewer than --min-groups {self.ft.min_groups} groups have joined it, or it is gone" \
+            if self.ft.min_groups > 1 else ""
+
+    def no_quorum(self, at: Position, error: str) -> NoStep:
+        """The verdict once --quorum-timeout-s went by without a quorum: a Lighthouse that still
+        answers is waiting for groups that did not come (the group gives up: a restart would wait
+        alike); one that does not is gone."""
+        waited = f"within --quorum-timeout-s {self.ft.quorum_timeout_s:g} ({error})"
+        if self.ft.min_groups > 1 and answers(self.ft.lighthouse):
+            return GaveUp(f"group {self.ft.group_id} gave up at step {self.run.global_step(at) + 1}: no quorum of "
+                          f"--min-groups {self.ft.min_groups} groups at the Lighthouse {self.ft.lighthouse} "
+                          f"{waited}: fewer groups joined it", at)
+        return LighthouseLost(f"no quorum from the Lighthouse at {self.ft.lighthouse} {waited}", at)
 
     def agree_on_the_run(self) -> None:
         """Once per quorum, before any gradient crosses: every group must train this run and cut its
@@ -367,6 +385,16 @@ class FaultTolerantTrainer(Trainer):
         return (summed[:-1] != summed[-1] * own).nonzero().flatten()
 
 
+def answers(url: str) -> bool:
+    """Whether something listens at the Lighthouse's HOST:PORT (a connection within a second)."""
+    address = urlsplit(url)
+    try:
+        socket.create_connection((address.hostname, address.port), timeout=1.0).close()
+    except OSError:
+        return False
+    return True
+
+
 def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
     """An int64 of the tensor's bytes, each weighted by its position: equal bits, equal fingerprints;
     a changed or moved byte changes it (sums wrap around the same way everywhere)."""
@@ -389,7 +417,8 @@ class LighthouseLost(NoStep):
 
 
 class GaveUp(NoStep):
-    """Every retry of the step failed: torchft's vote would fail a restarted group alike."""
+    """Every retry of the step failed, or no quorum of --min-groups groups formed within
+    --quorum-timeout-s: a restarted group would fail or wait alike."""
 
     exit_code = GAVE_UP
     remedy = ("start the missing groups or lower --min-groups, or fix the group that fails, then rerun the same "
