@@ -445,7 +445,10 @@ PLANS = {
 @dataclass(frozen=True)
 class Stopped:
     cut: subprocess.CompletedProcess  # the stop's own output and status (launched_runs: one run of its launch)
-    saved: dict | None  # the checkpoint the stop's line names
+    # The checkpoint the stop's line names, read before any resume (which may write it again: a stop
+    # at an epoch's end is saved before its evaluation, the resume saves that step once it evaluated);
+    # None for a stop in the resumes' launch, whose resume is the first to read it (and says so).
+    saved: dict | None
     resumed: subprocess.CompletedProcess  # the launch that resumed it (with the others of its world size)
     console: str  # the resume's own rank-0 stdout
     ckpt: Path  # where the stop saved
@@ -456,10 +459,10 @@ NOT_STARTED = subprocess.CompletedProcess([], -1, "", "not started: a run before
 STOP_LINE = re.compile(r"^stopped by \w+ after step \d+ .*; checkpoint (\S+); run the same command", re.MULTILINE)
 
 
-def stop_checkpoint(cut: subprocess.CompletedProcess) -> dict | None:
-    """The state of the checkpoint the stop's line names (a resume in the same launch saves after it)."""
+def stop_checkpoint(cut: subprocess.CompletedProcess) -> Path | None:
+    """The checkpoint the stop's line names."""
     line = STOP_LINE.search(cut.stderr)
-    return torch.load(line[1], weights_only=True) if line else None
+    return Path(line[1]) if line else None
 
 
 def plan_run(name: str, folder: Path, resume: bool) -> list[str]:
@@ -478,13 +481,11 @@ def cuts(names: list[str], folder: Path) -> dict[str, subprocess.CompletedProces
     for launch in dict.fromkeys(PLANS[n].cut_launch or n for n in names):
         stops = launch.split(", ")
         assert set(stops) <= set(names), f"the stops of {launch} are resumed at {PLANS[stops[0]].resume_world}"
-        if len(stops) == 1:
-            made[stops[0]] = train(PLANS[stops[0]].stop, folder / stops[0], *PLANS[stops[0]].extra,
-                                   nproc=PLANS[stops[0]].world)
+        runs, world = [plan_run(n, folder, resume=False) for n in stops], PLANS[stops[0]].world
+        if len(runs) == 1:
+            made[stops[0]] = run_script(runs[0], nproc=world, timeout=300)
         else:
-            runs = [plan_run(n, folder, resume=False) for n in stops]
-            launched = run_script(one_launch(runs, stopping=range(len(runs) - 1)), nproc=PLANS[stops[0]].world,
-                                  timeout=300)
+            launched = run_script(one_launch(runs, stopping=range(len(runs) - 1)), nproc=world, timeout=300)
             made.update(zip(stops, launched_runs(launched)))
     return made
 
@@ -502,6 +503,8 @@ def stopped(tmp_path_factory):
             world = PLANS[name].resume_world
             names = [n for n, p in PLANS.items() if p.resume_world == world]
             made = cuts([n for n in names if PLANS[n].cut_launch != RESUMES], folder)
+            named = {n: stop_checkpoint(cut) for n, cut in made.items()}
+            saved = {n: torch.load(path, weights_only=True) for n, path in named.items() if path}  # before any resume
             runs = {(n, resume): plan_run(n, folder, resume) for n in names
                     for resume in ((False, True) if PLANS[n].cut_launch == RESUMES else (True,))}
             stops = [index for index, (_, resume) in enumerate(runs) if not resume]
@@ -511,7 +514,7 @@ def stopped(tmp_path_factory):
             for n in names:
                 cut = made.get(n, NOT_STARTED)
                 console = ran[n, True].stdout if (n, True) in ran else ""
-                cache[n] = Stopped(cut, stop_checkpoint(cut), launch, console, folder / n,
+                cache[n] = Stopped(cut, saved.get(n), launch, console, folder / n,
                                    folder / f"{n}-resumed" if PLANS[n].resume_from_stop else folder / n)
         return cache[name]
     return outcome
@@ -523,7 +526,8 @@ def test_every_strategy_resumes_exactly(name, reference, stopped):
     uninterrupted run's weights (<= 1e-6), resuming at the saved epoch and step; one process (dp)
     ends with 128 + SIGTERM. ddp and allreduce: SIGTERM to torchrun and every worker, in both
     orders, is one request. master: a Ctrl-C reaching torchrun and every worker is one request, and
-    local rank 0 alone says how to force the exit."""
+    local rank 0 alone says how to force the exit. master-update, fsdp, zero1 and localsgd resume in
+    the processes that stopped, the others in fresh ones (PLANS)."""
     run, nproc = stopped(name), None if name == "dp" else 2
     fault, signame = STOPS.get(name, ("sigterm", "SIGTERM"))
     stop = stop_after(13, STEPS)
@@ -531,7 +535,8 @@ def test_every_strategy_resumes_exactly(name, reference, stopped):
         stop += stop % 2
     cut = run.cut
     assert cut.returncode != 0 and f"stopped by {signame} after step {stop} " in cut.stderr, cut.stderr[-3000:]
-    assert run.saved is not None and run.saved["global_step"] == stop
+    if PLANS[name].cut_launch != RESUMES:  # else the resume below reads it first
+        assert run.saved is not None and run.saved["global_step"] == stop
     if nproc is None:  # no torchrun in between: the process's own status, 128 + SIGTERM
         assert cut.returncode == 128 + signal.SIGTERM
     if signame == "SIGINT":
@@ -539,7 +544,8 @@ def test_every_strategy_resumes_exactly(name, reference, stopped):
         assert "second Ctrl-C" not in cut.stderr
     ok(run.resumed)
     epoch, step = saved_position(stop, STEPS)
-    assert "resumed from" in run.console and f"epoch {epoch + 1}, step {step} (saved at world {nproc or 1})" \
+    # the checkpoint the stop named, as the resume read it: at the stop's step
+    assert f"resumed from {stop_checkpoint(cut)}: epoch {epoch + 1}, step {step} (saved at world {nproc or 1})" \
         in run.console, run.console
     dw = max_dw(final_weights(run.final), reference(name))
     print(f"\n{name} ({fault} at step 13): stopped after step {stop}, resumed: max |dw| = {dw:.3g}")
