@@ -269,19 +269,24 @@ def test_damaged_checkpoint_warning_in_a_real_resume(reference, tmp_path):
 
 # 4 -------------------------------------------------------------------------------------------
 def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    ok(train(SCRIPTS["ddp"], ckpt, "--epochs", "1", "--max-steps", "2"))
+    """The run, then the same folder with another model: one after another in one launch (tests/runs.py)."""
+    flags = [*RUN, *folders(tmp_path / "ckpt"), "--epochs", "1", "--max-steps", "2"]
     start = time.monotonic()
-    result = train(SCRIPTS["ddp"], ckpt, "--model", "cifar_net", "--batch-size", "64", "--epochs", "1",
-                   "--max-steps", "2")
+    launch = run_script(one_launch([[*SCRIPTS["ddp"], *flags],
+                                    [*SCRIPTS["ddp"], *flags, "--model", "cifar_net", "--batch-size", "64"]]),
+                        nproc=2, timeout=300)
     seconds = time.monotonic() - start
+    runs = launched_runs(launch)
+    assert len(runs) == 2, f"exit {launch.returncode}\n{launch.stderr[-3000:]}"  # the first run ended cleanly
+    result = runs[1]
     assert result.returncode != 0
     errors = error_lines(result.stderr)
     assert len(errors) == 1, result.stderr[-3000:]
     for part in ("with other settings", "batch_size 32 -> 64", "model 'lenet' -> 'cifar_net'",
                  "To continue it, rerun with its settings: --dataset ", "--model lenet", "pass --resume none"):
         assert part in errors[0]
-    print(f"\nmismatched checkpoint: exit {result.returncode} after {seconds:.1f} s (process start included)")
+    print(f"\nmismatched checkpoint: exit {result.returncode}, the launch {seconds:.1f} s (process start and the first "
+          "run included)")
     # Found before the first step: a mismatch met in a collective would wait out its timeout (300 s).
     assert seconds < ENDS_PROMPTLY_S
 
