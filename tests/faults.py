@@ -3,6 +3,9 @@ or catches it.
 
     torchrun ... tests/faults.py STRATEGY FAULT STEP [training flags]
 
+(or a run of tests/runs.py: `tests/faults.py STRATEGY FAULT STEP [flags] --then-after-stop ...`, a
+stop and what follows it in one launch)
+
 STRATEGY: ddp, allreduce, master, dp, fsdp (--shard full), zero1 (--shard optimizer), localsgd, or
 nosync (never synchronizes).
 FAULT, after the STEP-th optimizer step of this process (FAULT_AT_FILE, if set, names a file that
@@ -81,7 +84,8 @@ def signal_job(signum: int, torchrun_first: bool = True) -> None:
 
 def inject(fault: str, optimizer: torch.optim.Optimizer) -> None:
     rank = dist.get_rank()
-    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    # torchrun's attempt: "0", or "0.runK" for run K of tests/runs.py on the first attempt
+    first_attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0").split(".")[0] == "0"
     if rank == 1 and os.environ.get("FAULT_AT_FILE") and (fault != "sigkill" or first_attempt):
         Path(os.environ["FAULT_AT_FILE"]).write_text(f"{time.time()!r} {os.getpid()}")
     if fault == "sigterm":
@@ -149,9 +153,16 @@ def faulty(base: type[Strategy], fault: str, at_step: int) -> Strategy:
     return Faulty()
 
 
-if __name__ == "__main__":
-    name, fault, step = sys.argv[1], sys.argv[2], int(sys.argv[3])
-    del sys.argv[1:4]
+def main(argv: list[str] | None = None) -> None:
+    """argv: STRATEGY FAULT STEP and the training flags (default: this program's)."""
+    name, fault, step, *flags = sys.argv[1:] if argv is None else argv
     if fault == "sigterm-saving":
-        signal_during_save(step)
-    run(faulty(STRATEGIES[name], fault, step))
+        if argv is not None:  # a patch of CheckpointFolder that would outlive this run
+            raise SystemExit("error: tests/faults.py: sigterm-saving patches every later save of its process; "
+                             "give it a launch of its own")
+        signal_during_save(int(step))
+    run(faulty(STRATEGIES[name], fault, int(step)), flags)
+
+
+if __name__ == "__main__":
+    main()

@@ -145,9 +145,10 @@ class Gate:
     def _marked(self, point: str, what: str, processes: int, timeout: float) -> list[int]:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            markers = list(self.folder.glob(f"{point}.*.{what}"))
-            if len(markers) >= processes:
-                return [int(m.read_text().split()[-1]) for m in markers]
+            # whole lines only: a marker is seen as soon as it is created, before its line is written
+            lines = [text for m in self.folder.glob(f"{point}.*.{what}") if (text := m.read_text()).endswith("\n")]
+            if len(lines) >= processes:
+                return [int(line.split()[-1]) for line in lines]
             time.sleep(POLL_S)  # a poll with a deadline
         raise AssertionError(f"no {processes} process(es) {what} at {point} within {timeout} s{self.output()}")
 

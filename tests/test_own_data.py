@@ -38,6 +38,7 @@ from tests.conftest import (
     stop_after,
 )
 from tests.datagen import write_hf, write_imagefolder, write_shards
+from tests.runs import launched_runs
 from tests.s3server import S3Server
 
 CPU = torch.device("cpu")
@@ -650,20 +651,23 @@ def stream(kind: str) -> list[str]:
 def test_a_streamed_run_cut_mid_epoch_resumes_to_the_same_weights(fault, layout, uninterrupted, sets, tmp_path):
     """10 steps per epoch; the fault at step 13: SIGKILL restarts from step 12's checkpoint (a Hugging
     Face parquet set), SIGTERM stops after step 15's save (epoch 2, step 5; shards); both continue
-    mid-epoch with 2 workers per rank."""
-    torchrun = ("--max-restarts=1",) if fault == "sigkill" else ()
+    mid-epoch with 2 workers per rank. Each row one launch: torchrun restarts the SIGKILLed rank's
+    group in fresh processes; the SIGTERM's resume is the launch's next run, in the processes that
+    stopped (tests/runs.py, --then-after-stop), the fresh-process resume being the SIGKILL row's."""
     flags = stream(layout)
-    cut = train(sets[layout], tmp_path, *flags, "--epochs", "2", script=("tests/faults.py", "ddp", fault, "13"),
-                torchrun=torchrun)
+    cut = train_args(sets[layout], tmp_path, *flags, "--epochs", "2", script=("tests/faults.py", "ddp", fault, "13"))
     if fault == "sigterm":
-        assert cut.returncode != 0 and f"stopped by SIGTERM after step {stop_after(13, 10, 3)} " in cut.stderr, \
-            cut.stderr[-2000:]
-        resumed = train(sets[layout], tmp_path, *flags, "--epochs", "2")
+        launch = run_script(one_launch([cut, train_args(sets[layout], tmp_path, *flags, "--epochs", "2")],
+                                       stopping=[0]), nproc=2, timeout=300)
+        stop, resumed = launched_runs(launch)
+        assert stop.returncode != 0 and f"stopped by SIGTERM after step {stop_after(13, 10, 3)} " in stop.stderr, \
+            stop.stderr[-2000:]
         ok(resumed)
         assert "epoch 2, step 5" in resumed.stdout
     else:
-        ok(cut)
-        assert "resumed from" in cut.stdout
+        restarted = run_script(cut, nproc=2, torchrun=("--max-restarts=1",), timeout=300)
+        ok(restarted)
+        assert "resumed from" in restarted.stdout
     state = latest_state(tmp_path / "run")
     assert state["epoch"] == 2
     reference = uninterrupted[layout]

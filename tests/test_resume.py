@@ -4,6 +4,7 @@ from __future__ import annotations
 import multiprocessing
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import pytest
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from common import storage
+from common import collector, storage
 from common.errors import UserError
 from common.parallel.context import DistContext
 from common.storage import TRANSIENT, LocalStorage, StorageError
@@ -35,10 +36,11 @@ from tests.conftest import (
     one_launch,
     run_script,
     saved_position,
-    split_runs,
     stop_after,
 )
 from tests.gates import Gate
+from tests.runs import AFTER_STOP, SEPARATOR, launched_runs, planned_runs
+from tests.runs import main as runs_main
 from tests.save_loop import IDENTITY, save_until_stopped
 from tests.save_loop import state as loop_state
 
@@ -267,19 +269,24 @@ def test_damaged_checkpoint_warning_in_a_real_resume(reference, tmp_path):
 
 # 4 -------------------------------------------------------------------------------------------
 def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
-    ckpt = tmp_path / "ckpt"
-    ok(train(SCRIPTS["ddp"], ckpt, "--epochs", "1", "--max-steps", "2"))
+    """The run, then the same folder with another model: one after another in one launch (tests/runs.py)."""
+    flags = [*RUN, *folders(tmp_path / "ckpt"), "--epochs", "1", "--max-steps", "2"]
     start = time.monotonic()
-    result = train(SCRIPTS["ddp"], ckpt, "--model", "cifar_net", "--batch-size", "64", "--epochs", "1",
-                   "--max-steps", "2")
+    launch = run_script(one_launch([[*SCRIPTS["ddp"], *flags],
+                                    [*SCRIPTS["ddp"], *flags, "--model", "cifar_net", "--batch-size", "64"]]),
+                        nproc=2, timeout=300)
     seconds = time.monotonic() - start
+    runs = launched_runs(launch)
+    assert len(runs) == 2, f"exit {launch.returncode}\n{launch.stderr[-3000:]}"  # the first run ended cleanly
+    result = runs[1]
     assert result.returncode != 0
     errors = error_lines(result.stderr)
     assert len(errors) == 1, result.stderr[-3000:]
     for part in ("with other settings", "batch_size 32 -> 64", "model 'lenet' -> 'cifar_net'",
                  "To continue it, rerun with its settings: --dataset ", "--model lenet", "pass --resume none"):
         assert part in errors[0]
-    print(f"\nmismatched checkpoint: exit {result.returncode} after {seconds:.1f} s (process start included)")
+    print(f"\nmismatched checkpoint: exit {result.returncode}, the launch {seconds:.1f} s (process start and the first "
+          "run included)")
     # Found before the first step: a mismatch met in a collective would wait out its timeout (300 s).
     assert seconds < ENDS_PROMPTLY_S
 
@@ -400,6 +407,9 @@ STOPS = {"ddp": ("sigterm-job", "SIGTERM"), "allreduce": ("sigterm-workers-first
          "master": ("sigint-job", "SIGINT")}
 
 
+RESUMES = "resumes"  # a Plan's cut_launch: the stop runs in the resumes' launch, right before its own resume
+
+
 @dataclass(frozen=True)
 class Plan:
     """A run stopped by tests/faults.py, then resumed by `resume` (a script and its flags)."""
@@ -409,33 +419,87 @@ class Plan:
     world: int | None = 2  # the stop's
     resume_world: int | None = 2
     resume_from_stop: bool = False  # --resume the stop's newest checkpoint, into a folder of its own
+    # Which launch makes the stop: "" one of its own; "A, B" the stops of plans A then B in one
+    # launch (--then-after-stop between them: every stop but the last one signals only its own
+    # ranks); RESUMES: the resumes' launch, the resume then running in the processes that stopped.
+    cut_launch: str = ""
 
 
-# Every run this file stops and then resumes, by name.
+# Every run this file stops and then resumes, by name, and where each stop runs (cut_launch). A
+# stop of torchrun's whole job (ddp, allreduce, master) ends its launch, so it comes last in one;
+# dp's is the exit status of a process of its own. master-update, fsdp, zero1 and localsgd stop in
+# the resumes' launch and resume in the processes that stopped (tests/runs.py puts back what a run
+# leaves in them and reseeds the global generators, as a fresh process has them). Every other resume
+# runs in processes that did not stop, so each guarantee keeps a resume in a fresh process: the exact
+# resume (ddp, allreduce, master, dp), a stop during evaluation, another world size, an FSDP
+# checkpoint loaded by DDP ("sharded"; test_optimizers resumes FSDP and ZeRO-1 in fresh processes too).
+IN_THE_RESUMES_LAUNCH = ("master-update", "fsdp", "zero1", "localsgd")
 PLANS = {
-    **{name: Plan(faulty(name, STOPS.get(name, ("sigterm",))[0], 13), SCRIPTS[name], world=world, resume_world=world)
+    **{name: Plan(faulty(name, STOPS.get(name, ("sigterm",))[0], 13), SCRIPTS[name], world=world, resume_world=world,
+                  cut_launch=RESUMES if name in IN_THE_RESUMES_LAUNCH else "evaluation, ddp" if name == "ddp" else "")
        for name, world in ((name, None if name == "dp" else 2) for name in SCRIPTS)},
-    "another world": Plan(faulty("ddp", "sigterm", 11), SCRIPTS["ddp"], resume_world=None),
-    "sharded": Plan(faulty("fsdp", "sigterm", 11), SCRIPTS["ddp"], resume_world=None, resume_from_stop=True),
-    "evaluation": Plan(faulty("ddp", "sigterm-eval", 5), SCRIPTS["ddp"], extra=("--eval-batch-size", "16")),
+    "another world": Plan(faulty("ddp", "sigterm", 11), SCRIPTS["ddp"], resume_world=None,
+                          cut_launch="another world, sharded"),
+    "sharded": Plan(faulty("fsdp", "sigterm", 11), SCRIPTS["ddp"], resume_world=None, resume_from_stop=True,
+                    cut_launch="another world, sharded"),
+    "evaluation": Plan(faulty("ddp", "sigterm-eval", 5), SCRIPTS["ddp"], extra=("--eval-batch-size", "16"),
+                       cut_launch="evaluation, ddp"),
 }
 
 
 @dataclass(frozen=True)
 class Stopped:
-    cut: subprocess.CompletedProcess
-    saved: dict | None  # the newest checkpoint right after the stop
+    cut: subprocess.CompletedProcess  # the stop's own output and status (launched_runs: one run of its launch)
+    # The checkpoint the stop's line names, read before any resume (which may write it again: a stop
+    # at an epoch's end is saved before its evaluation, the resume saves that step once it evaluated);
+    # None for a stop in the resumes' launch, whose resume is the first to read it (and says so).
+    saved: dict | None
     resumed: subprocess.CompletedProcess  # the launch that resumed it (with the others of its world size)
     console: str  # the resume's own rank-0 stdout
     ckpt: Path  # where the stop saved
     final: Path  # where the resume saved
 
 
+NOT_STARTED = subprocess.CompletedProcess([], -1, "", "not started: a run before it ended its launch")
+STOP_LINE = re.compile(r"^stopped by \w+ after step \d+ .*; checkpoint (\S+); run the same command", re.MULTILINE)
+
+
+def stop_checkpoint(cut: subprocess.CompletedProcess) -> Path | None:
+    """The checkpoint the stop's line names."""
+    line = STOP_LINE.search(cut.stderr)
+    return Path(line[1]) if line else None
+
+
+def plan_run(name: str, folder: Path, resume: bool) -> list[str]:
+    """PLANS[name]'s stop or resume as a run of tests/runs.py."""
+    plan = PLANS[name]
+    if not resume:
+        return [*plan.stop, *RUN, *folders(folder / name), *plan.extra]
+    final = folder / f"{name}-resumed" if plan.resume_from_stop else folder / name
+    return [*plan.resume, *RUN, *folders(final), *plan.extra,
+            *(["--resume", str(latest_checkpoint(folder / name))] if plan.resume_from_stop else [])]
+
+
+def cuts(names: list[str], folder: Path) -> dict[str, subprocess.CompletedProcess]:
+    """The stops of `names` made in launches of their own: those of one cut_launch in one, in its order."""
+    made = {}
+    for launch in dict.fromkeys(PLANS[n].cut_launch or n for n in names):
+        stops = launch.split(", ")
+        assert set(stops) <= set(names), f"the stops of {launch} are resumed at {PLANS[stops[0]].resume_world}"
+        runs, world = [plan_run(n, folder, resume=False) for n in stops], PLANS[stops[0]].world
+        if len(runs) == 1:
+            made[stops[0]] = run_script(runs[0], nproc=world, timeout=300)
+        else:
+            launched = run_script(one_launch(runs, stopping=range(len(runs) - 1)), nproc=world, timeout=300)
+            made.update(zip(stops, launched_runs(launched)))
+    return made
+
+
 @pytest.fixture(scope="module")
 def stopped(tmp_path_factory):
-    """A PLANS run stopped (each a launch of its own: the stop ends its processes), then resumed: the
-    resumes of one world size one after another in one launch (tests/runs.py). Those of a world
-    size are made at the first test that asks for one of them (a test's 600 s cover one world's)."""
+    """A PLANS run stopped, then resumed: the resumes of one world size one after another in one
+    launch (tests/runs.py), the stops as their cut_launch says. Those of a world size are made at
+    the first test that asks for one of them (a test's 600 s cover one world's)."""
     folder = tmp_path_factory.mktemp("stopped")
     cache: dict[str, Stopped] = {}
 
@@ -443,16 +507,20 @@ def stopped(tmp_path_factory):
         if name not in cache:
             world = PLANS[name].resume_world
             names = [n for n, p in PLANS.items() if p.resume_world == world]
-            cuts = {n: train(PLANS[n].stop, folder / n, *PLANS[n].extra, nproc=PLANS[n].world) for n in names}
-            saved = {n: latest_state(folder / n) if list((folder / n).glob("*/latest.json")) else None for n in names}
-            final = {n: folder / f"{n}-resumed" if PLANS[n].resume_from_stop else folder / n for n in names}
-            runs = [[*PLANS[n].resume, *RUN, *folders(final[n]), *PLANS[n].extra,
-                     *(["--resume", str(latest_checkpoint(folder / n))] if PLANS[n].resume_from_stop else [])]
-                    for n in names]
-            launch = run_script(one_launch(runs), nproc=world, timeout=400)
-            consoles = dict(zip(names, split_runs(launch.stdout)))
-            cache.update({n: Stopped(cuts[n], saved[n], launch, consoles.get(n, ""), folder / n, final[n])
-                          for n in names})
+            made = cuts([n for n in names if PLANS[n].cut_launch != RESUMES], folder)
+            named = {n: stop_checkpoint(cut) for n, cut in made.items()}
+            saved = {n: torch.load(path, weights_only=True) for n, path in named.items() if path}  # before any resume
+            runs = {(n, resume): plan_run(n, folder, resume) for n in names
+                    for resume in ((False, True) if PLANS[n].cut_launch == RESUMES else (True,))}
+            stops = [index for index, (_, resume) in enumerate(runs) if not resume]
+            launch = run_script(one_launch(list(runs.values()), stopping=stops), nproc=world, timeout=400)
+            ran = dict(zip(runs, launched_runs(launch)))  # fewer where a run ended the launch
+            made.update({n: result for (n, resume), result in ran.items() if not resume})
+            for n in names:
+                cut = made.get(n, NOT_STARTED)
+                console = ran[n, True].stdout if (n, True) in ran else ""
+                cache[n] = Stopped(cut, saved.get(n), launch, console, folder / n,
+                                   folder / f"{n}-resumed" if PLANS[n].resume_from_stop else folder / n)
         return cache[name]
     return outcome
 
@@ -463,7 +531,8 @@ def test_every_strategy_resumes_exactly(name, reference, stopped):
     uninterrupted run's weights (<= 1e-6), resuming at the saved epoch and step; one process (dp)
     ends with 128 + SIGTERM. ddp and allreduce: SIGTERM to torchrun and every worker, in both
     orders, is one request. master: a Ctrl-C reaching torchrun and every worker is one request, and
-    local rank 0 alone says how to force the exit."""
+    local rank 0 alone says how to force the exit. master-update, fsdp, zero1 and localsgd resume in
+    the processes that stopped, the others in fresh ones (PLANS)."""
     run, nproc = stopped(name), None if name == "dp" else 2
     fault, signame = STOPS.get(name, ("sigterm", "SIGTERM"))
     stop = stop_after(13, STEPS)
@@ -471,7 +540,8 @@ def test_every_strategy_resumes_exactly(name, reference, stopped):
         stop += stop % 2
     cut = run.cut
     assert cut.returncode != 0 and f"stopped by {signame} after step {stop} " in cut.stderr, cut.stderr[-3000:]
-    assert run.saved is not None and run.saved["global_step"] == stop
+    if PLANS[name].cut_launch != RESUMES:  # else the resume below reads it first
+        assert run.saved is not None and run.saved["global_step"] == stop
     if nproc is None:  # no torchrun in between: the process's own status, 128 + SIGTERM
         assert cut.returncode == 128 + signal.SIGTERM
     if signame == "SIGINT":
@@ -479,7 +549,8 @@ def test_every_strategy_resumes_exactly(name, reference, stopped):
         assert "second Ctrl-C" not in cut.stderr
     ok(run.resumed)
     epoch, step = saved_position(stop, STEPS)
-    assert "resumed from" in run.console and f"epoch {epoch + 1}, step {step} (saved at world {nproc or 1})" \
+    # the checkpoint the stop named, as the resume read it: at the stop's step
+    assert f"resumed from {stop_checkpoint(cut)}: epoch {epoch + 1}, step {step} (saved at world {nproc or 1})" \
         in run.console, run.console
     dw = max_dw(final_weights(run.final), reference(name))
     print(f"\n{name} ({fault} at step 13): stopped after step {stop}, resumed: max |dw| = {dw:.3g}")
@@ -526,3 +597,54 @@ def test_a_signal_while_a_save_is_waited_for_stops_at_that_checkpoint(tmp_path):
     cut = train(faulty("ddp", "sigterm-saving", 5), ckpt, "--save-every-steps", "1")
     preempted(cut, 6)
     assert latest_state(ckpt)["global_step"] == 6
+
+
+# 10 ------------------------------------------------------------------------------------------
+STOPPING_SCRIPTS = {
+    "stops": "raise Preempted('stopped by SIGTERM after step 3 (epoch 1, step 3); checkpoint c.pt', 15, True)",
+    "fails": "raise UserError('the data is missing')",
+    "exits_143": "sys.exit(143)",  # the stop's status, but no stop: a failure like any other
+    "trains": "print('trained', flush=True)",
+}
+
+
+@pytest.fixture
+def scripts(tmp_path, monkeypatch):
+    """Scripts whose main() ends as app.main ends a run (a caught error's status), on sys.path for runs.py."""
+    for name, body in STOPPING_SCRIPTS.items():
+        (tmp_path / f"{name}.py").write_text(
+            "import sys\nfrom common.errors import UserError\nfrom common.train.preemption import Preempted\n\n"
+            f"def main(argv):\n    try:\n        {body}\n    except UserError as error:\n"
+            "        sys.exit(error.exit_code)\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(collector._Exit, "clean", False)  # runs.main marks the process's run clean
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("after, goes_on", [
+    ("stops", True), ("fails", False), ("exits_143", False)])
+def test_a_run_goes_on_after_a_stop_only_when_asked_and_only_after_a_stop(after, goes_on, scripts, capsys,
+                                                                          monkeypatch):
+    """`--then-after-stop`: the next run starts after a stop every rank agreed on and saved, never
+    after another failure (an error, the stop's status without a stop); `--then` ends the launch
+    at a stop too."""
+    for separator, asked in ((AFTER_STOP, True), (SEPARATOR, False)):
+        monkeypatch.setattr(sys, "argv", ["tests/runs.py", f"{after}.py", separator, "trains.py"])
+        status = None
+        try:
+            runs_main()
+        except SystemExit as ended:
+            status = ended.code
+        output = capsys.readouterr()
+        went_on = asked and goes_on
+        assert ("trained" in output.out) == went_on and (status is None) == went_on, (separator, status, output)
+        reported = launched_runs(subprocess.CompletedProcess([], status or 0, output.out, output.err))
+        assert [run.returncode for run in reported] == ([143, 0] if went_on else [status]), reported
+
+
+@pytest.mark.quick
+def test_the_stop_marker_needs_a_run_after_it():
+    with pytest.raises(SystemExit, match="--then-after-stop needs a run after it"):
+        planned_runs(["stops.py", AFTER_STOP])
+    plan = planned_runs(one_launch([["a.py", "-x"], ["b.py"], ["c.py"]], stopping=[0])[1:])
+    assert plan == [(["a.py", "-x"], True), (["b.py"], False), (["c.py"], False)]

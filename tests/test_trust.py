@@ -29,6 +29,7 @@ from tests.conftest import (
     split_runs,
     stop_after,
 )
+from tests.runs import launched_runs
 from train_allreduce import AllReduceStrategy
 from train_master import MasterWorkerStrategy
 
@@ -211,23 +212,25 @@ def test_smoke_run_then_real_run_trains_the_real_run(tmp_path):
 
 
 def test_changed_lr_never_continues_an_unfinished_run(tmp_path):
-    """Before: the second command continued the first run with the first run's lr in its optimizer."""
-    cut = run_script(["tests/faults.py", "ddp", "sigterm", "10", *FLAGS, "--epochs", "1", "--max-steps", "16"],
-                     nproc=2, cwd=tmp_path)
-    assert f"stopped by SIGTERM after step {stop_after(10)} " in cut.stderr, cut.stderr[-3000:]
-    # The changed command, then the first one again: one after another in one launch (tests/runs.py).
-    runs = [["train_ddp.py", *FLAGS, "--epochs", "1", "--max-steps", "16", "--lr", "0.01"],
+    """Before: the second command continued the first run with the first run's lr in its optimizer.
+    The cut, the changed command and the first command again in one launch (tests/runs.py,
+    --then-after-stop): the first command resumes in the processes that stopped; the resume in a
+    fresh process of a run found by its identity is test_resume_none_in_a_used_folder's."""
+    cut = ["tests/faults.py", "ddp", "sigterm", "10", *FLAGS, "--epochs", "1", "--max-steps", "16"]
+    runs = [cut, ["train_ddp.py", *FLAGS, "--epochs", "1", "--max-steps", "16", "--lr", "0.01"],
             ["train_ddp.py", *FLAGS, "--epochs", "1", "--max-steps", "16"]]
-    launch = run_script(one_launch(runs), nproc=2, cwd=tmp_path)
+    launch = run_script(one_launch(runs, stopping=[0]), nproc=2, cwd=tmp_path)
     ok(launch)
-    changed, same = split_runs(launch.stdout)
-    assert "resumed" not in changed and "peak lr 0.01;" in changed, changed
+    stopped, changed, same = launched_runs(launch)
+    assert stopped.returncode != 0 and f"stopped by SIGTERM after step {stop_after(10)} " in stopped.stderr, \
+        stopped.stderr[-3000:]
+    assert "resumed" not in changed.stdout and "peak lr 0.01;" in changed.stdout, changed.stdout
     folders = list((tmp_path / "checkpoints").iterdir())
     assert len(folders) == 2
     for folder in folders:  # each run with its own optimizer state
         state = latest_state(folder)
         assert state["optimizer"]["param_groups"][0]["initial_lr"] == state["config"]["lr"]
-    assert "resumed from" in same and f"epoch 1, step {stop_after(10)}" in same, same  # where it stopped
+    assert "resumed from" in same.stdout and f"epoch 1, step {stop_after(10)}" in same.stdout, same.stdout
     # Pointed at one explicit folder, a changed command stops with the differences instead:
     # test_resume.py's test_checkpoint_of_another_model_is_a_clear_error.
 
@@ -313,14 +316,32 @@ def test_an_io_error_during_a_save_ends_the_job_and_keeps_the_previous_checkpoin
     assert latest_checkpoint(ckpt).name == "step-00000002.pt" and not list(ckpt.rglob(".*.tmp-*"))
 
 
-def test_no_hard_links_and_no_rename_still_save_and_resume(tmp_path):
+# Each stopped, then resumed in processes of its own (a fresh process finds and loads what the stop
+# saved), under all three bans at once: no hard links, no renames (S3 Mountpoint), no object collectives.
+BANS = ["tests/patched.py", "no-hard-links,no-rename,no-object-collectives", "tests/runs.py"]
+BANNED = {"no-links": (["tests/faults.py", "ddp", "sigterm", "10"], ["train_ddp.py"]),
+          "no-pickling": (["tests/faults.py", "ddp", "sigterm", "10"], ["tests/faults.py", "allreduce", "warn", "1"])}
+
+
+@pytest.fixture(scope="module")
+def banned(tmp_path_factory) -> dict[str, tuple[subprocess.CompletedProcess, subprocess.CompletedProcess, Path]]:
+    """BANNED's runs stopped (both in one launch, --then-after-stop), then resumed (both in another):
+    each name's stop, its resume (launched_runs: one run of its launch each) and its --checkpoint-dir."""
+    folder = tmp_path_factory.mktemp("banned")
+    common = {name: [*FLAGS, "--epochs", "1", "--max-steps", "14", "--checkpoint-dir", str(folder / name)]
+              for name in BANNED}
+    stops = run_script([*BANS, *one_launch([[*cut, *common[n]] for n, (cut, _) in BANNED.items()], stopping=[0])[1:]],
+                       nproc=2)
+    resumes = run_script([*BANS, *one_launch([[*resume, *common[n]] for n, (_, resume) in BANNED.items()])[1:]],
+                         nproc=2)
+    return {name: (cut, resumed, Path(common[name][-1]))
+            for name, cut, resumed in zip(BANNED, launched_runs(stops), launched_runs(resumes))}
+
+
+def test_no_hard_links_and_no_rename_still_save_and_resume(banned):
     """Before: the first save failed on gcsfuse, blobfuse, S3 Mountpoint (last.pt was a hard link)."""
-    ckpt = tmp_path / "ckpt"
-    run = ["tests/patched.py", "no-hard-links,no-rename"]
-    common = [*FLAGS, "--epochs", "1", "--max-steps", "14", "--checkpoint-dir", str(ckpt)]
-    cut = run_script([*run, str(ROOT / "tests/faults.py"), "ddp", "sigterm", "10", *common], nproc=2)
+    cut, resumed, ckpt = banned["no-links"]
     assert f"stopped by SIGTERM after step {stop_after(10)} " in cut.stderr, cut.stderr[-3000:]
-    resumed = run_script([*run, str(ROOT / "train_ddp.py"), *common], nproc=2)
     ok(resumed)
     assert "resumed from" in resumed.stdout and f"epoch 1, step {stop_after(10)}" in resumed.stdout
     assert latest_state(ckpt)["global_step"] == 14
@@ -328,15 +349,11 @@ def test_no_hard_links_and_no_rename_still_save_and_resume(tmp_path):
 
 # ---------------------------------------------------------------- between ranks
 
-def test_nothing_is_pickled_between_ranks(tmp_path):
+def test_nothing_is_pickled_between_ranks(banned):
     """Every object collective raises in these processes; flags, the checkpoint choice, the resumed
     checkpoint and warnings still reach every rank."""
-    common = [*FLAGS, "--epochs", "1", "--max-steps", "14", "--checkpoint-dir", str(tmp_path / "ckpt")]
-    cut = run_script(["tests/patched.py", "no-object-collectives", str(ROOT / "tests/faults.py"), "ddp", "sigterm",
-                      "10", *common], nproc=2)
+    cut, resumed, _ = banned["no-pickling"]
     assert f"stopped by SIGTERM after step {stop_after(10)} " in cut.stderr, cut.stderr[-3000:]
-    resumed = run_script(["tests/patched.py", "no-object-collectives", str(ROOT / "tests/faults.py"), "allreduce",
-                          "warn", "1", *common], nproc=2)
     ok(resumed)
     assert "resumed from" in resumed.stdout
     assert resumed.stderr.count("injected warning on rank 1") == 1  # relayed to rank 0, printed once
