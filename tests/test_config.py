@@ -30,6 +30,8 @@ def parse(*argv: str, world_size: int = 1):
     (["--lr", "0"], "--lr"),
     (["--lr", "-0.1"], "--lr"),
     (["--eval-batch-size", "0"], "--eval-batch-size"),
+    (["--timeout-s", "nan"], "--timeout-s"),  # every wait has a deadline: nan or inf was a traceback
+    (["--storage-timeout-s", "inf"], "--storage-timeout-s"),
 ])
 def test_bad_flag_exits_2_naming_it(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:

@@ -291,6 +291,16 @@ BAD = {
                                                "--check-replicas 6: replicas are equal only right after an averaging"),
     "fp16, local sgd": (["train_localsgd.py", "--precision", "fp16"], "use --precision bf16 (no scaler)"),
     "fp16, sharded": (["train_fsdp.py", "--precision", "fp16"], "use --precision bf16 (no scaler)"),
+    # A strategy's own numbers: nan and inf trained to nan weights or ended in a traceback.
+    "outer lr nan": (["train_localsgd.py", "--outer-lr", "nan"], "--outer-lr > 0 and finite (got 4, nan)"),
+    "outer lr inf": (["train_localsgd.py", "--outer-lr", "inf"], "--outer-lr > 0 and finite (got 4, inf)"),
+    "bucket nan": (["train_allreduce.py", "--bucket-mb", "nan"], "--bucket-mb must be > 0 and finite (got nan)"),
+    "bucket inf": (["train_master.py", "--bucket-mb", "inf"], "--bucket-mb must be > 0 and finite (got inf)"),
+    # train_fsdp.py picks its class by --shard before the full parser: a bad value was argparse's usage block.
+    "shard unknown": (["train_fsdp.py", "--shard", "foo"], "train_fsdp.py: error: argument --shard: invalid choice"),
+    "shard without value": (["train_fsdp.py", "--shard"], "train_fsdp.py: error: argument --shard: expected one"),
+    # Another strategy's flag is unknown here, not a prefix taken for --shard-cache-gb.
+    "shard on ddp": (["train_ddp.py", "--shard", "4"], "error: unrecognized arguments: --shard 4"),
 }
 
 
