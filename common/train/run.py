@@ -83,6 +83,9 @@ def default_eval_batch(devices: Sequence[str], collective_forward: bool = False)
     is on a CPU, unless each forward is a collective. One size for the whole job: every rank runs as
     many evaluation batches, and the stop is checked at the same ones (a CUDA rank beside a CPU one
     that took its own default aborted gloo with a collective mismatch)."""
+    if not devices:  # a DistContext made outside distributed(): no device in it would read as no CPU
+        raise ValueError("default_eval_batch: no rank's device type is known (DistContext.devices is empty: "
+                         "distributed() gathers it); pass every rank's, or an --eval-batch-size")
     return EVAL_BATCH_CPU if "cpu" in devices and not collective_forward else EVAL_BATCH_LARGE
 
 
