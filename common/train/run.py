@@ -36,8 +36,8 @@ def add_run_flags(group: argparse._ArgumentGroup) -> None:
     add("--seed", type=int, default=0, help="seed of weights, shuffling and augmentation (default: %(default)s)")
     add("--max-steps", type=int, default=0, help="cap on optimizer steps per epoch, for smoke runs (0: no cap)")
     add("--eval-batch-size", type=int, default=None,
-        help="per-rank evaluation batch (default: 64 on a CPU, where larger batches spill out of the caches; "
-             "1000 on a GPU and for FSDP's full sharding)")
+        help="per-rank evaluation batch (default: 64 where any rank is on a CPU, where larger batches spill out of "
+             "the caches; 1000 where every rank is on a GPU, and for FSDP's full sharding: one size for the job)")
 
 
 def check_run_flags(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int) -> None:
