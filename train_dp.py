@@ -33,8 +33,8 @@ class DataParallelStrategy(Strategy):
 
     def configure(self, cfg: Config) -> None:
         super().configure(cfg)
-        if cfg.options["gpus"]:  # set before CUDA starts; the chosen GPUs become cuda:0, cuda:1, ...
-            os.environ["CUDA_VISIBLE_DEVICES"] = cfg.options["gpus"]
+        if cfg.options["gpus"]:
+            choose_gpus(cfg.options["gpus"], cfg.device)
         self.autocast_dtype = PRECISIONS[cfg.precision]
 
     def compression_hint(self) -> str:
@@ -52,6 +52,20 @@ class DataParallelStrategy(Strategy):
 
     def unwrap(self, model: nn.Module) -> nn.Module:
         return model.module.module
+
+
+def choose_gpus(gpus: str, device: str) -> None:
+    """--gpus as CUDA_VISIBLE_DEVICES, set before CUDA starts (the chosen GPUs become cuda:0, cuda:1, ...).
+    CUDA reads the list up to its first bad entry and --device auto falls back to the CPU: a typo
+    (0,l) would train on fewer GPUs, or on the CPU, silently."""
+    ids = gpus.split(",")
+    if device == "cpu" or not all(i.isdigit() or i.startswith(("GPU-", "MIG-")) for i in ids):
+        raise ConfigError(f"--gpus {gpus}: give GPU ids as nvidia-smi lists them (numbers or GPU-/MIG- UUIDs), "
+                          "comma-separated, without --device cpu")
+    os.environ["CUDA_VISIBLE_DEVICES"] = gpus
+    if torch.cuda.device_count() < len(ids):
+        raise ConfigError(f"--gpus {gpus}: {torch.cuda.device_count()} of these {len(ids)} GPU(s) are visible on "
+                          "this host; give the ids nvidia-smi lists, or leave --gpus out for all of them")
 
 
 class ReplicaAutocast(nn.Module):

@@ -373,10 +373,12 @@ def blocks(model: nn.Module) -> list[nn.Module]:
 
 
 def chosen_shard(argv: list[str] | None) -> str:
-    """--shard picks the class; the full parser (with --help) still sees the flag."""
-    pre = argparse.ArgumentParser(add_help=False)
-    pre.add_argument("--shard", default="full", choices=SHARDS)
-    return pre.parse_known_args(sys.argv[1:] if argv is None else argv)[0].shard
+    """--shard picks the class; the full parser (with --help) still sees the flag, and refuses a bad
+    value in its one line (this one would print its usage block, on every rank)."""
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
+    pre.add_argument("--shard", nargs="?")  # a value missing: the full parser says so
+    shard = pre.parse_known_args(sys.argv[1:] if argv is None else argv)[0].shard
+    return shard if shard in SHARDS else "full"
 
 
 def main(argv: list[str] | None = None) -> None:

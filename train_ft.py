@@ -16,6 +16,7 @@ mid-collective is retried on the same samples.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from urllib.parse import SplitResult, urlsplit
 
@@ -109,8 +110,8 @@ class FaultTolerantStrategy(Strategy):
         if self.min_groups > self.groups:  # no quorum could ever commit a step
             raise ConfigError(f"--min-groups {self.min_groups} is more than --groups {self.groups}: no step "
                               "could commit; lower --min-groups or plan for more groups")
-        if not self.ft_timeout_s > 0 or not self.quorum_timeout_s > 0:
-            raise ConfigError("--ft-timeout-s and --quorum-timeout-s must be > 0 seconds")
+        if not 0 < self.ft_timeout_s < math.inf or not 0 < self.quorum_timeout_s < math.inf:  # every wait a deadline
+            raise ConfigError("--ft-timeout-s and --quorum-timeout-s must be > 0 seconds, and finite")
 
     def check_slots(self, cfg: Config) -> None:
         """The global batch is cut into SLOTS micro-batches, each split by --accumulate and, with

@@ -18,6 +18,7 @@ from __future__ import annotations  # noqa: I001 - ruff wants a blank line above
 from common.train.app import main as run
 # isort: split
 import argparse
+import math
 from typing import Any
 
 import torch
@@ -55,8 +56,9 @@ class LocalSGDStrategy(Strategy):
         options = cfg.options
         self.every, self.outer = options["sync_every"], options["outer_optimizer"]
         self.outer_lr = OUTER_DEFAULT_LR[self.outer] if options["outer_lr"] is None else options["outer_lr"]
-        if self.every < 1 or self.outer_lr <= 0:
-            raise ConfigError(f"--sync-every must be >= 1 and --outer-lr > 0 (got {self.every}, {self.outer_lr})")
+        if self.every < 1 or not 0 < self.outer_lr < math.inf:  # nan or inf would train to nan weights
+            raise ConfigError(f"--sync-every must be >= 1 and --outer-lr > 0 and finite (got {self.every}, "
+                              f"{self.outer_lr})")
         self.plain_averaging = self.outer == "sgd" and self.outer_lr == 1.0
         if cfg.check_equivalence and not (self.every == 1 and self.plain_averaging):
             raise ConfigError("--check-equivalence compares against gradient averaging, which local SGD equals only "

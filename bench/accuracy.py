@@ -34,9 +34,10 @@ import sys
 import tempfile
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable, TypeVar
 
 import torch
 from PIL import Image
@@ -45,6 +46,8 @@ from bench.pipeline import derive, installed_photos, measure, our_data, our_path
 from bench.wall import EPOCH, ROOT
 from common.data.geometry import eval_short
 from common.shards import Reencode, convert
+
+T = TypeVar("T")
 
 REFERENCE_FILES = ("train.py", "presets.py", "transforms.py", "utils.py")
 THEIR_TOP1 = re.compile(r"Test: +Acc@1 ([\d.]+)")
@@ -125,30 +128,70 @@ class Run:
     wall_s: float
 
 
-def train(command: list[str], top1: re.Pattern[str], timeout_s: float) -> Run:
-    """One training run to its end: its last top-1 (`top1`'s first group, on stdout) and its cost, the
-    CPU seconds of its own processes alone (wait4's usage: runs side by side do not count each other's)."""
-    started = time.perf_counter()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=out, stderr=err, text=True)
-        timer = threading.Timer(timeout_s, process.kill)
-        timer.start()
-        try:
-            _, status, usage = os.wait4(process.pid, 0)
-        finally:
-            timer.cancel()
-        process.returncode = os.waitstatus_to_exitcode(status)
-        out.seek(0), err.seek(0)
-        stdout, stderr = out.read(), err.read()
-    if process.returncode:
-        raise SystemExit(f"error: {' '.join(command[:3])} ... failed (exit {process.returncode}):\n{stderr[-3000:]}")
-    found = top1.findall(stdout)
-    if not found:
-        raise SystemExit(f"error: no top-1 in the output of {' '.join(command[:3])} ...:\n{stdout[-2000:]}")
-    last = found[-1]
-    return Run(float(last[1] if isinstance(last, tuple) else last), usage.ru_utime + usage.ru_stime,
-               time.perf_counter() - started)
+class SideBySide:
+    """Training runs, `jobs` at a time. The first that fails, or a Ctrl-C, ends those under way and
+    starts no more: its line comes at once, not after every run still planned (an executor's shutdown
+    runs its queue to the end, and a Ctrl-C reaches only the runs already started)."""
+
+    def __init__(self, jobs: int) -> None:
+        self.jobs, self.running, self.stopped, self.lock = jobs, set[subprocess.Popen](), False, threading.Lock()
+
+    def map(self, run: Callable[..., T], planned: list[tuple]) -> list[T]:
+        """run(*each of planned), in planned's order."""
+        with ThreadPoolExecutor(self.jobs) as pool:
+            futures = [pool.submit(run, *arguments) for arguments in planned]
+            try:
+                for future in as_completed(futures):
+                    future.result()
+            except BaseException:
+                pool.shutdown(wait=False, cancel_futures=True)
+                self.stop()
+                raise
+        return [future.result() for future in futures]
+
+    def stop(self) -> None:
+        with self.lock:
+            self.stopped = True
+            for process in self.running:
+                process.terminate()
+
+    def start(self, command: list[str], **popen: Any) -> subprocess.Popen:
+        with self.lock:
+            if self.stopped:  # a run between its thread's start and here
+                raise SystemExit("error: stopped before it started")
+            process = subprocess.Popen(command, **popen)
+            self.running.add(process)
+            return process
+
+    def train(self, command: list[str], top1: re.Pattern[str], timeout_s: float) -> Run:
+        """One training run to its end: its last top-1 (`top1`'s first group, on stdout) and its cost,
+        the CPU seconds of its own processes alone (wait4's usage: runs side by side do not count each
+        other's)."""
+        started = time.perf_counter()
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+        with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+            process, late = self.start(command, cwd=ROOT, env=env, stdout=out, stderr=err, text=True), threading.Event()
+            timer = threading.Timer(timeout_s, lambda: (late.set(), process.kill()))
+            timer.start()
+            try:
+                _, status, usage = os.wait4(process.pid, 0)
+            finally:
+                timer.cancel()
+                with self.lock:
+                    self.running.discard(process)
+            process.returncode = os.waitstatus_to_exitcode(status)
+            out.seek(0), err.seek(0)
+            stdout, stderr = out.read(), err.read()
+        what = " ".join(command[:3])
+        if process.returncode:
+            killed = f", killed at --timeout-s {timeout_s:g}" if late.is_set() else ""
+            raise SystemExit(f"error: {what} ... failed (exit {process.returncode}{killed}):\n{stderr[-3000:]}")
+        found = top1.findall(stdout)
+        if not found:
+            raise SystemExit(f"error: no top-1 in the output of {what} ...:\n{stdout[-2000:]}")
+        last = found[-1]
+        return Run(float(last[1] if isinstance(last, tuple) else last), usage.ru_utime + usage.ru_stime,
+                   time.perf_counter() - started)
 
 
 # ---------------------------------------------------------------- the report
@@ -201,13 +244,14 @@ def run_all(a: argparse.Namespace, recipe: Recipe, tmp: Path) -> None:
                                                       our_command(recipe, "shards", shards, seed, tmp)),
                                               (EPOCH, THEIR_TOP1, EPOCH))]
 
+    runs = SideBySide(a.jobs)
+
     def run(name: str, seed: int, command: list[str], top1: re.Pattern[str]) -> Run:
-        done = train(command, top1, a.timeout_s)
+        done = runs.train(command, top1, a.timeout_s)
         print(f"  {name}, seed {seed}: top-1 {done.top1:.2f}%, {done.cpu_s:.0f} CPU s", file=sys.stderr, flush=True)
         return done
 
-    with ThreadPoolExecutor(a.jobs) as pool:
-        finished = list(pool.map(lambda planned_run: run(*planned_run), planned))
+    finished = runs.map(run, planned)
     results: dict[str, list[Run]] = {name: [] for name in names}
     for (name, *_), done in zip(planned, finished):
         results[name].append(done)
@@ -256,7 +300,10 @@ def main() -> None:
         p.error(f"--photos {a.photos} is not a folder")
     recipe = Recipe(a.model, a.image_size, a.epochs, a.batch_size, a.lr, a.milestone)
     with tempfile.TemporaryDirectory() as tmp:
-        run_all(a, recipe, Path(tmp))
+        try:
+            run_all(a, recipe, Path(tmp))
+        except KeyboardInterrupt:
+            raise SystemExit("bench accuracy: interrupted; the training runs under way were stopped") from None
 
 
 if __name__ == "__main__":

@@ -189,7 +189,12 @@ def differences(saved: dict[str, Any], now: dict[str, Any]) -> list[str]:
 
 
 class RankZeroParser(argparse.ArgumentParser):
-    """Every rank parses the same argv; one of each node (its console) prints the usage error."""
+    """Every rank parses the same argv; one of each node (its console) prints the usage error. No
+    abbreviated flags: a prefix is taken silently for the one flag it starts (another script's
+    --shard 4 would set --shard-cache-gb 4 here), and a flag added later would change its meaning."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, allow_abbrev=False, **kwargs)
 
     def error(self, message: str) -> None:  # type: ignore[override]
         """One line, not the usage block: the message names the flag and what to do. Printed once
@@ -230,7 +235,7 @@ def resolve_defaults(a: argparse.Namespace) -> None:
     a.epochs = recipe.epochs if a.epochs is None else a.epochs
     a.batch_size = recipe.batch_size if a.batch_size is None else a.batch_size
     rule = OPTIMIZERS[a.optimizer]
-    if a.lr is None:  # linear scaling; a bad --batch-size is reported by validate, not as a bad lr
+    if a.lr is None:  # linear scaling; a bad --batch-size is reported by check_flags, not as a bad lr
         a.lr = rule.default_lr(recipe.lr, recipe.batch_size, max(a.batch_size, 1))
     if a.weight_decay is None:
         a.weight_decay = rule.weight_decay

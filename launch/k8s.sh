@@ -70,8 +70,9 @@ def flag_of(args, i):
     return args[i - 1] if i and args[i - 1].startswith("--") else f"argument {i + 2}"
 
 def refuse_credentials(args):
-    """An inline --storage-options (or a prefix of the flag, which argparse takes) with credentials in
-    it, or a URL with a password: one line naming them, never their values, and the Secret way."""
+    """An inline --storage-options (or a prefix of the flag: the scripts refuse it, but in the pod, from
+    the manifest) with credentials in it, or a URL with a password: one line naming them, never their
+    values, and the Secret way."""
     found = [f"{flag_of(args, i)} holds a URL with a password" for i, arg in enumerate(args) if URL_PASSWORD.search(arg)]
     for i, arg in enumerate(args):
         name, equals, value = arg.partition("=")

@@ -5,7 +5,7 @@
 # secrets; its @FILE and env:VAR forms only name where they are, and are shown) and the password of
 # any scheme://user:password@host URL as ***. The password is everything between `user:` and the
 # LAST `@` before the host, spaces and `@`s included: s3://AKIA:se@cret@host/b is s3://AKIA:***@host/b.
-# argparse takes any unambiguous prefix of a flag (--storage, --st=...): those count too.
+# A prefix of the flag (--storage, --st=...) counts too: the scripts refuse it, but only after this echo.
 
 shown() {
     local arg name hide_next=0 out=()

@@ -140,3 +140,38 @@ def test_the_accuracy_bench_splits_each_photo_and_gives_both_scripts_one_recipe(
     assert int(flags["--val-resize-size"]) == 128  # ours at 112: 112 / 0.875
     assert accuracy.THEIR_TOP1.findall("Test:  Acc@1 62.500 Acc@5 90.000\nTest:  Acc@1 70.250 Acc@5 95.000") == \
         ["62.500", "70.250"]
+
+
+@pytest.mark.quick
+@pytest.mark.slow
+def test_the_accuracy_bench_ends_at_the_first_failed_run_stopping_the_others_and_starting_no_more(tmp_path):
+    """bench accuracy --jobs: a run that fails ends the bench at once, the runs under way stopped and the
+    planned ones never started (the executor ran its whole queue first, even with --jobs 1); a run over
+    --timeout-s says so; each run's CPU seconds are its own. Python processes without torch stand in."""
+    import re
+    import time
+
+    from bench import accuracy
+
+    top1 = re.compile(r"top-1 ([\d.]+)")
+
+    def python(code: str) -> list[str]:
+        return [sys.executable, "-c", code]
+    started = tmp_path / "started"
+    ok = python(f"open({str(started)!r}, 'a').write('x'); sum(range(3_000_000)); print('top-1 50.0')")
+    fails = python("import sys; sys.exit(5)")
+    hangs = python(f"import time; open({str(started)!r}, 'a').write('h'); time.sleep(60)")
+    runs = accuracy.SideBySide(2)
+    done = runs.map(runs.train, [(ok, top1, 60), (ok, top1, 60)])
+    assert [run.top1 for run in done] == [50.0, 50.0] and all(0 < run.cpu_s < 5 for run in done), done
+    for jobs, planned, begun in ((1, [fails, ok, ok], ""), (2, [hangs, fails, ok, ok, ok], "h")):
+        started.write_text("")
+        runs, clock = accuracy.SideBySide(jobs), time.monotonic()
+        with pytest.raises(SystemExit, match=r"^error: .* failed \(exit 5\)"):
+            runs.map(runs.train, [(command, top1, 60) for command in planned])
+        assert time.monotonic() - clock < 20 and not runs.running, jobs  # the sleeping run stopped
+        # With 2 at once, an ok run may begin as the failure is reported (and is stopped with the others).
+        assert started.read_text() in (begun, begun + "x"), (jobs, started.read_text())
+    runs = accuracy.SideBySide(1)
+    with pytest.raises(SystemExit, match=r"failed \(exit -9, killed at --timeout-s 0.5\)"):
+        runs.map(runs.train, [(hangs, top1, 0.5)])

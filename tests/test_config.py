@@ -10,7 +10,7 @@ import torch
 
 from common.config import RECIPES
 from common.errors import ConfigError
-from common.parallel.context import resolve_backend, resolve_device
+from common.parallel.context import DistContext, resolve_backend, resolve_device
 from common.train.flags import parse_args
 from common.train.run import Run
 from tests.conftest import ENDS_PROMPTLY_S, run_script
@@ -30,6 +30,8 @@ def parse(*argv: str, world_size: int = 1):
     (["--lr", "0"], "--lr"),
     (["--lr", "-0.1"], "--lr"),
     (["--eval-batch-size", "0"], "--eval-batch-size"),
+    (["--timeout-s", "nan"], "--timeout-s"),  # every wait has a deadline: nan or inf was a traceback
+    (["--storage-timeout-s", "inf"], "--storage-timeout-s"),
 ])
 def test_bad_flag_exits_2_naming_it(argv, flag, capsys):
     with pytest.raises(SystemExit) as exc:
@@ -100,6 +102,16 @@ def test_the_evaluation_batch_is_cache_sized_where_a_rank_is_on_a_cpu_unless_giv
     run = SimpleNamespace(cfg=parse(*argv), ctx=SimpleNamespace(devices=devices),
                           strategy=SimpleNamespace(collective_forward=collective_forward))
     assert Run.eval_batch_size.fget(run) == batch
+
+
+@pytest.mark.quick
+def test_the_evaluation_batch_default_is_refused_without_the_ranks_devices():
+    """A DistContext made elsewhere than distributed() has no devices: read as no CPU, it took the
+    GPU's 1000 on a CPU, silently."""
+    ctx = DistContext(0, 1, 0, 1, torch.device("cpu"), "gloo")
+    run = SimpleNamespace(cfg=parse(), ctx=ctx, strategy=SimpleNamespace(collective_forward=False))
+    with pytest.raises(ValueError, match="no rank's device type is known"):
+        Run.eval_batch_size.fget(run)
 
 
 @pytest.mark.quick

@@ -17,7 +17,8 @@ GROUP = ["train_ft.py", "--dataset", "mnist", "--batch-size", "48", "--lighthous
     (["--groups", "2", "--group-id", "2"], "--group-id 2: the groups are numbered 0 to 1 (--groups 2)"),
     (["--groups", "2", "--group-id", "0", "--min-groups", "3"], "--min-groups 3 is more than --groups 2: no step"),
     (["--groups", "2", "--group-id", "1"], "train_ft.py runs each replica group as a torchrun job: launch/ft.sh"),
-], ids=["group-id-beyond", "group-id-equal", "min-groups", "without-torchrun"])
+    (["--groups", "2", "--group-id", "0", "--ft-timeout-s", "inf"], "--quorum-timeout-s must be > 0 seconds, and fin"),
+], ids=["group-id-beyond", "group-id-equal", "min-groups", "without-torchrun", "no-deadline"])
 def test_train_ft_refuses_in_one_line_with_status_2(extra, says, capsys, monkeypatch):
     pytest.importorskip("torchft")
     for name in ("FT_GROUPS", "REPLICA_GROUP_ID", "TORCHFT_LIGHTHOUSE", "MASTER_ADDR", "MASTER_PORT"):

@@ -271,7 +271,7 @@ INLINE = json.dumps({"endpoint_url": "http://minio:9000", "key": KEY, "secret": 
 CREDENTIAL_ARGS = {
     "inline": ["--storage-options", INLINE],
     "inline with =": [f"--storage-options={INLINE}"],
-    "abbreviated flag": ["--storage", INLINE],  # argparse takes any unambiguous prefix
+    "abbreviated flag": ["--storage", INLINE],  # the scripts refuse a prefix, after the launcher's echo
     "URL password": ["--data-dir", f"https://reader:{PASSWORD}@data.example/mnist"],
 }
 ECHOED = {  # launcher: its environment for a DRY_RUN
@@ -376,7 +376,7 @@ def test_k8s_lets_the_users_own_folders_win(tmp_path):
     from common.train.flags import parse_args
 
     result = k8s(tmp_path, {"IMAGE": "img", "DATA_PVC": "data", "DRY_RUN": "1"},
-                 ["--dataset", "mnist", "--data-dir", "s3://bucket/mnist", "--checkpoint=/data/my-checkpoints"])
+                 ["--dataset", "mnist", "--data-dir", "s3://bucket/mnist", "--checkpoint-dir=/data/my-checkpoints"])
     assert result.returncode == 0, result.stderr
     command = split(result.stdout)[1]["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0][
         "command"]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -195,3 +196,40 @@ def test_the_scripts_import_the_package_first_and_say_why_where_a_sorter_would_m
     assert lines[first].startswith("from common"), f"{script}: the first import is {lines[first]!r}"
     assert lines[first + 1] == "# isort: split", f"{script}: no `# isort: split` after the package's import"
     assert "garbage collector" in lines[first - 3] and "collector.py" in lines[first - 2]
+
+
+
+BOTH, ALL = ("quick", "quick+slow"), ("quick", "quick+slow", "launch")
+
+
+@pytest.mark.parametrize("markexpr, given, kept", [
+    ("quick", BOTH, {"quick"}), ("quick and not ft", BOTH, {"quick"}), ("(quick)", BOTH, {"quick"}),
+    ("slow", ("quick+slow",), {"quick+slow"}), ("quick or slow", BOTH, set(BOTH)),
+    ("not quick", ("launch",), {"launch"}), ("", ALL, set(ALL))])
+def test_the_quick_tier_leaves_out_the_slow_tests_in_any_expression(markexpr, given, kept):
+    """conftest's selection, given what pytest's own kept (it sees a test marked quick and slow as
+    quick): `-m "quick and not ft"` took the slow tests in, as only `-m quick` spelt so left them out."""
+    from tests.conftest import pytest_collection_modifyitems
+
+    class Item:  # what the hook reads of a collected test: its marks
+        def __init__(self, name: str) -> None:
+            self.name, self.marks = name, [getattr(pytest.mark, m).mark for m in name.split("+") if m != "launch"]
+
+        def iter_markers(self):
+            return iter(self.marks)
+
+        def get_closest_marker(self, name: str):
+            return next((m for m in self.marks if m.name == name), None)
+
+    class Hook:
+        def __init__(self) -> None:
+            self.deselected: list[Item] = []
+
+        def pytest_deselected(self, items: list[Item]) -> None:
+            self.deselected += items
+
+    config = SimpleNamespace(getoption={"markexpr": markexpr}.__getitem__, hook=Hook())
+    items = [Item(name) for name in given]
+    pytest_collection_modifyitems(config, items)
+    assert {item.name for item in items} == kept
+    assert {item.name for item in config.hook.deselected} == set(given) - kept

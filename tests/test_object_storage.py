@@ -485,3 +485,25 @@ def test_a_log_dir_url_tensorboard_cannot_write_is_refused_before_any_process_gr
                                       monkeypatch)
     errors = flag_errors(stderr)
     assert code == 2 and len(errors) == 1 and "--log-dir nosuchprotocol://x/y" in errors[0]
+
+
+@pytest.mark.quick
+def test_a_log_dir_tensorboard_cannot_make_is_one_line_naming_it(tmp_path):
+    """Found as rank 0's TensorBoard makes its folder, after the process group: a local folder that cannot
+    be made, or a store without credentials, was a traceback (30 and 69 lines)."""
+    from botocore.exceptions import NoCredentialsError
+    from torch.utils.tensorboard import SummaryWriter
+
+    from common.errors import UserError
+    from common.output.logger import open_writer
+
+    (tmp_path / "file").write_text("")
+    with pytest.raises(UserError, match=r"^--log-dir \S+/file/tb: TensorBoard cannot write there \(Not a directory "
+                                        r"\(ENOTDIR\)\); pass a --log-dir this user can write to$"):
+        open_writer(SummaryWriter, str(tmp_path / "file" / "tb"), None)
+
+    def without_credentials(log_dir: str, purge_step: int | None) -> None:
+        raise NoCredentialsError()
+    with pytest.raises(UserError, match=r"^--log-dir s3://b/x: TensorBoard cannot write there \(no credentials found: "
+                                        r".*\); check the URL and the store, or pass a local --log-dir$"):
+        open_writer(without_credentials, "s3://b/x", None)

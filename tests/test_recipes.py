@@ -291,6 +291,21 @@ BAD = {
                                                "--check-replicas 6: replicas are equal only right after an averaging"),
     "fp16, local sgd": (["train_localsgd.py", "--precision", "fp16"], "use --precision bf16 (no scaler)"),
     "fp16, sharded": (["train_fsdp.py", "--precision", "fp16"], "use --precision bf16 (no scaler)"),
+    # A strategy's own numbers: nan and inf trained to nan weights or ended in a traceback.
+    "outer lr nan": (["train_localsgd.py", "--outer-lr", "nan"], "--outer-lr > 0 and finite (got 4, nan)"),
+    "outer lr inf": (["train_localsgd.py", "--outer-lr", "inf"], "--outer-lr > 0 and finite (got 4, inf)"),
+    "bucket nan": (["train_allreduce.py", "--bucket-mb", "nan"], "--bucket-mb must be > 0 and finite (got nan)"),
+    "bucket inf": (["train_master.py", "--bucket-mb", "inf"], "--bucket-mb must be > 0 and finite (got inf)"),
+    # train_fsdp.py picks its class by --shard before the full parser: a bad value was argparse's usage block.
+    "shard unknown": (["train_fsdp.py", "--shard", "foo"], "train_fsdp.py: error: argument --shard: invalid choice"),
+    "shard without value": (["train_fsdp.py", "--shard"], "train_fsdp.py: error: argument --shard: expected one"),
+    # CUDA reads --gpus up to its first bad entry; --device auto then fell back to the CPU, silently.
+    "gpus typo": (["train_dp.py", "--gpus", "0,l"], "--gpus 0,l: give GPU ids as nvidia-smi lists them"),
+    "gpus on the cpu": (["train_dp.py", "--gpus", "0", "--device", "cpu"], "without --device cpu"),
+    "gpus not there": (["train_dp.py", "--gpus", "0,1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16"],
+                       "of these 17 GPU(s) are visible on this host"),
+    # Another strategy's flag is unknown here, not a prefix taken for --shard-cache-gb.
+    "shard on ddp": (["train_ddp.py", "--shard", "4"], "error: unrecognized arguments: --shard 4"),
 }
 
 
@@ -299,6 +314,7 @@ BAD = {
 def test_bad_combinations_exit_2_before_any_process_group(case, tmp_path, capsys, monkeypatch):
     """In this process, as one process: every case but the world-dependent one is refused alike at any world size."""
     args, expected = BAD[case]
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)  # restored after: train_dp.py --gpus sets it
     code, stderr = refusal_in_process([*args, "--dataset", "synthetic", "--log-dir", str(tmp_path / "tb"),
                                        "--checkpoint-dir", str(tmp_path / "ckpt")], capsys, monkeypatch)
     lines = [line for line in stderr.splitlines() if expected in line]

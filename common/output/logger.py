@@ -14,8 +14,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, TypeVar
 
 from common.config import Config
+from common.errors import UserError, first_line
 from common.output import confusion
-from common.storage import export_s3_endpoint
+from common.storage import describe_store_error, export_s3_endpoint, is_url, os_cause
 
 if TYPE_CHECKING:
     import torch
@@ -188,7 +189,7 @@ class Logger(RankEcho):
         self.tag = ""
         self.cfg = cfg
         self.run = run
-        self.writer = SummaryWriter(cfg.log_dir, purge_step=purge_step)
+        self.writer = open_writer(SummaryWriter, cfg.log_dir, purge_step)
         self.writer.add_text("config", _markdown_table(cfg.as_plain_dict()))
         self.writer.add_custom_scalars(LAYOUT)
         self.started = time.perf_counter()
@@ -294,6 +295,20 @@ def node_console(ctx) -> Callable[[str], None]:
     if ctx.is_node_primary:
         return lambda message: print(message, file=sys.stderr, flush=True)
     return lambda message: None
+
+
+def open_writer(writer_class: Callable[..., Any], log_dir: str, purge_step: int | None) -> Any:
+    """TensorBoard's writer, which makes the folder at once: one that cannot be made, or a store without
+    credentials, is the user's to fix, in one line naming --log-dir (it was a traceback)."""
+    try:
+        return writer_class(log_dir, purge_step=purge_step)
+    except Exception as error:
+        if is_url(log_dir):
+            raise UserError(f"--log-dir {log_dir}: TensorBoard cannot write there ({describe_store_error(error)}); "
+                            "check the URL and the store, or pass a local --log-dir") from None
+        why = os_cause(error) if isinstance(error, OSError) else first_line(error, with_type=True)
+        raise UserError(f"--log-dir {log_dir}: TensorBoard cannot write there ({why}); pass a --log-dir this user "
+                        "can write to") from None
 
 
 def make_logger(cfg: Config, rank: int, run: dict[str, Any], purge_step: int | None = None) -> NullLogger:

@@ -8,6 +8,7 @@ checks in turn, with the rules that span several owners' flags, and holds them.
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Callable, Sequence
 
 from common.config import Config, RankZeroParser, make_config, resolve_defaults, world_size_from_env
@@ -70,10 +71,11 @@ def check_flags(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: i
     check_own_data_flags(p, a)  # before the URLs are checked: a file:// --data-dir is a local folder
     check_model_flags(p, a)
     check_run_flags(p, a, world_size)
-    if a.max_steps < 0 or (a.eval_batch_size is not None and a.eval_batch_size < 1) or a.timeout_s <= 0 or \
-            a.storage_timeout_s <= 0 or (a.log_every is not None and a.log_every < 1):
+    if a.max_steps < 0 or (a.eval_batch_size is not None and a.eval_batch_size < 1) or \
+            not 0 < a.timeout_s < math.inf or not 0 < a.storage_timeout_s < math.inf or \
+            (a.log_every is not None and a.log_every < 1):  # every wait has a deadline: nan and inf are none
         p.error("--max-steps must be >= 0, --eval-batch-size >= 1, --timeout-s and --storage-timeout-s > 0 and "
-                "--log-every >= 1")
+                "finite, and --log-every >= 1")
     check_checkpoint_flags(p, a)
     if a.check_equivalence < 0 or a.check_replicas < 0:
         p.error("--check-equivalence and --check-replicas take a step count >= 0")

@@ -36,8 +36,8 @@ def add_run_flags(group: argparse._ArgumentGroup) -> None:
     add("--seed", type=int, default=0, help="seed of weights, shuffling and augmentation (default: %(default)s)")
     add("--max-steps", type=int, default=0, help="cap on optimizer steps per epoch, for smoke runs (0: no cap)")
     add("--eval-batch-size", type=int, default=None,
-        help="per-rank evaluation batch (default: 64 on a CPU, where larger batches spill out of the caches; "
-             "1000 on a GPU and for FSDP's full sharding)")
+        help="per-rank evaluation batch (default: 64 where any rank is on a CPU, where larger batches spill out of "
+             "the caches; 1000 where every rank is on a GPU, and for FSDP's full sharding: one size for the job)")
 
 
 def check_run_flags(p: argparse.ArgumentParser, a: argparse.Namespace, world_size: int) -> None:
@@ -83,6 +83,9 @@ def default_eval_batch(devices: Sequence[str], collective_forward: bool = False)
     is on a CPU, unless each forward is a collective. One size for the whole job: every rank runs as
     many evaluation batches, and the stop is checked at the same ones (a CUDA rank beside a CPU one
     that took its own default aborted gloo with a collective mismatch)."""
+    if not devices:  # a DistContext made outside distributed(): no device in it would read as no CPU
+        raise ValueError("default_eval_batch: no rank's device type is known (DistContext.devices is empty: "
+                         "distributed() gathers it); pass every rank's, or an --eval-batch-size")
     return EVAL_BATCH_CPU if "cpu" in devices and not collective_forward else EVAL_BATCH_LARGE
 
 

@@ -6,6 +6,7 @@ strategy it runs.
 from __future__ import annotations
 
 import argparse
+import math
 from contextlib import nullcontext
 from typing import Any, ContextManager
 
@@ -187,8 +188,8 @@ class HandWrittenSync(Strategy):
 
     def configure(self, cfg: Config) -> None:
         super().configure(cfg)
-        if cfg.options["bucket_mb"] <= 0:
-            raise ConfigError(f"--bucket-mb must be > 0 (got {cfg.options['bucket_mb']})")
+        if not 0 < cfg.options["bucket_mb"] < math.inf:
+            raise ConfigError(f"--bucket-mb must be > 0 and finite (got {cfg.options['bucket_mb']})")
         self.bucket_mb = cfg.options["bucket_mb"]
         self.wire_dtype = WIRE_DTYPES[cfg.grad_compression]
 

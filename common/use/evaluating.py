@@ -73,8 +73,8 @@ def parse_flags(argv: Sequence[str] | None = None) -> Flags:
     add("--skip-broken", action="store_true", help="your own images: score without images that do not decode")
     add("--workers", type=int, default=None, metavar="N", help="DataLoader workers per rank for a streamed set")
     add("--batch-size", type=int, default=None,
-        help="per-rank evaluation batch (default: the training run's --eval-batch-size, else 64 on a CPU, 1000 on "
-             "a GPU); it never changes the counts")
+        help="per-rank evaluation batch (default: the training run's --eval-batch-size, else 64 where any rank is "
+             "on a CPU, 1000 where every rank is on a GPU); it never changes the counts")
     add("--image-size", type=int, default=None, metavar="S",
         help="your own images: resize and centre-crop them to S x S, as training does with --image-size; needed when "
              "the set's images differ in size (default: the training run's --image-size; S must be the model's input)")
