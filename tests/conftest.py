@@ -6,6 +6,7 @@ import importlib
 import json
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -60,6 +61,14 @@ ENDS_PROMPTLY_S = 120
 # ended by itself from one that was killed.
 TORCHRUN_GRACE_S = 30
 TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE")
+
+
+def as_from_a_terminal() -> None:
+    """SIGINT and SIGQUIT at their defaults, as a terminal starts a command: a suite started in the
+    background by a shell without job control (nohup CMD &) inherits them ignored, and bash cannot
+    trap a signal ignored at its start, so the launcher would never see the Ctrl-C under test."""
+    for name in (signal.SIGINT, signal.SIGQUIT):
+        signal.signal(name, signal.SIG_DFL)
 
 
 def child_env() -> dict[str, str]:

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.conftest import ROOT, child_env, free_port, latest_state, refusal_in_process, run_script
+from tests.conftest import ROOT, as_from_a_terminal, child_env, free_port, latest_state, refusal_in_process, run_script
 from tests.gates import Gate
 
 pytest.importorskip("torchft", reason="torchft ships Linux x86_64 wheels only: train_ft.py refuses to run without it")
@@ -117,8 +117,8 @@ class Job:
     line came."""
 
     def __init__(self, command: list[str], env: dict[str, str]) -> None:
-        self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                                        stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                        text=True, start_new_session=True, preexec_fn=as_from_a_terminal)
         STARTED.append(self)
         self.lines: list[tuple[float, str]] = []
         self.reader = threading.Thread(target=self._read, daemon=True)

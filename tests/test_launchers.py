@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import ENDS_PROMPTLY_S, ROOT, child_env, free_port
+from tests.conftest import ENDS_PROMPTLY_S, ROOT, as_from_a_terminal, child_env, free_port
 from tests.gates import Gate
 
 LAUNCH = ROOT / "launch"
@@ -71,14 +71,6 @@ LAUNCHED = {  # launcher: its environment ({port}: a free one)
     "local_two_nodes.sh": {"NPROC": "1"},
     "single_node.sh": {"NPROC": "2"},
 }
-
-
-def as_from_a_terminal() -> None:
-    """SIGINT and SIGQUIT at their defaults, as a terminal starts a command: a suite started in the
-    background by a shell without job control (nohup CMD &) inherits them ignored, and bash cannot
-    trap a signal ignored at its start, so the launcher would never see the Ctrl-C under test."""
-    for name in (signal.SIGINT, signal.SIGQUIT):
-        signal.signal(name, signal.SIG_DFL)
 
 
 @pytest.mark.parametrize("script, name, group, times", [
