@@ -51,7 +51,13 @@ class S3Server(ThreadedMotoServer):
         self.secret = f"secret-{secrets.token_hex(16)}"
 
     def start(self) -> None:
-        """moto's, with a deadline: a port that cannot be bound is an error, not a wait for good."""
+        """moto's, with a deadline: a port that cannot be bound is an error, not a wait for good. fsspec
+        keeps one s3fs instance per set of arguments, and the endpoint (AWS_ENDPOINT_URL, set per test)
+        is not among them: an instance made for an earlier server in this process would call its dead
+        port ("Could not connect to the endpoint URL"), so a new server starts with none cached."""
+        import s3fs
+
+        s3fs.S3FileSystem.clear_instance_cache()
         self._thread = threading.Thread(target=self._server_entry, daemon=True)
         self._thread.start()
         if not self._server_ready_event.wait(30):
