@@ -1,6 +1,8 @@
 """Every way a rank dies ends the job non-zero with one line naming it (rank, pid, host, how it
 ended, and what the job was doing), through launch/single_node.sh and plain torchrun, over the
-shared-memory transport and over gloo; and /dev/shm keeps no region of a killed set-up."""
+shared-memory transport and over gloo; and /dev/shm keeps no region of a killed set-up. The job's
+store dying under a rank (torchrun's agent SIGKILLed in a save) is one line too, in-process, with a
+real TCPStore."""
 from __future__ import annotations
 
 import os
@@ -9,11 +11,16 @@ import socket
 import subprocess
 import sys
 import time
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
-from common.parallel.failures import how_it_ended
+from common.errors import Crashed, first_line
+from common.parallel.context import DistContext
+from common.parallel.failures import how_it_ended, told
 from common.parallel.transport import SHM_FOLDER, create_region
 from tests.conftest import ENDS_PROMPTLY_S, ROOT, child_env, error_lines, script_command
 
@@ -109,3 +116,97 @@ def test_a_sigkill_is_not_blamed_on_memory():
     said = how_it_ended(-signal.SIGKILL)
     assert said.startswith("was killed by SIGKILL (") and "out of memory?" not in said
     assert "the out-of-memory killer sends it too" in said
+
+
+class JobStore:
+    """The job's key-value store as a worker holds it: a client of a TCPStore whose server (torchrun's
+    agent's, here in this process) can die."""
+
+    def __init__(self) -> None:
+        self.server: dist.TCPStore | None = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        client = dist.TCPStore("127.0.0.1", self.server.port, is_master=False, timeout=timedelta(seconds=5))
+        self.client = dist.PrefixStore("suite", client)  # as common/parallel/context.py's distributed() hands it out
+
+    def die(self) -> None:
+        """The agent's SIGKILL: its server closes every connection. A client's first call after may still
+        fit in its socket's buffer; the call that finds the connection reset raises, and every later one."""
+        self.server = None  # its last reference: the server stops
+        for _ in range(100):
+            try:
+                self.client.set("probe", "")
+            except dist.DistNetworkError:
+                return
+            time.sleep(0.01)
+        raise AssertionError("the client never saw its store's server die")
+
+
+def rank_0_with(store: JobStore) -> DistContext:
+    return DistContext(0, 2, 0, 2, torch.device("cpu"), "gloo", store=store.client)
+
+
+def saved_at_step_250(ctx: DistContext, action) -> None:
+    """ctx.after_primary as the loop calls it for a checkpoint: the frames' names and locals are what
+    failures.doing() reads "during a checkpoint save at step 250" from."""
+    def train_epoch(global_step: int) -> None:
+        def save() -> None:
+            ctx.after_primary("checkpoint save at step 250", action, deadline_s=30)
+        save()
+    train_epoch(249)
+
+
+@pytest.mark.quick
+def test_the_store_dying_in_a_save_ends_rank_0_with_one_line(capsys, monkeypatch):
+    """The chaos run's kill-agent: rank 0's save done, its store.set for the waiting ranks fails
+    (DistNetworkError: Broken pipe); rank 0 ends non-zero with one line, not a traceback."""
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    store = JobStore()
+    ctx = rank_0_with(store)
+    with pytest.raises(dist.DistNetworkError) as raised:
+        saved_at_step_250(ctx, store.die)
+    failure = told(raised.value, ctx)
+    said = capsys.readouterr().err
+    assert said.splitlines() == [
+        f"error: rank 0 (pid {os.getpid()}) on {socket.gethostname()} ends: the job's store failed "
+        f"({first_line(raised.value)}) during a checkpoint save at step 250; its host (torchrun's agent, or the "
+        "rendezvous host) ended or did not answer in time"], said
+    assert not isinstance(failure, Crashed) and failure.exit_code == 1
+
+
+@pytest.mark.quick
+def test_the_store_dying_does_not_hide_the_error_rank_0_ends_with(capsys, monkeypatch):
+    """The save's own error (here a bug) is raised before the store's failure in after_primary's
+    finally: the first is told, with its traceback, not replaced by the store's."""
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    store = JobStore()
+
+    def save_with_a_bug() -> None:
+        store.die()
+        raise ValueError("a bug in the save")
+    with pytest.raises(ValueError) as raised:
+        saved_at_step_250(rank_0_with(store), save_with_a_bug)
+    failure = told(raised.value, rank_0_with(store))
+    said = capsys.readouterr().err
+    assert isinstance(failure, Crashed) and "ValueError: a bug in the save" in said, said
+    assert error_lines(said) == [f"error: rank 0 (pid {os.getpid()}) on {socket.gethostname()} failed with ValueError "
+                                 "during a checkpoint save at step 250 (traceback above)"], said
+    assert "DistNetworkError" not in said and "the job's store" not in said, said
+    with pytest.raises(dist.DistNetworkError):  # the store's failure was there to hide it
+        store.client.set("after", "")
+
+
+@pytest.mark.quick
+def test_a_store_wait_that_times_out_is_one_line(capsys, monkeypatch):
+    """DistStoreError (what a rank waited for in the store did not come in its timeout) is a store's
+    failure too: one line, no traceback."""
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    monkeypatch.setenv("RANK", "1")
+    store = dist.HashStore()
+    store.set_timeout(timedelta(seconds=0.1))
+    with pytest.raises(dist.DistStoreError) as raised:
+        store.get("never-set")
+    told(raised.value, None)
+    said = capsys.readouterr().err
+    assert said.splitlines() == [
+        f"error: rank 1 (pid {os.getpid()}) on {socket.gethostname()} ends: the job's store failed "
+        f"({first_line(raised.value)}) during joining or leaving the process group; its host (torchrun's agent, "
+        "or the rendezvous host) ended or did not answer in time"], said

@@ -41,6 +41,10 @@ from common.parallel.transport import (
 )
 
 T = TypeVar("T")
+# A call to the job's key-value store (c10d) that failed: its host (torchrun's agent, or the
+# rendezvous host) ended or cannot be reached (DistNetworkError), or what was waited for in it did
+# not come within the store's timeout (DistStoreError). common/parallel/failures.py tells them.
+STORE_FAILURES = (dist.DistNetworkError, dist.DistStoreError)
 
 
 def add_process_group_flags(group: argparse._ArgumentGroup) -> None:
@@ -156,7 +160,7 @@ class DistContext:
                 outcome = f"rank 0 ended with {type(e).__name__} during its {what}"
                 raise
             finally:
-                self.store.set(key, json.dumps(outcome))
+                self._tell_waiters(key, outcome)
             return result
         first_waiter = self.local_rank == (1 if self.node_rank == 0 else 0)
         try:
@@ -167,6 +171,16 @@ class DistContext:
         if outcome:
             raise PeerFailed(outcome)  # rank 0 prints it
         return None
+
+    def _tell_waiters(self, key: str, outcome: str | None) -> None:
+        """Rank 0's outcome (None: done) for the ranks waiting in after_primary. A store that failed
+        meanwhile (its host, torchrun's agent, died) must not replace the error rank 0 already ends
+        with: that one, the first, is told; the waiters learn of the store's failure themselves."""
+        try:
+            self.store.set(key, json.dumps(outcome))
+        except STORE_FAILURES:
+            if outcome is None:
+                raise  # the action succeeded: the store's failure is the news
 
     def together(self, action: Callable[[], T]) -> T:
         """Run `action` on every rank. If it raises a UserError anywhere, every rank ends and the
@@ -230,7 +244,7 @@ class Heartbeat:
         while not self.stopped.wait(HEARTBEAT_EVERY_S):
             try:
                 self.store.add(self.beat, 1)
-            except RuntimeError:  # the store's host ended: the job is ending, the waiters see why
+            except STORE_FAILURES:  # the store's host ended: the job is ending, the waiters see why
                 return
 
     def __enter__(self) -> "Heartbeat":
@@ -321,8 +335,13 @@ def wait_for_keys(store: Any, keys: Sequence[str], deadline_s: float,
                 last_said = now
             time.sleep(pause)
             pause = min(2 * pause, POLL_S)
-    except RuntimeError as e:  # torch's store errors: the host of the store (node 0's agent) ended
-        raise Unanswered(pending, f"could not be reached: the job's store failed ({first_line(e)})", {}) from None
+    except STORE_FAILURES as e:  # the host of the store (node 0's agent) ended
+        raise Unanswered(pending, f"could not be reached: {store_failed(e)}", {}) from None
+
+
+def store_failed(error: BaseException) -> str:
+    """'the job's store failed (Broken pipe)': one of STORE_FAILURES, in words."""
+    return f"the job's store failed ({first_line(error)})"
 
 
 def _check_heartbeats(store: Any, pending: list[str], beats: dict[str, tuple[int, float]], now: float) -> None:

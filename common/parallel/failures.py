@@ -9,7 +9,9 @@ what they were doing then: the step and the phase. A rank that raises knows all 
 So a rank that raises prints its traceback and one line; the survivors of a vanished rank print
 one line naming it (the lowest survivor on each host), or, under launch/quiet_torchrun.py, leave
 that line in torchrun's error file, where the agent joins how the rank ended to it and prints the
-one line itself (LAUNCHER_NAMES_FAILURES tells the workers so).
+one line itself (LAUNCHER_NAMES_FAILURES tells the workers so). A rank whose call to the job's
+store fails (its host, torchrun's agent, died) is not a crash: each rank that meets it prints one
+line, itself (that agent, the launcher that would speak for it, is gone).
 """
 from __future__ import annotations
 
@@ -92,15 +94,27 @@ def is_handled(error: Exception) -> bool:
 def explained(error: Exception, ctx: DistContext | None) -> UserError:
     if is_handled(error):
         return error  # type: ignore[return-value]
+    # Imported once a rank fails, not with this module: launch/quiet_torchrun.py imports it before torch.
+    from common.parallel.context import STORE_FAILURES, store_failed
+    if isinstance(error, STORE_FAILURES):  # before lost_connection: a store's socket says "Connection reset" too
+        return UserError(f"{_me(ctx)} ends: {store_failed(error)} {doing(error.__traceback__, False)}; its host "
+                         "(torchrun's agent, or the rendezvous host) ended or did not answer in time")
     peer_vanished = isinstance(error, PeerVanished) or lost_connection(error)
     where = doing(error.__traceback__, peer_vanished)
-    rank = ctx.rank if ctx else int(os.environ.get("RANK", 0))
     if isinstance(error, PeerVanished):
         return vanished(ctx, error.ranks, where, str(error))
     if peer_vanished:
         return vanished(ctx, _wait_for_vanished(ctx.peers if ctx else ()), where, _gloo_words(str(error)))
-    return Crashed(f"rank {rank} (pid {os.getpid()}) on {host()} failed with {type(error).__name__} {where} "
-                   "(traceback above)")
+    return Crashed(f"{_me(ctx)} failed with {type(error).__name__} {where} (traceback above)")
+
+
+def _me(ctx: DistContext | None) -> str:
+    """'rank 1 (pid 4242) on node-a': this process (ctx: None before the process group is joined)."""
+    return f"rank {_rank(ctx)} (pid {os.getpid()}) on {host()}"
+
+
+def _rank(ctx: DistContext | None) -> int:
+    return ctx.rank if ctx else int(os.environ.get("RANK", 0))
 
 
 def lost_connection(error: BaseException) -> bool:
@@ -110,8 +124,7 @@ def lost_connection(error: BaseException) -> bool:
 
 def vanished(ctx: DistContext | None, ranks: tuple[int, ...], where: str, detail: str) -> PeerVanished:
     """ctx: None before the process group is joined (then the ranks' hosts and pids are unknown)."""
-    rank, peers = (ctx.rank, ctx.peers) if ctx else (int(os.environ.get("RANK", 0)), ())
-    me = f"rank {rank} (pid {os.getpid()}) on {host()}"
+    rank, peers, me = _rank(ctx), ctx.peers if ctx else (), _me(ctx)
     if ranks and peers:
         who = " and ".join(f"rank {r} (pid {peers[r][1]}) on {peers[r][0]} {_how_peer_ended(peers[r][1])}"
                            for r in ranks)
