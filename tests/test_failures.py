@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -18,6 +19,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from common import orphans
 from common.errors import Crashed, first_line
 from common.parallel.context import DistContext
 from common.parallel.failures import how_it_ended, told
@@ -154,29 +156,50 @@ def saved_at_step_250(ctx: DistContext, action) -> None:
     train_epoch(249)
 
 
-@pytest.mark.quick
-def test_the_store_dying_in_a_save_ends_rank_0_with_one_line(capsys, monkeypatch):
-    """The chaos run's kill-agent: rank 0's save done, its store.set for the waiting ranks fails
-    (DistNetworkError: Broken pipe); rank 0 ends non-zero with one line, not a traceback."""
+@pytest.fixture
+def told_here(monkeypatch):
+    """told() as in a worker: no torchrun error file, and this test's own record of a line said."""
     monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
+    monkeypatch.setattr(orphans, "SAID", threading.Event())
+
+
+@pytest.mark.quick
+def test_the_store_dying_in_a_save_ends_rank_0_with_one_line(capfd, monkeypatch, told_here):
+    """The chaos run's kill-agent: rank 0's save done, its store.set for the waiting ranks fails
+    (DistNetworkError: Broken pipe); rank 0 ends non-zero with one line, not a traceback, and the
+    watch on its agent (common/orphans.py), which sees the agent gone next, adds none."""
     store = JobStore()
     ctx = rank_0_with(store)
     with pytest.raises(dist.DistNetworkError) as raised:
         saved_at_step_250(ctx, store.die)
     failure = told(raised.value, ctx)
-    said = capsys.readouterr().err
-    assert said.splitlines() == [
+    ended = []
+    monkeypatch.setattr(os, "_exit", ended.append)
+    orphans._watch(agent=-1)  # no process's parent: the agent is gone at once
+    said = capfd.readouterr().err  # the watch writes to fd 2 (c10d's own C++ warnings may come too)
+    assert error_lines(said) == [
         f"error: rank 0 (pid {os.getpid()}) on {socket.gethostname()} ends: the job's store failed "
         f"({first_line(raised.value)}) during a checkpoint save at step 250; its host (torchrun's agent, or the "
         "rendezvous host) ended or did not answer in time"], said
+    assert "Traceback" not in said and ended == [1], said
     assert not isinstance(failure, Crashed) and failure.exit_code == 1
 
 
 @pytest.mark.quick
-def test_the_store_dying_does_not_hide_the_error_rank_0_ends_with(capsys, monkeypatch):
+def test_an_orphan_that_said_nothing_yet_says_why_it_ends(capfd, monkeypatch, told_here):
+    ended = []
+    monkeypatch.setattr(os, "_exit", ended.append)
+    monkeypatch.setenv("RANK", "1")
+    orphans._watch(agent=-1)
+    assert error_lines(capfd.readouterr().err) == [
+        "error: rank 1's torchrun agent (pid -1) is gone: this worker stops rather than train on unsupervised (its "
+        "checkpoints are kept: the same command resumes)"] and ended == [1]
+
+
+@pytest.mark.quick
+def test_the_store_dying_does_not_hide_the_error_rank_0_ends_with(capsys, told_here):
     """The save's own error (here a bug) is raised before the store's failure in after_primary's
     finally: the first is told, with its traceback, not replaced by the store's."""
-    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
     store = JobStore()
 
     def save_with_a_bug() -> None:
@@ -195,10 +218,9 @@ def test_the_store_dying_does_not_hide_the_error_rank_0_ends_with(capsys, monkey
 
 
 @pytest.mark.quick
-def test_a_store_wait_that_times_out_is_one_line(capsys, monkeypatch):
+def test_a_store_wait_that_times_out_is_one_line(capsys, monkeypatch, told_here):
     """DistStoreError (what a rank waited for in the store did not come in its timeout) is a store's
     failure too: one line, no traceback."""
-    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE", raising=False)
     monkeypatch.setenv("RANK", "1")
     store = dist.HashStore()
     store.set_timeout(timedelta(seconds=0.1))

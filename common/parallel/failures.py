@@ -26,6 +26,7 @@ from types import TracebackType
 from typing import TYPE_CHECKING, Callable, Iterator, TypeVar
 
 from common.errors import ConfigError, Crashed, PeerVanished, UserError
+from common.orphans import said_why_it_ends
 from common.parallel.procs import exit_code, running
 
 if TYPE_CHECKING:
@@ -83,6 +84,7 @@ def told(error: Exception, ctx: DistContext | None) -> UserError:
         report_to_torchrun(failure)
     if failure.should_print():
         print(f"{failure.prefix}{failure}", file=sys.stderr, flush=True)
+        said_why_it_ends()
     return failure
 
 
