@@ -3,12 +3,15 @@ formats (PIL's PNG and JPEG, tarfile's shards, `datasets`' save_to_disk and parq
 real loading code; in-process where the behaviour is the loader's, under torchrun where it is the job's."""
 from __future__ import annotations
 
+import fcntl
 import io
 import os
 import re
 import shutil
 import sys
 import tarfile
+import threading
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable
@@ -19,7 +22,7 @@ import torch
 
 from common import hfsets
 from common.data import cache, hf, own
-from common.data.cache import file_lock
+from common.data.cache import file_lock, remove_lock
 from common.data.loader import TrainLoader, global_order
 from common.data.reading import Reader
 from common.errors import UserError
@@ -176,6 +179,8 @@ def test_a_row_group_cache_smaller_than_the_set_stays_in_its_budget_and_streams_
     copies = [p.stat().st_size for p in folder.glob("*.rows")]
     assert 0 < len(copies) < 24 and sum(copies) <= budget + len(copies) * 8 * 12, (len(copies), sum(copies), budget)
     assert int((folder / ".usage").read_text()) == sum(copies) and not list((folder / ".staging").iterdir())
+    locks = {p.name.removeprefix(".").removesuffix(".lock") for p in folder.glob(".*.rows.lock")}
+    assert locks <= {p.name for p in folder.glob("*.rows")}, "an evicted copy's fetch lock was left"
 
 
 @pytest.mark.quick
@@ -265,9 +270,52 @@ def test_a_copy_killed_mid_way_is_swept_at_the_next_start_unless_in_flight(sets,
     in_flight = staging / ".busy.parquet#0.abc.rows.tmp-host-2-cd"
     killed.write_bytes(b"x" * 100)
     in_flight.write_bytes(b"y" * 100)
+    stale_lock = tmp_path / "rowgroups" / ".evicted.parquet#0.abc.rows.lock"  # its copy evicted by an older version
+    stale_lock.touch()
     with file_lock(tmp_path / "rowgroups" / ".busy.parquet#0.abc.rows.lock"):
         dataset(opts)
+        assert (tmp_path / "rowgroups" / ".busy.parquet#0.abc.rows.lock").exists()  # held: left to its holder
     assert not killed.exists() and in_flight.exists()
+    assert not stale_lock.exists() and (tmp_path / "rowgroups" / ".evict.lock").exists()
+
+
+def _opened(path: Path) -> int:
+    """How many of this process's file descriptors are open on `path`."""
+    count = 0
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            count += os.readlink(f"/proc/self/fd/{fd}") == str(path)
+        except OSError:  # closed meanwhile (the listing's own descriptor among them)
+            pass
+    return count
+
+
+def test_a_lock_file_removed_while_waited_on_is_locked_again_as_newly_made(tmp_path):
+    """remove_lock deletes a copy's fetch lock with the copy: a process already waiting on the
+    deleted file must not take it while another process holds the lock file now at that path
+    (both would fetch, each sweeping the other's temp file)."""
+    lock, entered = tmp_path / ".copy.rows.lock", threading.Event()
+    with open(lock, "a") as old:
+        fcntl.flock(old, fcntl.LOCK_EX)
+
+        def waiter() -> None:
+            with file_lock(lock):
+                entered.set()
+        thread = threading.Thread(target=waiter, daemon=True)
+        thread.start()
+        deadline = time.monotonic() + 10
+        while _opened(lock) < 2:
+            assert time.monotonic() < deadline, "the waiter never opened the lock file"
+            time.sleep(0.01)  # a poll with a deadline: the waiter's open is what is waited for
+        lock.unlink()
+        with open(lock, "a") as successor:
+            fcntl.flock(successor, fcntl.LOCK_EX)
+            fcntl.flock(old, fcntl.LOCK_UN)  # the deleted file free: the waiter must see it is not the lock now
+            assert not entered.wait(1.0), "the waiter took a deleted lock file while its successor was held"
+            fcntl.flock(successor, fcntl.LOCK_UN)
+            assert entered.wait(10), "the waiter never took the lock file once it was free"
+    remove_lock(lock)
+    assert not lock.exists()
 
 
 @pytest.mark.quick

@@ -37,23 +37,50 @@ def cache_folder(cache_dir: str, url: str) -> Path:
 @contextmanager
 def file_lock(path: Path, say: Callable[[str], None] = lambda line: None) -> Iterator[None]:
     """An exclusive lock across processes and, on shared volumes that support it (NFS), nodes.
-    The holder's own work is bounded (store timeouts, --storage-timeout-s around the data preparation)."""
-    with open(path, "a") as handle:
-        started = last = time.monotonic()
-        while True:
+    The holder's own work is bounded (store timeouts, --storage-timeout-s around the data preparation).
+    A lock file deleted while this process waited on it (remove_lock) is locked again as newly made:
+    two holders, one of the deleted file and one of its successor, would both do the work."""
+    started = last = time.monotonic()
+    while True:
+        with open(path, "a") as handle:
+            while True:
+                try:
+                    fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() - last >= PROGRESS_EVERY_S:
+                        say(f"waiting for another process fetching into {path.parent} "
+                            f"({time.monotonic() - started:.0f} s)")
+                        last = time.monotonic()
+                    time.sleep(POLL_S)
             try:
-                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                if time.monotonic() - last >= PROGRESS_EVERY_S:
-                    say(f"waiting for another process fetching into {path.parent} "
-                        f"({time.monotonic() - started:.0f} s)")
-                    last = time.monotonic()
-                time.sleep(POLL_S)
-        try:
-            yield
-        finally:
-            fcntl.flock(handle, fcntl.LOCK_UN)
+                if _still_named(handle.fileno(), path):
+                    yield
+                    return
+            finally:
+                fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _still_named(fd: int, path: Path) -> bool:
+    """Whether `path` still names the file open as `fd` (not deleted, nor replaced, since it was opened)."""
+    try:
+        named = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)
+
+
+def remove_lock(lock: Path) -> None:
+    """Delete a lock file whose work is gone (its cached copy evicted), unless a process holds it:
+    one lock file per copy ever cached would otherwise pile up. Deleted while held here, so a process
+    waiting on it finds it gone and locks its successor (file_lock)."""
+    try:
+        with open(lock) as handle:  # read: a missing lock is not made
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            lock.unlink()
+    except (FileNotFoundError, BlockingIOError):  # gone already, or in use: its holder fetches the copy again
+        pass
 
 
 def cache_error(folder: Path, error: OSError, budget_flag: str = "") -> UserError:

@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, TypeVar
 
-from common.data.cache import cache_error, file_lock, staging_path, sweep_staging
+from common.data.cache import cache_error, file_lock, lock_of, remove_lock, staging_path, sweep_staging
 from common.data.loader import SHUFFLE_WINDOW
 from common.errors import UserError
 from common.storage import StorageError, storage_for
@@ -77,7 +77,7 @@ class ShardCache:
                 except FileNotFoundError:  # evicted since: fetched again below
                     pass
             (self.folder / STAGING).mkdir(parents=True, exist_ok=True)
-            with file_lock(self.folder / f".{target.name}.lock"):
+            with file_lock(lock_of(target)):
                 if target.is_file():  # another rank or worker fetched it meanwhile
                     self.hits += 1
                     return target
@@ -137,7 +137,8 @@ class ShardCache:
         the ledger; at start-up (a lowered --shard-cache-gb trims a cache that would otherwise only
         get hits, and the ledger is made true after anything outside the suite deleted files). The
         temp files of fetches killed mid-copy go too: a fetch of the same copy deletes its own, but
-        one that is never fetched again (the set changed) would stay, outside the budget."""
+        one that is never fetched again (the set changed) would stay, outside the budget; and the
+        fetch locks of copies no longer cached (an eviction removes its copies' own)."""
         if not self.folder.is_dir():
             return
         try:
@@ -145,6 +146,7 @@ class ShardCache:
                 if (self.folder / STAGING).is_dir():
                     sweep_staging(self.folder / STAGING, locks=self.folder)
                 self._evict(self.budget, None)
+                self._sweep_locks()
         except OSError as e:
             raise cache_error(self.folder, e, "--shard-cache-gb") from None
 
@@ -197,7 +199,16 @@ class ShardCache:
             if path != keep:
                 total -= size
                 path.unlink(missing_ok=True)
+                remove_lock(lock_of(path))
         self._write_ledger(total)
+
+    def _sweep_locks(self) -> None:
+        """Remove the fetch lock (.COPY.lock) of each copy not in the folder, unless one is held."""
+        with os.scandir(self.folder) as entries:
+            names = {entry.name for entry in entries}
+        for name in names:
+            if name.startswith(".") and name.endswith(f"{self.SUFFIX}.lock") and name[1:-len(".lock")] not in names:
+                remove_lock(self.folder / name)
 
     def _write_ledger(self, total: int) -> None:
         (self.folder / LEDGER).write_text(str(total))
