@@ -13,8 +13,13 @@ mid-collective is retried on the same samples.
     launch/ft.sh 2 1 train_ft.py --dataset mnist        # a Lighthouse and two groups on this machine
     TORCHFT_LIGHTHOUSE=http://HOST:29510 torchrun --standalone --nproc_per_node=2 train_ft.py --groups 2 --group-id 0
 """
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 - ruff wants a blank line above `# isort: split`, test_layout none
 
+# First, before torch and any sorted block: importing `common` pauses the garbage collector while torch
+# loads, and registers the collector's exit handler before any other (common/collector.py says why).
+# `isort: split` keeps an import sorter (isort, ruff's I rules) from moving torch above this line.
+from common.train.app import main as run
+# isort: split
 import argparse
 import math
 import os
@@ -29,7 +34,6 @@ from common.errors import ConfigError
 from common.parallel.comm import flatten, replicate_from_rank0, unflatten
 from common.parallel.context import DistContext
 from common.train import ft
-from common.train.app import main as run
 from common.train.strategy import Strategy
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"

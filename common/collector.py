@@ -39,17 +39,21 @@ import sys
 
 
 class _Exit:
+    registered = False  # the exit handler is registered (once a process)
     runs_last = False  # the exit handler was the first registered: ending the process in it skips no one's
     clean = False  # the run ended without an error
 
 
 def pause_during_set_up() -> None:
-    """From here until `resume_for_training`: no automatic collection."""
+    """From here until `resume_for_training`: no automatic collection. A program that runs several
+    runs one after another (tests/runs.py) pauses for each; its exit handler is registered once."""
     if gc.isenabled():  # not already paused at import
         gc.disable()
-        # exit handlers run last-registered first: paused at import, this runs after torch's own
-        _Exit.runs_last = getattr(atexit, "_ncallbacks", lambda: -1)() == 0
-        atexit.register(_at_exit)
+        if not _Exit.registered:
+            # exit handlers run last-registered first: paused at import, this runs after torch's own
+            _Exit.runs_last = getattr(atexit, "_ncallbacks", lambda: -1)() == 0
+            atexit.register(_at_exit)
+            _Exit.registered = True
 
 
 def resume_for_training() -> None:

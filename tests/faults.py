@@ -28,8 +28,10 @@ Without torchrun the job is this one process.
   drift    rank 1 nudges one weight (the replicas drift apart)
   warn     rank 1 issues a Python warning
 """
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 - ruff wants a blank line above `# isort: split`, test_layout none
 
+import training_program  # noqa: F401 - first: the collector as in a train_*.py program (its docstring)
+# isort: split
 import ctypes
 import os
 import signal

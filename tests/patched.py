@@ -26,8 +26,9 @@ from __future__ import annotations  # noqa: I001 - ruff wants a blank line above
 
 # The package first, as every train_*.py imports it: its watch on torchrun's agent and its quiet C++ log
 # level (common/orphans.py) must come before torch's import, or the patched run prints what the
-# script alone does not (c10d's dumps of C++ frames when a peer dies).
-import common  # noqa: F401
+# script alone does not (c10d's dumps of C++ frames when a peer dies); and the collector as in a
+# train_*.py program (tests/training_program.py).
+import training_program  # noqa: F401
 # isort: split
 import errno
 import hashlib

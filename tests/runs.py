@@ -22,8 +22,10 @@ What a resume in the cut's processes cannot prove: that a fresh process finds an
 it needs (module-level state, anything imported once). A guarantee proven by such a resume keeps at
 least one resume in a process of its own (test_resume says which).
 """
-from __future__ import annotations
+from __future__ import annotations  # noqa: I001 - ruff wants a blank line above `# isort: split`, test_layout none
 
+import training_program  # noqa: F401 - first: the collector as in a train_*.py program (its docstring)
+# isort: split
 import contextlib
 import importlib
 import os

@@ -181,11 +181,10 @@ def test_the_check_finds_a_circle(tmp_path):
     assert circles(import_graph(tmp_path)) == [["common.train.step", "common.train.strategy", "common.train.step"]]
 
 
-# The scripts built on common/train/app.py whose first import is the package (common/collector.py:
-# the collector paused before torch loads, its exit handler registered first). train_ft.py imports
-# torch first, so its set-up is not covered (issue 39, item 1 moves its machinery into common/).
+# The scripts built on common/train/app.py, whose first import is the package (common/collector.py:
+# the collector paused before torch loads, its exit handler registered first).
 COMMON_FIRST = ("train_ddp.py", "train_allreduce.py", "train_master.py", "train_dp.py", "train_fsdp.py",
-                "train_localsgd.py")
+                "train_localsgd.py", "train_ft.py")
 
 
 @pytest.mark.parametrize("script", COMMON_FIRST)

@@ -1,0 +1,17 @@
+"""Imported first by the test programs that run a train_*.py's main in their own process (tests/runs.py,
+tests/faults.py, tests/patched.py), before torch: where one of them is the program, the garbage
+collector is paused while torch loads and its exit handler registered before any other's, as the
+package does when a train_*.py is the program (common/collector.py). Without it such a program ended
+the slow way, with a full collection of all it ever built (measured: 9.5 s a rank at the end of
+tests/runs.py's 20 equivalence rows), and its start-up differed from the script's. Imported by a
+test into pytest's own process, it does nothing: the collector's exit handler may end a process
+with status 0, which must never be pytest's."""
+import os
+import sys
+
+from common.collector import pause_during_set_up
+
+PROGRAMS = ("runs.py", "faults.py", "patched.py")
+
+if os.path.basename(getattr(sys.modules.get("__main__"), "__file__", None) or "") in PROGRAMS:
+    pause_during_set_up()
