@@ -3,6 +3,7 @@ formats (PIL's PNG and JPEG, tarfile's shards, `datasets`' save_to_disk and parq
 real loading code; in-process where the behaviour is the loader's, under torchrun where it is the job's."""
 from __future__ import annotations
 
+import errno
 import fcntl
 import io
 import os
@@ -25,6 +26,7 @@ from common.data import cache, hf, own
 from common.data.cache import file_lock, remove_lock
 from common.data.loader import TrainLoader, global_order
 from common.data.reading import Reader
+from common.data.shardcache import ShardCache
 from common.errors import UserError
 from common.shards import MANIFEST
 from common.shards import main as shards_main
@@ -316,6 +318,30 @@ def test_a_lock_file_removed_while_waited_on_is_locked_again_as_newly_made(tmp_p
             assert entered.wait(10), "the waiter never took the lock file once it was free"
     remove_lock(lock)
     assert not lock.exists()
+
+
+@pytest.mark.quick
+def test_fetch_locks_are_removed_where_an_exclusive_flock_needs_a_file_open_for_writing(tmp_path, monkeypatch):
+    """On NFS, flock is a byte-range lock and an exclusive one is refused (EBADF) on a file open only
+    for reading (flock(2), NOTES): eviction's removal of the copies' fetch locks must not end the run."""
+    real = fcntl.flock
+
+    def nfs_flock(handle, operation: int) -> None:
+        fd = handle if isinstance(handle, int) else handle.fileno()
+        if operation & fcntl.LOCK_EX and fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_ACCMODE == os.O_RDONLY:
+            raise OSError(errno.EBADF, os.strerror(errno.EBADF))
+        real(handle, operation)
+    monkeypatch.setattr(fcntl, "flock", nfs_flock)
+    folder = tmp_path / "shards"
+    folder.mkdir()
+    for name in ("old.aaa.tar", "new.bbb.tar"):
+        (folder / name).write_bytes(b"x" * 10)
+        (folder / f".{name}.lock").touch()
+    orphan = folder / ".gone.ccc.tar.lock"  # its copy deleted by an earlier run
+    orphan.touch()
+    os.utime(folder / "old.aaa.tar", (0, 0))  # the least recently used: evicted
+    ShardCache("s3://unused/shards", {}, folder, 15, {}).evict()
+    assert sorted(p.name for p in folder.iterdir()) == [".evict.lock", ".new.bbb.tar.lock", ".usage", "new.bbb.tar"]
 
 
 @pytest.mark.quick

@@ -76,11 +76,13 @@ def remove_lock(lock: Path) -> None:
     one lock file per copy ever cached would otherwise pile up. Deleted while held here, so a process
     waiting on it finds it gone and locks its successor (file_lock)."""
     try:
-        with open(lock) as handle:  # read: a missing lock is not made
+        # open for writing, as file_lock does: on NFS an exclusive flock is a write lock, refused
+        # (EBADF) on a file open only for reading; "r+": a missing lock is not made
+        with open(lock, "r+") as handle:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
             lock.unlink()
-    except (FileNotFoundError, BlockingIOError):  # gone already, or in use: its holder fetches the copy again
-        pass
+    except (FileNotFoundError, BlockingIOError, PermissionError):
+        pass  # gone already; in use (its holder fetches the copy again); another user's, which this one cannot lock
 
 
 def cache_error(folder: Path, error: OSError, budget_flag: str = "") -> UserError:
