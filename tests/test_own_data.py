@@ -23,10 +23,10 @@ import torch
 
 from common import hfsets
 from common.data import cache, hf, own
-from common.data.cache import file_lock, remove_lock
+from common.data.cache import file_lock, lock_of, remove_lock, staging_path
 from common.data.loader import TrainLoader, global_order
 from common.data.reading import Reader
-from common.data.shardcache import ShardCache
+from common.data.shardcache import STAGING, ShardCache
 from common.errors import UserError
 from common.shards import MANIFEST
 from common.shards import main as shards_main
@@ -279,6 +279,21 @@ def test_a_copy_killed_mid_way_is_swept_at_the_next_start_unless_in_flight(sets,
         assert (tmp_path / "rowgroups" / ".busy.parquet#0.abc.rows.lock").exists()  # held: left to its holder
     assert not killed.exists() and in_flight.exists()
     assert not stale_lock.exists() and (tmp_path / "rowgroups" / ".evict.lock").exists()
+
+
+@pytest.mark.quick
+def test_a_fetch_in_flight_keeps_its_temp_file_whatever_its_copy_is_named(tmp_path):
+    """A copy whose name holds ".tmp-" (a shard or parquet file so named): its fetch's temp file is
+    its own (.NAME.tmp-HOST-PID-RANDOM), left to the fetch that holds the copy's lock by another
+    process's start-up sweep."""
+    cache = ShardCache("s3://unused/shards", {}, tmp_path, 2**30, {"day.tmp-1.tar": "10-x"})
+    target = cache.local("day.tmp-1.tar")
+    (tmp_path / STAGING).mkdir()
+    with file_lock(lock_of(target)):  # the fetch in flight
+        part = staging_path(tmp_path / STAGING / target.name)
+        part.write_bytes(b"partial")
+        ShardCache("s3://unused/shards", {}, tmp_path, 2**30, {}).evict()  # another process starts
+        assert part.exists()
 
 
 def _opened(path: Path) -> int:

@@ -147,7 +147,7 @@ def sweep_staging(parent: Path, target: Path | None = None, locks: Path | None =
     holder dies, on any node sharing the volume). The caller holds `target`'s build lock: its
     leftovers go too."""
     for staging in parent.glob(".*.tmp-*"):
-        name = staging.name[1:].split(".tmp-")[0]
+        name = staging.name[1:].rsplit(".tmp-", 1)[0]  # the last: a shard or parquet file's name may hold ".tmp-"
         with unused((locks or parent) / f".{name}.lock") as free:
             if free or (target is not None and name == target.name):
                 shutil.rmtree(staging, ignore_errors=True) if staging.is_dir() else staging.unlink(missing_ok=True)
