@@ -23,10 +23,10 @@ import torch
 
 from common import hfsets
 from common.data import cache, hf, own
-from common.data.cache import file_lock, lock_of, remove_lock, staging_path
+from common.data.cache import file_lock, remove_lock, staging_path
 from common.data.loader import TrainLoader, global_order
 from common.data.reading import Reader
-from common.data.shardcache import STAGING, ShardCache
+from common.data.shardcache import FETCH_LOCK_COUNT, STAGING, ShardCache, fetch_lock
 from common.errors import UserError
 from common.shards import MANIFEST
 from common.shards import main as shards_main
@@ -181,8 +181,8 @@ def test_a_row_group_cache_smaller_than_the_set_stays_in_its_budget_and_streams_
     copies = [p.stat().st_size for p in folder.glob("*.rows")]
     assert 0 < len(copies) < 24 and sum(copies) <= budget + len(copies) * 8 * 12, (len(copies), sum(copies), budget)
     assert int((folder / ".usage").read_text()) == sum(copies) and not list((folder / ".staging").iterdir())
-    locks = {p.name.removeprefix(".").removesuffix(".lock") for p in folder.glob(".*.rows.lock")}
-    assert locks <= {p.name for p in folder.glob("*.rows")}, "an evicted copy's fetch lock was left"
+    assert [p.name for p in folder.glob(".*.lock")] == [".evict.lock"], "a lock file per copy"
+    assert 0 < len(list((folder / ".locks").iterdir())) <= FETCH_LOCK_COUNT  # a fixed set, not one per copy
 
 
 @pytest.mark.quick
@@ -272,13 +272,12 @@ def test_a_copy_killed_mid_way_is_swept_at_the_next_start_unless_in_flight(sets,
     in_flight = staging / ".busy.parquet#0.abc.rows.tmp-host-2-cd"
     killed.write_bytes(b"x" * 100)
     in_flight.write_bytes(b"y" * 100)
-    stale_lock = tmp_path / "rowgroups" / ".evicted.parquet#0.abc.rows.lock"  # its copy evicted by an older version
-    stale_lock.touch()
-    with file_lock(tmp_path / "rowgroups" / ".busy.parquet#0.abc.rows.lock"):
+    legacy_lock = tmp_path / "rowgroups" / ".evicted.parquet#0.abc.rows.lock"  # an older version's, one per copy
+    legacy_lock.touch()
+    with file_lock(fetch_lock(tmp_path / "rowgroups", "busy.parquet#0.abc.rows")):
         dataset(opts)
-        assert (tmp_path / "rowgroups" / ".busy.parquet#0.abc.rows.lock").exists()  # held: left to its holder
     assert not killed.exists() and in_flight.exists()
-    assert not stale_lock.exists() and (tmp_path / "rowgroups" / ".evict.lock").exists()
+    assert not legacy_lock.exists() and (tmp_path / "rowgroups" / ".evict.lock").exists()
 
 
 @pytest.mark.quick
@@ -289,7 +288,8 @@ def test_a_fetch_in_flight_keeps_its_temp_file_whatever_its_copy_is_named(tmp_pa
     cache = ShardCache("s3://unused/shards", {}, tmp_path, 2**30, {"day.tmp-1.tar": "10-x"})
     target = cache.local("day.tmp-1.tar")
     (tmp_path / STAGING).mkdir()
-    with file_lock(lock_of(target)):  # the fetch in flight
+    (tmp_path / ".locks").mkdir()
+    with file_lock(cache.fetch_lock(target.name)):  # the fetch in flight
         part = staging_path(tmp_path / STAGING / target.name)
         part.write_bytes(b"partial")
         ShardCache("s3://unused/shards", {}, tmp_path, 2**30, {}).evict()  # another process starts
@@ -308,9 +308,9 @@ def _opened(path: Path) -> int:
 
 
 def test_a_lock_file_removed_while_waited_on_is_locked_again_as_newly_made(tmp_path):
-    """remove_lock deletes a copy's fetch lock with the copy: a process already waiting on the
-    deleted file must not take it while another process holds the lock file now at that path
-    (both would fetch, each sweeping the other's temp file)."""
+    """A lock file deleted by its holder (remove_lock, a failed download's clean-up): a process
+    already waiting on the deleted file must not take it while another process holds the lock file
+    now at that path (both would do the work, e.g. each sweeping the other's temp files)."""
     lock, entered = tmp_path / ".copy.rows.lock", threading.Event()
     with open(lock, "a") as old:
         fcntl.flock(old, fcntl.LOCK_EX)
@@ -338,7 +338,8 @@ def test_a_lock_file_removed_while_waited_on_is_locked_again_as_newly_made(tmp_p
 @pytest.mark.quick
 def test_fetch_locks_are_removed_where_an_exclusive_flock_needs_a_file_open_for_writing(tmp_path, monkeypatch):
     """On NFS, flock is a byte-range lock and an exclusive one is refused (EBADF) on a file open only
-    for reading (flock(2), NOTES): eviction's removal of the copies' fetch locks must not end the run."""
+    for reading (flock(2), NOTES): the start's removal of an older version's fetch locks (one per copy)
+    must not end the run."""
     real = fcntl.flock
 
     def nfs_flock(handle, operation: int) -> None:
@@ -356,7 +357,7 @@ def test_fetch_locks_are_removed_where_an_exclusive_flock_needs_a_file_open_for_
     orphan.touch()
     os.utime(folder / "old.aaa.tar", (0, 0))  # the least recently used: evicted
     ShardCache("s3://unused/shards", {}, folder, 15, {}).evict()
-    assert sorted(p.name for p in folder.iterdir()) == [".evict.lock", ".new.bbb.tar.lock", ".usage", "new.bbb.tar"]
+    assert sorted(p.name for p in folder.iterdir()) == [".evict.lock", ".usage", "new.bbb.tar"]
 
 
 @pytest.mark.quick

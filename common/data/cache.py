@@ -38,8 +38,9 @@ def cache_folder(cache_dir: str, url: str) -> Path:
 def file_lock(path: Path, say: Callable[[str], None] = lambda line: None) -> Iterator[None]:
     """An exclusive lock across processes and, on shared volumes that support it (NFS), nodes.
     The holder's own work is bounded (store timeouts, --storage-timeout-s around the data preparation).
-    A lock file deleted while this process waited on it (remove_lock) is locked again as newly made:
-    two holders, one of the deleted file and one of its successor, would both do the work."""
+    A lock file deleted while this process waited on it (its holder removed it: remove_lock, a failed
+    download) is locked again as newly made: two holders, one of the deleted file and one of its
+    successor, would both do the work."""
     started = last = time.monotonic()
     while True:
         with open(path, "a") as handle:
@@ -64,17 +65,17 @@ def file_lock(path: Path, say: Callable[[str], None] = lambda line: None) -> Ite
 def _still_named(fd: int, path: Path) -> bool:
     """Whether `path` still names the file open as `fd` (not deleted, nor replaced, since it was opened)."""
     try:
-        named = os.stat(path)
-    except FileNotFoundError:
-        return False
-    held = os.fstat(fd)
+        named, held = os.stat(path), os.fstat(fd)
+    except OSError as e:  # deleted; on NFS, deleted by another node (ESTALE): lock its successor
+        if e.errno in (errno.ENOENT, errno.ESTALE):
+            return False
+        raise
     return (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)
 
 
 def remove_lock(lock: Path) -> None:
-    """Delete a lock file whose work is gone (its cached copy evicted), unless a process holds it:
-    one lock file per copy ever cached would otherwise pile up. Deleted while held here, so a process
-    waiting on it finds it gone and locks its successor (file_lock)."""
+    """Delete a lock file no process of this version uses, unless a process holds it. Deleted while
+    held here, so a process waiting on it finds it gone and locks its successor (file_lock)."""
     try:
         # open for writing, as file_lock does: on NFS an exclusive flock is a write lock, refused
         # (EBADF) on a file open only for reading; "r+": a missing lock is not made
@@ -141,14 +142,15 @@ def unused(lock: Path) -> Iterator[bool]:
             fcntl.flock(handle, fcntl.LOCK_UN)
 
 
-def sweep_staging(parent: Path, target: Path | None = None, locks: Path | None = None) -> None:
+def sweep_staging(parent: Path, target: Path | None = None,
+                  lock_for: Callable[[str], Path] | None = None) -> None:
     """Delete what builds killed mid-way left in `parent`: a staging .NAME.tmp-* whose build lock
-    .NAME.lock (in `locks`, by default `parent`) no process holds (flock is released when its
+    (lock_for(NAME), by default .NAME.lock in `parent`) no process holds (flock is released when its
     holder dies, on any node sharing the volume). The caller holds `target`'s build lock: its
     leftovers go too."""
     for staging in parent.glob(".*.tmp-*"):
         name = staging.name[1:].rsplit(".tmp-", 1)[0]  # the last: a shard or parquet file's name may hold ".tmp-"
-        with unused((locks or parent) / f".{name}.lock") as free:
+        with unused(lock_for(name) if lock_for else parent / f".{name}.lock") as free:
             if free or (target is not None and name == target.name):
                 shutil.rmtree(staging, ignore_errors=True) if staging.is_dir() else staging.unlink(missing_ok=True)
 

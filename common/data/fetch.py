@@ -181,13 +181,15 @@ def ensure_local(name: str, root: Path, allow_download: bool, download_from: str
     try:
         root.mkdir(parents=True, exist_ok=True)
         with file_lock(lock, say):
-            if formats.missing_files(name, root):  # another node sharing this folder may have done it
-                download(name, root, download_from, say)
+            try:
+                if formats.missing_files(name, root):  # another node sharing this folder may have done it
+                    download(name, root, download_from, say)
+            except BaseException:
+                # No debris in the user's data folder: the lock goes too, while held (a process waiting on
+                # it then locks its successor: file_lock), so that two never download at once.
+                lock.unlink(missing_ok=True)
+                raise
     except (OSError, ValueError, tarfile.TarError, http.client.HTTPException) as e:  # URLError, timeouts: OSErrors
-        # No debris in the user's data folder. A process still waiting on the old file may then download
-        # beside one that locks a new file: each file is verified and renamed into place whole, so the
-        # lock only saves a second download.
-        lock.unlink(missing_ok=True)
         failed = f"the download failed ({first_line(e)})"
         raise UserError(formats.offline_message(name, root, missing, failed)) from None
     still = formats.missing_files(name, root)

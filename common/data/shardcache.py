@@ -22,7 +22,7 @@ import threading
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, TypeVar
 
-from common.data.cache import cache_error, file_lock, lock_of, remove_lock, staging_path, sweep_staging
+from common.data.cache import cache_error, file_lock, remove_lock, staging_path, sweep_staging
 from common.data.loader import SHUFFLE_WINDOW
 from common.errors import UserError
 from common.storage import StorageError, storage_for
@@ -35,11 +35,23 @@ MIN_SHARDS = 2 * SHUFFLE_WINDOW
 LOW_WATER_PARTS = 8
 LEDGER = ".usage"  # the cached copies' total bytes, as the last fetch or eviction left it
 STAGING = ".staging"  # temp files of fetches in flight, and of killed ones
+# A copy's fetch lock is one of a fixed set, chosen by its name: one file per copy ever cached would
+# pile up, and deleting them with their copies is unsafe where the cache is on NFS (a node's view of
+# the folder lags: two nodes could each hold "the" lock). Two copies that share a lock fetch one after
+# the other.
+FETCH_LOCKS = ".locks"
+FETCH_LOCK_COUNT = 256
 
 
 OPEN_TRIES = 3
 GONE = (errno.ENOENT, errno.ESTALE)  # a cached shard deleted by another process (ESTALE: on NFS, by another node)
 T = TypeVar("T")
+
+
+def fetch_lock(folder: Path, copy_name: str) -> Path:
+    """The lock the fetch of the copy named `copy_name` into `folder` holds (FETCH_LOCKS)."""
+    slot = int(hashlib.sha256(copy_name.encode()).hexdigest(), 16) % FETCH_LOCK_COUNT
+    return folder / FETCH_LOCKS / f"{slot:02x}.lock"
 
 
 class ShardCache:
@@ -64,6 +76,9 @@ class ShardCache:
         tag = hashlib.sha256(self.versions[name].encode()).hexdigest()[:12]
         return self.folder / f"{name.removesuffix('.tar')}.{tag}{self.SUFFIX}"
 
+    def fetch_lock(self, copy_name: str) -> Path:
+        return fetch_lock(self.folder, copy_name)
+
     def path(self, name: str) -> Path:
         """A local copy of shard `name`, fetched if the cache lacks it; marks it recently used. A
         cache that cannot be written (read-only, full) is one line naming --cache-dir."""
@@ -76,8 +91,9 @@ class ShardCache:
                     return target
                 except FileNotFoundError:  # evicted since: fetched again below
                     pass
-            (self.folder / STAGING).mkdir(parents=True, exist_ok=True)
-            with file_lock(lock_of(target)):
+            for folder in (STAGING, FETCH_LOCKS):
+                (self.folder / folder).mkdir(parents=True, exist_ok=True)
+            with file_lock(self.fetch_lock(target.name)):
                 if target.is_file():  # another rank or worker fetched it meanwhile
                     self.hits += 1
                     return target
@@ -138,13 +154,13 @@ class ShardCache:
         get hits, and the ledger is made true after anything outside the suite deleted files). The
         temp files of fetches killed mid-copy go too: a fetch of the same copy deletes its own, but
         one that is never fetched again (the set changed) would stay, outside the budget; and the
-        fetch locks of copies no longer cached (an eviction removes its copies' own)."""
+        fetch locks an older version left, one per copy."""
         if not self.folder.is_dir():
             return
         try:
             with file_lock(self.folder / ".evict.lock"):
                 if (self.folder / STAGING).is_dir():
-                    sweep_staging(self.folder / STAGING, locks=self.folder)
+                    sweep_staging(self.folder / STAGING, lock_for=self.fetch_lock)
                 self._evict(self.budget, None)
                 self._sweep_locks()
         except OSError as e:
@@ -199,16 +215,15 @@ class ShardCache:
             if path != keep:
                 total -= size
                 path.unlink(missing_ok=True)
-                remove_lock(lock_of(path))
         self._write_ledger(total)
 
     def _sweep_locks(self) -> None:
-        """Remove the fetch lock (.COPY.lock) of each copy not in the folder, unless one is held."""
+        """Remove the fetch locks of the versions before FETCH_LOCKS (one .COPY.lock per copy ever
+        cached), unless one is held: no process of this version waits on them."""
         with os.scandir(self.folder) as entries:
-            names = {entry.name for entry in entries}
-        for name in names:
-            if name.startswith(".") and name.endswith(f"{self.SUFFIX}.lock") and name[1:-len(".lock")] not in names:
-                remove_lock(self.folder / name)
+            for entry in entries:
+                if entry.name.startswith(".") and entry.name.endswith(f"{self.SUFFIX}.lock"):
+                    remove_lock(Path(entry.path))
 
     def _write_ledger(self, total: int) -> None:
         (self.folder / LEDGER).write_text(str(total))
