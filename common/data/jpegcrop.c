@@ -6,9 +6,10 @@
  * decode_jpeg does (libjpeg's defaults: ISLOW IDCT, fancy upsampling; its source manager, under
  * which a file that ends early is an error, not a grey fill), and reads the file through to its EOI
  * marker, so a file that decode_jpeg refuses is refused here too. Around the box it decodes a
- * margin of one iMCU on each side: the upsampling of subsampled chroma at a cropped edge
- * replicates the edge instead of reading the neighbour, so only pixels at least one iMCU inside a
- * cropped edge are decode_jpeg's; the caller slices the box out of the region.
+ * margin of one iMCU left, right and above: the upsampling of subsampled chroma at a cropped
+ * edge replicates the edge instead of reading the neighbour, so only pixels at least one iMCU
+ * inside a cropped edge are decode_jpeg's (below the box none is needed: the rows are read in
+ * order, each with the context a whole decode gives it); the caller slices the box out.
  */
 #include <setjmp.h>
 #include <stdio.h>
@@ -116,7 +117,7 @@ int jpegcrop_decode(const unsigned char *data, unsigned long size, int channels,
   x0 = (JDIMENSION)clamp((long)left - margin_x, 0, cinfo.output_width - 1);
   columns = (JDIMENSION)clamp((long)left + width + margin_x, 1, cinfo.output_width) - x0;
   y0 = (JDIMENSION)clamp((long)top - margin_y, 0, cinfo.output_height - 1);
-  y1 = (JDIMENSION)clamp((long)top + height + margin_y, 1, cinfo.output_height);
+  y1 = (JDIMENSION)clamp((long)top + height, 1, cinfo.output_height);  /* rows below are read as decode_jpeg reads them */
   jpeg_crop_scanline(&cinfo, &x0, &columns);  /* x0 moves left to an iMCU boundary, columns grows by as much */
   stride = columns * (JDIMENSION)channels;
   if ((unsigned long)stride * (y1 - y0) > capacity) {

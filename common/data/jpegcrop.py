@@ -88,7 +88,7 @@ def decode_box(data: bytes, channels: int, box: Box, height: int, width: int,
     if decoder is None:
         return None
     box = scaled(box, -(-height // reduce), -(-width // reduce), height, width)  # libjpeg's output rounds up
-    rows, columns = min(height, box.height + 2 * MAX_MARGIN), min(width, box.width + 3 * MAX_MARGIN)
+    rows, columns = min(height, box.height + MAX_MARGIN), min(width, box.width + 3 * MAX_MARGIN)  # + alignment
     out = torch.empty(rows * columns * channels, dtype=torch.uint8)
     region = (ctypes.c_int * 4)()
     message = ctypes.create_string_buffer(MESSAGE_BYTES)
