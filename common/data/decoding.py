@@ -1,8 +1,9 @@
 """Decoding own images: encoded bytes -> uint8 tensors (CHW), and the header read that indexing does.
 
 JPEGs decode with torchvision.io.decode_jpeg (libjpeg-turbo straight into a tensor), or at a
-reduced scale by libjpeg's DCT (PIL's draft) where the crop keeps enough pixels; every other format
-through PIL, 16-bit and float images scaled to 8 bits.
+reduced scale by libjpeg's DCT (PIL's draft) where the crop keeps enough pixels, or, for a crop
+at full scale, only the crop's rows and columns (jpegcrop: decode_jpeg's pixels there); every
+other format through PIL, 16-bit and float images scaled to 8 bits.
 """
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ import numpy as np
 import torch
 
 from common import shards as layout
-from common.data.geometry import Box, Stored, eval_box, resized_crop
+from common.data.geometry import Box, Stored, eval_box, resized_crop, scaled
+from common.data.jpegcrop import decode_box
 
 SKIP_FLAG = "--skip-broken"
 
@@ -66,6 +68,18 @@ def draft_scale(data: bytes, box: Box, size: int) -> int:
     if not is_jpeg(data):
         return 1
     return next((k for k in DRAFT_SCALES if min(box.height, box.width) >= k * size), 1)
+
+
+def decode_crop(data: bytes, channels: int, box: Box, height: int, width: int, size: int) -> tuple[torch.Tensor, Box]:
+    """What a crop `box` of an image indexed as height x width, resized to `size`, needs: pixels
+    that hold the box, and the box on them. A JPEG is decoded at a reduced scale where the box
+    keeps at least `size` pixels across (draft_scale), and only the box's rows and columns where
+    jpegcrop can (the pixels decode_jpeg, or PIL's draft, gives there); else the whole image."""
+    reduce = draft_scale(data, box, size)
+    if is_jpeg(data) and (part := decode_box(data, channels, box, height, width, reduce)):
+        return part
+    image = decode_whole(data, channels, reduce)
+    return image, scaled(box, *image.shape[-2:], height, width)
 
 
 def decode(data: bytes, stored: Stored, channels: int) -> torch.Tensor:

@@ -25,7 +25,7 @@ import torch
 from common import hfsets
 from common import shards as layout
 from common.config import INTERPOLATIONS, OWN_DATASETS
-from common.data import hf
+from common.data import hf, jpegcrop
 from common.data.cache import (
     META,
     cache_error,
@@ -211,6 +211,8 @@ def prepare(opts: OwnData, say: Say) -> dict[str, Any]:
               "class_names": index.class_names}
     if decoded:
         report["decoded"] = str(decode_into_cache(index, geometry, spec, opts, say))
+    else:  # streamed: the workers decode each crop's rows and columns (built here once, for them)
+        jpegcrop.announce(say)
     return report
 
 

@@ -10,13 +10,13 @@ import math
 import os
 import time
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
+from typing import Callable, Iterable, Iterator, NamedTuple, Sequence, TypeVar
 
 import numpy as np
 import torch
 
 from common.data.augment import Draws, Policy, policy_generator
-from common.data.decoding import Undecodable, broken_message, decode_whole, draft_scale, header, is_jpeg
+from common.data.decoding import Undecodable, broken_message, decode_crop, decode_whole, header, is_jpeg
 from common.data.device_decode import DecodeAhead, EncodedBatch, decode_and_crop, train_boxes
 from common.data.geometry import Box, Stored, eval_box, resized_crop, scaled, train_box
 from common.data.index import Table
@@ -28,6 +28,7 @@ from common.errors import UserError
 RATE_SAMPLES = 16  # samples the banner's loader rate is measured on
 LOADER_TIMEOUT_S = 600.0  # a worker may fetch a shard (bounded by the store's own timeouts) and decode a batch
 DECODE_MARGIN_S = 60.0  # --decode gpu: the rank's own decode of a batch, beyond the worker's wait
+T = TypeVar("T")
 
 
 class Request(NamedTuple):
@@ -110,27 +111,40 @@ class Reader(torch.utils.data.Dataset):
             return self.store.original(i)
         return int(self.table.height[i]), int(self.table.width[i])
 
-    def pixels(self, i: int, box: Box | None, size: int) -> torch.Tensor:
-        """Sample i's whole image, uint8 (C, H, W): from the store, or decoded (reduced where `box`
-        keeps `size` pixels across after it); Undecodable naming its file."""
+    def pixels(self, i: int) -> torch.Tensor:
+        """Sample i's whole image, uint8 (C, H, W): from the store, or decoded; Undecodable naming its file."""
         if self.store is not None:
             return self.store.image(i)
+        return self.decoded(i, lambda data: decode_whole(data, self.channels))
+
+    def cropped(self, i: int, box_of: Callable[[int, int], Box], size: int) -> tuple[torch.Tensor, Box]:
+        """Pixels of sample i that hold its box box_of(height, width) (drawn on its indexed dims),
+        and the box on them: the stored image, or what decoding.decode_crop decodes for a crop
+        resized to `size`."""
+        dims = self.dims(i)
+        box = box_of(*dims)
+        if self.store is not None:
+            image = self.store.image(i)
+            return image, scaled(box, *image.shape[-2:], *dims)
+        return self.decoded(i, lambda data: decode_crop(data, self.channels, box, *dims, size))
+
+    def decoded(self, i: int, decode: Callable[[bytes], T]) -> T:
         data = self.read(i)  # a missing file or an unreadable store is not the image's fault
         try:
-            return decode_whole(data, self.channels, draft_scale(data, box, size) if box else 1)
+            return decode(data)
         except Exception as e:  # noqa: BLE001 - any decoder failure is this file's problem, said in one line
             raise Undecodable(broken_message(self.name(i), e, not self.skip)) from None
 
     def render(self, i: int, out: torch.Tensor, box_of: Callable[[int, int], Box] | None) -> None:
         """Sample i into `out` (C, S, S): the box box_of(height, width) of its whole image resized
         to S, or (box_of None) the image as it is, which must be S x S."""
-        dims = self.dims(i) if box_of else (0, 0)
-        box = box_of(*dims) if box_of else None
-        image = self.pixels(i, box, out.shape[-1])
+        if box_of is not None:
+            image, box = self.cropped(i, box_of, out.shape[-1])
+            resized_crop(image, box, out.shape[-1], out, self.view.interpolation)
+            return
+        image = self.pixels(i)
         height, width = image.shape[-2:]
-        if box is not None:
-            resized_crop(image, scaled(box, height, width, *dims), out.shape[-1], out, self.view.interpolation)
-        elif tuple(image.shape) == tuple(out.shape):
+        if tuple(image.shape) == tuple(out.shape):
             out.copy_(image)
         else:
             raise Undecodable(broken_message(self.name(i), ValueError(
@@ -200,7 +214,7 @@ class Reader(torch.utils.data.Dataset):
         images, labels, dims = [], [], []
         for i in request.indices:
             holder: list[torch.Tensor] = []
-            j = self.decodable_from(i, skipped, lambda k, kept=holder: kept.append(self.pixels(k, None, 0)), None)
+            j = self.decodable_from(i, skipped, lambda k, kept=holder: kept.append(self.pixels(k)), None)
             image = bounded(holder[0], request.whole)
             images.append(image.flatten())
             labels.append(self.label(j))
