@@ -30,7 +30,7 @@ Without torchrun the job is this one process.
 """
 from __future__ import annotations  # noqa: I001 - ruff wants a blank line above `# isort: split`, test_layout none
 
-import training_program  # noqa: F401 - first: the collector as in a train_*.py program (its docstring)
+import tests.training_program  # noqa: F401 - first: the collector as in a train_*.py program (its docstring)
 # isort: split
 import ctypes
 import os

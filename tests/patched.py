@@ -28,7 +28,7 @@ from __future__ import annotations  # noqa: I001 - ruff wants a blank line above
 # level (common/orphans.py) must come before torch's import, or the patched run prints what the
 # script alone does not (c10d's dumps of C++ frames when a peer dies); and the collector as in a
 # train_*.py program (tests/training_program.py).
-import training_program  # noqa: F401
+import tests.training_program  # noqa: F401
 # isort: split
 import errno
 import hashlib

@@ -24,7 +24,7 @@ least one resume in a process of its own (test_resume says which).
 """
 from __future__ import annotations  # noqa: I001 - ruff wants a blank line above `# isort: split`, test_layout none
 
-import training_program  # noqa: F401 - first: the collector as in a train_*.py program (its docstring)
+import tests.training_program  # noqa: F401 - first: the collector as in a train_*.py program (its docstring)
 # isort: split
 import contextlib
 import importlib
