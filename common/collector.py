@@ -95,5 +95,10 @@ def _flushed() -> bool:
     return True
 
 
+def program_name() -> str:
+    """The file name of the program this process runs ("" where it is no file: python -c, a REPL)."""
+    return os.path.basename(getattr(sys.modules.get("__main__"), "__file__", None) or "")
+
+
 def started_as_a_training_script() -> bool:
-    return os.path.basename(getattr(sys.modules.get("__main__"), "__file__", None) or "").startswith("train_")
+    return program_name().startswith("train_")

@@ -6,12 +6,9 @@ the slow way, with a full collection of all it ever built (measured: 9.5 s a ran
 tests/runs.py's 20 equivalence rows), and its start-up differed from the script's. Imported by a
 test into pytest's own process, it does nothing: the collector's exit handler may end a process
 with status 0, which must never be pytest's."""
-import os
-import sys
-
-from common.collector import pause_during_set_up
+from common.collector import pause_during_set_up, program_name
 
 PROGRAMS = ("runs.py", "faults.py", "patched.py")
 
-if os.path.basename(getattr(sys.modules.get("__main__"), "__file__", None) or "") in PROGRAMS:
+if program_name() in PROGRAMS:
     pause_during_set_up()
