@@ -249,6 +249,7 @@ class FsspecStorage:
         if defaults:
             self.fs.retries = S3FS_RETRIES
         self.root = self.root.rstrip("/")
+        quiet_orphaned_connection_errors()
 
     def scrub(self, text: str) -> str:
         for secret in self.secrets:
@@ -330,6 +331,35 @@ class FsspecStorage:
 def _version(entry: dict[str, Any]) -> str:
     """An object's version from its listing entry: its size and ETag (or checksum, or date)."""
     return f"{int(entry.get('size') or 0)}-{entry.get('ETag') or entry.get('etag') or entry.get('mtime') or ''}"
+
+
+def quiet_orphaned_connection_errors() -> None:
+    """When a store goes down during a request, aiohttp (under s3fs) can leave a task of that request
+    failed and unawaited; asyncio then prints "Task exception was never retrieved" with its traceback
+    when the task is collected. The request's failure is already this module's one line (a
+    StorageError), so fsspec's event loop drops such orphaned connection errors; any other error it
+    reports as asyncio always does."""
+    from fsspec.asyn import get_loop
+
+    loop = get_loop()
+    if loop.get_exception_handler() is not _drop_orphaned_connection_errors:
+        loop.set_exception_handler(_drop_orphaned_connection_errors)
+
+
+def _drop_orphaned_connection_errors(loop: Any, context: dict[str, Any]) -> None:
+    error = context.get("exception")
+    orphaned = context.get("message", "").startswith("Task exception was never retrieved")
+    if not (orphaned and isinstance(error, ConnectionError | _client_connection_error())):
+        loop.default_exception_handler(context)
+
+
+def _client_connection_error() -> type[BaseException]:
+    """aiohttp's base of its connection errors (some, like ServerDisconnectedError, are not OSErrors)."""
+    try:
+        from aiohttp import ClientConnectionError
+    except ImportError:
+        return ConnectionError
+    return ClientConnectionError
 
 
 def describe_store_error(error: Exception) -> str:

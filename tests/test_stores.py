@@ -3,8 +3,11 @@ jobs that share a --checkpoint-dir. Real torchrun processes (gloo, CPU); the obj
 test S3 server (moto) behind a proxy on 127.0.0.1 that fails chosen requests for a while."""
 from __future__ import annotations
 
+import asyncio
 import errno
+import gc
 import json
+import logging
 import shutil
 import subprocess
 import sys
@@ -17,7 +20,7 @@ import pytest
 import torch
 
 from common.errors import UserError
-from common.storage import DENIED, FAILED, MISSING, TRANSIENT, LocalStorage, StorageError, error_kind
+from common.storage import DENIED, FAILED, MISSING, TRANSIENT, FsspecStorage, LocalStorage, StorageError, error_kind
 from common.train.checkpoint import BackgroundWriter, CheckpointFolder, new_run_name
 from tests.conftest import ROOT, child_env, error_lines, free_port, one_launch, run_script
 from tests.flaky_proxy import FlakyProxy
@@ -226,6 +229,34 @@ def test_a_pointer_read_that_times_out_is_retried_then_ends_the_start(tmp_path, 
 ])
 def test_store_errors_are_told_apart(error, kind):
     assert error_kind(error) == kind
+
+
+@pytest.mark.quick
+def test_a_request_orphaned_by_a_store_outage_prints_no_traceback_and_other_errors_still_do(caplog):
+    """A store going down in a save can leave aiohttp's request task failed and never awaited: asyncio
+    would print "Task exception was never retrieved" and a traceback after the save's one line
+    (bench chaos, S3 kinds). Orphaned connection errors are dropped on fsspec's loop; others are not."""
+    import aiohttp
+    from fsspec.asyn import get_loop, sync
+
+    async def orphan(error: Exception) -> None:
+        async def request() -> None:
+            raise error
+        task = asyncio.ensure_future(request())
+        await asyncio.sleep(0.01)  # it fails; nobody awaits it
+        del task
+        gc.collect()  # collected: asyncio reports what it raised
+
+    FsspecStorage("s3://chaos/run", {})  # a store is opened: no request is made
+    with caplog.at_level(logging.ERROR, logger="asyncio"):
+        sync(get_loop(), orphan, aiohttp.ClientConnectionResetError("Cannot write to closing transport"))
+        sync(get_loop(), orphan, aiohttp.ServerDisconnectedError())
+        sync(get_loop(), orphan, ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"))
+        assert not caplog.records
+        sync(get_loop(), orphan, ValueError("not a connection's error"))
+    [record] = caplog.records
+    assert record.getMessage().startswith("Task exception was never retrieved")
+    assert isinstance(record.exc_info[1], ValueError)
 
 
 # ---------------------------------------------------------------- jobs sharing a folder
