@@ -249,7 +249,6 @@ class FsspecStorage:
         if defaults:
             self.fs.retries = S3FS_RETRIES
         self.root = self.root.rstrip("/")
-        quiet_orphaned_connection_errors()
 
     def scrub(self, text: str) -> str:
         for secret in self.secrets:
@@ -263,6 +262,7 @@ class FsspecStorage:
         return f"{self.root}/{name}" if name else self.root
 
     def _do(self, name: str, action: Callable[[str], T]) -> T:
+        quiet_orphaned_connection_errors()  # here, not once: a forked process (a loader's worker) has a new loop
         try:
             return action(self._path(name))
         except Exception as e:  # noqa: BLE001 - every store error becomes one line naming the URL

@@ -247,7 +247,8 @@ def test_a_request_orphaned_by_a_store_outage_prints_no_traceback_and_other_erro
         del task
         gc.collect()  # collected: asyncio reports what it raised
 
-    FsspecStorage("s3://chaos/run", {})  # a store is opened: no request is made
+    store = FsspecStorage("memory://chaos/run", {})
+    store.write("a", b"1")  # the handler is installed by the store's first request
     with caplog.at_level(logging.ERROR, logger="asyncio"):
         sync(get_loop(), orphan, aiohttp.ClientConnectionResetError("Cannot write to closing transport"))
         sync(get_loop(), orphan, aiohttp.ServerDisconnectedError())
