@@ -65,6 +65,19 @@ def test_a_chaos_schedule_draws_every_kind_at_distinct_steps_inside_the_run_the_
         assert draw(kinds, 30, 1000, 3, seed=7) == faults != draw(kinds, 30, 1000, 3, seed=8)
 
 
+@pytest.mark.quick
+def test_a_chaos_run_is_proved_only_when_every_fault_drawn_landed_and_its_target_came_back():
+    from bench.chaos import Fault, Outcome
+
+    def outcome(*faults: Fault) -> Outcome:
+        return Outcome([], list(faults), 0, 0.0, [], [], 0, "")
+
+    assert outcome(Fault("kill-worker", 10, 0, 2.0, landed=1.0, back=2.0)).proved
+    assert not outcome(Fault("kill-worker", 10, 0, 2.0, landed=1.0, back=None)).proved  # never trained again
+    assert not outcome(Fault("kill-worker", 10, 0, 2.0, landed=1.0, back=2.0),
+                       Fault("kill-agent", 90, 1, 2.0, notes=["the run had ended"])).proved  # one never landed
+
+
 # Small: lenet at world 2 (restart) or three groups of one (ft), 2 epochs of 1,200 generated MNIST images
 # (100 steps); the fault-free run at full speed, the run under chaos slowed to 0.2 s a step, long enough
 # for its faults to land and their targets to train again inside it.
