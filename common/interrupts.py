@@ -59,7 +59,7 @@ class SignalWatch:
 
 class _StartUp:
     watch: SignalWatch | None = None  # while start-up lasts
-    pid = 0  # the process that installed it: a forked child (a data worker) does not inherit it
+    pid = 0  # the process that installed it: a child forked meanwhile (a data worker) forgets it
 
 
 def end_start_up_on_ctrl_c() -> None:
@@ -71,9 +71,9 @@ def end_start_up_on_ctrl_c() -> None:
 
 def start_up_over() -> None:
     """Training's own handler took the signals (after it installed its SignalWatch)."""
-    if _StartUp.watch is not None and _StartUp.pid == os.getpid():
+    if _StartUp.watch is not None:
         _StartUp.watch.close()
-    _StartUp.watch = None
+        _StartUp.watch = None
 
 
 def end_start_up(signum: int) -> None:
