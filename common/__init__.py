@@ -13,8 +13,9 @@ Grouped by concern, in layers; a module imports only from its own layer and the 
 The train_*.py scripts, evaluate.py, predict.py, export.py, tests, bench and launch stand above all
 of it; nothing here imports them.
 
-Importing the package does two things besides: when a train_*.py is the program, Python's garbage
-collector pauses until training starts (common/collector.py says why); in a worker of torchrun, a
+Importing the package does three things besides: when a train_*.py is the program, Python's garbage
+collector pauses until training starts (common/collector.py says why) and a Ctrl-C until then ends
+the process with one line, not a traceback (common/interrupts.py); in a worker of torchrun, a
 thread watches its agent, so that the worker ends if the agent dies, set-up included
 (common/orphans.py). Every train_*.py imports the package first, so that its own import of torch
 is covered too.
@@ -26,8 +27,12 @@ __version__ = "0.1.0"
 if started_as_a_training_script():
     pause_during_set_up()
 
-# After the pause: its import of threading would otherwise run a collection.
+# After the pause: their import of threading would otherwise run a collection.
+from common.interrupts import end_start_up_on_ctrl_c  # noqa: E402
 from common.orphans import end_when_the_agent_dies, launched_by_torchrun  # noqa: E402
+
+if started_as_a_training_script():
+    end_start_up_on_ctrl_c()
 
 if launched_by_torchrun():
     end_when_the_agent_dies()

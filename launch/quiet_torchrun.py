@@ -20,17 +20,24 @@ A run whose workers refused a flag (exit 2) is not restarted (--max-restarts): e
 refuse it again.
 
 It also gives the workers STOP_GRACE_S (not torchrun's 30 s) to stop after a TERM or INT, and then
-ends with one line and status 128+N, not torchrun's traceback of the signal.
+ends with one line and status 128+N, not torchrun's traceback of the signal. A Ctrl-C before the
+workers start (while torch loads, during the rendezvous) ends it with the workers' start-up line
+(common/interrupts.py) and status 130, not a KeyboardInterrupt traceback.
 """
 from __future__ import annotations
 
 import os
+import signal
 import sys
 
 from common.collector import pause_during_set_up, resume_for_training
+from common.interrupts import end_start_up
 from common.parallel.failures import LAUNCHER_NAMES_FAILURES, host, how_it_ended
 
 if __name__ == "__main__":
+    # Until torchrun's own handler takes the signals, as it starts the workers: nothing to pass on before.
+    # No watcher thread (common/interrupts.py): it would go on ending the agent after torchrun took over.
+    signal.signal(signal.SIGINT, lambda signum, frame: end_start_up(signum))
     pause_during_set_up()  # torch's import below without full collections, and no final one at exit (see there)
 
 import logging  # noqa: E402

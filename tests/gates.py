@@ -7,8 +7,10 @@ for several points) stops at POINT and waits there until the test releases it:
          (node: GROUP_RANK)
   POINT  a global step STEP (held after the STEP-th optimizer step, its checkpoint and stop check
          done: a stop signal that comes while it is held is agreed on at the next stop check, so
-         with STEP a multiple of StopRequest.CHECK_EVERY the run stops after step STEP + 1), or
-         `heal` (train_ft.py: held as the group loads a live peer's state, before it does)
+         with STEP a multiple of StopRequest.CHECK_EVERY the run stops after step STEP + 1),
+         `heal` (train_ft.py: held as the group loads a live peer's state, before it does), or
+         `data` (a point of start-up: held as the run begins to prepare its data set, the process
+         group joined, nothing trained)
 
 Held, the process writes GATE_DIR/WHO@POINT.{pid}.held ("held at POINT pid P") and waits for
 GATE_DIR/WHO@POINT.go, which the test writes (Gate.release). A released gate stays open: a process
@@ -74,6 +76,8 @@ def install(point: str) -> None:
         return
     if at == "heal":
         _gate_heals(folder, point)
+    elif at == "data":
+        _gate_data(folder, point)
     else:
         _gate_step(folder, point, int(at))
     _tell_quorums(folder)
@@ -89,6 +93,17 @@ def _gate_step(folder: Path, point: str, step: int) -> None:
         if self.run.global_step(done) == step:
             hold(folder, point, lambda: bool(self.stop.received))
     Trainer.after_step = after_step
+
+
+def _gate_data(folder: Path, point: str) -> None:
+    from common.train import app
+
+    real = app.load_dataset
+
+    def load_dataset(*args, **kwargs):
+        hold(folder, point)
+        return real(*args, **kwargs)
+    app.load_dataset = load_dataset
 
 
 def _gate_heals(folder: Path, point: str) -> None:

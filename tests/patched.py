@@ -18,9 +18,9 @@ Patches:
                          compute per step
   slow-storage=S@K       the K-th read or write of a local checkpoint folder by this process sleeps S seconds
                          first, saying so on stderr ("storage op K (write NAME) sleeps S s at UNIX_TIME in pid P")
-  gate=WHO@POINT         held at a training step (or train_ft.py's heal) until the test releases it: a
-                         fault at a known step on a host of any speed (tests/gates.py; GATE_DIR names the
-                         folder of its markers)
+  gate=WHO@POINT         held at a training step (or train_ft.py's heal, or start-up's data preparation) until
+                         the test releases it: a fault at a known step on a host of any speed (tests/gates.py;
+                         GATE_DIR names the folder of its markers)
 """
 from __future__ import annotations  # noqa: I001 - ruff wants a blank line above `# isort: split`, test_layout none
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from common import orphans
 from common.errors import Crashed, first_line
+from common.interrupts import STARTUP_LINE
 from common.parallel.context import DistContext
 from common.parallel.failures import how_it_ended, told
 from common.parallel.transport import SHM_FOLDER, create_region
@@ -118,6 +119,56 @@ def test_a_sigkill_is_not_blamed_on_memory():
     said = how_it_ended(-signal.SIGKILL)
     assert said.startswith("was killed by SIGKILL (") and "out of memory?" not in said
     assert "the out-of-memory killer sends it too" in said
+
+
+# A program at start-up (common/interrupts.py's guard installed) that waits in native code for good
+# ("wait": a mutex locked twice; no Python handler runs there), or forks from a thread as the data
+# preparation does ("fork": the child says whether it kept its parent's SIGINT handling).
+START_UP = """
+import ctypes, os, signal, sys, threading
+from common.interrupts import end_start_up_on_ctrl_c
+end_start_up_on_ctrl_c()
+if sys.argv[1] == "fork":
+    def fork():
+        if os.fork() == 0:
+            print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, signal.set_wakeup_fd(-1), flush=True)
+            os._exit(0)
+        os.wait()
+    threading.Thread(target=fork).start()
+    sys.exit(0)
+mutex = ctypes.create_string_buffer(64)  # zeroed: glibc's PTHREAD_MUTEX_INITIALIZER
+lock = ctypes.CDLL(None).pthread_mutex_lock
+lock(mutex)
+print("waiting", flush=True)
+lock(mutex)
+"""
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("local_rank, said", [("0", [STARTUP_LINE]), ("1", [])])
+def test_ctrl_c_during_start_up_ends_a_process_waiting_in_native_code(local_rank, said):
+    """A Ctrl-C that lands while the main thread waits in native code (joining the process group, a
+    collective, a store's wait), where Python runs no handler: the watcher ends the process, status
+    130, the line from local rank 0 only (every process of the node got the same Ctrl-C)."""
+    env = {**child_env(), "LOCAL_RANK": local_rank}
+    proc = subprocess.Popen([sys.executable, "-c", START_UP, "wait"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "waiting\n"
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=ENDS_PROMPTLY_S)
+    finally:
+        proc.kill()
+    assert proc.returncode == 128 + signal.SIGINT and err.splitlines() == said, err
+
+
+@pytest.mark.quick
+def test_a_data_worker_forked_during_start_up_keeps_pythons_ctrl_c():
+    """A DataLoader worker forked during start-up takes SIGINT as Python does (its loader ends it
+    quietly) and writes no signal into its parent's wakeup pipe (which would end the parent)."""
+    forked = subprocess.run([sys.executable, "-c", START_UP, "fork"], cwd=ROOT, env=child_env(), capture_output=True,
+                            text=True, timeout=ENDS_PROMPTLY_S)
+    assert forked.stdout == "True -1\n" and forked.returncode == 0, forked.stderr
 
 
 class JobStore:

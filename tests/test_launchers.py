@@ -18,7 +18,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.conftest import ENDS_PROMPTLY_S, ROOT, as_from_a_terminal, child_env, free_port
+from common.interrupts import STARTUP_LINE
+from tests.conftest import ENDS_PROMPTLY_S, ROOT, TORCHRUN_GRACE_S, as_from_a_terminal, child_env, free_port
 from tests.gates import Gate
 
 LAUNCH = ROOT / "launch"
@@ -127,6 +128,45 @@ def test_a_signal_to_the_launcher_stops_training_with_a_checkpoint(script, name,
     if script == "single_node.sh":  # quiet_torchrun: no traceback from the agent, also after a second signal
         assert "Traceback" not in err.text(), err.text()[-3000:]
     assert saved, f"no checkpoint under {ckpt}"
+
+
+def test_ctrl_c_during_start_up_is_one_line_and_status_130(tmp_path):
+    """A terminal's Ctrl-C (INT to the launcher's whole process group) while both workers are held as
+    they begin to prepare their data (the process group joined, nothing trained): the job ends with
+    status 130, the start-up line once (local rank 0's), the launcher's line, no traceback from any
+    rank or the agent, no checkpoint, and no process left."""
+    ckpt = tmp_path / "ckpt"  # unique to this test: names its processes for pgrep
+    flags = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
+             "--epochs", "1", "--log-dir", str(tmp_path / "tb"), "--checkpoint-dir", str(ckpt)]
+    gate, hold = Gate(tmp_path / "gates"), "all@data"
+    proc = subprocess.Popen([str(LAUNCH / "single_node.sh"), "tests/patched.py", f"gate={hold}", "train_ddp.py",
+                             *flags], cwd=ROOT, env=launcher_env(NPROC="2", **gate.env()),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=as_from_a_terminal)
+    out, err = Lines(proc.stdout), Lines(proc.stderr)
+    gate.job_output = err.text
+    try:
+        gate.held(hold, processes=2, timeout=120)
+        sent = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        proc.wait(timeout=TORCHRUN_GRACE_S)  # below torchrun's grace: the workers ended by themselves
+        exited = time.monotonic() - sent
+        gone = gone_within(str(ckpt), 30)
+    finally:
+        for pid in ours(str(ckpt)):
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+    out.join(timeout=30)
+    err.join(timeout=30)
+    print(f"\nCtrl-C at start-up's data preparation: launcher exited {exited:.1f} s later (status {proc.returncode}), "
+          f"every process gone {exited + (gone or 0):.1f} s later")
+    said = err.text()
+    assert proc.returncode == 128 + signal.SIGINT, said[-3000:]
+    assert "Traceback" not in said + out.text(), said[-3000:]
+    assert err.lines == [f"{STARTUP_LINE}\n", "launcher: SIGINT passed on to the workers; they have ended\n"], said
+    assert gone is not None, f"processes left: {ours(str(ckpt))}"
+    assert not list(ckpt.rglob("*.pt"))  # nothing trained, nothing saved
 
 
 # 2 -------------------------------------------------------------------------------------------

@@ -70,13 +70,17 @@ def train(cfg: Config, ctx: DistContext, strategy: Strategy) -> None:
     checkpoints = Checkpoints(cfg.checkpoint_dir, cfg.keep, ctx, cfg.storage_options, cfg.storage_timeout_s,
                               strategy.sole_writer)
     resumed, warnings = checkpoints.resume(run)
+    # Start-up ends here on every rank alike, right after a collective: a rank whose Ctrl-C was still
+    # start-up's (an exit, common/interrupts.py) while its peer's was already a stop request would
+    # leave that peer to fail on it. Rank 0 alone opens TensorBoard next (a second of its import).
+    stop = StopRequest(ctx, checkpoints.save_failed, strategy.stop_check_every)
     start = resume_position(resumed)
     run.cfg = replace(cfg, log_dir=log_dir(cfg, resumed, ctx.world_size))
     # On resume TensorBoard drops the cut run's points after the resume point.
     sub = strategy.log_subfolder()
     logged = replace(run.cfg, log_dir=os.path.join(run.cfg.log_dir, sub)) if sub else run.cfg
     log = make_logger(logged, ctx.rank, run_hparams(run), purge_step=run.global_step(start) + 1 if resumed else None)
-    stop, relay = StopRequest(ctx, checkpoints.save_failed, strategy.stop_check_every), WarningRelay()
+    relay = WarningRelay()
     profiler = StepProfiler(trace_folder(run.cfg.log_dir, cfg.run_id), ctx.rank, ctx.device, log) \
         if cfg.profile else NoProfiler()
     final = None

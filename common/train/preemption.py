@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import os
 import signal
-import threading
 import time
 from typing import Callable
 
@@ -29,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from common.errors import UserError
+from common.interrupts import SignalWatch, start_up_over
 from common.parallel.context import DistContext
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -71,23 +71,12 @@ class StopRequest:
         self._watch_signals()
 
     def _watch_signals(self) -> None:
-        """Python runs a handler in the main thread between two bytecodes, never while that thread
-        waits in a collective or a save: a hung rank would never see the second Ctrl-C. So a
-        thread woken through the wakeup fd (written by the C-level handler the moment a signal
-        lands) does the work; the handler itself only records the request, so that a signal a
-        rank sends itself is seen before its next bytecode, as it was before the thread."""
-        read_end, write_end = os.pipe()
-        os.set_blocking(write_end, False)
-        for s in SIGNALS:
-            signal.signal(s, lambda signum, frame: self._record(signum))
-        signal.set_wakeup_fd(write_end, warn_on_full_buffer=False)
-        threading.Thread(target=self._watch, args=(read_end,), name="stop-request", daemon=True).start()
-
-    def _watch(self, read_end: int) -> None:
-        while True:
-            for signum in os.read(read_end, 64):  # one byte per signal: its number
-                if signum in SIGNALS:
-                    self._on_signal(signum)
+        """The watcher thread does the work (common/interrupts.py: a hung rank's main thread would
+        never see the second Ctrl-C); the handler itself only records the request, so that a signal
+        a rank sends itself is seen before its next bytecode, as it was before the thread. From here
+        a Ctrl-C is this request, no longer start-up's."""
+        SignalWatch(SIGNALS, self._record, self._on_signal)
+        start_up_over()
 
     def _record(self, signum: int) -> None:
         if not self.received:  # repeats are the same request
