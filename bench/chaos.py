@@ -388,23 +388,28 @@ class Chaos:
         """Whether the fault may land now (and on which target: it may change `fault.target`)."""
         return all(f.back is not None for f in self.landed)
 
-    def back_when_trained(self, fault: Fault, progress: Progress | None = None, fresh: bool = True) -> None:
-        """The target is back when it trains a step after the fault: a process started after it (a
-        restart, a heal), or, `fresh` False, the same process (a freeze, after its thaw)."""
+    def back_when_trained(self, fault: Fault, progress: Progress | None = None, fresh: bool = True,
+                          since: float | None = None) -> None:
+        """The target is back when it trains a step after the fault (`since`, a time.time(); default:
+        now): a process started after it (a restart, a heal), or, `fresh` False, the same process (a
+        freeze, after its thaw). A run that ends first leaves it not back."""
         progress = progress or self.progress
-        since = time.time() + (fault.seconds if not fresh else 0.0)
+        since = (time.time() if since is None else since) + (fault.seconds if not fresh else 0.0)
 
         def wait() -> None:
-            while self.running() and not progress.trained_after(since, fresh):
+            while self.running():
+                if progress.trained_after(since, fresh):
+                    fault.back = time.monotonic()
+                    return
                 time.sleep(0.2)
-            fault.back = time.monotonic()
+            fault.notes.append("its target had not trained again when the run ended")
         threading.Thread(target=wait, daemon=True).start()
 
-    def process(self, target: int) -> int | None:
-        """The training process a fault hits (a group's worker, a rank)."""
+    def process(self, target: int, timeout: float = 60) -> int | None:
+        """The training process a fault hits (a group's worker, a rank); None if none within `timeout`."""
         raise NotImplementedError
 
-    def back(self, fault: Fault, fresh: bool = True) -> None:
+    def back(self, fault: Fault, fresh: bool = True, since: float | None = None) -> None:
         """Mark the fault's target back once it trains again (see back_when_trained)."""
         raise NotImplementedError
 
@@ -419,18 +424,24 @@ class Chaos:
         self.back(fault, fresh=False)
 
     def kill_in_set_up(self, fault: Fault) -> None:
-        """Killed, and its restarted process killed again 1 s after it started (importing torch, joining)."""
+        """Killed, and its restarted process killed again 1 s after it started (importing torch, joining).
+        The restarted process is looked for afresh at each poll: its launcher (a group's torchrun) may
+        be a new one, whose pid replaces the old one's only once that one has ended."""
         old = self.process(fault.target)
         signal_pid(old, signal.SIGKILL)
+        hit = time.time()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
-            new = self.process(fault.target)
+            new = self.process(fault.target, timeout=0.5)
             if new and new != old:
                 time.sleep(1.0)  # into the new process's set-up
-                signal_pid(new, signal.SIGKILL)
+                if signal_pid(new, signal.SIGKILL):
+                    hit = time.time()
                 break
             time.sleep(0.1)  # a poll with a deadline: the launcher starts the process again
-        self.back(fault)
+        else:
+            fault.notes.append("no restarted process to kill in its set-up within 60 s")
+        self.back(fault, since=hit)
 
     def start(self) -> None:
         raise NotImplementedError
@@ -488,9 +499,9 @@ class ReplicaGroups(Chaos):
         except (OSError, ValueError):
             return None
 
-    def worker(self, group: int) -> int | None:
+    def worker(self, group: int, timeout: float = 60) -> int | None:
         agent = self.agent(group)
-        return worker_of(agent, self.script, timeout=60) if agent else None
+        return worker_of(agent, self.script, timeout) if agent else None
 
     def free(self, fault: Fault) -> bool:
         """One group at least is never faulted at once: the run goes on through anything else. A
@@ -504,12 +515,12 @@ class ReplicaGroups(Chaos):
             fault.target = min(set(range(self.groups)) - away)
         return True
 
-    def back(self, fault: Fault, fresh: bool = True) -> None:
+    def back(self, fault: Fault, fresh: bool = True, since: float | None = None) -> None:
         """The target group is back when it trains a step after the fault (healed, or thawed)."""
-        self.back_when_trained(fault, Progress(self.folder / "tb" / f"group{fault.target}"), fresh)
+        self.back_when_trained(fault, Progress(self.folder / "tb" / f"group{fault.target}"), fresh, since)
 
-    def process(self, target: int) -> int | None:
-        return self.worker(target)
+    def process(self, target: int, timeout: float = 60) -> int | None:
+        return self.worker(target, timeout)
 
     def kill_while_healing(self, fault: Fault) -> None:
         """Killed, and again as its restart heals: once its quorum says it copies a live group's state
@@ -613,11 +624,12 @@ class Restarts(Chaos):
                    if self.script in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
         return sorted(workers)[rank] if len(workers) > rank else None
 
-    def process(self, target: int) -> int | None:
+    def process(self, target: int, timeout: float = 60) -> int | None:
+        """The rank's worker now (torchrun restarts every rank at once: kill_in_set_up polls)."""
         return self.rank(target)
 
-    def back(self, fault: Fault, fresh: bool = True) -> None:
-        self.back_when_trained(fault, fresh=fresh)
+    def back(self, fault: Fault, fresh: bool = True, since: float | None = None) -> None:
+        self.back_when_trained(fault, fresh=fresh, since=since)
 
     kill_rank, freeze_rank = Chaos.kill_worker, Chaos.freeze_worker
 
