@@ -143,6 +143,7 @@ def under_chaos(tmp_path: Path, mode: str, runs: dict[str | None, list[str]]) ->
         missing = set(kinds) - drawn  # a kind this host cannot inject (no root, no tc): the lines say why
         assert all(any(line.startswith(f"{kind} not drawn: ") for line in outcome.lines) for kind in missing)
         assert drawn and all(f.landed for f in outcome.faults), outcome.table
+        assert not any(f.notes for f in outcome.faults), outcome.table  # each happened as drawn (its save failed, ...)
         assert not outcome.not_back, outcome.table
         assert outcome.code == 0 and outcome.dw == 0, outcome.table  # the fault-free run's weights, bit for bit
         assert not outcome.processes and not outcome.files, outcome.table
