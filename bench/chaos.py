@@ -71,6 +71,7 @@ STORES = {"disk": ("full-disk",), "s3": ("store-down-in-save", "store-down-in-re
 SLOW_STEPS = {"restart": 0.05, "ft": 0.4}
 JOB_WIDE = ("kill-lighthouse", "slow-link")  # ft faults that hit every group, not one
 BUCKET = "chaos"
+IMAGES = 1200  # of the generated MNIST-format training set (tests/datagen.py's default)
 DISK_SIZE = "64m"  # the tmpfs of the checkpoints: a few lenet checkpoints (~3.5 MB each) and room to spare
 
 
@@ -183,6 +184,14 @@ def signal_pid(pid: int | None, signum: int) -> bool:
         return True
     except ProcessLookupError:
         return False
+
+
+def hit(fault: Fault, pid: int | None, signum: int) -> bool:
+    """signal_pid, a miss noted on the fault: a fault whose signal found no process did not happen."""
+    if signal_pid(pid, signum):
+        return True
+    fault.notes.append(f"{signal.Signals(signum).name} found no process ({'pid ' + str(pid) if pid else 'none'})")
+    return False
 
 
 def left_behind(folder: Path) -> list[int]:
@@ -414,12 +423,12 @@ class Chaos:
         raise NotImplementedError
 
     def kill_worker(self, fault: Fault) -> None:
-        signal_pid(self.process(fault.target), signal.SIGKILL)
+        hit(fault, self.process(fault.target), signal.SIGKILL)
         self.back(fault)
 
     def freeze_worker(self, fault: Fault) -> None:
         worker = self.process(fault.target)
-        signal_pid(worker, signal.SIGSTOP)
+        hit(fault, worker, signal.SIGSTOP)
         threading.Timer(fault.seconds, signal_pid, (worker, signal.SIGCONT)).start()
         self.back(fault, fresh=False)
 
@@ -428,20 +437,20 @@ class Chaos:
         The restarted process is looked for afresh at each poll: its launcher (a group's torchrun) may
         be a new one, whose pid replaces the old one's only once that one has ended."""
         old = self.process(fault.target)
-        signal_pid(old, signal.SIGKILL)
-        hit = time.time()
+        hit(fault, old, signal.SIGKILL)
+        landed = time.time()
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             new = self.process(fault.target, timeout=0.5)
             if new and new != old:
                 time.sleep(1.0)  # into the new process's set-up
-                if signal_pid(new, signal.SIGKILL):
-                    hit = time.time()
+                if hit(fault, new, signal.SIGKILL):
+                    landed = time.time()
                 break
             time.sleep(0.1)  # a poll with a deadline: the launcher starts the process again
         else:
-            fault.notes.append("no restarted process to kill in its set-up within 60 s")
-        self.back(fault, since=hit)
+            fault.notes.append("no process started again within 60 s")
+        self.back(fault, since=landed)
 
     def start(self) -> None:
         raise NotImplementedError
@@ -525,14 +534,14 @@ class ReplicaGroups(Chaos):
     def kill_while_healing(self, fault: Fault) -> None:
         """Killed, and again as its restart heals: once its quorum says it copies a live group's state
         (the copy comes with the step's commit, a few ms to a few s later)."""
-        signal_pid(self.worker(fault.target), signal.SIGKILL)
+        hit(fault, self.worker(fault.target), signal.SIGKILL)
         landed = time.monotonic()
         deadline = landed + 120
         healing = re.compile(rf"^\[g{fault.target}\] quorum of .*\(healing\)")
         while time.monotonic() < deadline:
             heal = [at for at, line in list(self.job.lines) if at > landed and healing.search(line)]
             if heal:
-                signal_pid(self.worker(fault.target), signal.SIGKILL)
+                hit(fault, self.worker(fault.target), signal.SIGKILL)
                 break
             time.sleep(0.02)
         else:
@@ -540,7 +549,7 @@ class ReplicaGroups(Chaos):
         self.back(fault)
 
     def kill_agent(self, fault: Fault) -> None:
-        signal_pid(self.agent(fault.target), signal.SIGKILL)
+        hit(fault, self.agent(fault.target), signal.SIGKILL)
         self.back(fault)
 
     def leave_and_rejoin(self, fault: Fault) -> None:
@@ -566,7 +575,7 @@ class ReplicaGroups(Chaos):
 
     def kill_lighthouse(self, fault: Fault) -> None:
         try:
-            signal_pid(int((self.logs / "lighthouse.pid").read_text()), signal.SIGKILL)
+            hit(fault, int((self.logs / "lighthouse.pid").read_text()), signal.SIGKILL)
         except (OSError, ValueError):
             fault.notes.append("no Lighthouse")
         fault.seconds = 0.0  # back: the groups' next step
@@ -638,7 +647,7 @@ class Restarts(Chaos):
         due = self.next_save()
         while self.progress.step() < due and self.running():
             time.sleep(0.02)
-        signal_pid(self.rank(0), signal.SIGKILL)
+        hit(fault, self.rank(0), signal.SIGKILL)
         self.back_when_trained(fault)
 
     def next_save(self) -> int:
@@ -678,7 +687,7 @@ class Restarts(Chaos):
         old = self.rank(fault.target)
         self.server.stop()
         with Dropper(self.server.port) as port:
-            signal_pid(old, signal.SIGKILL)
+            hit(fault, old, signal.SIGKILL)
             deadline = time.monotonic() + 120
             while self.rank(fault.target) in (old, None) and time.monotonic() < deadline:
                 time.sleep(0.1)  # a poll with a deadline: torchrun starts the ranks again
@@ -691,18 +700,18 @@ class Restarts(Chaos):
 
     def kill_during_evaluation(self, fault: Fault) -> None:
         """As the epoch's last step ends (its evaluation follows)."""
-        per_epoch = 1200 // self.batch
+        per_epoch = IMAGES // self.batch
         due = (self.progress.step() // per_epoch + 1) * per_epoch
         while self.progress.step() < due and self.running():
             time.sleep(0.02)
-        signal_pid(self.rank(fault.target), signal.SIGKILL)
+        hit(fault, self.rank(fault.target), signal.SIGKILL)
         self.back_when_trained(fault)
 
     def kill_agent(self, fault: Fault) -> None:
         """torchrun's agent SIGKILLed: the job is gone (its workers end with it), and the same command is
         run again, as a cluster's scheduler would."""
         self.restarting = True
-        signal_pid(self.job.process.pid, signal.SIGKILL)
+        hit(fault, self.job.process.pid, signal.SIGKILL)
         self.job.process.wait(60)
         self.start()
         self.restarting = False
@@ -826,8 +835,11 @@ class Outcome:
 
     @property
     def proved(self) -> bool:
+        """The oracle held, and every fault happened as drawn: it landed, its target came back, and it has
+        no note (a note says what did not go as drawn: a signal that found no process, a save that did not
+        fail, a resume that never met the outage, a group not started again)."""
         return (self.code == 0 and self.dw == 0 and not self.processes and not self.files and not self.tracebacks
-                and all(f.landed for f in self.faults) and not self.not_back)
+                and all(f.landed and not f.notes for f in self.faults) and not self.not_back)
 
 
 def chaos_run(mode: str, store: str | None, seed: int, count: int, args: argparse.Namespace, tmp: Path, data: Path,
@@ -836,8 +848,10 @@ def chaos_run(mode: str, store: str | None, seed: int, count: int, args: argpars
     with contextlib.ExitStack() as stack:
         chaos, kinds, lines = prepare(mode, store, folder, data, args, stack)
         kinds = tuple(k for k in kinds if not args.kinds or k in args.kinds)
-        steps = args.epochs * (1200 // args.batch_size)
-        faults = draw(kinds, count, steps, args.groups if mode == "ft" else 2, seed)
+        if not kinds:  # the kinds asked for are ones this host cannot inject: the lines say why
+            raise SystemExit(f"error: --kinds {','.join(args.kinds)}: none can be drawn in {mode} mode "
+                             f"{f'with the {store} store ' if store else ''}on this host ({'; '.join(lines)})")
+        faults = draw(kinds, count, run_steps(args), args.groups if mode == "ft" else 2, seed)
         code = chaos.run(faults)
         (folder / "output.txt").write_text(chaos.output())
         time.sleep(5)  # what a fault orphaned has its deadline to end (a watch polls every 0.5 s)
@@ -850,6 +864,54 @@ def chaos_run(mode: str, store: str | None, seed: int, count: int, args: argpars
         signal_pid(pid, signal.SIGKILL)
     return Outcome(lines, faults, code, dw, processes, files, tracebacks(chaos.output()),
                    report(mode, faults, chaos, code, dw, processes, files))
+
+
+def run_steps(args: argparse.Namespace) -> int:
+    return args.epochs * (IMAGES // args.batch_size)
+
+
+def room(steps: int) -> int:
+    """How many faults a run of `steps` steps has distinct steps for (draw's 10% to 85% of the run)."""
+    return steps * 85 // 100 - steps // 10
+
+
+def runs_kinds(modes: tuple[str, ...], stores: list[str]) -> dict[str, tuple[str, ...]]:
+    """Each run's kinds (before --kinds and the host's limits), by its name in an error."""
+    kinds = {"ft mode": FT_KINDS} if "ft" in modes else {}
+    if "restart" in modes:
+        kinds.update({f"restart mode with --stores {store}": RESTART_KINDS + STORES[store] for store in stores})
+    return kinds
+
+
+def checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[int], list[str], tuple[str, ...]]:
+    """The seeds, stores and modes; a flag that would fail a run (after its fault-free run, minutes
+    in) or prove nothing is one line and exit 2 now."""
+    try:
+        seeds = [int(s) for s in args.seeds.split(",")]
+    except ValueError:
+        p.error(f"--seeds {args.seeds}: a comma-separated list of integers, such as 1,2,3")
+    stores = args.stores.split(",")
+    if not set(stores) <= set(STORES):
+        p.error(f"--stores {args.stores}: each store is one of {', '.join(STORES)}")
+    for flag, value, least in (("--faults", args.faults, 1), ("--epochs", args.epochs, 1),
+                               ("--batch-size", args.batch_size, 1), ("--save-every", args.save_every, 1),
+                               ("--groups", args.groups, 2), ("--slow-steps", args.slow_steps or 0, 0)):
+        if value < least:
+            p.error(f"{flag} {value}: at least {least}")
+    if args.batch_size > IMAGES:
+        p.error(f"--batch-size {args.batch_size}: at most {IMAGES} (the training set's images)")
+    if args.faults > room(run_steps(args)):
+        p.error(f"--faults {args.faults}: a run of {run_steps(args)} steps (--epochs {args.epochs}, --batch-size "
+                f"{args.batch_size}) has room for {room(run_steps(args))}; ask for fewer faults or more epochs")
+    modes = ("ft", "restart") if args.mode == "both" else (args.mode,)
+    known = {kind for kinds in runs_kinds(("ft", "restart"), list(STORES)).values() for kind in kinds}
+    if args.kinds and not set(args.kinds) <= known:
+        p.error(f"--kinds: {', '.join(sorted(set(args.kinds) - known))} unknown; the kinds: {', '.join(sorted(known))}")
+    for run, kinds in runs_kinds(modes, stores).items():
+        if args.kinds and not set(args.kinds) & set(kinds):
+            p.error(f"--kinds {','.join(args.kinds)}: none is drawn in {run} (its kinds: {', '.join(kinds)}); "
+                    "add one of them, or choose --mode or --stores")
+    return seeds, stores, modes
 
 
 def parser() -> argparse.ArgumentParser:
@@ -876,14 +938,7 @@ def parser() -> argparse.ArgumentParser:
 def main() -> None:
     p = parser()
     args = p.parse_args()
-    seeds = [int(s) for s in args.seeds.split(",")]
-    stores = args.stores.split(",")
-    if not set(stores) <= set(STORES):
-        p.error(f"--stores {args.stores}: each store is one of {', '.join(STORES)}")
-    modes = ("ft", "restart") if args.mode == "both" else (args.mode,)
-    known = {*FT_KINDS, *RESTART_KINDS, *(k for kinds in STORES.values() for k in kinds)}
-    if args.kinds and not set(args.kinds) <= known:
-        p.error(f"--kinds: {', '.join(sorted(set(args.kinds) - known))} unknown; the kinds: {', '.join(sorted(known))}")
+    seeds, stores, modes = checked(p, args)
     with tempfile.TemporaryDirectory() as scratch:
         tmp = Path(args.keep or scratch)
         data = write_mnist(tmp / "mnist")

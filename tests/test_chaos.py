@@ -76,6 +76,50 @@ def test_a_chaos_run_is_proved_only_when_every_fault_drawn_landed_and_its_target
     assert not outcome(Fault("kill-worker", 10, 0, 2.0, landed=1.0, back=None)).proved  # never trained again
     assert not outcome(Fault("kill-worker", 10, 0, 2.0, landed=1.0, back=2.0),
                        Fault("kill-agent", 90, 1, 2.0, notes=["the run had ended"])).proved  # one never landed
+    # landed and back, but it did not happen as drawn: its signal found no process, its save did not fail
+    assert not outcome(Fault("kill-rank", 10, 0, 2.0, landed=1.0, back=2.0, notes=["SIGKILL found no process"])).proved
+    assert not outcome(Fault("store-down-in-save", 10, 0, 2.0, landed=1.0, back=2.0,
+                             notes=["no failed save within 120 s"])).proved
+
+
+@pytest.mark.quick
+def test_a_chaos_signal_that_finds_no_process_is_the_faults_note():
+    """A rank or group already gone when its fault lands (the run's end, a restart under way): the fault
+    did not happen, so the run is not proved on it."""
+    from bench.chaos import Fault, hit
+
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait()
+    fault = Fault("kill-during-evaluation", 90, 1, 2.0, landed=1.0)
+    assert not hit(fault, None, signal.SIGKILL) and not hit(fault, ended.pid, signal.SIGKILL)
+    assert fault.notes == ["SIGKILL found no process (none)", f"SIGKILL found no process (pid {ended.pid})"]
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("flags, error", [
+    (["--faults", "0"], "--faults 0: at least 1"),
+    (["--epochs", "1", "--faults", "50"], "--faults 50: a run of 50 steps (--epochs 1, --batch-size 24) has room "
+                                          "for 37"),
+    (["--seeds", "1,x"], "--seeds 1,x: a comma-separated list of integers"),
+    (["--mode", "ft", "--groups", "1"], "--groups 1: at least 2"),
+    (["--slow-steps", "-1"], "--slow-steps -1.0: at least 0"),
+    (["--batch-size", "0"], "--batch-size 0: at least 1"),
+    (["--mode", "restart", "--kinds", "store-down-in-save"], "--kinds store-down-in-save: none is drawn in restart "
+                                                               "mode with --stores disk"),
+    (["--mode", "both", "--kinds", "kill-worker"], "--kinds kill-worker: none is drawn in restart mode"),
+])
+def test_a_chaos_flag_that_would_fail_a_run_or_prove_nothing_is_one_line_before_any_run(flags, error, monkeypatch,
+                                                                                        capsys):
+    """Checked before the fault-free run: these failed minutes later with a traceback (a draw of no kind,
+    a sample larger than the run's room), or ran and proved nothing (no fault drawn)."""
+    from bench import chaos
+
+    monkeypatch.setattr(sys, "argv", ["chaos", *flags])
+    monkeypatch.setattr(chaos, "fault_free", lambda *_: pytest.fail("a run started"))
+    with pytest.raises(SystemExit) as ended:
+        chaos.main()
+    assert ended.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].startswith(f"chaos: error: {error}")
 
 
 # Small: lenet at world 2 (restart) or three groups of one (ft), 2 epochs of 1,200 generated MNIST images
@@ -99,6 +143,7 @@ def under_chaos(tmp_path: Path, mode: str, runs: dict[str | None, list[str]]) ->
         missing = set(kinds) - drawn  # a kind this host cannot inject (no root, no tc): the lines say why
         assert all(any(line.startswith(f"{kind} not drawn: ") for line in outcome.lines) for kind in missing)
         assert drawn and all(f.landed for f in outcome.faults), outcome.table
+        assert not any(f.notes for f in outcome.faults), outcome.table  # each happened as drawn (its save failed, ...)
         assert not outcome.not_back, outcome.table
         assert outcome.code == 0 and outcome.dw == 0, outcome.table  # the fault-free run's weights, bit for bit
         assert not outcome.processes and not outcome.files, outcome.table
