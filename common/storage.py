@@ -337,20 +337,29 @@ def quiet_orphaned_connection_errors() -> None:
     """When a store goes down during a request, aiohttp (under s3fs) can leave a task of that request
     failed and unawaited; asyncio then prints "Task exception was never retrieved" with its traceback
     when the task is collected. The request's failure is already this module's one line (a
-    StorageError), so fsspec's event loop drops such orphaned connection errors; any other error it
-    reports as asyncio always does."""
+    StorageError), so fsspec's event loop drops such orphaned connection errors; anything else goes
+    to the handler that was there (asyncio's own, or one the program set)."""
     from fsspec.asyn import get_loop
 
     loop = get_loop()
-    if loop.get_exception_handler() is not _drop_orphaned_connection_errors:
-        loop.set_exception_handler(_drop_orphaned_connection_errors)
+    previous = loop.get_exception_handler()
+    if getattr(previous, "drops_orphaned_connection_errors", False):
+        return
+
+    def handler(loop: Any, context: dict[str, Any]) -> None:
+        if _orphaned_connection_error(context):
+            return
+        if previous:
+            previous(loop, context)
+        else:
+            loop.default_exception_handler(context)
+    handler.drops_orphaned_connection_errors = True  # type: ignore[attr-defined]
+    loop.set_exception_handler(handler)
 
 
-def _drop_orphaned_connection_errors(loop: Any, context: dict[str, Any]) -> None:
-    error = context.get("exception")
+def _orphaned_connection_error(context: dict[str, Any]) -> bool:
     orphaned = context.get("message", "").startswith("Task exception was never retrieved")
-    if not (orphaned and isinstance(error, ConnectionError | _client_connection_error())):
-        loop.default_exception_handler(context)
+    return orphaned and isinstance(context.get("exception"), ConnectionError | _client_connection_error())
 
 
 def _client_connection_error() -> type[BaseException]:

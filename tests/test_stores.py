@@ -247,17 +247,27 @@ def test_a_request_orphaned_by_a_store_outage_prints_no_traceback_and_other_erro
         del task
         gc.collect()  # collected: asyncio reports what it raised
 
+    loop = get_loop()
+    loop.set_exception_handler(None)  # asyncio's own: it logs to the "asyncio" logger
     store = FsspecStorage("memory://chaos/run", {})
     store.write("a", b"1")  # the handler is installed by the store's first request
     with caplog.at_level(logging.ERROR, logger="asyncio"):
-        sync(get_loop(), orphan, aiohttp.ClientConnectionResetError("Cannot write to closing transport"))
-        sync(get_loop(), orphan, aiohttp.ServerDisconnectedError())
-        sync(get_loop(), orphan, ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"))
+        sync(loop, orphan, aiohttp.ClientConnectionResetError("Cannot write to closing transport"))
+        sync(loop, orphan, aiohttp.ServerDisconnectedError())
+        sync(loop, orphan, ConnectionResetError(errno.ECONNRESET, "Connection reset by peer"))
         assert not caplog.records
-        sync(get_loop(), orphan, ValueError("not a connection's error"))
+        sync(loop, orphan, ValueError("not a connection's error"))
     [record] = caplog.records
     assert record.getMessage().startswith("Task exception was never retrieved")
     assert isinstance(record.exc_info[1], ValueError)
+
+    seen: list[BaseException] = []  # a handler the program set: it still gets everything else
+    loop.set_exception_handler(lambda _, context: seen.append(context["exception"]))
+    store.read("a")
+    sync(loop, orphan, aiohttp.ClientConnectionResetError("Cannot write to closing transport"))
+    sync(loop, orphan, KeyError("not a connection's error"))
+    assert [type(error) for error in seen] == [KeyError]
+    loop.set_exception_handler(None)
 
 
 # ---------------------------------------------------------------- jobs sharing a folder
