@@ -12,7 +12,7 @@ import subprocess
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Collection, Sequence
 
 import pytest
 import torch
@@ -20,7 +20,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from tests.datagen import write_cifar10, write_mnist
 from tests.runs import arguments as one_launch
-from tests.runs import split_runs
+from tests.runs import launched_runs, split_runs
 
 # Every launch counted per test, the totals printed at the end; the quick tier kept free of torchrun.
 pytest_plugins = ["tests.launches"]
@@ -137,21 +137,55 @@ class Equivalence:
     console: str  # the run's rank-0 console
 
 
+def equivalence(console: str, world: int | None) -> Equivalence:
+    """The `--check-equivalence` verdict a run printed on its rank-0 console, asserted made at this
+    world size (None: one process)."""
+    found = EQUIVALENCE.search(console)
+    assert found, f"no equivalence verdict in:\n{console[-4000:]}"
+    verdict = Equivalence(float(found[1]), int(found[2]), found[3], int(found[4]), float(found[5]), console)
+    assert verdict.world == (world or 1), verdict
+    return verdict
+
+
 def equivalences(runs: list[list[str]], world: int | None, tmp_path: Path, timeout: float = 500) -> list[Equivalence]:
     """Each run's `--check-equivalence` verdict (a run: SCRIPT and its flags), the runs made one after
     another in one launch (tests/runs.py: torch is imported once, not once a run). Asserts that the
     launch succeeded and that every run printed its verdict at this world size."""
-    runs = [[*run, "--log-dir", str(tmp_path / f"tb-{index}"), "--checkpoint-dir", str(tmp_path / f"ckpt-{index}")]
-            for index, run in enumerate(runs)]
+    runs = [[*run, *own_folders(tmp_path, str(index))] for index, run in enumerate(runs)]
     result = run_script(one_launch(runs), nproc=world, timeout=timeout)
     consoles = split_runs(result.stdout)
-    found = [EQUIVALENCE.search(console) for console in consoles]
-    assert result.returncode == 0 and len(found) == len(runs) and all(found), \
+    assert result.returncode == 0 and len(consoles) == len(runs), \
         f"exit {result.returncode}\n{result.stdout[-4000:]}\n{result.stderr[-3000:]}"
-    verdicts = [Equivalence(float(m[1]), int(m[2]), m[3], int(m[4]), float(m[5]), console)
-                for m, console in zip(found, consoles)]
-    assert all(v.world == (world or 1) for v in verdicts), verdicts
-    return verdicts
+    return [equivalence(console, world) for console in consoles]
+
+
+def own_folders(parent: Path, name: str) -> list[str]:
+    """A run's own --log-dir and --checkpoint-dir under `parent` (tb-NAME, ckpt-NAME)."""
+    return ["--log-dir", str(parent / f"tb-{name}"), "--checkpoint-dir", str(parent / f"ckpt-{name}")]
+
+
+@dataclass(frozen=True)
+class SharedLaunch:
+    """One launch of named runs (tests/runs.py): each run's stdout, stderr and exit status as if it
+    were a launch of its own (launched_runs), for the tests that each read some of them."""
+    result: subprocess.CompletedProcess
+    runs: dict[str, subprocess.CompletedProcess]
+
+    def __getitem__(self, name: str) -> subprocess.CompletedProcess:
+        """The run; a run that never started (a run before it ended the launch) fails the test that reads it."""
+        assert name in self.runs, (f"run {name!r} never started: the launch ended with exit {self.result.returncode}"
+                                   f"\n{self.result.stdout[-3000:]}\n{self.result.stderr[-4000:]}")
+        return self.runs[name]
+
+
+def shared_launch(runs: dict[str, list[str]], nproc: int | None, stopping: Collection[str] = (), **options
+                  ) -> SharedLaunch:
+    """The runs (a name: SCRIPT and its flags) one after another in one launch; the runs named in
+    `stopping` may end stopped and saved, the next one starting (--then-after-stop). `options`: run_script's."""
+    names = list(runs)
+    result = run_script(one_launch(list(runs.values()), stopping=[names.index(name) for name in stopping]),
+                        nproc=nproc, **options)
+    return SharedLaunch(result, dict(zip(names, launched_runs(result))))
 
 
 def read_scalars(log_dir: Path) -> tuple[EventAccumulator, dict[str, list[tuple[int, float]]]]:

@@ -19,36 +19,48 @@ SLOW_DOWN_BODY = (b"<?xml version=\"1.0\" encoding=\"UTF-8\"?><Error><Code>SlowD
 
 @dataclass
 class Fault:
-    match: str  # a request fails when its path contains this
+    match: tuple[str, ...]  # a request fails when its path contains each of these
     how: str  # "503" or "drop"
     seconds: float = math.inf  # how long after the first failed request the store is back
     until: float = math.inf  # then: time.monotonic() at which it is back
+    failed: int = 0  # the requests it failed
+
+    def fails(self, path: str) -> bool:
+        if not all(part in path for part in self.match):
+            return False
+        if self.until == math.inf:
+            self.until = time.monotonic() + self.seconds
+        if time.monotonic() < self.until:
+            self.failed += 1
+            return True
+        return False
 
 
 class FlakyProxy(socketserver.ThreadingTCPServer):
+    """Several faults may be armed at once, each on the requests it matches (a run's own prefix), for
+    several runs of one launch."""
+
     daemon_threads = True
     allow_reuse_address = True
 
     def __init__(self, upstream_port: int) -> None:
         super().__init__(("127.0.0.1", 0), _Handler)
-        self.upstream_port, self.fault, self.failed = upstream_port, None, 0
+        self.upstream_port, self.faults = upstream_port, []
         self.endpoint = f"http://127.0.0.1:{self.server_address[1]}"
         threading.Thread(target=self.serve_forever, daemon=True).start()
 
-    def fail(self, match: str, how: str, seconds: float = math.inf) -> None:
-        """From the first request whose path contains `match`, fail those for `seconds`."""
-        self.fault, self.failed = Fault(match, how, seconds), 0
+    def fail(self, match: tuple[str, ...], how: str, seconds: float = math.inf) -> Fault:
+        """From the first request whose path contains each part of `match`, fail those for `seconds`."""
+        fault = Fault(match, how, seconds)
+        self.faults.append(fault)
+        return fault
+
+    def clear(self) -> None:
+        """Every request goes through again."""
+        self.faults = []
 
     def faulty(self, path: str) -> str | None:
-        fault = self.fault
-        if not fault or fault.match not in path:
-            return None
-        if fault.until == math.inf:
-            fault.until = time.monotonic() + fault.seconds
-        if time.monotonic() < fault.until:
-            self.failed += 1
-            return fault.how
-        return None
+        return next((fault.how for fault in self.faults if fault.fails(path)), None)
 
 
 class _Handler(socketserver.StreamRequestHandler):

@@ -30,6 +30,7 @@ from tests.conftest import (
 )
 from tests.datagen import write_cifar10, write_mnist, write_mnist_processed
 from tests.gates import Gate
+from tests.runs import launched_runs
 from tests.s3server import S3Server
 
 MNIST = ["--dataset", "mnist", "--model", "lenet", "--batch-size", "32", "--eval-batch-size", "301"]
@@ -66,6 +67,10 @@ class Launch:
     def output(self) -> str:
         return self.result.stdout + self.result.stderr
 
+    def run(self, name: str) -> subprocess.CompletedProcess:
+        """The run's own stdout, stderr and exit status (launched_runs)."""
+        return dict(zip(self.consoles, launched_runs(self.result)))[name]
+
 
 def launch_runs(runs: dict[str, list[str]], folder: Path, environ: dict[str, str], patches: tuple[str, ...] = ()
                 ) -> Launch:
@@ -95,9 +100,12 @@ def stored(s3, tmp_path_factory) -> Launch:
     runs["tensorboard"] = ["train_ddp.py", *MNIST, "--epochs", "1", "--max-steps", "2", "--log-every", "1",
                            "--data-dir", "s3://data/mnist-raw", "--checkpoint-dir",
                            str(tmp_path_factory.mktemp("tb-ckpt")), "--log-dir", "s3://events/run1"]
+    runs["corrupt-cut"] = CORRUPT_CUT  # stopped and saved: its status ends the launch, so it comes last
     launched = launch_runs(runs, tmp_path_factory.mktemp("stored"), env(s3), patches=(md5_patch(s3.cifar_local),))
-    ok(launched.result)
-    assert len(launched.consoles) == len(runs), launched.result.stdout[-3000:]
+    assert len(launched.consoles) == len(runs), launched.output()[-4000:]
+    for name in runs:
+        if name != "corrupt-cut":
+            ok(launched.run(name))
     return launched
 
 
@@ -233,17 +241,21 @@ def test_a_killed_worker_resumes_from_the_store_exactly(s3, stored, tmp_path):
     assert dw <= 1e-6  # the same world and the same sums in the same order: the same bits by design, on any CPU
 
 
-def test_a_corrupt_newest_checkpoint_object_falls_back_to_the_previous(s3, tmp_path):
-    flags = [*MNIST, "--epochs", "1", "--max-steps", "14", "--data-dir", "s3://data/mnist-raw",
+CORRUPTED = [*MNIST, "--epochs", "1", "--max-steps", "14", "--data-dir", "s3://data/mnist-raw",
              "--checkpoint-dir", "s3://ckpt/corrupt", "--save-every-steps", "2"]
-    cut = run_script(["tests/faults.py", "ddp", "sigterm", "10", *flags, "--cache-dir", str(tmp_path / "cache"),
-                      "--log-dir", str(tmp_path / "tb")], nproc=2, env=env(s3))
+CORRUPT_CUT = ["tests/faults.py", "ddp", "sigterm", "10", *CORRUPTED]  # `stored`'s last run
+
+
+def test_a_corrupt_newest_checkpoint_object_falls_back_to_the_previous(s3, stored, tmp_path):
+    """The cut is `stored`'s last run; the resume, after its newest checkpoint is overwritten, a launch
+    of its own (fresh processes find the fallback)."""
+    cut = stored.run("corrupt-cut")
     stop = stop_after(10, save_every=2)
-    assert f"stopped by SIGTERM after step {stop} " in cut.stderr, cut.stderr[-3000:]
+    assert cut.returncode != 0 and f"stopped by SIGTERM after step {stop} " in cut.stderr, cut.stderr[-3000:]
     key, state = latest_in_store(s3, "ckpt", "corrupt")
     assert state["global_step"] == stop
     s3.client().put_object(Bucket="ckpt", Key=key, Body=os.urandom(5000))
-    resumed = train(s3, tmp_path, *flags)
+    resumed = train(s3, tmp_path, *CORRUPTED)
     ok(resumed)
     assert f"warning: checkpoint s3://ckpt/{key} is truncated or not a checkpoint" in resumed.stderr
     before = (stop - 1) // 2 * 2  # the save before the stop's (every 2 steps)

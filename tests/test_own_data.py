@@ -32,18 +32,19 @@ from common.shards import MANIFEST
 from common.shards import main as shards_main
 from common.train.flags import parse_args
 from tests.conftest import (
+    SharedLaunch,
     child_env,
-    equivalences,
+    equivalence,
     error_lines,
     free_port,
     latest_state,
-    one_launch,
+    own_folders,
     read_scalars,
     run_script,
+    shared_launch,
     stop_after,
 )
 from tests.datagen import write_hf, write_imagefolder, write_shards
-from tests.runs import launched_runs
 from tests.s3server import S3Server
 
 CPU = torch.device("cpu")
@@ -694,71 +695,118 @@ def ok(result) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-4000:]}"
 
 
-def test_an_image_folder_learns_evaluates_exactly_and_is_decoded_once(sets, tmp_path):
-    first = train(sets["folder"], tmp_path, "--dataset", "imagefolder", "--epochs", "4", "--model", "convnet",
-                  "--lr", "0.03")
-    ok(first)
-    assert "decoded 240 train images" in first.stdout + first.stderr
-    assert "decoded once into the node's cache" in first.stdout and "(61 images)" in first.stdout
-    acc = read_scalars(tmp_path / "tb-run")[1]["test/acc"][-1][1]
-    assert acc > 0.5, first.stdout[-2000:]  # chance: 0.1
-    again = train(sets["folder"], tmp_path, "--dataset", "imagefolder", "--epochs", "1", "--resume", "none",
-                  name="again")
-    ok(again)
-    assert "decoded" not in again.stderr and "indexing" not in again.stderr  # the node's cache, reused
-
-
-def test_check_equivalence_holds_on_own_images(sets, tmp_path):
-    """Covers (one launch): streamed shards and a streamed Hugging Face parquet set with 2 workers per
-    rank; varying sizes with random-resized crops drawn per global batch. Each equals one process
-    within the tolerance."""
-    streamed = ["--cache-gb", "0", "--workers", "2"]
-    rows = {"shards": ("shards", streamed), "hf": ("hf", streamed), "varying": ("imagefolder", ["--image-size", "20"])}
-    runs = [["train_ddp.py", "--dataset", kind, "--data-dir", str(sets[name]), "--cache-dir", str(tmp_path / "cache"),
-             *RUN, "--check-equivalence", "3", *flags] for name, (kind, flags) in rows.items()]
-    for name, verdict in zip(rows, equivalences(runs, 2, tmp_path)):
-        print(f"\n{name}: max |dw| = {verdict.max_dw:.3g} after {verdict.steps} steps")
-        assert verdict.max_dw <= verdict.tolerance and verdict.steps == 3
-
-
 STREAMED = ("shards", "hf")  # the layouts whose streamed runs are cut: each its set in `sets` and its --dataset
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(sets, tmp_path_factory) -> dict:
-    """Each streamed layout's weights after 2 uninterrupted epochs: its runs in one launch."""
-    folder = tmp_path_factory.mktemp("uninterrupted")
-    runs = [train_args(sets[kind], folder, *stream(kind), "--epochs", "2", name=kind) for kind in STREAMED]
-    ok(run_script(one_launch(runs), nproc=2, timeout=300))
-    return {name: latest_state(folder / name)["model"] for name in STREAMED}
+EQUIVALENCE_ROWS = {"shards": ("shards", ["--cache-gb", "0", "--workers", "2"]),  # row: (its set, its flags)
+                    "hf": ("hf", ["--cache-gb", "0", "--workers", "2"]),
+                    "varying": ("imagefolder", ["--image-size", "20"])}
 
 
 def stream(kind: str) -> list[str]:
     return ["--dataset", kind, "--cache-gb", "0", "--workers", "2", "--save-every-steps", "3"]
 
 
+def learning(sets: dict[str, Path], folder: Path) -> list[str]:
+    """An image folder trained 4 epochs, decoded into `folder`'s cache."""
+    return train_args(sets["folder"], folder, "--dataset", "imagefolder", "--epochs", "4", "--model", "convnet",
+                      "--lr", "0.03")
+
+
+def cut_by(fault: str, layout: str, sets: dict[str, Path], folder: Path) -> list[str]:
+    """The streamed run of `layout`, 2 epochs of 10 steps, with `fault` at step 13."""
+    return train_args(sets[layout], folder, *stream(layout), "--epochs", "2",
+                      script=("tests/faults.py", "ddp", fault, "13"))
+
+
+def with_a_broken_image(sets: dict[str, Path], folder: Path) -> Path:
+    """A copy of the image folder whose first training PNG's header reads and whose pixels do not."""
+    copy = Path(shutil.copytree(sets["folder"], folder / "copy"))
+    _truncate(_first(copy, "train", "png"))
+    return copy
+
+
+@pytest.fixture(scope="module")
+def shared(sets, tmp_path_factory) -> tuple[SharedLaunch, Path]:
+    """The runs at world 2 that need no process of their own, one launch (tests/runs.py), each in a
+    folder of its own under the returned one: the EQUIVALENCE_ROWS (equivalence-NAME), each STREAMED
+    layout's 2 uninterrupted epochs (uninterrupted/NAME), the image folder's 4 epochs (learning/), the
+    shards' SIGTERM cut and its resume in the processes that stopped (sigterm/; --then-after-stop),
+    and last the run that fails (broken/: a broken image met while streaming)."""
+    folder = tmp_path_factory.mktemp("shared")
+    runs = {f"equivalence-{name}": ["train_ddp.py", "--dataset", kind, "--data-dir", str(sets[name]), "--cache-dir",
+                                    str(folder / "equivalence-cache"), *RUN, "--check-equivalence", "3", *flags,
+                                    *own_folders(folder, f"equivalence-{name}")]
+            for name, (kind, flags) in EQUIVALENCE_ROWS.items()}
+    runs.update({f"uninterrupted-{kind}": train_args(sets[kind], folder / "uninterrupted", *stream(kind), "--epochs",
+                                                     "2", name=kind) for kind in STREAMED})
+    runs["learning"] = learning(sets, folder / "learning")
+    runs["sigterm"] = cut_by("sigterm", "shards", sets, folder / "sigterm")
+    runs["sigterm-resumed"] = train_args(sets["shards"], folder / "sigterm", *stream("shards"), "--epochs", "2")
+    runs["broken"] = train_args(with_a_broken_image(sets, folder / "broken"), folder / "broken", "--dataset",
+                                "imagefolder", "--cache-gb", "0", "--workers", "1", "--epochs", "1")
+    return shared_launch(runs, 2, stopping=["sigterm"], timeout=500), folder
+
+
+def test_an_image_folder_learns_evaluates_exactly_and_is_decoded_once(shared, sets):
+    """The 4 epochs are `shared`'s run; the run beside it, in a process of its own, finds the node's
+    decoded cache on disk (a run of the same launch could have found it in its process)."""
+    launch, folder = shared
+    first = launch["learning"]
+    ok(first)
+    assert "decoded 240 train images" in first.stdout + first.stderr
+    assert "decoded once into the node's cache" in first.stdout and "(61 images)" in first.stdout
+    acc = read_scalars(folder / "learning" / "tb-run")[1]["test/acc"][-1][1]
+    assert acc > 0.5, first.stdout[-2000:]  # chance: 0.1
+    again = train(sets["folder"], folder / "learning", "--dataset", "imagefolder", "--epochs", "1", "--resume", "none",
+                  name="again")
+    ok(again)
+    assert "decoded" not in again.stderr and "indexing" not in again.stderr  # the node's cache, reused
+
+
+def test_check_equivalence_holds_on_own_images(shared):
+    """Covers (`shared`'s runs): streamed shards and a streamed Hugging Face parquet set with 2 workers
+    per rank; varying sizes with random-resized crops drawn per global batch. Each equals one process
+    within the tolerance."""
+    launch, _ = shared
+    for name in EQUIVALENCE_ROWS:
+        run = launch[f"equivalence-{name}"]
+        ok(run)
+        verdict = equivalence(run.stdout, 2)
+        print(f"\n{name}: max |dw| = {verdict.max_dw:.3g} after {verdict.steps} steps")
+        assert verdict.max_dw <= verdict.tolerance and verdict.steps == 3
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(shared) -> dict:
+    """Each streamed layout's weights after 2 uninterrupted epochs (`shared`'s runs)."""
+    launch, folder = shared
+    for kind in STREAMED:
+        ok(launch[f"uninterrupted-{kind}"])
+    return {name: latest_state(folder / "uninterrupted" / name)["model"] for name in STREAMED}
+
+
 @pytest.mark.parametrize("fault, layout", [("sigkill", "hf"), ("sigterm", "shards")])
-def test_a_streamed_run_cut_mid_epoch_resumes_to_the_same_weights(fault, layout, uninterrupted, sets, tmp_path):
+def test_a_streamed_run_cut_mid_epoch_resumes_to_the_same_weights(fault, layout, uninterrupted, shared, sets,
+                                                                  tmp_path):
     """10 steps per epoch; the fault at step 13: SIGKILL restarts from step 12's checkpoint (a Hugging
     Face parquet set), SIGTERM stops after step 15's save (epoch 2, step 5; shards); both continue
-    mid-epoch with 2 workers per rank. Each row one launch: torchrun restarts the SIGKILLed rank's
-    group in fresh processes; the SIGTERM's resume is the launch's next run, in the processes that
-    stopped (tests/runs.py, --then-after-stop), the fresh-process resume being the SIGKILL row's."""
-    flags = stream(layout)
-    cut = train_args(sets[layout], tmp_path, *flags, "--epochs", "2", script=("tests/faults.py", "ddp", fault, "13"))
+    mid-epoch with 2 workers per rank. The SIGKILL row is a launch of its own: torchrun restarts the
+    SIGKILLed rank's group in fresh processes; the SIGTERM's cut and resume are runs of `shared`'s
+    launch, the resume in the processes that stopped (tests/runs.py, --then-after-stop), the
+    fresh-process resume being the SIGKILL row's."""
     if fault == "sigterm":
-        launch = run_script(one_launch([cut, train_args(sets[layout], tmp_path, *flags, "--epochs", "2")],
-                                       stopping=[0]), nproc=2, timeout=300)
-        stop, resumed = launched_runs(launch)
+        launch, folder = shared
+        stop, resumed = launch["sigterm"], launch["sigterm-resumed"]
         assert stop.returncode != 0 and f"stopped by SIGTERM after step {stop_after(13, 10, 3)} " in stop.stderr, \
             stop.stderr[-2000:]
         ok(resumed)
         assert "epoch 2, step 5" in resumed.stdout
+        state = latest_state(folder / "sigterm" / "run")
     else:
-        restarted = run_script(cut, nproc=2, torchrun=("--max-restarts=1",), timeout=300)
+        restarted = run_script(cut_by(fault, layout, sets, tmp_path), nproc=2, torchrun=("--max-restarts=1",),
+                               timeout=300)
         ok(restarted)
         assert "resumed from" in restarted.stdout
-    state = latest_state(tmp_path / "run")
+        state = latest_state(tmp_path / "run")
     assert state["epoch"] == 2
     reference = uninterrupted[layout]
     dw = max((state["model"][k] - reference[k]).abs().max().item() for k in reference)
@@ -766,13 +814,13 @@ def test_a_streamed_run_cut_mid_epoch_resumes_to_the_same_weights(fault, layout,
     assert dw <= 1e-5  # the same world and the same sums in the same order: the same bits by design, on any CPU
 
 
-def test_a_broken_image_met_while_streaming_ends_every_rank_with_one_line(sets, tmp_path):
-    folder = Path(shutil.copytree(sets["folder"], tmp_path / "copy"))
-    broken = _first(folder, "train", "png")
-    _truncate(broken)  # its header still reads: only decoding it, at its step, fails
-    result = train(folder, tmp_path, "--dataset", "imagefolder", "--cache-gb", "0", "--workers", "1", "--epochs", "1")
-    assert result.returncode != 0
+def test_a_broken_image_met_while_streaming_ends_every_rank_with_one_line(shared):
+    """`shared`'s last run (a run that fails ends its launch)."""
+    launch, folder = shared
+    result = launch["broken"]
+    assert result.returncode != 0 and launch.result.returncode == result.returncode
     lines = error_lines(result.stderr)
+    broken = _first(folder / "broken" / "copy", "train", "png")
     assert len(lines) == 1 and str(broken) in lines[0], result.stderr[-3000:]
 
 

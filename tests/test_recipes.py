@@ -3,7 +3,9 @@ torch.compile, the profiler. Real torchrun processes (gloo, CPU), checked agains
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -11,12 +13,13 @@ import pytest
 from common.train.equivalence import TOLERANCE, tolerance
 from tests.conftest import (
     AVERAGING,
+    SharedLaunch,
     equivalences,
     error_lines,
     latest_state,
-    one_launch,
+    own_folders,
     refusal_in_process,
-    run_script,
+    shared_launch,
     stop_after,
 )
 
@@ -205,48 +208,57 @@ def test_tolerances_loosen_only_where_rounding_differs():
 
 # ---------------------------------------------------------------- fp16: every rank, the same decisions
 
-def test_fp16_keeps_replicas_equal_through_skipped_steps(tmp_path):
-    """Covers, for the hand-written all-reduce and master/worker's --master-update (one launch): a high
-    learning rate overflows fp16 now and then: the scaler skips steps and lowers its scale, and every
-    rank must do the same (checked after every step)."""
-    names = ["allreduce", "master-update"]
-    runs = [[*STRATEGIES[name], "--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "convnet",
-             "--batch-size", "32", "--epochs", "1", "--max-steps", "12", "--precision", "fp16", "--check-replicas", "1",
-             "--log-dir", str(tmp_path / f"tb-{name}"), "--checkpoint-dir", str(tmp_path / f"ckpt-{name}")]
-            for name in names]
-    result = run_script(one_launch(runs), nproc=2, timeout=400)
-    assert result.returncode == 0, result.stderr[-3000:]
-    for name in names:
-        scaler = latest_state(tmp_path / f"ckpt-{name}")["scaler"]
+FP16_REPLICAS = ["allreduce", "master-update"]
+
+
+def test_fp16_keeps_replicas_equal_through_skipped_steps(shared):
+    """Covers, for the hand-written all-reduce and master/worker's --master-update (runs of `shared`'s
+    launch): a high learning rate overflows fp16 now and then: the scaler skips steps and lowers its
+    scale, and every rank must do the same (checked after every step)."""
+    for name in FP16_REPLICAS:
+        ok(shared.launch[f"fp16 {name}"])
+        scaler = latest_state(shared.folder / f"ckpt-fp16-{name}")["scaler"]
         assert scaler["scale"] < 65536.0, scaler  # the first steps overflowed and were skipped
         print(f"\n{name} fp16: replicas equal after every step; loss scale {scaler['scale']:g} after 12 steps")
 
 
 # ---------------------------------------------------------------- exact resume with recipe state
 
-def stopped_and_resumed(name: str, tmp_path: Path, *flags: str) -> float:
-    """max |dw| between an uninterrupted run and one stopped by SIGTERM and resumed."""
-    common = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
-              "--epochs", "2", "--max-steps", "12", *flags]
-    script, extra = STRATEGIES[name][0], STRATEGIES[name][1:]
-    ref = run_script([script, *extra, *common, "--checkpoint-dir", str(tmp_path / "ref"), "--log-dir",
-                      str(tmp_path / "tb")], nproc=2)
-    assert ref.returncode == 0, ref.stderr[-3000:]
-    cut = run_script(["tests/faults.py", name.split("-")[0], "sigterm", "10", *extra, *common, "--checkpoint-dir",
-                      str(tmp_path / "cut"), "--log-dir", str(tmp_path / "tb")], nproc=2)
+# name: (strategy, the recipe's flags) of the runs stopped by SIGTERM and resumed, against uninterrupted ones
+RESUMED = {"powersgd": ("ddp", ["--grad-compression", "powersgd"]),
+           "fp16": ("master-update", ["--precision", "fp16", "--accumulate", "2"])}
+
+
+def stop_and_resume(name: str, folder: Path) -> dict[str, list[str]]:
+    """The runs of RESUMED's `name`: uninterrupted (its checkpoints in ref-NAME), stopped by SIGTERM
+    at step 10 and resumed (cut-NAME), 2 epochs of 12 steps."""
+    strategy, flags = RESUMED[name]
+    script, extra = STRATEGIES[strategy][0], STRATEGIES[strategy][1:]
+    common = [*extra, "--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
+              "--epochs", "2", "--max-steps", "12", *flags, "--log-dir", str(folder / f"tb-{name}")]
+    return {"ref": [script, *common, "--checkpoint-dir", str(folder / f"ref-{name}")],
+            "cut": ["tests/faults.py", strategy.split("-")[0], "sigterm", "10", *common, "--checkpoint-dir",
+                    str(folder / f"cut-{name}")],
+            "resume": [script, *common, "--checkpoint-dir", str(folder / f"cut-{name}")]}
+
+
+def stopped_and_resumed(name: str, shared: Shared) -> float:
+    """max |dw| between RESUMED's `name` run uninterrupted and stopped by SIGTERM and resumed (`shared`'s)."""
+    launch, resumes, folder = shared.launch, shared.resumes, shared.folder
+    ok(launch[f"ref {name}"])
+    cut = launch[f"cut {name}"]
     assert f"stopped by SIGTERM after step {stop_after(10)} " in cut.stderr, cut.stderr[-3000:]
-    resumed = run_script([script, *extra, *common, "--checkpoint-dir", str(tmp_path / "cut"), "--log-dir",
-                          str(tmp_path / "tb")], nproc=2)
+    resumed = resumes[f"resume {name}"]
     assert resumed.returncode == 0 and "resumed from" in resumed.stdout, resumed.stderr[-3000:]
-    a, b = latest_state(tmp_path / "ref"), latest_state(tmp_path / "cut")
+    a, b = latest_state(folder / f"ref-{name}"), latest_state(folder / f"cut-{name}")
     assert a["global_step"] == b["global_step"] == 24
     return max((a["model"][k].float() - b["model"][k].float()).abs().max().item() for k in a["model"])
 
 
-def test_powersgd_state_round_trips_for_an_exact_resume(tmp_path):
+def test_powersgd_state_round_trips_for_an_exact_resume(shared):
     """Error feedback is each rank's own: the checkpoint carries every rank's, and each rank resumes with its own."""
-    dw = stopped_and_resumed("ddp", tmp_path, "--grad-compression", "powersgd")
-    state = latest_state(tmp_path / "cut")["strategy"]
+    dw = stopped_and_resumed("powersgd", shared)
+    state = latest_state(shared.folder / "cut-powersgd")["strategy"]
     assert state["iter"] > 2 and state["p"], state.keys()  # compressed, with warm-start factors
     errors = state["error"]
     assert len(errors) == 2 and errors[0].keys() == errors[1].keys()
@@ -266,8 +278,8 @@ def test_powersgd_error_feedback_is_each_ranks_own_or_the_mean_at_another_world_
     assert own_error([], rank=0, world=2) == {}
 
 
-def test_fp16_scaler_state_round_trips_for_an_exact_resume(tmp_path):
-    dw = stopped_and_resumed("master-update", tmp_path, "--precision", "fp16", "--accumulate", "2")
+def test_fp16_scaler_state_round_trips_for_an_exact_resume(shared):
+    dw = stopped_and_resumed("fp16", shared)
     print(f"\nmaster --master-update fp16, accumulate 2, stopped and resumed: max |dw| = {dw:.3g}")
     assert dw == 0
 
@@ -322,13 +334,14 @@ def test_bad_combinations_exit_2_before_any_process_group(case, tmp_path, capsys
     assert "/common/" not in stderr and not (tmp_path / "ckpt").exists()  # no traceback, nothing started
 
 
-def test_accumulation_that_does_not_split_a_ranks_batch_is_one_line_from_two_ranks(tmp_path):
-    result = run_script(["train_ddp.py", "--batch-size", "32", "--accumulate", "3", "--dataset", "synthetic",
-                         "--log-dir", str(tmp_path / "tb"), "--checkpoint-dir", str(tmp_path / "ckpt")], nproc=2)
+def test_accumulation_that_does_not_split_a_ranks_batch_is_one_line_from_two_ranks(shared):
+    """`shared`'s last run (a run that fails ends its launch)."""
+    result = shared.launch["accumulate 3"]
     expected = "--accumulate 3: each rank's batch (--batch-size 32 / 2 rank(s) = 16) does not split"
     assert result.returncode != 0 and len([line for line in result.stderr.splitlines() if expected in line]) == 1, \
         result.stderr[-3000:]
-    assert "/common/" not in result.stderr and not (tmp_path / "ckpt").exists()
+    assert shared.launch.result.returncode == result.returncode
+    assert "/common/" not in result.stderr and not (shared.folder / "ckpt-accumulate").exists()
 
 
 @pytest.mark.quick
@@ -344,12 +357,11 @@ def test_compression_with_dataparallel_and_compile_without_a_compiler_are_refuse
 
 # ---------------------------------------------------------------- the profiler
 
-def test_profile_writes_a_trace_per_rank_and_prints_the_top_operators(tmp_path):
-    log_dir = tmp_path / "tb"
-    result = run_script(["train_allreduce.py", "--dataset", "synthetic", "--synthetic-shape", "mnist", "--model",
-                         "convnet", "--batch-size", "32", "--epochs", "1", "--max-steps", "14", "--profile",
-                         "--log-dir", str(log_dir), "--checkpoint-dir", str(tmp_path / "ckpt")], nproc=2)
-    assert result.returncode == 0, result.stderr[-3000:]
+def test_profile_writes_a_trace_per_rank_and_prints_the_top_operators(shared):
+    """A run of `shared`'s launch."""
+    log_dir = shared.folder / "tb-profile"
+    result = shared.launch["profile"]
+    ok(result)
     assert "top operators:" in result.stdout and "Self CPU" in result.stdout
     for rank in (0, 1):
         events = json.loads((log_dir / "traces" / f"rank{rank}_trace.json").read_text())["traceEvents"]
@@ -358,11 +370,49 @@ def test_profile_writes_a_trace_per_rank_and_prints_the_top_operators(tmp_path):
         assert sum(n.startswith("ProfilerStep#") for n in names) == 4  # the active steps
 
 
-def test_signals_still_stop_cleanly_with_a_recipe(tmp_path):
-    """SIGTERM under bf16 with accumulation: one stop line, the checkpoint carries the step."""
-    result = run_script(["tests/faults.py", "allreduce", "sigterm", "3", "--dataset", "synthetic", "--synthetic-shape",
-                         "mnist", "--model", "lenet", "--batch-size", "32", "--epochs", "1", "--max-steps", "16",
-                         "--precision", "bf16", "--accumulate", "2", "--log-dir", str(tmp_path / "tb"),
-                         "--checkpoint-dir", str(tmp_path / "ckpt")], nproc=2)
+def test_signals_still_stop_cleanly_with_a_recipe(shared):
+    """SIGTERM under bf16 with accumulation (a run of `shared`'s launch): one stop line, the checkpoint
+    carries the step."""
+    result = shared.launch["sigterm bf16"]
     assert result.returncode != 0 and result.stderr.count(f"stopped by SIGTERM after step {stop_after(3)} ") == 1
-    assert latest_state(tmp_path / "ckpt")["global_step"] == stop_after(3)
+    assert latest_state(shared.folder / "ckpt-sigterm")["global_step"] == stop_after(3)
+
+
+# ---------------------------------------------------------------- the runs at world 2 beside the rows
+
+@dataclass(frozen=True)
+class Shared:
+    launch: SharedLaunch
+    resumes: SharedLaunch  # RESUMED's resumes
+    folder: Path  # every run's own folders
+
+
+def ok(result: subprocess.CompletedProcess) -> None:
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout[-2000:]}\n{result.stderr[-3000:]}"
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory) -> Shared:
+    """The runs at world 2 that are not equivalence rows, two launches (tests/runs.py). The first: the
+    fp16 runs checking replicas after every step, the profiled run, RESUMED's uninterrupted runs and
+    cuts (--then-after-stop: the next run starts), the SIGTERM under bf16, and last the refusal (a run
+    that fails ends its launch). The second: RESUMED's resumes, in processes that did not stop (a
+    resume in fresh processes: the first)."""
+    folder = tmp_path_factory.mktemp("shared")
+    synthetic = ["--dataset", "synthetic", "--synthetic-shape", "mnist"]
+    runs = {f"fp16 {name}": [*STRATEGIES[name], *synthetic, "--model", "convnet", "--batch-size", "32", "--epochs",
+                             "1", "--max-steps", "12", "--precision", "fp16", "--check-replicas", "1",
+                             *own_folders(folder, f"fp16-{name}")] for name in FP16_REPLICAS}
+    runs["profile"] = ["train_allreduce.py", *synthetic, "--model", "convnet", "--batch-size", "32", "--epochs", "1",
+                       "--max-steps", "14", "--profile", *own_folders(folder, "profile")]
+    plans = {name: stop_and_resume(name, folder) for name in RESUMED}
+    runs.update({f"{run} {name}": plan[run] for name, plan in plans.items() for run in ("ref", "cut")})
+    runs["sigterm bf16"] = ["tests/faults.py", "allreduce", "sigterm", "3", *synthetic, "--model", "lenet",
+                            "--batch-size", "32", "--epochs", "1", "--max-steps", "16", "--precision", "bf16",
+                            "--accumulate", "2", *own_folders(folder, "sigterm")]
+    runs["accumulate 3"] = ["train_ddp.py", "--batch-size", "32", "--accumulate", "3", "--dataset", "synthetic",
+                            *own_folders(folder, "accumulate")]
+    stopping = [name for name in runs if name.startswith("cut ") or name == "sigterm bf16"]
+    launch = shared_launch(runs, 2, stopping, timeout=500)
+    resumes = shared_launch({f"resume {name}": plan["resume"] for name, plan in plans.items()}, 2, timeout=300)
+    return Shared(launch, resumes, folder)

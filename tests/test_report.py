@@ -12,7 +12,7 @@ import pytest
 from PIL import Image
 
 from common.output.report import write_report
-from tests.conftest import ROOT, child_env, free_port, one_launch, run_script, split_runs
+from tests.conftest import ROOT, SharedLaunch, child_env, free_port, shared_launch
 
 STEP_TAGS = {"train/loss", "train/acc", "lr", "train/images_per_s", "time/data_ms", "time/compute_ms",
              "time/sync_ms", "train/grad_norm", "mem/rss_mb"}
@@ -24,17 +24,32 @@ FLAGS = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "len
 RUNS = {"ddp": ["train_ddp.py"], "allreduce": ["train_allreduce.py", "--log-all-ranks"]}
 
 
+# 31 steps, --log-every left at its default, a Python warning raised on rank 1 only (at step 3)
+WARNED = ["tests/faults.py", "ddp", "warn", "3", "--dataset", "synthetic", "--synthetic-shape", "mnist", "--model",
+          "lenet", "--batch-size", "64", "--epochs", "1", "--max-steps", "31"]
+
+
 @pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> tuple[Path, dict[str, str]]:
-    """Two strategies' runs under one --log-dir parent, as the comparison run leaves them (one launch,
-    tests/runs.py); the allreduce one asks for every rank's console (which changes nothing else).
-    Returns the parent and each run's console."""
-    parent = tmp_path_factory.mktemp("runs")
-    runs = [[script, *FLAGS, *extra, "--log-dir", str(parent / name), "--checkpoint-dir",
-             str(parent.parent / f"ckpt-{name}")] for name, (script, *extra) in RUNS.items()]
-    result = run_script(one_launch(runs), nproc=2)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return parent, dict(zip(RUNS, split_runs(result.stdout)))
+def launch(tmp_path_factory) -> tuple[Path, Path, SharedLaunch]:
+    """One launch (tests/runs.py): the warned run first (its start-up is the processes' own), into a
+    folder of its own, then RUNS' runs under one --log-dir parent. Returns the parent, the warned
+    run's folder and the launch."""
+    parent, warned = tmp_path_factory.mktemp("runs"), tmp_path_factory.mktemp("warned")
+    runs = {"warned": [*WARNED, "--log-dir", str(warned / "tb"), "--checkpoint-dir", str(warned / "ckpt")]}
+    runs.update({name: [script, *FLAGS, *extra, "--log-dir", str(parent / name), "--checkpoint-dir",
+                        str(parent.parent / f"ckpt-{name}")] for name, (script, *extra) in RUNS.items()})
+    return parent, warned, shared_launch(runs, 2)
+
+
+@pytest.fixture(scope="module")
+def launched(launch) -> tuple[Path, dict[str, str]]:
+    """Two strategies' runs under one --log-dir parent, as the comparison run leaves them (`launch`'s);
+    the allreduce one asks for every rank's console (which changes nothing else). Returns the parent
+    and each run's console."""
+    parent, _, runs = launch
+    for name in RUNS:
+        assert runs[name].returncode == 0, runs[name].stderr[-3000:]
+    return parent, {name: runs[name].stdout for name in RUNS}
 
 
 @pytest.fixture(scope="module")
@@ -71,21 +86,19 @@ def test_step_points_carry_the_time_of_their_step_not_of_the_batched_write(runs)
         assert gap >= 0.8 * 5 * step_ms[i] / 1000, (gap, step_ms[i])
 
 
-def test_a_short_run_with_the_default_interval_logs_a_curve_its_start_up_and_a_ranks_warning_once(tmp_path):
-    """Covers: 31 steps, --log-every left at its default: at least 10 step-level points, said in the
-    banner, and the start-up time in TensorBoard; a Python warning raised on rank 1 only (at step 3)
-    reaches the console once, through rank 0, named as rank 1's."""
+def test_a_short_run_with_the_default_interval_logs_a_curve_its_start_up_and_a_ranks_warning_once(launch):
+    """Covers (WARNED: `launch`'s first run): 31 steps, --log-every left at its default: at least 10
+    step-level points, said in the banner, and the start-up time in TensorBoard; a Python warning
+    raised on rank 1 only (at step 3) reaches the console once, through rank 0, named as rank 1's."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    log_dir = tmp_path / "tb"
-    result = run_script(["tests/faults.py", "ddp", "warn", "3", "--dataset", "synthetic", "--synthetic-shape", "mnist",
-                         "--model", "lenet", "--batch-size", "64", "--epochs", "1", "--max-steps", "31", "--log-dir",
-                         str(log_dir), "--checkpoint-dir", str(tmp_path / "ckpt")], nproc=2)
+    _, warned, runs = launch
+    result = runs["warned"]
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [line for line in result.stderr.splitlines() if "injected warning on rank 1" in line]
     assert len(lines) == 1 and lines[0].startswith("warning (rank 1): UserWarning"), lines
     assert "step-level points every 3 step(s)" in result.stdout, result.stdout
-    acc = EventAccumulator(str(log_dir))
+    acc = EventAccumulator(str(warned / "tb"))
     acc.Reload()
     assert STEP_TAGS | {"time/startup_s"} <= set(acc.Tags()["scalars"])
     assert len(acc.Scalars("train/loss")) >= 10

@@ -36,6 +36,7 @@ from tests.conftest import (
     one_launch,
     run_script,
     saved_position,
+    shared_launch,
     stop_after,
 )
 from tests.gates import Gate
@@ -91,19 +92,32 @@ def ok(result) -> None:
     assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr[-4000:]}"
 
 
+# test_damaged_checkpoint_warning_in_a_real_resume's stop: the last run of `reference`'s launch (its status ends it)
+DAMAGED_CUT = [*faulty("ddp", "sigterm", 10), *RUN, "--save-every-steps", "4", "--log-every", "2"]
+
+
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory):
+def references(tmp_path_factory) -> dict[str, subprocess.CompletedProcess | Path]:
     """Uninterrupted runs, one per strategy, made once at the first test that asks: those at world 2
-    one after another in one launch (tests/runs.py), DataParallel's (one process) on its own."""
+    one after another in one launch (tests/runs.py), then DAMAGED_CUT in it; DataParallel's (one
+    process) on its own. Each run's folder by name; "damaged cut": that run's own output and status."""
     folder = tmp_path_factory.mktemp("reference")
+    runs = {n: [*SCRIPTS[n], *RUN, *folders(folder / n)] for n in SCRIPTS if n != "dp"}
+    launch = shared_launch({**runs, "damaged cut": [*DAMAGED_CUT, *folders(folder / "damaged")]}, 2, timeout=500)
+    for name in runs:
+        ok(launch[name])
+    ok(train(SCRIPTS["dp"], folder / "dp", nproc=None))
+    return {**{n: folder / n for n in SCRIPTS}, "damaged": folder / "damaged", "damaged cut": launch["damaged cut"]}
+
+
+@pytest.fixture(scope="module")
+def reference(references):
+    """The uninterrupted run's final weights, by strategy (`references`' runs)."""
     cache: dict[str, dict[str, torch.Tensor]] = {}
 
     def weights(name: str) -> dict[str, torch.Tensor]:
-        if not cache:
-            runs = [[*SCRIPTS[n], *RUN, *folders(folder / n)] for n in SCRIPTS if n != "dp"]
-            ok(run_script(one_launch(runs), nproc=2, timeout=500))
-            ok(train(SCRIPTS["dp"], folder / "dp", nproc=None))
-            cache.update({n: final_weights(folder / n) for n in SCRIPTS})
+        if name not in cache:
+            cache[name] = final_weights(references[name])
         return cache[name]
     return weights
 
@@ -249,9 +263,11 @@ def test_a_store_gone_during_the_prune_is_left_to_the_next_save(tmp_path, monkey
     assert CheckpointFolder(LocalStorage(str(tmp_path)), keep=3).choose("auto", IDENTITY).state["global_step"] == 12
 
 
-def test_damaged_checkpoint_warning_in_a_real_resume(reference, tmp_path):
-    ckpt = tmp_path / "ckpt"
-    preempted(train(faulty("ddp", "sigterm", 10), ckpt, "--save-every-steps", "4", "--log-every", "2"), stop_after(10))
+def test_damaged_checkpoint_warning_in_a_real_resume(reference, references):
+    """The stop is `references`' last run; the resume, after its newest checkpoint is overwritten, a
+    launch of its own (fresh processes find the previous one)."""
+    ckpt = references["damaged"]
+    preempted(references["damaged cut"], stop_after(10))
     damaged = latest_checkpoint(ckpt)
     assert damaged.name == "step-00000011.pt"
     damaged.write_bytes(os.urandom(1000))  # the step-11 checkpoint is lost

@@ -22,8 +22,8 @@ import torch
 from common.errors import UserError
 from common.storage import DENIED, FAILED, MISSING, TRANSIENT, FsspecStorage, LocalStorage, StorageError, error_kind
 from common.train.checkpoint import BackgroundWriter, CheckpointFolder, new_run_name
-from tests.conftest import ROOT, child_env, error_lines, free_port, one_launch, run_script
-from tests.flaky_proxy import FlakyProxy
+from tests.conftest import ROOT, SharedLaunch, child_env, error_lines, free_port, one_launch, run_script, shared_launch
+from tests.flaky_proxy import Fault, FlakyProxy
 from tests.s3server import S3Server
 from tests.save_loop import IDENTITY
 from tests.save_loop import state as loop_state
@@ -36,9 +36,12 @@ NEWEST = "step-00000004.pt"
 SHORT_BOUND_S = 3  # DP_STORE_RETRY_S where the store stays away: two retries (after 1 s and 2 s), then the end
 
 
+def train_args(ckpt: str, tmp_path: Path, *extra: str) -> list[str]:
+    return ["train_ddp.py", *RUN, "--checkpoint-dir", ckpt, "--log-dir", str(tmp_path / "tb"), *extra]
+
+
 def train(ckpt: str, tmp_path: Path, environ: dict[str, str] | None = None, *extra: str):
-    return run_script(["train_ddp.py", *RUN, "--checkpoint-dir", ckpt, "--log-dir", str(tmp_path / "tb"), *extra],
-                      nproc=2, env=environ or child_env(), timeout=300)
+    return run_script(train_args(ckpt, tmp_path, *extra), nproc=2, env=environ or child_env(), timeout=300)
 
 
 def ok(result: subprocess.CompletedProcess) -> None:
@@ -100,25 +103,77 @@ OUTAGES = {  # back in 3 s: after the retry of 1 s, at the retry of 2 s or the n
 ONE_ATTEMPT = json.dumps({"config_kwargs": {"connect_timeout": 5, "read_timeout": 20, "retries": {"max_attempts": 1}}})
 
 
-@pytest.mark.parametrize("case", list(OUTAGES))
-def test_a_store_that_does_not_answer_at_resume_never_starts_the_run_over(case, saved, tmp_path):
-    server, proxy = saved.server, saved.proxy
-    match, how, seconds = OUTAGES[case]
-    prefix = case.replace(" ", "-").replace(",", "")
-    before = copy_run(server, prefix)
-    environ = {**child_env(), **server.env(), "AWS_ENDPOINT_URL": proxy.endpoint}
-    if seconds is None:
-        environ["DP_STORE_RETRY_S"] = str(SHORT_BOUND_S)
-    proxy.fail(match, how, seconds if seconds is not None else float("inf"))
-    started = time.monotonic()
+CAME_BACK = [case for case, (_, _, seconds) in OUTAGES.items() if seconds is not None]
+
+
+def prefix_of(case: str) -> str:
+    return case.replace(" ", "-").replace(",", "")
+
+
+def through_proxy(saved: Saved) -> dict[str, str]:
+    return {**child_env(), **saved.server.env(), "AWS_ENDPOINT_URL": saved.proxy.endpoint}
+
+
+def arm(saved: Saved, case: str, seconds: float) -> tuple[list[str], Fault]:
+    """The base run copied under the case's prefix (its keys), and the case's fault on that prefix's requests."""
+    match, how, _ = OUTAGES[case]
+    prefix = prefix_of(case)
+    return copy_run(saved.server, prefix), saved.proxy.fail((f"/{prefix}/", match), how, seconds)
+
+
+@dataclass(frozen=True)
+class Resumed:
+    """`resumed`'s launch, and for each case the store came back in: the keys before it, its fault."""
+    launch: SharedLaunch
+    before: dict[str, list[str]]
+    faults: dict[str, Fault]
+    folder: Path  # the cut pointer's --checkpoint-dir (a copy of `saved`'s local run)
+
+
+@pytest.fixture(scope="module")
+def resumed(saved, tmp_path_factory) -> Resumed:
+    """The resumes that find the run, one launch (tests/runs.py): each CAME_BACK case under its own
+    prefix with its own fault at the proxy, then the local run with its pointer cut (a rename refused,
+    S3 Mountpoint and some FUSE mounts, and a kill leave a latest.json that does not parse)."""
+    folder = tmp_path_factory.mktemp("resumed")
+    before, faults, runs = {}, {}, {}
+    for case in CAME_BACK:
+        before[case], faults[case] = arm(saved, case, OUTAGES[case][2])
+        runs[case] = train_args(f"s3://ckpt/{prefix_of(case)}", folder / prefix_of(case), "--storage-options",
+                                ONE_ATTEMPT)
+    ckpt = folder / "ckpt"
+    shutil.copytree(saved.local, ckpt)
+    [run] = run_folders(ckpt)
+    pointer = ckpt / run / "latest.json"
+    pointer.write_bytes(pointer.read_bytes()[:40])
+    runs["cut pointer"] = train_args(str(ckpt), folder)
     try:
-        result = train(f"s3://ckpt/{prefix}", tmp_path, environ, "--storage-options", ONE_ATTEMPT)
+        launch = shared_launch(runs, 2, env=through_proxy(saved), timeout=400)
     finally:
-        proxy.fault = None
-    elapsed = time.monotonic() - started
-    assert proxy.failed > 0, "the proxy failed no request: the case tests nothing"
-    assert keys(server, prefix) == before, "the job wrote into the store: it started something"
+        saved.proxy.clear()
+    return Resumed(launch, before, faults, ckpt)
+
+
+@pytest.mark.parametrize("case", list(OUTAGES))
+def test_a_store_that_does_not_answer_at_resume_never_starts_the_run_over(case, saved, resumed, tmp_path):
+    """The cases the store comes back in are runs of `resumed`'s launch; a store that stays away
+    ends its launch (a launch each)."""
+    server, seconds, prefix = saved.server, OUTAGES[case][2], prefix_of(case)
     if seconds is not None:  # the store came back within the bound: the run goes on where it was
+        before, fault, result = resumed.before[case], resumed.faults[case], resumed.launch[case]
+        elapsed = None
+    else:
+        environ = {**through_proxy(saved), "DP_STORE_RETRY_S": str(SHORT_BOUND_S)}
+        before, fault = arm(saved, case, float("inf"))
+        started = time.monotonic()
+        try:
+            result = train(f"s3://ckpt/{prefix}", tmp_path, environ, "--storage-options", ONE_ATTEMPT)
+        finally:
+            saved.proxy.clear()
+        elapsed = time.monotonic() - started
+    assert fault.failed > 0, "the proxy failed no request: the case tests nothing"
+    assert keys(server, prefix) == before, "the job wrote into the store: it started something"
+    if elapsed is None:
         ok(result)
         run = before[0].split("/")[0]
         assert f"training already complete: s3://ckpt/{prefix}/{run}/{NEWEST}" in result.stdout, result.stdout
@@ -129,23 +184,23 @@ def test_a_store_that_does_not_answer_at_resume_never_starts_the_run_over(case, 
         assert f"the store did not answer reading s3://ckpt/{prefix}/" in errors[0]
         assert "nothing was started" in errors[0] and "/common/" not in result.stderr
         assert elapsed < SHORT_BOUND_S + 60  # start-up, the bound, and one last request's own retries
-    print(f"\n{case}: {proxy.failed} requests failed; exit {result.returncode} after {elapsed:.1f} s")
+    print(f"\n{case}: {fault.failed} requests failed; exit {result.returncode}"
+          + (f" after {elapsed:.1f} s" if elapsed is not None else ""))
 
 
 # ---------------------------------------------------------------- pointers
 
-def test_a_cut_pointer_is_recovered_in_a_real_resume(saved, tmp_path):
+def test_a_cut_pointer_is_recovered_in_a_real_resume(resumed):
     """What a pointer rewritten in place (rename refused: S3 Mountpoint, some FUSE mounts) and cut
-    by a kill leaves: a latest.json that does not parse. The run stays visible through its step files."""
-    ckpt = tmp_path / "ckpt"
-    shutil.copytree(saved.local, ckpt)  # a complete run of `saved`'s launch, its pointer cut here
+    by a kill leaves: a latest.json that does not parse (`resumed`'s last run, on a copy of `saved`'s
+    complete local run). The run stays visible through its step files."""
+    ckpt = resumed.folder
     [run] = run_folders(ckpt)
     pointer = ckpt / run / "latest.json"
-    pointer.write_bytes(pointer.read_bytes()[:40])
-    resumed = train(str(ckpt), tmp_path)
-    ok(resumed)
-    assert f"the pointer {pointer} does not parse" in resumed.stderr, resumed.stderr[-3000:]
-    assert f"training already complete: {ckpt / run / NEWEST}" in resumed.stdout, resumed.stdout
+    result = resumed.launch["cut pointer"]
+    ok(result)
+    assert f"the pointer {pointer} does not parse" in result.stderr, result.stderr[-3000:]
+    assert f"training already complete: {ckpt / run / NEWEST}" in result.stdout, result.stdout
     assert run_folders(ckpt) == [run]
 
 

@@ -1,6 +1,7 @@
 """Every strategy trains the same model as one process, end to end under torchrun."""
 from __future__ import annotations
 
+import subprocess
 import time
 from pathlib import Path
 
@@ -10,13 +11,14 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from tests.conftest import (
     AVERAGING,
     ENDS_PROMPTLY_S,
-    EQUIVALENCE,
+    SharedLaunch,
+    equivalence,
     equivalences,
     error_lines,
     latest_state,
-    one_launch,
+    own_folders,
     run_script,
-    split_runs,
+    shared_launch,
 )
 
 STRATEGIES = {
@@ -32,10 +34,7 @@ def check_equivalence(script: list[str], world: int | None, model: str, tmp_path
                       *flags: str) -> tuple[int, str, float]:
     result = run_script([*script, *SYNTHETIC, "--model", model, "--log-dir", str(tmp_path / "tb"), "--checkpoint-dir",
                          str(tmp_path / "ckpt"), *flags], nproc=world, timeout=240)
-    found = EQUIVALENCE.search(result.stdout)
-    assert found, f"exit {result.returncode}\n{result.stdout}\n{result.stderr[-3000:]}"
-    assert found.group(4) == str(world or 1)
-    return result.returncode, result.stderr, float(found.group(1))
+    return result.returncode, result.stderr, equivalence(result.stdout, world).max_dw
 
 
 # Each row proves what it can at once, and the rows of one world size share one launch. World 1
@@ -61,14 +60,21 @@ ROWS = [  # (strategy, world, model, flags)
 ]
 
 
+def row_args(name: str, model: str, flags: list[str]) -> list[str]:
+    return [*STRATEGIES[name], *SYNTHETIC, "--model", model, *flags]
+
+
 @pytest.mark.parametrize("world", sorted({world for _, world, _, _ in ROWS}))
-def test_strategy_equals_one_process(world, tmp_path):
-    """Covers, for each row at this world size (one launch for all of them): the strategy trains
-    what one process trains (<= 1e-5); with --sync-bn, BatchNorm over the global batch too; with
-    --transport gloo, over the process group."""
+def test_strategy_equals_one_process(world, world_2, tmp_path):
+    """Covers, for each row at this world size (one launch for all of them; world 2's are runs of
+    `world_2`'s launch): the strategy trains what one process trains (<= 1e-5); with --sync-bn,
+    BatchNorm over the global batch too; with --transport gloo, over the process group."""
     rows = [(name, model, flags) for name, w, model, flags in ROWS if w == world]
-    verdicts = equivalences([[*STRATEGIES[name], *SYNTHETIC, "--model", model, *flags] for name, model, flags in rows],
-                            world, tmp_path)
+    if world == 2:
+        launch, _ = world_2
+        verdicts = [equivalence(ran(launch, f"row-{index}").stdout, world) for index in range(len(rows))]
+    else:
+        verdicts = equivalences([row_args(*row) for row in rows], world, tmp_path)
     for (name, model, flags), verdict in zip(rows, verdicts):
         print(f"\n{name} {model} {' '.join(flags)} at world {world}: max |dw| = {verdict.max_dw:.3g}")
         assert verdict.max_dw <= 1e-5 and verdict.steps == 4, (name, model, flags, verdict)
@@ -84,15 +90,18 @@ def test_every_strategy_has_a_row():
                                                                          "fsdp-optimizer"}
 
 
-def test_data_parallel_equals_one_process(tmp_path):
-    code, stderr, max_dw = check_equivalence(["train_dp.py"], None, "lenet", tmp_path)
-    assert code == 0 and max_dw <= 1e-5, stderr[-2000:]
+def test_data_parallel_equals_one_process(one_process):
+    run = ran(one_process[0], "equivalence")
+    assert equivalence(run.stdout, None).max_dw <= 1e-5, run.stderr[-2000:]
 
 
-def test_equivalence_check_catches_a_strategy_that_does_not_sync(tmp_path):
-    code, stderr, max_dw = check_equivalence(["tests/faults.py", "nosync", "none", "0"], 2, "lenet", tmp_path)
-    assert code != 0 and max_dw > 1e-5
-    assert "equivalence check failed" in stderr
+def test_equivalence_check_catches_a_strategy_that_does_not_sync(world_2):
+    """`world_2`'s last run (a run that fails ends its launch)."""
+    launch, _ = world_2
+    run = launch["nosync"]
+    assert run.returncode != 0 and launch.result.returncode == run.returncode
+    assert equivalence(run.stdout, 2).max_dw > 1e-5
+    assert "equivalence check failed" in run.stderr
 
 
 def test_batchnorm_models_differ_from_one_process_by_design(tmp_path):
@@ -112,7 +121,7 @@ def test_replica_check_names_the_drifting_tensor(tmp_path):
         result.stderr[-2000:]
 
 
-# Plain training runs at world 2 that the tests below only read, made in one launch (tests/runs.py).
+# Plain training runs at world 2 that the tests below only read: runs of `world_2`'s launch.
 CONVNET = ["--dataset", "synthetic", "--model", "convnet", "--batch-size", "32", "--epochs", "1"]
 READERS = ["--model", "lenet", "--batch-size", "100", "--epochs", "1", "--log-every", "2", "--no-download"]
 TRAINED = {  # name: (script and flags, data set read from files or None)
@@ -127,17 +136,51 @@ TRAINED = {  # name: (script and flags, data set read from files or None)
 }
 
 
+def trained_args(name: str, parent: Path, roots: dict[str, Path]) -> list[str]:
+    args, data = TRAINED[name]
+    return [*args, *(["--data-dir", str(roots[data])] if data else []), "--log-dir", str(parent / f"tb-{name}"),
+            "--checkpoint-dir", str(parent / f"ckpt-{name}")]
+
+
+def ran(launch: SharedLaunch, name: str) -> subprocess.CompletedProcess:
+    """A run of the launch that must have ended cleanly."""
+    run = launch[name]
+    assert run.returncode == 0, f"{name}: exit {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-3000:]}"
+    return run
+
+
 @pytest.fixture(scope="module")
-def trained(cifar_root, mnist_root, tmp_path_factory) -> dict[str, tuple[str, Path, Path]]:
-    """Each TRAINED run's console, TensorBoard folder and checkpoint folder."""
-    parent = tmp_path_factory.mktemp("trained")
-    roots = {"mnist": mnist_root, "cifar10": cifar_root}
-    runs = [[*args, *(["--data-dir", str(roots[data])] if data else []), "--log-dir", str(parent / f"tb-{name}"),
-             "--checkpoint-dir", str(parent / f"ckpt-{name}")] for name, (args, data) in TRAINED.items()]
-    result = run_script(one_launch(runs), nproc=2, timeout=500)
-    assert result.returncode == 0, result.stderr[-3000:]
-    return {name: (out, parent / f"tb-{name}", parent / f"ckpt-{name}")
-            for name, out in zip(TRAINED, split_runs(result.stdout))}
+def world_2(cifar_root, mnist_root, tmp_path_factory) -> tuple[SharedLaunch, Path]:
+    """Every run at world 2 that needs no process of its own, one launch (tests/runs.py), and the
+    folder of their TensorBoard and checkpoint folders: the ROWS of world 2 (row-K), the TRAINED
+    runs, and last the run that fails (nosync: the equivalence check catching a strategy that never
+    synchronizes)."""
+    parent = tmp_path_factory.mktemp("world-2")
+    rows = [row for row in ROWS if row[1] == 2]
+    runs = {f"row-{index}": [*row_args(name, model, flags), *own_folders(parent, f"row-{index}")]
+            for index, (name, _, model, flags) in enumerate(rows)}
+    runs.update({name: trained_args(name, parent, {"mnist": mnist_root, "cifar10": cifar_root}) for name in TRAINED})
+    runs["nosync"] = ["tests/faults.py", "nosync", "none", "0", *SYNTHETIC, "--model", "lenet",
+                      *own_folders(parent, "nosync")]
+    return shared_launch(runs, 2, timeout=500), parent
+
+
+@pytest.fixture(scope="module")
+def trained(world_2) -> dict[str, tuple[str, Path, Path]]:
+    """Each TRAINED run's console, TensorBoard folder and checkpoint folder (`world_2`'s runs)."""
+    launch, parent = world_2
+    return {name: (ran(launch, name).stdout, parent / f"tb-{name}", parent / f"ckpt-{name}") for name in TRAINED}
+
+
+@pytest.fixture(scope="module")
+def one_process(mnist_root, tmp_path_factory) -> tuple[SharedLaunch, Path]:
+    """DataParallel's runs, one process for both (tests/runs.py without torchrun): its equivalence row,
+    and its end-to-end run on MNIST files (e2e-dp); and the folder of their own folders."""
+    parent = tmp_path_factory.mktemp("one-process")
+    runs = {"equivalence": ["train_dp.py", *SYNTHETIC, "--model", "lenet", *own_folders(parent, "equivalence")],
+            "e2e-dp": ["train_dp.py", "--dataset", "mnist", "--data-dir", str(mnist_root), *READERS,
+                       *own_folders(parent, "e2e-dp")]}
+    return shared_launch(runs, None, timeout=300), parent
 
 
 def test_replica_check_passes_for_a_correct_strategy(trained):
@@ -161,16 +204,13 @@ def test_sharding_holds_less_training_state_per_rank_than_ddp(trained):
 
 
 @pytest.mark.parametrize("name", ["e2e-ring", "e2e-master-update", "e2e-dp"])
-def test_script_end_to_end(name, trained, mnist_root, tmp_path):
+def test_script_end_to_end(name, trained, one_process):
     """Covers: the ring all-reduce on MNIST files, master/worker's --master-update on CIFAR-10 batches
-    (both from the shared launch) and DataParallel on MNIST (a process of its own): the test set
-    counted once, the step split and accuracy in TensorBoard, an unprefixed checkpoint."""
+    (both from `world_2`'s launch) and DataParallel on MNIST (`one_process`'s): the test set counted
+    once, the step split and accuracy in TensorBoard, an unprefixed checkpoint."""
     if name == "e2e-dp":
-        log_dir, ckpt = tmp_path / "tb", tmp_path / "ckpt"
-        result = run_script(["train_dp.py", "--dataset", "mnist", "--data-dir", str(mnist_root), *READERS,
-                             "--log-dir", str(log_dir), "--checkpoint-dir", str(ckpt)], timeout=240)
-        assert result.returncode == 0, result.stderr[-3000:]
-        stdout = result.stdout
+        launch, parent = one_process
+        stdout, log_dir, ckpt = ran(launch, name).stdout, parent / f"tb-{name}", parent / f"ckpt-{name}"
     else:
         stdout, log_dir, ckpt = trained[name]
     assert "(301 images)" in stdout

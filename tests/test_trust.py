@@ -2,6 +2,7 @@
 between ranks, errors printed once. Real torchrun processes (gloo, CPU) where ranks matter."""
 from __future__ import annotations
 
+import json
 import shlex
 import shutil
 import subprocess
@@ -236,19 +237,25 @@ def test_changed_lr_never_continues_an_unfinished_run(tmp_path):
 
 
 def test_resume_none_in_a_used_folder_keeps_both_runs_apart(tmp_path):
-    """Before: the new run's own checkpoint was pruned and a later auto resumed the old run."""
+    """Before: the new run's own checkpoint was pruned and a later auto resumed the old run. The old
+    run and the new one's cut in one launch (tests/runs.py); the later command in processes of its
+    own (a fresh process finds the new run by its identity)."""
     ckpt = tmp_path / "ckpt"
-    common = [*FLAGS, "--epochs", "1", "--max-steps", "16", "--save-every-steps", "2", "--checkpoint-dir", str(ckpt)]
-    ok(run_script(["train_ddp.py", *common], nproc=2))
-    old_run = latest_checkpoint(ckpt).parent
-    old_files = sorted(p.name for p in old_run.iterdir())
-    new = run_script(["tests/faults.py", "ddp", "sigterm", "10", *common, "--resume", "none"], nproc=2)
+    common = [*FLAGS, "--epochs", "1", "--max-steps", "16", "--save-every-steps", "2", "--keep", "3",
+              "--checkpoint-dir", str(ckpt)]
+    old, new = launched_runs(run_script(one_launch([["train_ddp.py", *common],
+                                                    ["tests/faults.py", "ddp", "sigterm", "10", *common, "--resume",
+                                                     "none"]]), nproc=2))
+    ok(old)
+    old_run = Path(old.stdout.split("saved ")[-1].split()[0]).parent  # its last save's line names its folder
+    # what the old run left (--keep 3 of its saves every 2 of 16 steps), untouched by the new run beside it
+    assert sorted(p.name for p in old_run.iterdir()) == ["latest.json", *(f"step-{s:08d}.pt" for s in (12, 14, 16))]
+    assert json.loads((old_run / "latest.json").read_text())["checkpoint"].endswith("step-00000016.pt")
     stop = stop_after(10, save_every=2)
     stopped = [line for line in new.stderr.splitlines() if line.startswith(f"stopped by SIGTERM after step {stop} ")]
-    assert stopped, new.stderr[-3000:]
+    assert new.returncode != 0 and stopped, new.stderr[-3000:]
     named = Path(stopped[0].split("checkpoint ")[1].split(";")[0])
     assert named.is_file() and named.parent != old_run  # its own checkpoint survived, in its own folder
-    assert sorted(p.name for p in old_run.iterdir()) == old_files  # the old run is untouched
     later = run_script(["train_ddp.py", *common], nproc=2)
     ok(later)
     assert f"resumed from {named}: epoch 1, step {stop}" in later.stdout  # the new run, not the old one
