@@ -70,6 +70,7 @@ STORES = {"disk": ("full-disk",), "s3": ("store-down-in-save", "store-down-in-re
 # enough for 30 faults to land, at most two groups away at once (2,000 steps of about 0.45 s).
 SLOW_STEPS = {"restart": 0.05, "ft": 0.4}
 JOB_WIDE = ("kill-lighthouse", "slow-link")  # ft faults that hit every group, not one
+ENDED_FOR_GOOD = (0, 2, 3, 130, 143)  # launch/ft.sh does not start a group that ended so again
 BUCKET = "chaos"
 IMAGES = 1200  # of the generated MNIST-format training set (tests/datagen.py's default)
 DISK_SIZE = "64m"  # the tmpfs of the checkpoints: a few lenet checkpoints (~3.5 MB each) and room to spare
@@ -475,7 +476,9 @@ class ReplicaGroups(Chaos):
         self.groups, self.logs, self.namespace = groups, folder / "ft-logs", namespace
         self.env = {**child_env(), "FT_PORT": str(free_port()), "FT_LOGS": str(self.logs), "FT_RESTARTS": "100",
                     "FT_LIGHTHOUSE_RESTARTS": "100"}
-        self.rejoined: dict[int, Job] = {}
+        self.rejoined: dict[int, Job] = {}  # a group started again by hand: its latest launch
+        self.rejoins: list[Job] = []  # every such launch, for the output
+        self.supervisors: list[threading.Thread] = []
 
     def training(self) -> list[str]:
         return ["tests/patched.py", self.patches, self.script, *self.flags(),
@@ -493,12 +496,15 @@ class ReplicaGroups(Chaos):
 
     def finish(self) -> int:
         code = self.job.process.wait(3600)
-        for job in list(self.rejoined.values()):  # a rejoin's thread may still add one: it sees the run ended
-            job.process.wait(600)
+        for supervisor in list(self.supervisors):  # each sees the run ended: it starts nothing more
+            supervisor.join(600)
         return code
 
     def output(self) -> str:
-        return "\n".join([self.job.text(), *(job.text() for job in self.rejoined.values())])
+        return "\n".join(job.text() for job in [self.job, *self.rejoins])
+
+    def lines(self) -> list[tuple[float, str]]:
+        return [line for job in [self.job, *self.rejoins] for line in list(job.lines)]
 
     def agent(self, group: int) -> int | None:
         if group in self.rejoined:
@@ -539,7 +545,7 @@ class ReplicaGroups(Chaos):
         deadline = landed + 120
         healing = re.compile(rf"^\[g{fault.target}\] quorum of .*\(healing\)")
         while time.monotonic() < deadline:
-            heal = [at for at, line in list(self.job.lines) if at > landed and healing.search(line)]
+            heal = [at for at, line in self.lines() if at > landed and healing.search(line)]
             if heal:
                 hit(fault, self.worker(fault.target), signal.SIGKILL)
                 break
@@ -560,18 +566,28 @@ class ReplicaGroups(Chaos):
         except (ProcessLookupError, TypeError):
             fault.notes.append("no group to stop")
             return
-        def rejoin() -> None:
-            time.sleep(fault.seconds)
-            if not self.running():  # alone, it would wait for a quorum that no Lighthouse gives
-                fault.notes.append("the run had ended before the group was started again")
-                return
-            env = {**self.env, "REPLICA_GROUP_ID": str(fault.target), "FT_GROUPS": str(self.groups),
-                   "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{self.env['FT_PORT']}"}
-            self.rejoined[fault.target] = Job([*self.inside(), sys.executable, "launch/quiet_torchrun.py",
-                                               "--standalone", "--nproc_per_node=1", *self.training()], env,
-                                              f"[g{fault.target}] ")
-        threading.Thread(target=rejoin, daemon=True).start()
+        supervisor = threading.Thread(target=self.rejoin, args=(fault,), daemon=True)
+        self.supervisors.append(supervisor)
+        supervisor.start()
         self.back(fault)
+
+    def rejoin(self, fault: Fault) -> None:
+        """The group started again by hand `fault.seconds` after it left, and kept as ft.sh keeps its
+        groups: started again whenever it dies, but not once it finished, left, refused its flags or
+        gave up (ft.sh's ENDED_FOR_GOOD statuses), nor after the run ended."""
+        time.sleep(fault.seconds)
+        if not self.running():  # alone, it would wait for a quorum that no Lighthouse gives
+            fault.notes.append("the run had ended before the group was started again")
+            return
+        env = {**self.env, "REPLICA_GROUP_ID": str(fault.target), "FT_GROUPS": str(self.groups),
+               "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{self.env['FT_PORT']}"}
+        while self.running():
+            job = Job([*self.inside(), sys.executable, "launch/quiet_torchrun.py", "--standalone",
+                       "--nproc_per_node=1", *self.training()], env, f"[g{fault.target}] ")
+            self.rejoined[fault.target] = job
+            self.rejoins.append(job)
+            if job.process.wait() in ENDED_FOR_GOOD:
+                return
 
     def kill_lighthouse(self, fault: Fault) -> None:
         try:
