@@ -87,13 +87,18 @@ class Fault:
     notes: list[str] = field(default_factory=list)
 
 
+def fault_steps(steps: int) -> range:
+    """The steps a fault may be drawn at: 10% to 85% of a run of `steps` steps."""
+    return range(steps // 10, steps * 85 // 100)
+
+
 def draw(kinds: tuple[str, ...], count: int, steps: int, targets: int, seed: int) -> list[Fault]:
     """`count` faults, every kind drawn (in turn, shuffled), at distinct steps between 10% and 85% of
     the run, each on a random target."""
     rng = random.Random(seed)
     picked = [kinds[i % len(kinds)] for i in range(count)]
     rng.shuffle(picked)
-    at = sorted(rng.sample(range(steps // 10, steps * 85 // 100), count))
+    at = sorted(rng.sample(fault_steps(steps), count))
     return [Fault(kind, step, rng.randrange(targets), round(rng.uniform(2, 8), 1)) for kind, step in zip(picked, at)]
 
 
@@ -887,8 +892,8 @@ def run_steps(args: argparse.Namespace) -> int:
 
 
 def room(steps: int) -> int:
-    """How many faults a run of `steps` steps has distinct steps for (draw's 10% to 85% of the run)."""
-    return steps * 85 // 100 - steps // 10
+    """How many faults a run of `steps` steps has distinct steps for."""
+    return len(fault_steps(steps))
 
 
 def runs_kinds(modes: tuple[str, ...], stores: list[str]) -> dict[str, tuple[str, ...]]:
