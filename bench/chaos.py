@@ -444,19 +444,19 @@ class Chaos:
         be a new one, whose pid replaces the old one's only once that one has ended."""
         old = self.process(fault.target)
         hit(fault, old, signal.SIGKILL)
-        landed = time.time()
+        last_kill = time.time()  # wall time, as the TensorBoard points that say the target is back
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             new = self.process(fault.target, timeout=0.5)
             if new and new != old:
                 time.sleep(1.0)  # into the new process's set-up
                 if hit(fault, new, signal.SIGKILL):
-                    landed = time.time()
+                    last_kill = time.time()
                 break
             time.sleep(0.1)  # a poll with a deadline: the launcher starts the process again
         else:
             fault.notes.append("no process started again within 60 s")
-        self.back(fault, since=landed)
+        self.back(fault, since=last_kill)
 
     def start(self) -> None:
         raise NotImplementedError
