@@ -161,10 +161,15 @@ def test_the_accuracy_bench_ends_at_the_first_failed_run_stopping_the_others_and
     ok = python(f"open({str(started)!r}, 'a').write('x'); sum(range(3_000_000)); print('top-1 50.0')")
     fails = python("import sys; sys.exit(5)")
     hangs = python(f"import time; open({str(started)!r}, 'a').write('h'); time.sleep(60)")
+    # Fails once the sleeping run has begun (sequenced on its mark, not on the clock: on a loaded host
+    # the failure used to be reported before the other interpreter had written anything).
+    fails_after_hang = python(f"import pathlib, sys, time; mark = pathlib.Path({str(started)!r}); "
+                              "end = time.monotonic() + 30; begun = lambda: 'h' in mark.read_text() or "
+                              "time.monotonic() > end; [time.sleep(0.01) for _ in iter(begun, True)]; sys.exit(5)")
     runs = accuracy.SideBySide(2)
     done = runs.map(runs.train, [(ok, top1, 60), (ok, top1, 60)])
     assert [run.top1 for run in done] == [50.0, 50.0] and all(0 < run.cpu_s < 5 for run in done), done
-    for jobs, planned, begun in ((1, [fails, ok, ok], ""), (2, [hangs, fails, ok, ok, ok], "h")):
+    for jobs, planned, begun in ((1, [fails, ok, ok], ""), (2, [hangs, fails_after_hang, ok, ok, ok], "h")):
         started.write_text("")
         runs, clock = accuracy.SideBySide(jobs), time.monotonic()
         with pytest.raises(SystemExit, match=r"^error: .* failed \(exit 5\)"):
