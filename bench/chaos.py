@@ -357,6 +357,8 @@ class Chaos:
     script = ""
 
     model = "lenet"
+    kept = 3  # --keep of the training script: its default, unless --checkpoints-kept says more
+
 
     def __init__(self, folder: Path, data: Path, epochs: int, batch: int, slow_steps: float) -> None:
         self.folder, self.data, self.epochs, self.batch = folder, data, epochs, batch
@@ -368,7 +370,7 @@ class Chaos:
     def flags(self) -> list[str]:
         return ["--dataset", "mnist", "--data-dir", str(self.data), "--model", self.model, "--epochs", str(self.epochs),
                 "--batch-size", str(self.batch), "--lr", "0.05", "--log-every", "1",
-                "--checkpoint-dir", self.checkpoints, "--log-dir", str(self.folder / "tb")]
+                "--checkpoint-dir", self.checkpoints, "--log-dir", str(self.folder / "tb"), "--keep", str(self.kept)]
 
     def run(self, faults: list[Fault]) -> int:
         """Each fault lands once the run has reached its step and a target is free (its action in a
@@ -787,9 +789,11 @@ def fault_free(mode: str, folder: Path, data: Path, args: argparse.Namespace) ->
 
 def make(mode: str, folder: Path, data: Path, args: argparse.Namespace, namespace: Namespace | None = None,
          server: S3Server | None = None) -> Chaos:
-    if mode == "ft":
-        return ReplicaGroups(folder, data, args.epochs, args.batch_size, args.slow_steps, args.groups, namespace)
-    return Restarts(folder, data, args.epochs, args.batch_size, args.slow_steps, args.save_every, server)
+    chaos: Chaos = ReplicaGroups(folder, data, args.epochs, args.batch_size, args.slow_steps, args.groups, namespace) \
+        if mode == "ft" else Restarts(folder, data, args.epochs, args.batch_size, args.slow_steps, args.save_every,
+                                      server)
+    chaos.kept = args.checkpoints_kept
+    return chaos
 
 
 @contextlib.contextmanager
@@ -916,7 +920,8 @@ def checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[
         p.error(f"--stores {args.stores}: each store is one of {', '.join(STORES)}")
     for flag, value, least in (("--faults", args.faults, 1), ("--epochs", args.epochs, 1),
                                ("--batch-size", args.batch_size, 1), ("--save-every", args.save_every, 1),
-                               ("--groups", args.groups, 2), ("--slow-steps", args.slow_steps or 0, 0)):
+                               ("--groups", args.groups, 2), ("--slow-steps", args.slow_steps or 0, 0),
+                               ("--checkpoints-kept", args.checkpoints_kept, 2)):
         if value < least:
             p.error(f"{flag} {value}: at least {least}")
     if args.batch_size > IMAGES:
@@ -953,6 +958,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--groups", type=int, default=3, help="ft mode: replica groups of one process")
     p.add_argument("--save-every", type=int, default=20, help="restart mode: --save-every-steps")
     p.add_argument("--keep", help="a folder to keep the runs' files in (default: a temporary one)")
+    p.add_argument("--checkpoints-kept", type=int, default=3,
+                   help="each run's checkpoints kept (its --keep): more, with --keep, to find the first step at "
+                        "which a run that was not proved left the fault-free one (default: %(default)s)")
     return p
 
 
