@@ -42,6 +42,7 @@ from common.data import own
 from common.data.augment import Draws
 from common.data.loader import TrainLoader
 from common.shards import Reencode, convert
+from common.train.run import DEFAULT_MEMORY_FORMAT, torch_memory_format
 
 NODE_DEMAND = 8 * 3000  # images/s: eight H100s training ResNet-50
 PHOTO_NAMES = ("astronaut", "coffee", "chelsea", "rocket", "motorcycle_left", "motorcycle_right", "hubble_deep_field",
@@ -210,7 +211,8 @@ def our_worker(data: own.Dataset, augment: str) -> Callable[[], int]:
 def our_path(data: own.Dataset, augment: str) -> Callable[[], int]:
     """The whole training input path of a CPU rank: the worker's batches through TrainLoader (crop,
     flip, --augment, normalize), what the step is handed."""
-    loader = TrainLoader(data.train, data.spec, BATCH, 0, 1, seed=0, device=torch.device("cpu"), augment=augment)
+    loader = TrainLoader(data.train, data.spec, BATCH, 0, 1, seed=0, device=torch.device("cpu"), augment=augment,
+                         memory_format=torch_memory_format(DEFAULT_MEMORY_FORMAT))  # the layout a run hands its model
     epochs = iter(range(1, 10**9))
 
     def run() -> int:

@@ -21,7 +21,6 @@ import math
 from dataclasses import dataclass
 from typing import Any, Iterator, NamedTuple, Sequence
 
-import numpy as np
 import torch
 
 from common.config import INTERPOLATIONS
@@ -33,6 +32,10 @@ SCALE = (0.08, 1.0)  # torchvision's RandomResizedCrop defaults: area fraction o
 RATIO = (3 / 4, 4 / 3)  # ... and aspect ratio (width / height) of the box
 EVAL_CROP = 0.875  # evaluation: resize the short side to S / 0.875, centre-crop S (224 of 256)
 TRIES = 10
+# torch's antialiased uint8 kernels (a CPU's), called with out= to write into a batch's row where it
+# lies: F.interpolate has no out, and its result would be copied once more (the private names are
+# those interpolate itself calls, unchanged since torch 1.11).
+UINT8_RESIZE = {"bilinear": torch._C._nn._upsample_bilinear2d_aa, "bicubic": torch._C._nn._upsample_bicubic2d_aa}
 # torchvision's float32 log-ratio bounds, as Python floats (exact): uniform_ takes its bounds as
 # doubles, and a float made once costs nothing per sample where a 0-d tensor is converted per draw.
 LOG_RATIO = tuple(torch.log(torch.tensor(RATIO)).tolist())
@@ -123,45 +126,38 @@ def resized_crop(image: torch.Tensor, box: Box, size: int, out: torch.Tensor | N
                  interpolation: str = "bilinear") -> torch.Tensor:
     """The box of a uint8 (C, H, W) image resized to (C, size, size) with torch's antialiased
     uint8 kernel of `interpolation` (torchvision's `v2.functional.resized_crop(..., antialias=True)`
-    on the same box), mirrored if box.flip; written into `out` (a row of a preallocated batch) if given."""
+    on the same box), mirrored if box.flip; written into `out` (a row of a preallocated batch,
+    channels-last for speed: any layout is written right) if given, else a new contiguous tensor."""
     crop = image[None, :, box.top:box.top + box.height, box.left:box.left + box.width]
-    if crop.shape[-2:] != (size, size):
-        crop = antialiased(crop, size, interpolation)
-    if out is not None and out.device.type == crop.device.type == "cpu":
-        # numpy's strided copy (the flip a negative stride): torch's copy_ from the kernel's
-        # channels-last result into a CHW row takes 2-3x longer
-        pixels = crop[0].numpy()
-        np.copyto(out.numpy(), pixels[:, :, ::-1] if box.flip else pixels)
-        return out
-    crop = crop[0].flip(-1) if box.flip else crop[0]
-    if out is None:
-        return crop.contiguous()
-    out.copy_(crop)
-    return out
+    if crop.device.type != "cpu":  # torch's uint8 kernels are a CPU's: float32 here, as torchvision's v2 resize
+        if crop.shape[-2:] != (size, size):
+            crop = to_uint8(torch.nn.functional.interpolate(crop.float(), size=(size, size), mode=interpolation,
+                                                            align_corners=False, antialias=True))
+        crop = crop[0].flip(-1) if box.flip else crop[0]
+        return crop.contiguous() if out is None else out.copy_(crop)
+    # Mirrored before the resize, in the one copy that makes the crop channels-last (the layout
+    # torch's uint8 kernel reads fast; a crop of a decoded image, HWC viewed as CHW, is neither
+    # layout): the kernel's taps are symmetric, so this gives the bits of a resize mirrored after
+    # (torchvision's order; tests/test_geometry compares the two).
+    source = (crop.flip(-1) if box.flip else crop).contiguous(memory_format=torch.channels_last)
+    target = out[None] if out is not None else \
+        torch.empty(1, source.shape[1], size, size, dtype=torch.uint8, memory_format=torch.channels_last)
+    if source.shape[-2:] == (size, size):
+        target.copy_(source)
+    else:  # straight into the batch's row: no copy of the result
+        UINT8_RESIZE[interpolation](source, (size, size), False, None, None, out=target)
+    return target[0].contiguous() if out is None else out
 
 
 def resized_crops(images: Sequence[torch.Tensor], boxes: Sequence[Box], size: int,
                   interpolation: str = "bilinear") -> torch.Tensor:
-    """resized_crop of each (image, box) of a batch, one after the other: uint8 (N, C, size, size)."""
-    out = torch.empty(len(images), images[0].shape[0], size, size, dtype=torch.uint8, device=images[0].device)
+    """resized_crop of each (image, box) of a batch, one after the other: uint8 (N, C, size, size),
+    channels-last (the layout the kernel writes and the rank's Normalizer reads fastest)."""
+    out = torch.empty(len(images), images[0].shape[0], size, size, dtype=torch.uint8, device=images[0].device,
+                      memory_format=torch.channels_last)
     for image, box, row in zip(images, boxes, out):
         resized_crop(image, box, size, row, interpolation)
     return out
-
-
-def antialiased(crop: torch.Tensor, size: int, interpolation: str = "bilinear") -> torch.Tensor:
-    """A uint8 (1, C, h, w) crop resized to size x size, antialiased bilinear or bicubic. The uint8
-    kernels are the CPU's alone; on a GPU the crop goes through float32 and is clamped and rounded
-    back, as torchvision's v2 resize does there (a grey level off the CPU's at most; bicubic
-    overshoots, hence the clamp)."""
-    if crop.device.type == "cpu":
-        # Made channels-last first: a crop of a decoded image (HWC viewed as CHW) is neither layout,
-        # and torch's uint8 kernel reads it the slow way; the same pixels.
-        return torch.nn.functional.interpolate(crop.contiguous(memory_format=torch.channels_last), size=(size, size),
-                                               mode=interpolation, align_corners=False, antialias=True)
-    resized = torch.nn.functional.interpolate(crop.float(), size=(size, size), mode=interpolation,
-                                              align_corners=False, antialias=True)
-    return to_uint8(resized)
 
 
 def to_uint8(resized: torch.Tensor) -> torch.Tensor:
@@ -187,7 +183,7 @@ def batched_resized_crop(images: Sequence[torch.Tensor], boxes: Sequence[Box], s
                          interpolation: str = "bilinear", chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
     """resized_crop of each (image, box) of a batch of uint8 (C, H_i, W_i) images, in kernels whose
     count does not grow with the batch (a GPU's crop per sample is bound by its launches): the
-    chunks of resized_chunks, clamped and rounded as `antialiased` rounds on a GPU. uint8
+    chunks of resized_chunks, clamped and rounded as `resized_crop` rounds on a GPU. uint8
     (N, C, size, size) on the images' device, within a grey level of the float kernel's."""
     out = torch.empty(len(images), images[0].shape[0], size, size, dtype=torch.uint8, device=images[0].device)
     with torch.autocast(out.device.type, enabled=False):  # float32 matmuls: in bf16 a pixel is grey levels off

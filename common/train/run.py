@@ -21,6 +21,7 @@ from common.train.strategy import Strategy
 
 AUTO_POINTS_PER_EPOCH = 10  # --log-every left unset: at least this many step-level points per epoch
 AUTO_MAX_INTERVAL = 50
+DEFAULT_MEMORY_FORMAT = "channels_last"  # --memory-format's default (what bench pipeline hands the model too)
 # --eval-batch-size left unset. On a CPU a batch's activations should stay in the caches: one core
 # scores the convnet's test images 1.6-2.2x faster in batches of 32-128 than in batches of 500.
 # A strategy whose forward is itself a collective (FSDP) keeps the large batch: each forward
@@ -57,7 +58,7 @@ def add_model_placement_flags(group: argparse._ArgumentGroup) -> None:
     add("--deterministic", action="store_true",
         help="on a GPU, the same kernels in every process (torch.use_deterministic_algorithms, cuDNN's benchmark "
              "off): a resumed run's weights then equal the uninterrupted run's bit for bit, as on a CPU, at some speed")
-    add("--memory-format", default="channels_last", choices=("channels_last", "contiguous"),
+    add("--memory-format", default=DEFAULT_MEMORY_FORMAT, choices=("channels_last", "contiguous"),
         help="layout of images and conv weights; channels_last is faster for these nets on CPU and "
              "GPU (default: %(default)s)")
 
