@@ -8,7 +8,9 @@ for several points) stops at POINT and waits there until the test releases it:
   POINT  a global step STEP (held after the STEP-th optimizer step, its checkpoint and stop check
          done: a stop signal that comes while it is held is agreed on at the next stop check, so
          with STEP a multiple of StopRequest.CHECK_EVERY the run stops after step STEP + 1),
-         `heal` (train_ft.py: held as the group loads a live peer's state, before it does), or
+         `heal` (train_ft.py: held as the group loads a live peer's state, before it does),
+         `heal-sum` (train_ft.py: held before the first cross-group sum of a step the group heals
+         in; its peer's state has arrived, torchft loads it as the step's vote begins), or
          `data` (a point of start-up: held as the run begins to prepare its data set, the process
          group joined, nothing trained)
 
@@ -76,6 +78,8 @@ def install(point: str) -> None:
         return
     if at == "heal":
         _gate_heals(folder, point)
+    elif at == "heal-sum":
+        _gate_heal_sums(folder, point)
     elif at == "data":
         _gate_data(folder, point)
     else:
@@ -117,6 +121,18 @@ def _gate_heals(folder: Path, point: str) -> None:
             load_state_dict(received)
         real(self, key, load, state_dict)
     Manager.register_state_dict_fn = register_state_dict_fn
+
+
+def _gate_heal_sums(folder: Path, point: str) -> None:
+    from common.train.ft import Manager  # through train_ft.py's module: it sets torchft's log level first
+
+    real = Manager.allreduce
+
+    def allreduce(self, *args, **kwargs):
+        if self._healing:  # torchft's own flag: set by the quorum that sent this group its peer's state
+            hold(folder, point)
+        return real(self, *args, **kwargs)
+    Manager.allreduce = allreduce
 
 
 def _tell_quorums(folder: Path) -> None:

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -259,6 +260,48 @@ def test_the_cross_group_replica_check_tells_equal_bits_from_a_changed_or_moved_
     assert own + own == 2 * own and own + other != 2 * own and own + other != 2 * other
 
 
+class OneOtherGroup:
+    """torchft's manager, as far as the per-quorum check uses it: the cross-group sum adds one other
+    group's part (zeros where that group heals, as torchft sends a healing group's)."""
+
+    def __init__(self, part: list[int] | None) -> None:
+        self.part, self._quorum_id = part, 7
+
+    def allreduce(self, summed: torch.Tensor, reduce_op) -> SimpleNamespace:
+        if self.part is not None:
+            summed += torch.tensor([*self.part, 1])
+        return SimpleNamespace(wait=lambda: None)
+
+    def errored(self) -> None:
+        return None
+
+
+@pytest.mark.quick
+def test_a_quorum_whose_training_groups_are_at_other_steps_is_refused_but_a_healing_group_is_behind_by_design():
+    """The per-quorum check: the same run and cut (a user's mistake: one line), and every group that
+    trains the step at that step (the loop's fault: the group ends rather than add two steps' sums)."""
+    from common.errors import UserError
+    from common.train.ft import FaultTolerantTrainer, Position
+
+    def agree(step: int, other: list[int] | None, healing: bool = False) -> int:
+        trainer = SimpleNamespace(manager=OneOtherGroup(other), agreed_in=-1, ft=SimpleNamespace(
+            slots=2, vector_length=lambda: 100, group_id=1, lighthouse="http://h:1"),
+            run=SimpleNamespace(cfg=SimpleNamespace(run_id="ab12"), global_step=lambda at: at.epoch * 25 + at.step,
+                                ctx=SimpleNamespace(comm_device=torch.device("cpu"))))
+        trainer.differing_across_groups = lambda own: FaultTolerantTrainer.differing_across_groups(trainer, own)
+        FaultTolerantTrainer.agree_on_the_run(trainer, Position(*divmod(step, 25)), healing)
+        return trainer.agreed_in
+
+    same_run = [2, 100, 0xAB12]
+    assert agree(35, [*same_run, 36]) == 7  # both at step 36: agreed for the quorum
+    assert agree(35, None) == 7  # the other group heals: its part is zeros
+    assert agree(25, [*same_run, 36], healing=True) == 7  # this group heals: it is behind by design
+    with pytest.raises(RuntimeError, match="is to train step 26 in a quorum whose other groups train another step"):
+        agree(25, [*same_run, 36])
+    with pytest.raises(UserError, match="met groups that train another run"):
+        agree(35, [2, 100, 0xAB13, 36])
+
+
 REFUSALS = [
     ([], "--groups is missing: launch/ft.sh sets it"),
     (["--groups", "2"], "--group-id is missing"),
@@ -298,17 +341,23 @@ def test_without_torchft_train_ft_says_so_in_one_line(capsys, monkeypatch):
 
 # 1 -------------------------------------------------------------------------------------------
 MID_EPOCH_2 = 35  # past epoch 1's checkpoint, which a restarted group reads first
+ALONE_TO = 60  # group 1 alone to this step (epoch 3), where group 0, restarted, rejoins it
 
 
-def test_a_group_killed_mid_epoch_comes_back_healed_and_the_weights_are_the_planned_ones(mnist_root, planned,
-                                                                                        tmp_path):
-    """SIGKILL of group 1's worker held at step 35 (mid-epoch 2): launch/ft.sh says it was lost and starts it again; it
-    heals from group 0 (weights, optimizer state, position) at step 36, where group 0, held until the
-    restarted group asks for a quorum, goes on. The
-    replicas are checked bit-equal across groups at every step (--check-replicas 1), every committed
-    step trained every slot once (counted), and the final weights are the planned schedule's."""
-    gate, hold = Gate(tmp_path / "gates"), f"all@{MID_EPOCH_2}"
-    run = FtRun(tmp_path, 2, [*gated(hold), *flags(mnist_root, tmp_path, "--check-replicas", "1")], gate=gate)
+def test_a_group_killed_mid_epoch_heals_though_its_source_dies_in_the_heal_and_the_weights_are_the_planned_ones(
+        mnist_root, planned, tmp_path):
+    """SIGKILL of group 1's worker held at step 35 (mid-epoch 2): launch/ft.sh says it was lost and starts it
+    again, and it heals from group 0 (weights, optimizer state, position) at step 36, where group 0,
+    held until the restarted group asks for a quorum, goes on. Group 0 is SIGKILLed in that step,
+    after its state reached group 1 and before the step's sum (group 1 held there): the step fails,
+    and group 1 keeps group 0's state of step 35 and goes on alone from step 36 (it used to go on from
+    its checkpoint's place with torchft counting it at step 35: two steps' sums added from then on).
+    Group 0, restarted, heals from group 1. The replicas are checked bit-equal across groups at every
+    step (--check-replicas 1), every committed step trained every slot once (counted), and the final
+    weights are the planned schedule's."""
+    gate, hold, in_heal, alone = Gate(tmp_path / "gates"), f"all@{MID_EPOCH_2}", "g1@heal-sum", f"g1@{ALONE_TO}"
+    run = FtRun(tmp_path, 2, [*gated(hold, in_heal, alone), *flags(mnist_root, tmp_path, "--check-replicas", "1")],
+                gate=gate)
     gate.held(hold, processes=2)
     asked = gate.quorum_requests(1)
     killed = time.monotonic()
@@ -316,16 +365,27 @@ def test_a_group_killed_mid_epoch_comes_back_healed_and_the_weights_are_the_plan
     lost_at, _ = run.job.wait_for(r"^ft: group 1 lost \(exit \d+\); restarted \(1 of 3\)", after=killed)
     gate.asked_quorum(1, beyond=asked)  # the restarted group waits in the quorum: group 0 meets it there
     gate.release(hold)
-    healed, match = run.job.wait_for(r"\[g1\] group 1 healed from group 0 at step (\d+)", after=killed)
+    gate.held(in_heal)  # group 1 has group 0's state, not yet loaded, and is about to add the step's sum
+    asked = gate.quorum_requests(0)
+    os.kill(run.worker(0), signal.SIGKILL)
+    run.job.wait_for(r"^ft: group 0 lost \(exit \d+\); restarted \(1 of 3\)", after=killed)
+    gate.release(in_heal)
+    went_on, _ = run.job.wait_for(rf"\[g1\] group 1 has group 0's state of step {MID_EPOCH_2}, but the step it "
+                                  rf"healed in failed across groups: it goes on from step {MID_EPOCH_2 + 1}",
+                                  after=killed)
+    gate.held(alone)  # group 1 trained alone to here; group 0, restarted, meets it in its next quorum
+    gate.asked_quorum(0, beyond=asked)
+    gate.release(alone)
+    healed, _ = run.job.wait_for(rf"\[g0\] group 0 healed from group 1 at step {ALONE_TO + 1}", after=killed)
     assert run.job.finish() == 0, run.job.text()[-6000:]
     text = run.job.text()
-    step = int(match[1])
-    assert "is trained again" not in text[text.index("group 1 healed from"):], text[-4000:]  # healed in step
-    assert step == MID_EPOCH_2 + 1, text[-4000:]  # the first step after the one group 0 was held at
-    assert every_sample_once(text, 0) == [STEPS_PER_EPOCH * BATCH] * EPOCHS, text[-4000:]
+    # Epochs trained from their first step, every slot once: both groups' first, and group 1's third.
+    assert every_sample_once(text, 0) == [STEPS_PER_EPOCH * BATCH], text[-4000:]
+    assert every_sample_once(text, 1) == [STEPS_PER_EPOCH * BATCH] * 2, text[-4000:]
     dw = max_dw(final_weights(tmp_path), planned)
-    print(f"\nSIGKILL of group 1 mid-epoch 2: ft.sh restarted it {lost_at - killed:.1f} s later, healed at step "
-          f"{step} {healed - killed:.1f} s after the kill; max |dw| against the fault-free run = {dw:.3g}")
+    print(f"\nSIGKILL of group 1 mid-epoch 2: ft.sh restarted it {lost_at - killed:.1f} s later; its source killed "
+          f"in the heal, it went on {went_on - killed:.1f} s after the first kill; group 0 healed from it at step "
+          f"{ALONE_TO + 1}; max |dw| against the fault-free run = {dw:.3g}")
     assert dw <= BOUND
 
 

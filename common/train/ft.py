@@ -16,7 +16,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Iterator
+from typing import Any, Iterator, NoReturn
 from urllib.parse import urlsplit
 
 import torch
@@ -156,6 +156,8 @@ class FaultTolerantTrainer(Trainer):
                 if quorum.index is None:
                     self.end_heal(started)
                 return stats, norm, sum(len(labels) for _, labels in batches)
+            if self.healed_from is not None:
+                self.heal_not_committed()
             self.retried += 1
             fresh = True  # a new quorum, without the group that failed
             self.log.warn(f"step {run.global_step(at) + 1} failed across groups and is trained again on the same "
@@ -205,7 +207,7 @@ class FaultTolerantTrainer(Trainer):
                 self.manager._quorum_future = None  # torchft 0.2.0 raises a failed quorum again at the next start
                 self.manager.start_quorum(timeout=timedelta(seconds=min(QUORUM_ATTEMPT_S, left)))
         quorum = Quorum(self.manager.num_participants(), self.manager.participating_rank())
-        self.agree_on_the_run()
+        self.agree_on_the_run(at, healing=quorum.index is None)
         if quorum != self.quorum:
             # torchft counts the groups that train the step: a healing group is not one of them yet.
             place = ("is not one of them yet: it copies a live group's state first (healing)" if quorum.index is None
@@ -233,22 +235,27 @@ class FaultTolerantTrainer(Trainer):
                           f"{waited}: fewer groups joined it", at)
         return LighthouseLost(f"no quorum from the Lighthouse at {self.ft.lighthouse} {waited}", at)
 
-    def agree_on_the_run(self) -> None:
+    def agree_on_the_run(self, at: Position, healing: bool) -> None:
         """Once per quorum, before any gradient crosses: every group must train this run and cut its
         batch alike (a vector of another length aborts gloo's process; another run's weights would
-        be taken silently)."""
+        be taken silently), and the groups that train the step must all be at it (else the sums of
+        two steps would be added: a healing group is behind by design, its part is zeros)."""
         quorum_id = self.manager._quorum_id  # torchft 0.2.0 keeps each quorum's id to itself
         if quorum_id == self.agreed_in:
             return
-        own = torch.tensor([self.ft.slots, self.ft.vector_length(), int(self.run.cfg.run_id, 16)])
+        step = self.run.global_step(at) + 1
+        own = torch.tensor([self.ft.slots, self.ft.vector_length(), int(self.run.cfg.run_id, 16), step])
         differs = self.differing_across_groups(own)
         if differs is None:  # the sum failed: the step is tried again, with a new quorum
             return
-        if len(differs):
+        if (differs < len(own) - 1).any():
             raise UserError(f"group {self.ft.group_id} met groups that train another run or cut the batch "
                             f"otherwise at the Lighthouse {self.ft.lighthouse} (this group: run "
                             f"{self.run.cfg.run_id}, {self.ft.slots} slots): start every group with the same "
                             "flags, --groups and ranks per group, or give each run its own Lighthouse (FT_PORT)")
+        if len(differs) and not healing:  # the loop's fault, not the user's: ended, it heals when restarted
+            raise RuntimeError(f"group {self.ft.group_id} is to train step {step} in a quorum whose other groups "
+                               "train another step: it stops rather than add the gradients of two steps")
         self.agreed_in = quorum_id
 
     def end_heal(self, started: float) -> None:
@@ -259,10 +266,25 @@ class FaultTolerantTrainer(Trainer):
             self.run.ema.update(step)
         if cfg.check_replicas and step % cfg.check_replicas == 0:  # the check the other groups make after it
             self.check_groups_equal(step)
-        self.quorum = None
         self.log.info(f"group {self.ft.group_id} healed from group {self.healed_from} at step {step}: weights, "
                       f"optimizer state and position from a live peer, {time.perf_counter() - started:.2f} s "
                       "from its quorum to its first step")
+        self.go_on_from(step)
+
+    def heal_not_committed(self) -> NoReturn:
+        """torchft counts this group's steps as its peer's once the peer's state has arrived, and loads
+        that state as the step's vote begins: a vote that then fails (a group died in the step) leaves
+        this group with its peer's state of step S and torchft counting S. It goes on from there;
+        trained again from its old place, its next quorum would count it as one of the groups at S
+        while it trained its old place's samples: the sums of two steps added (bench chaos found it)."""
+        step = self.manager.current_step()
+        self.log.warn(f"group {self.ft.group_id} has group {self.healed_from}'s state of step {step}, but the step "
+                      f"it healed in failed across groups: it goes on from step {step + 1}")
+        self.go_on_from(step)
+
+    def go_on_from(self, step: int) -> NoReturn:
+        """A peer's state loaded: the loop goes on after its `step` steps, with a quorum asked anew."""
+        self.quorum, self.healed_from = None, None
         raise Healed(Position(*divmod(step, self.run.steps_per_epoch)))
 
     def train_slots(self, mine: list[int], batches: list[tuple[torch.Tensor, torch.Tensor]], at: Position,
