@@ -14,13 +14,14 @@ The train_*.py scripts, evaluate.py, predict.py, export.py, tests, bench and lau
 of it; nothing here imports them.
 
 Importing the package does three things besides: when a train_*.py is the program, Python's garbage
-collector pauses until training starts (common/collector.py says why) and a Ctrl-C until then ends
-the process with one line, not a traceback (common/interrupts.py); in a worker of torchrun, a
-thread watches its agent, so that the worker ends if the agent dies, set-up included
-(common/orphans.py). Every train_*.py imports the package first, so that its own import of torch
-is covered too.
+collector pauses until training starts (common/collector.py says why); when a train_*.py (until
+training starts) or evaluate.py, predict.py or export.py (for their whole run) is the program, a
+Ctrl-C ends the process with one line, not a traceback (common/interrupts.py decides for which
+programs); in a worker of torchrun, a thread watches its agent, so that the worker ends if the
+agent dies, set-up included (common/orphans.py). Every one of those programs imports the package
+first, so that its own import of torch is covered too.
 """
-from common.collector import pause_during_set_up, started_as_a_training_script
+from common.collector import pause_during_set_up, program_name, started_as_a_training_script
 
 __version__ = "0.1.0"
 
@@ -28,11 +29,10 @@ if started_as_a_training_script():
     pause_during_set_up()
 
 # After the pause: their import of threading would otherwise run a collection.
-from common.interrupts import end_start_up_on_ctrl_c  # noqa: E402
+from common.interrupts import end_on_ctrl_c  # noqa: E402
 from common.orphans import end_when_the_agent_dies, launched_by_torchrun  # noqa: E402
 
-if started_as_a_training_script():
-    end_start_up_on_ctrl_c()
+end_on_ctrl_c(program_name())
 
 if launched_by_torchrun():
     end_when_the_agent_dies()

@@ -19,6 +19,9 @@ where nothing can be skipped by it:
   profilers) and no CUDA context (Nsight and CUPTI traces are flushed when it is destroyed);
 - no exception went unhandled after the run, and the streams flushed without an error.
 
+evaluate.py, predict.py and export.py end so too, with their exit status, as their work is over
+(end_without_teardown: every exit handler run first, where no native tool waits).
+
 Otherwise (an error, a stop on a signal, a wrapper), one collection runs first, while the
 interpreter is still whole: set-up's reference cycles (DDP's module and reducer) hold the process
 group, and with it gloo's C++ threads. Left alive into the interpreter's own teardown, a running
@@ -76,10 +79,26 @@ def _at_exit() -> None:
 
 
 def _nothing_waits_for_teardown() -> bool:
+    return (_Exit.clean and _Exit.runs_last and getattr(sys, "last_value", None) is None
+            and _no_native_tool_waits())
+
+
+def _no_native_tool_waits() -> bool:
     torch = sys.modules.get("torch")
     cuda_in_use = torch is not None and torch.cuda.is_initialized()
-    return (_Exit.clean and _Exit.runs_last and getattr(sys, "last_value", None) is None
-            and not os.environ.get("LD_PRELOAD") and not cuda_in_use)
+    return not os.environ.get("LD_PRELOAD") and not cuda_in_use
+
+
+def end_without_teardown(status: int) -> None:
+    """For a program whose work is over, its last line said (evaluate.py, predict.py, export.py:
+    common/interrupts.py finished): every exit handler runs, the streams are flushed and the process
+    ends with `status`, without the interpreter's teardown (0.8-1.2 s of predict.py's 3-4 s, measured
+    on 2 CPU cores). Where a native tool waits for the teardown, or a stream does not flush, it
+    returns: the usual exit follows."""
+    if _no_native_tool_waits():
+        atexit._run_exitfuncs()  # as the usual exit would, and cleared: none runs twice if this returns
+        if _flushed():
+            os._exit(status)
 
 
 def _flushed() -> bool:
@@ -100,5 +119,10 @@ def program_name() -> str:
     return os.path.basename(getattr(sys.modules.get("__main__"), "__file__", None) or "")
 
 
+def is_training_script(program: str) -> bool:
+    """Whether `program` (a file name) is one of the train_*.py scripts."""
+    return program.startswith("train_")
+
+
 def started_as_a_training_script() -> bool:
-    return program_name().startswith("train_")
+    return is_training_script(program_name())

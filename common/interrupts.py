@@ -1,33 +1,72 @@
-"""Signals acted on at once, whatever the main thread is doing; and Ctrl-C during start-up.
+"""Signals acted on at once, whatever the main thread is doing; and Ctrl-C before training's own
+handler, or for the whole run of a program that uses a trained model.
 
 Python runs a signal's handler in the main thread between two bytecodes, never while that thread
 waits in native code: torch's import loading its libraries, a store's wait, joining the process
-group, a collective, a save. So a thread woken through the signal wakeup fd (written by the C-level
-handler the moment a signal lands) acts on it (SignalWatch): training's stop request
-(common/train/preemption.py) and, before it, a Ctrl-C during start-up.
+group, a collective, a save, an evaluation's forward. So a thread woken through the signal wakeup fd
+(written by the C-level handler the moment a signal lands) acts on it (SignalWatch): training's stop
+request (common/train/preemption.py) and, before it, a Ctrl-C during start-up.
 
-Ctrl-C during start-up (importing torch, preparing the data, joining the process group, building the
-model, reading the checkpoint to resume from) ends the process at once, with status 130 and one line
-from local rank 0 of each node (a terminal's Ctrl-C reaches every process of the job), instead of a
-KeyboardInterrupt traceback from every rank. Nothing was trained, so nothing is saved. Not an
-exception unwinding the main thread: it would wait out a collective or a store's wait that a peer,
-ended first, will never answer, and turn into that peer's failure (a second line); a finally block
-meeting a peer already gone could wait too. What a cut start-up leaves (a temp file in the data
-cache, a shared-memory region, a lock) is what a SIGKILL leaves, and the next start clears it.
-Training's stop request takes over where it is installed (start_up_over): from there a Ctrl-C
-stops the run at a step, saved.
+Which programs a Ctrl-C ends with one line, and with which line, is decided here alone, by the
+program's file name (ctrl_c_line): the package's import asks for the program Python runs,
+tests/training_program.py for the script a test program stands for, launch/quiet_torchrun.py for
+the script it starts. Any other program (pytest, python -c, a user's script importing the package)
+keeps Python's KeyboardInterrupt, which it may catch.
+
+Ctrl-C during a training script's start-up (importing torch, preparing the data, joining the process
+group, building the model, reading the checkpoint to resume from) ends the process at once, with
+status 130 and one line from local rank 0 of each node (a terminal's Ctrl-C reaches every process of
+the job), instead of a KeyboardInterrupt traceback from every rank. Nothing was trained, so nothing
+is saved. Not an exception unwinding the main thread: it would wait out a collective or a store's
+wait that a peer, ended first, will never answer, and turn into that peer's failure (a second line);
+a finally block meeting a peer already gone could wait too. What a cut start-up leaves (a temp file
+in the data cache, a shared-memory region, a lock) is what a SIGKILL leaves, and the next start
+clears it. Training's stop request takes over where it is installed (start_up_over): from there a
+Ctrl-C stops the run at a step, saved.
+
+evaluate.py, predict.py and export.py keep the guard for their whole run: they have nothing to save
+that a second run would not redo, and a stop agreed on between ranks would only delay the end (an
+evaluation's batches run for minutes). So a Ctrl-C anywhere (torch's import, the checkpoint's read,
+the data, the evaluation, the export, the writing of the output) ends the process at once with one
+line. Their output is written under staging names and put in place by renames
+(common/use/program.py, staged): a Ctrl-C before the renames removes what was staged
+(removed_on_ctrl_c) and says that no file was written; one during them (microseconds) waits for
+them to end (output_in_place), and from then on the line says the output is whole.
 """
 from __future__ import annotations
 
 import os
 import signal
 import threading
-from typing import Callable
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Callable, Iterator
 
+from common.collector import end_without_teardown, is_training_script
 from common.errors import node_prints
 
+if TYPE_CHECKING:  # imported at the program's start, before the guard is up: each import widens that gap
+    from pathlib import Path
+
 STARTUP_LINE = "interrupted (Ctrl-C) during start-up: nothing was trained; the same command starts again"
-_ENDING = threading.Lock()  # the first thread to end the process says the line; a second one waits for the exit
+USE_PROGRAMS = ("evaluate.py", "predict.py", "export.py")  # the programs that use a trained model
+# The first thread to end the process says the line; a second one waits for the exit. Held by the main
+# thread too while a use program's output is put in place (output_in_place).
+_ENDING = threading.Lock()
+
+
+def ctrl_c_line(program: str) -> str | None:
+    """The line a Ctrl-C ends `program` (a file name: train_ddp.py, evaluate.py, ...) with, or None
+    where it keeps Python's KeyboardInterrupt. The one place that decides (this module's docstring)."""
+    if is_training_script(program):
+        return STARTUP_LINE
+    if program in USE_PROGRAMS:
+        return f"interrupted (Ctrl-C): {program} stopped and wrote no file; the same command starts again"
+    return None
+
+
+def written_line(program: str) -> str:
+    """A use program's line once its output is in place."""
+    return f"interrupted (Ctrl-C) as {program} ended: its output was already written in full"
 
 
 class SignalWatch:
@@ -57,40 +96,105 @@ class SignalWatch:
         os.close(self.write_end)
 
 
-class _StartUp:
-    watch: SignalWatch | None = None  # while start-up lasts
+class _Guard:
+    watch: SignalWatch | None = None  # while it lasts
     pid = 0  # the process that installed it: a child forked meanwhile (a data worker) forgets it
+    program = ""  # what it was installed for
+    line = STARTUP_LINE  # what a Ctrl-C ends the process with
+    leftovers: list[Path] = []  # staged output, removed as a Ctrl-C ends the process
 
 
-def end_start_up_on_ctrl_c() -> None:
-    """From here until start_up_over: a SIGINT ends this process at once, with STARTUP_LINE from
-    local rank 0, status 130. From the main thread, before torch's import (the package's import)."""
-    _StartUp.watch, _StartUp.pid = SignalWatch((signal.SIGINT,), end_start_up, end_start_up), os.getpid()
+def end_on_ctrl_c(program: str) -> None:
+    """From here (a training script: until start_up_over), a SIGINT ends this process at once, with
+    `program`'s line (ctrl_c_line) from local rank 0, status 130; nothing changes for a program that
+    keeps Python's KeyboardInterrupt. From the main thread, before torch's import (the package's import)."""
+    if (line := ctrl_c_line(program)) is None:
+        return
+    _Guard.program, _Guard.line = program, line
+    _Guard.watch, _Guard.pid = SignalWatch((signal.SIGINT,), end_now, end_now), os.getpid()
     os.register_at_fork(after_in_child=_forget_in_child)
+
+
+def says_on_ctrl_c(line: str) -> None:
+    """A launcher's line (launch/quiet_torchrun.py: its workers' own, for the script it starts)."""
+    _Guard.line = line
 
 
 def start_up_over() -> None:
     """Training's own handler took the signals (after it installed its SignalWatch)."""
-    if _StartUp.watch is not None:
-        _StartUp.watch.close()
-        _StartUp.watch = None
+    if _Guard.watch is not None:
+        _Guard.watch.close()
+        _Guard.watch = None
 
 
-def end_start_up(signum: int) -> None:
-    """The process ends now, with STARTUP_LINE where it prints for its node: from the main thread's
-    handler or the watcher, whichever runs first (os.write and os._exit: the other thread may be
-    anywhere, printing or in native code), or from a launcher's handler before its workers start."""
+def end_now(signum: int) -> None:
+    """The process ends now, with the guard's line where it prints for its node: from the main
+    thread's handler or the watcher, whichever runs first (os.write and os._exit: the other thread
+    may be anywhere, printing or in native code), or from a launcher's handler before its workers
+    start. The main thread never waits for the lock: held by the watcher, which is ending the
+    process, or by the main thread itself, putting output in place, which the watcher waits for."""
+    if not _ENDING.acquire(blocking=threading.current_thread() is not threading.main_thread()):
+        return
+    if node_prints():
+        os.write(2, f"{_Guard.line}\n".encode())
+    if _Guard.leftovers:
+        _remove_leftovers()
+    os._exit(128 + signum)
+
+
+def _remove_leftovers() -> None:
+    """The staged output goes, without a word more (_silence)."""
+    import shutil  # loaded long before (staged output comes late), not at this module's import: see above
+
+    _silence()
+    for path in list(_Guard.leftovers):
+        shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+
+
+def _silence() -> None:
+    """Nothing more reaches the console: the main thread, writing where the leftovers are removed,
+    may meet the removal and would print its error after the line."""
+    quiet = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(quiet, 1)
+    os.dup2(quiet, 2)
+
+
+@contextmanager
+def removed_on_ctrl_c(path: Path) -> Iterator[None]:
+    """`path` (a staging file or folder) is removed if a Ctrl-C ends the process during the block: a
+    cut output leaves nothing, not even under its staging name."""
+    _Guard.leftovers.append(path)
+    try:
+        yield
+    finally:
+        _Guard.leftovers.remove(path)
+
+
+@contextmanager
+def output_in_place() -> Iterator[None]:
+    """The renames that put a use program's output in place: a Ctrl-C during them ends the process
+    once they are done (the watcher waits), and from then on says the output is whole."""
     with _ENDING:
-        if node_prints():
-            os.write(2, f"{STARTUP_LINE}\n".encode())
-        os._exit(128 + signum)
+        yield
+        if _Guard.program in USE_PROGRAMS:
+            _Guard.line = written_line(_Guard.program)
+
+
+def finished(status: int) -> None:
+    """A use program's work is over, its lines said: where the guard is installed for it, the process
+    ends now with `status`, without the interpreter's teardown (common/collector.py
+    end_without_teardown). A Ctrl-C during that teardown could get no line: the watcher, a daemon
+    thread, stops as the interpreter finalizes, and Python then resets SIGINT to its default, which
+    kills the process silently. Elsewhere (a test calling a program's main) it returns."""
+    if _Guard.watch is not None and _Guard.program in USE_PROGRAMS:
+        end_without_teardown(status)
 
 
 def _forget_in_child() -> None:
-    """A child forked during start-up (a DataLoader worker indexing or decoding the data) takes SIGINT
-    as Python does by default (its loader ends it quietly on KeyboardInterrupt) and leaves the wakeup
-    fd, the parent's pipe, alone: its Ctrl-C is its parent's to act on."""
-    if _StartUp.watch is not None and _StartUp.pid != os.getpid():
+    """A child forked while the guard lasts (a DataLoader worker indexing or decoding the data) takes
+    SIGINT as Python does by default (its loader ends it quietly on KeyboardInterrupt) and leaves the
+    wakeup fd, the parent's pipe, alone: its Ctrl-C is its parent's to act on."""
+    if _Guard.watch is not None and _Guard.pid != os.getpid():
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGINT, signal.default_int_handler)
-        _StartUp.watch = None
+        _Guard.watch = None

@@ -21,8 +21,9 @@ refuse it again.
 
 It also gives the workers STOP_GRACE_S (not torchrun's 30 s) to stop after a TERM or INT, and then
 ends with one line and status 128+N, not torchrun's traceback of the signal. A Ctrl-C before the
-workers start (while torch loads, during the rendezvous) ends it with the workers' start-up line
-(common/interrupts.py) and status 130, not a KeyboardInterrupt traceback.
+workers start (while torch loads, during the rendezvous) ends it with the line its workers would
+say (common/interrupts.py: a training script's start-up line, evaluate.py's own) and status 130,
+not a KeyboardInterrupt traceback.
 """
 from __future__ import annotations
 
@@ -31,13 +32,24 @@ import signal
 import sys
 
 from common.collector import pause_during_set_up, resume_for_training
-from common.interrupts import end_start_up
+from common.interrupts import STARTUP_LINE, ctrl_c_line, end_now, says_on_ctrl_c
 from common.parallel.failures import LAUNCHER_NAMES_FAILURES, host, how_it_ended
+
+
+def workers_line(argv: list[str]) -> str:
+    """The line the workers would say for a Ctrl-C at start-up, read before torch loads (torchrun's
+    parser needs it): that of the first argument naming a program common/interrupts.py knows (the
+    script: no torchrun option takes a .py file; tests/patched.py's script comes after its patches),
+    else a training script's."""
+    programs = (os.path.basename(arg) for arg in argv[1:] if arg.endswith(".py"))
+    return next(filter(None, map(ctrl_c_line, programs)), STARTUP_LINE)
+
 
 if __name__ == "__main__":
     # Until torchrun's own handler takes the signals, as it starts the workers: nothing to pass on before.
     # No watcher thread (common/interrupts.py): it would go on ending the agent after torchrun took over.
-    signal.signal(signal.SIGINT, lambda signum, frame: end_start_up(signum))
+    says_on_ctrl_c(workers_line(sys.argv))
+    signal.signal(signal.SIGINT, lambda signum, frame: end_now(signum))
     pause_during_set_up()  # torch's import below without full collections, and no final one at exit (see there)
 
 import logging  # noqa: E402

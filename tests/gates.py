@@ -10,9 +10,10 @@ for several points) stops at POINT and waits there until the test releases it:
          with STEP a multiple of StopRequest.CHECK_EVERY the run stops after step STEP + 1),
          `heal` (train_ft.py: held as the group loads a live peer's state, before it does),
          `heal-sum` (train_ft.py: held before the first cross-group sum of a step the group heals
-         in; its peer's state has arrived, torchft loads it as the step's vote begins), or
+         in; its peer's state has arrived, torchft loads it as the step's vote begins),
          `data` (a point of start-up: held as the run begins to prepare its data set, the process
-         group joined, nothing trained)
+         group joined, nothing trained), or `output` (predict.py: held as it writes its --output
+         CSV file, the first line written and flushed, the others not yet)
 
 Held, the process writes GATE_DIR/WHO@POINT.{pid}.held ("held at POINT pid P") and waits for
 GATE_DIR/WHO@POINT.go, which the test writes (Gate.release). A released gate stays open: a process
@@ -82,6 +83,9 @@ def install(point: str) -> None:
         _gate_heal_sums(folder, point)
     elif at == "data":
         _gate_data(folder, point)
+    elif at == "output":
+        _gate_output(folder, point)
+        return  # predict.py: no quorum to tell of
     else:
         _gate_step(folder, point, int(at))
     _tell_quorums(folder)
@@ -108,6 +112,36 @@ def _gate_data(folder: Path, point: str) -> None:
         hold(folder, point)
         return real(*args, **kwargs)
     app.load_dataset = load_dataset
+
+
+class _HeldAfterTheFirstLine:
+    """A file open for writing that holds the process after its first write (csv.writer writes a
+    line at a time), flushed: a file half-written where the program writes it."""
+
+    def __init__(self, file, folder: Path, point: str) -> None:
+        self.file, self.folder, self.point, self.writes = file, folder, point, 0
+
+    def write(self, text: str) -> int:
+        written = self.file.write(text)
+        self.writes += 1
+        if self.writes == 1:
+            self.file.flush()
+            hold(self.folder, self.point)
+        return written
+
+    def __enter__(self) -> "_HeldAfterTheFirstLine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.file.close()
+
+
+def _gate_output(folder: Path, point: str) -> None:
+    from common.use import predicting
+
+    def held_open(path, *args, **kwargs):
+        return _HeldAfterTheFirstLine(open(path, *args, **kwargs), folder, point)
+    predicting.open = held_open  # the module's `open` (its CSV writer's file), builtins' everywhere else
 
 
 def _gate_heals(folder: Path, point: str) -> None:

@@ -1,4 +1,5 @@
-"""Run a training script with faults or bans patched into the process, for tests.
+"""Run a training script (or evaluate.py, predict.py, export.py) with faults or bans patched into the
+process, for tests.
 
     torchrun ... tests/patched.py PATCH[,PATCH...] train_ddp.py [flags]
 
@@ -18,16 +19,16 @@ Patches:
                          compute per step
   slow-storage=S@K       the K-th read or write of a local checkpoint folder by this process sleeps S seconds
                          first, saying so on stderr ("storage op K (write NAME) sleeps S s at UNIX_TIME in pid P")
-  gate=WHO@POINT         held at a training step (or train_ft.py's heal, or start-up's data preparation) until
-                         the test releases it: a fault at a known step on a host of any speed (tests/gates.py;
-                         GATE_DIR names the folder of its markers)
+  gate=WHO@POINT         held at a training step (or train_ft.py's heal, start-up's data preparation, or
+                         predict.py's writing of its output) until the test releases it: a fault at a known
+                         step on a host of any speed (tests/gates.py; GATE_DIR names the folder of its markers)
 """
 from __future__ import annotations  # noqa: I001 - ruff wants a blank line above `# isort: split`, test_layout none
 
 # The package first, as every train_*.py imports it: its watch on torchrun's agent and its quiet C++ log
 # level (common/orphans.py) must come before torch's import, or the patched run prints what the
-# script alone does not (c10d's dumps of C++ frames when a peer dies); and the collector as in a
-# train_*.py program (tests/training_program.py).
+# script alone does not (c10d's dumps of C++ frames when a peer dies); and the collector and Ctrl-C
+# as in the program it runs (tests/training_program.py).
 import tests.training_program  # noqa: F401
 # isort: split
 import errno

@@ -126,8 +126,8 @@ def test_a_sigkill_is_not_blamed_on_memory():
 # preparation does ("fork": the child says whether it kept its parent's SIGINT handling).
 START_UP = """
 import ctypes, os, signal, sys, threading
-from common.interrupts import end_start_up_on_ctrl_c
-end_start_up_on_ctrl_c()
+from common.interrupts import end_on_ctrl_c
+end_on_ctrl_c("train_ddp.py")
 if sys.argv[1] == "fork":
     def fork():
         if os.fork() == 0:

@@ -1,20 +1,29 @@
 """Using a trained model: evaluate.py (exact, at any world size, equal to the training run's last
 evaluation), predict.py (images prepared as the training run prepared its test images; a broken
 file named, the others predicted), export.py (ONNX, TorchScript and safetensors files that load
-back and give PyTorch's outputs), and the top-5 / per-class figures a training run logs.
+back and give PyTorch's outputs), the top-5 / per-class figures a training run logs, and a Ctrl-C
+in any of the three (one line, status 130, no output file cut).
 
 One launch trains a tiny ImageFolder set (PNG and JPEG of several sizes, --image-size: resize and
 centre crop, at --crop-pct 0.8 with --interpolation bicubic, which the three programs must follow)
 at W=2 and evaluates its checkpoint at W=2; one plain process evaluates it at W=1.
-predict.py and export.py run in-process: they are one process with no process group."""
+predict.py and export.py run in-process: they are one process with no process group. So do the
+Ctrl-C tests (common/interrupts.py's guard set as the program's, os._exit recording), but one: a
+predict.py process held as it writes its output, then sent SIGINT."""
 from __future__ import annotations
 
+import contextlib
 import csv
+import errno
 import json
 import math
 import os
 import re
 import shutil
+import signal
+import subprocess
+import threading
+import time
 import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -25,12 +34,14 @@ import pytest
 import torch
 from PIL import Image
 
+from common import interrupts
 from common.data import own
 from common.data.decoding import decode
 from common.data.formats import read_cifar10
 from common.data.geometry import Resampling, Stored
 from common.data.loader import Dataset, DataSpec, Expected, Normalizer, Split, make_synthetic
 from common.errors import UserError
+from common.interrupts import USE_PROGRAMS
 from common.models import build_model
 from common.output import confusion
 from common.output.logger import EpochResult, _epoch_line
@@ -39,10 +50,23 @@ from common.train import evaluation
 from common.train.evaluation import evaluate
 from common.train.precision import Precision
 from common.use import evaluating, predicting
+from common.use import program as use_program
 from common.use.exporting import current_umask
 from common.use.source import find_checkpoint
-from tests.conftest import error_lines, latest_checkpoint, one_launch, read_scalars, run_script, split_runs
+from tests.conftest import (
+    ENDS_PROMPTLY_S,
+    ROOT,
+    child_env,
+    error_lines,
+    latest_checkpoint,
+    one_launch,
+    read_scalars,
+    run_script,
+    script_command,
+    split_runs,
+)
 from tests.datagen import write_cifar10, write_imagefolder, write_shards
+from tests.gates import Gate
 
 TRAIN = ["--dataset", "imagefolder", "--image-size", "24", "--model", "lenet", "--batch-size", "16", "--epochs", "1",
          "--max-steps", "2", "--ema", "0.5", "--crop-pct", "0.8", "--interpolation", "bicubic"]
@@ -503,11 +527,7 @@ def test_bad_flags_are_one_line_exit_2(argv, message, capsys):
 def test_a_checkpoint_store_that_never_answers_ends_the_program_at_its_deadline(tmp_path):
     """A server that accepts and never replies: one line naming --storage-timeout-s, within it."""
     import socket
-    import subprocess
     import sys
-    import time
-
-    from tests.conftest import ROOT, child_env
 
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
@@ -539,3 +559,199 @@ def test_a_forward_that_branches_on_its_input_is_refused_as_torchscript_and_fifo
     failed = Failures(skip=False)
     assert list(image_files([str(tmp_path), str(tmp_path / "pipe.png")], failed)) == []
     assert any("pipe.png: not a regular file" in line for line in failed.files)
+
+
+# Ctrl-C ---------------------------------------------------------------------------------------
+class Ended(BaseException):
+    """os._exit in a test's process: the process would end here."""
+
+
+def guarded_as(program: str, folder: Path, monkeypatch) -> list[tuple[int, list[str]]]:
+    """common/interrupts.py's guard as `program` holds it, in this process but without its signal
+    handler (pytest keeps its Ctrl-C), and os._exit recording the exit status and what `folder` holds
+    as the process would end, then raising Ended; the console is left as it is (no _silence)."""
+    ended = []
+
+    def exit_here(status: int) -> None:
+        ended.append((status, sorted(p.name for p in folder.iterdir())))
+        raise Ended(status)
+    monkeypatch.setattr(interrupts._Guard, "program", program)
+    monkeypatch.setattr(interrupts._Guard, "line", interrupts.ctrl_c_line(program))
+    monkeypatch.setattr(interrupts._Guard, "leftovers", [])
+    monkeypatch.setattr(interrupts, "_ENDING", threading.Lock())  # one that no ended test left held
+    monkeypatch.setattr(interrupts, "_silence", lambda: None)
+    monkeypatch.setattr(os, "_exit", exit_here)
+    return ended
+
+
+def ctrl_c() -> None:
+    """A Ctrl-C as the main thread's handler takes it (the watcher's own acts alike, waiting for the lock)."""
+    interrupts.end_now(signal.SIGINT)
+
+
+@pytest.mark.quick
+def test_one_place_decides_which_programs_end_on_ctrl_c_with_one_line():
+    """common/interrupts.py's rule by file name, asked by the package's import, the test programs (for
+    the program they stand for) and launch/quiet_torchrun.py (for the script it starts)."""
+    from launch.quiet_torchrun import workers_line
+    from tests.training_program import stands_for
+
+    for name in USE_PROGRAMS:
+        assert interrupts.ctrl_c_line(name) == f"interrupted (Ctrl-C): {name} stopped and wrote no file; the same " \
+                                               "command starts again"
+    assert interrupts.ctrl_c_line("train_ddp.py") == interrupts.STARTUP_LINE
+    assert [interrupts.ctrl_c_line(p) for p in ("pytest", "", "runs.py", "quiet_torchrun.py", "my_evaluate.py")] == \
+        [None] * 5
+    assert stands_for("patched.py", ["patched.py", "gate=all@output", "predict.py", "--top-k", "3"]) == "predict.py"
+    assert interrupts.ctrl_c_line(stands_for("patched.py", ["patched.py", "no-rename", "tests/runs.py"])) == \
+        interrupts.ctrl_c_line(stands_for("faults.py", ["faults.py", "ddp"])) == interrupts.STARTUP_LINE
+    assert stands_for("pytest", ["pytest"]) == "pytest"
+    assert workers_line(["quiet_torchrun.py", "--nproc_per_node=2", "tests/patched.py", "gate=all@data", "evaluate.py",
+                         "--checkpoint", "run"]) == interrupts.ctrl_c_line("evaluate.py")
+    assert workers_line(["quiet_torchrun.py", "--rdzv-id", "train_x", "-m", "mymodule"]) == interrupts.STARTUP_LINE
+
+
+@pytest.mark.quick
+def test_a_ctrl_c_while_the_output_is_put_in_place_waits_for_it_then_says_it_is_whole(tmp_path, monkeypatch, capfd):
+    """The renames that put staged files in place (evaluate.py's three) are not cut: the main thread's
+    handler passes over a Ctrl-C then, and the watcher waits for the renames and ends the process
+    with the line that says the output is whole; before them, the staging folder is removed and the
+    line says that no file was written."""
+    ended = guarded_as("evaluate.py", tmp_path, monkeypatch)
+    renamed, real_move = [], use_program.move
+
+    def watch() -> None:  # the watcher thread's own handling of the same Ctrl-C
+        with contextlib.suppress(Ended):
+            ctrl_c()
+    watcher = threading.Thread(target=watch, daemon=True)
+
+    def move(staged_file: Path, final: Path) -> None:
+        if not renamed:  # a Ctrl-C lands as the first rename begins: both threads see it
+            ctrl_c()  # the main thread's handler: returns, the renames go on
+            watcher.start()
+            watcher.join(timeout=0.5)
+            assert watcher.is_alive(), "the watcher did not wait for the renames"
+        real_move(staged_file, final)
+        renamed.append(final.name)
+    monkeypatch.setattr(use_program, "move", move)
+    with use_program.staged(tmp_path, evaluating.OUTPUT_FILES) as staging:
+        for name in evaluating.OUTPUT_FILES:
+            (staging / name).write_text(name)
+    watcher.join(timeout=30)
+    assert renamed == list(evaluating.OUTPUT_FILES)
+    assert ended == [(130, sorted(evaluating.OUTPUT_FILES))]  # every file in place, no staging folder left
+    assert capfd.readouterr().err == f"{interrupts.written_line('evaluate.py')}\n"
+
+    before = guarded_as("evaluate.py", tmp_path / "again", monkeypatch)
+    (tmp_path / "again").mkdir()
+    with pytest.raises(Ended), use_program.staged(tmp_path / "again", ["metrics.json"]) as staging:
+        (staging / "metrics.json").write_text("{")
+        ctrl_c()
+    assert before == [(130, [])] and capfd.readouterr().err == f"{interrupts.ctrl_c_line('evaluate.py')}\n"
+
+
+def lenet_checkpoint(path: Path) -> Path:
+    """A checkpoint of an untrained lenet for 1x28x28 images in 10 classes, as the programs read it."""
+    model = build_model("lenet", 1, 28, 10, seed=0)
+    torch.save({"model": model.state_dict(), "optimizer": {}, "scheduler": {}, "epoch": 1, "step_in_epoch": 0,
+                "global_step": 1, "world_size": 1, "identity": {}, "config": {"model": "lenet", "seed": 0},
+                "data": {"classes": [str(i) for i in range(10)], "channels": 1, "size": 28, "mean": [0.5],
+                         "std": [0.25], "resize": 0}}, path)
+    return path
+
+
+def interrupted_evaluation(folder: Path, monkeypatch) -> None:
+    """evaluate.py's report, interrupted once metrics.json and per_class.csv are written."""
+    labels = torch.tensor([0, 1])
+    images = torch.zeros(2, 1, 2, 2, dtype=torch.uint8)
+    data = Dataset("two", DataSpec(1, 2, 2, (0.0,), (1.0,), "none"), Split(images, labels), Split(images, labels))
+    monkeypatch.setattr(confusion, "png", lambda *_: ctrl_c())
+    evaluating.report(SimpleNamespace(ema=False, output_dir=str(folder)), SimpleNamespace(path="c.pt", step=1), data,
+                      ["a", "b"], evaluation.Metrics(0.7, 0.5, 2, confusion=torch.eye(2, dtype=torch.int64)), 1)
+
+
+def interrupted_prediction(folder: Path, monkeypatch) -> None:
+    """predict.py writing its CSV file, interrupted after the first row."""
+    real = predicting.write_csv
+
+    def write_csv(predictions: list, path: Path) -> None:
+        real(predictions[:1], path)
+        ctrl_c()
+    monkeypatch.setattr(predicting, "write_csv", write_csv)
+    rows = [predicting.Prediction(f"{i}.png", [("a", 0, 0.75)]) for i in range(3)]
+    predicting.write(rows, str(folder / "preds.csv"))
+
+
+def interrupted_export(folder: Path, monkeypatch) -> None:
+    """export.py, interrupted once the TorchScript file is written, before its check and PATH.json."""
+    import export
+    from common.use import exporting
+
+    real = exporting.to_torchscript
+
+    def to_torchscript(*args):
+        real(*args)
+        ctrl_c()
+    monkeypatch.setattr(exporting, "to_torchscript", to_torchscript)
+    export.main(["--checkpoint", str(lenet_checkpoint(folder.parent / "lenet.pt")), "--format", "torchscript",
+                 "--output", str(folder / "model.pt")])
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("program, interrupted", [("evaluate.py", interrupted_evaluation),
+                                                  ("predict.py", interrupted_prediction),
+                                                  ("export.py", interrupted_export)])
+def test_a_ctrl_c_while_a_program_writes_its_output_leaves_no_file(program, interrupted, tmp_path, monkeypatch,
+                                                                      capfd):
+    """A Ctrl-C mid-way through the writing (evaluate.py's second file of three, predict.py's CSV
+    file after its first row, export.py's model before its check and PATH.json): the process ends
+    with status 130 and the program's line alone, and its output folder holds nothing, not even a
+    staging name (each program writes through common/use/program.py staged)."""
+    folder = tmp_path / "output"
+    folder.mkdir()
+    ended = guarded_as(program, folder, monkeypatch)
+    with pytest.raises(Ended):
+        interrupted(folder, monkeypatch)
+    assert ended == [(130, [])]
+    assert capfd.readouterr().err == f"{interrupts.ctrl_c_line(program)}\n"
+
+
+def test_ctrl_c_while_predict_writes_its_output_is_one_line_and_leaves_no_file(trained, tmp_path):
+    """The use programs' one launch for Ctrl-C: predict.py as a user runs it (plain python; through
+    tests/patched.py, set up as predict.py itself), held as its --output CSV file has its first line
+    written and flushed (tests/gates.py's `output`), then SIGINT: status 130, its line alone on stderr,
+    nothing on stdout, and neither the file nor a staging folder left."""
+    gate, hold = Gate(tmp_path / "gates"), "all@output"
+    output = tmp_path / "out" / "preds.csv"
+    proc = subprocess.Popen(script_command(["tests/patched.py", f"gate={hold}", "predict.py", "--checkpoint",
+                                            str(trained.checkpoint), str(trained.images / "val"), "--output",
+                                            str(output)]),
+                            cwd=ROOT, env={**child_env(), **gate.env()}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        gate.held(hold, timeout=120)
+        being_written = [f.read_text() for f in output.parent.rglob("*") if f.is_file()]
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate(timeout=ENDS_PROMPTLY_S)
+        took = time.monotonic() - sent
+    finally:
+        proc.kill()
+    print(f"\nCtrl-C as predict.py wrote its output: ended {took:.2f} s later, status {proc.returncode}")
+    assert len(being_written) == 1 and being_written[0].startswith("file,class_1,") and \
+        being_written[0].count("\n") == 1, being_written  # held mid-write: the header alone
+    assert proc.returncode == 128 + signal.SIGINT and err == f"{interrupts.ctrl_c_line('predict.py')}\n", err[-3000:]
+    assert out == "" and list(output.parent.iterdir()) == []
+
+
+@pytest.mark.quick
+def test_output_is_copied_into_place_where_the_file_system_renames_nothing(tmp_path, monkeypatch):
+    """S3 Mountpoint refuses rename(2) (EPERM, as tests/patched.py's no-rename): each staged file is
+    copied under its final name, and the staging folder removed."""
+    def refused(*args):
+        raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+    monkeypatch.setattr(os, "replace", refused)
+    with use_program.staged(tmp_path, ["preds.csv"]) as staging:
+        (staging / "preds.csv").write_text("file,class_1\n")
+    assert [p.name for p in tmp_path.iterdir()] == ["preds.csv"] and (tmp_path / "preds.csv").read_text() == \
+        "file,class_1\n"

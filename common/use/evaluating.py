@@ -32,8 +32,10 @@ from common.parallel.failures import told
 from common.train.evaluation import CONFUSION_MAX_CLASSES, Metrics, evaluate
 from common.train.precision import Precision
 from common.train.run import default_eval_batch, torch_memory_format
-from common.use.program import check_storage, check_writable, make_parser, run_program, writable_problem
+from common.use.program import check_storage, check_writable, make_parser, run_program, staged, writable_problem
 from common.use.source import Preprocessing, Saved
+
+OUTPUT_FILES = ("per_class.csv", "confusion.png", "metrics.json")  # in --output-dir, in the order they are put there
 
 
 @dataclass(frozen=True)
@@ -181,11 +183,13 @@ def report(flags: Flags, saved: Saved, data: Dataset, names: Sequence[str], metr
                "top1_correct": correct, "top5": metrics.acc_top5 if has_top5 else None, "top5_correct": top5,
                "loss": metrics.loss,
                "classes": list(names), "confusion": counts}
-    (out / "metrics.json").write_text(json.dumps(summary, indent=1) + "\n")
+    with staged(out, OUTPUT_FILES) as staging:  # metrics.json last: the three belong together
+        (staging / "metrics.json").write_text(json.dumps(summary, indent=1) + "\n")
+        if counts is not None:
+            (staging / "per_class.csv").write_text(confusion.csv_text(confusion.per_class(counts, names)))
+            (staging / "confusion.png").write_bytes(confusion.png(counts, names, f"{data.name}, step {saved.step}"))
     if counts is None:
         print(f"wrote {out / 'metrics.json'} (no per-class figures: more than {CONFUSION_MAX_CLASSES} classes)",
               flush=True)
         return
-    (out / "per_class.csv").write_text(confusion.csv_text(confusion.per_class(counts, names)))
-    (out / "confusion.png").write_bytes(confusion.png(counts, names, f"{data.name}, step {saved.step}"))
     print(f"wrote {out / 'metrics.json'}, {out / 'per_class.csv'} and {out / 'confusion.png'}", flush=True)

@@ -12,8 +12,10 @@ state dict, PATH.json in the file's metadata too); load them into
 common.models.build_model(model, channels, size, classes, seed).
 Each file is checked when written: loaded back (ONNX through onnxruntime) and run on a batch of
 another size than the export's example, its outputs within 1e-4 of PyTorch's (the largest
-difference is printed); a file that fails the check is deleted. A model that does not export is
-one line naming the operator that failed.
+difference is printed); a file that fails the check is never put in place. A model that does not
+export is one line naming the operator that failed. The files are written under a staging name and
+renamed into place once checked (common/use/program.py staged): an error or a Ctrl-C leaves PATH,
+PATH.data and PATH.json as they were, never cut.
 """
 from __future__ import annotations
 
@@ -29,7 +31,7 @@ import torch
 from torch import nn
 
 from common.errors import UserError, first_line
-from common.use.program import check_storage, check_writable, make_parser, run_program
+from common.use.program import check_storage, check_writable, make_parser, run_program, staged
 from common.use.source import Preprocessing, Saved
 
 FORMATS = ("onnx", "torchscript", "safetensors")
@@ -60,8 +62,10 @@ def export_checkpoint(flags: argparse.Namespace, saved: Saved) -> None:
     output = Path(flags.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     about = description(saved, preprocessing, flags.format, flags.ema)
-    difference = export(model, saved, preprocessing, flags.format, output, about)
-    Path(f"{output}.json").write_text(json.dumps(about, indent=1) + "\n")
+    # PATH.data before the model file that names it, PATH.json last: it describes the file in place
+    with staged(output.parent, [f"{output.name}.data", output.name, f"{output.name}.json"]) as staging:
+        difference = export(model, saved, preprocessing, flags.format, staging / output.name, about)
+        (staging / f"{output.name}.json").write_text(json.dumps(about, indent=1) + "\n")
     print(f"wrote {output} and {output}.json; its outputs on {CHECK_BATCH} inputs are within {difference:.2e} "
           f"of PyTorch's (tolerance {TOLERANCE:g})", flush=True)
 
@@ -76,7 +80,8 @@ def description(saved: Saved, p: Preprocessing, fmt: str, ema: bool) -> dict[str
 
 
 def export(model: nn.Module, saved: Saved, p: Preprocessing, fmt: str, output: Path, about: dict[str, Any]) -> float:
-    """Write `output` and check it; the largest difference from PyTorch's logits."""
+    """Write `output` (a staged file: an error leaves nothing) and check it; the largest difference
+    from PyTorch's logits."""
     example, check = inputs(p, EXAMPLE_BATCH, seed=0), inputs(p, CHECK_BATCH, seed=1)
     if fmt == "onnx":
         runner = to_onnx(model, example, output)
@@ -89,10 +94,8 @@ def export(model: nn.Module, saved: Saved, p: Preprocessing, fmt: str, output: P
         # Relative to the logits' size: logits of 1e-5 would pass an absolute bound whatever the file gave.
         difference = ((runner(check).float() - expected).abs().max() / expected.abs().max().clamp(min=1e-12)).item()
     if not difference <= TOLERANCE:  # NaN too
-        output.unlink(missing_ok=True)
         raise UserError(f"--format {fmt}: the exported model's outputs differ from PyTorch's by up to {difference:.3g} "
-                        f"of the largest logit (more than {TOLERANCE:g}) on {CHECK_BATCH} inputs; {output} was not "
-                        "kept")
+                        f"of the largest logit (more than {TOLERANCE:g}) on {CHECK_BATCH} inputs; no file was written")
     return difference
 
 
@@ -113,7 +116,6 @@ def to_onnx(model: nn.Module, example: torch.Tensor, output: Path) -> Runner:
                               output_names=["logits"], dynamic_shapes=({0: torch.export.Dim("batch")},),
                               external_data=state_bytes(model) > ONNX_ONE_FILE_BYTES, verbose=False)
     except Exception as e:  # noqa: BLE001 - whatever the exporter raises, the user needs the operator
-        output.unlink(missing_ok=True)
         raise UserError(f"--format onnx: the model does not export to ONNX: {failing_operator(e)}; try --format "
                         "torchscript or safetensors, or change the model") from None
     session = onnxruntime.InferenceSession(str(output), providers=["CPUExecutionProvider"])

@@ -10,8 +10,8 @@ in it are left alone, counted and named in one line. A file that cannot be predi
 image, unreadable, or of another size where the model takes images as they are) is named in one
 line on stderr and the others are predicted and written. Exit status: 0 every file predicted (with
 --skip-broken: every file that could be), 3 some predicted and written and others not, 1 none
-predicted (or the checkpoint unusable), 2 a bad flag. One process, batched, in float32, on the GPU
-when there is one.
+predicted (or the checkpoint unusable), 2 a bad flag, 130 a Ctrl-C (one line; the --output file
+is written whole or not at all). One process, batched, in float32, on the GPU when there is one.
 """
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ import torch
 from common import shards as layout
 from common.data.decoding import broken_message, decode, header
 from common.data.loader import Normalizer
-from common.use.program import check_storage, check_writable, make_parser, run_program
+from common.use.program import check_storage, check_writable, make_parser, run_program, staged
 from common.use.source import Preprocessing, Saved
 
 OUTPUT_FORMATS = (".csv", ".json")
@@ -74,7 +74,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     run_program(lambda: parse_flags(argv), predict_with)
 
 
-def predict_with(flags: argparse.Namespace, saved: Saved) -> None:
+def predict_with(flags: argparse.Namespace, saved: Saved) -> int:
     preprocessing = saved.preprocessing()
     device = torch.device(flags.device if flags.device != "auto" else "cuda" if torch.cuda.is_available() else "cpu")
     model = saved.model(flags.ema).to(device)
@@ -82,8 +82,7 @@ def predict_with(flags: argparse.Namespace, saved: Saved) -> None:
     predictions = list(predict(model, preprocessing, image_files(flags.images, failed), flags.top_k,
                                flags.batch_size, device, failed))
     write(predictions, flags.output)
-    if status := exit_status(len(predictions), failed):
-        sys.exit(status)
+    return exit_status(len(predictions), failed)
 
 
 def exit_status(predicted: int, failed: Failures) -> int:
@@ -190,7 +189,8 @@ def write(predictions: list[Prediction], output: str | None) -> None:
         return
     path = Path(output)
     path.parent.mkdir(parents=True, exist_ok=True)
-    (write_json if path.suffix.lower() == ".json" else write_csv)(predictions, path)
+    with staged(path.parent, [path.name]) as staging:
+        (write_json if path.suffix.lower() == ".json" else write_csv)(predictions, staging / path.name)
     print(f"wrote {len(predictions)} prediction(s) to {path}", flush=True)
 
 

@@ -1,21 +1,26 @@
-"""What the three programs share: their checkpoint flags, and how they end (one line and an exit
-status for an error, as the training scripts do)."""
+"""What the three programs share: their checkpoint flags, how they write their output (whole under
+its final name, or not at all: staged), and how they end (one line and an exit status for an error,
+as the training scripts do; a Ctrl-C: one line and status 130, common/interrupts.py)."""
 from __future__ import annotations
 
 import argparse
 import math
 import os
+import shutil
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator, Sequence
 
 from common.config import RankZeroParser
 from common.credentials import read_storage_options
+from common.data.index import staging_for
 from common.errors import ConfigError, exit_quietly_after_the_printer
+from common.interrupts import finished, output_in_place, removed_on_ctrl_c
 from common.parallel.context import DeadlinePassed, abandon_hung_thread, run_within
 from common.parallel.failures import parsed_telling_torchrun, told
-from common.storage import STORAGE_TIMEOUT_S, url_problem
+from common.storage import NO_RENAME, STORAGE_TIMEOUT_S, url_problem
 from common.use.source import Saved, find_checkpoint
 
 
@@ -80,6 +85,37 @@ def writable_problem(flag: str, file: Path, folder: bool = False) -> str | None:
     return None
 
 
+@contextmanager
+def staged(folder: Path, names: Sequence[str]) -> Iterator[Path]:
+    """A staging folder beside the output, in `folder`, where the block writes the files `names` under
+    their final names (an ONNX file names its PATH.data by its own). When the block ends without an
+    error, those it wrote are moved into `folder` in the order of `names`, a Ctrl-C meanwhile waiting
+    for the moves (common/interrupts.py); an error or a Ctrl-C before them removes the staging folder.
+    A file of the output is under its final name only whole: a Ctrl-C, an error or a full disk
+    mid-way leaves the previous file, or none."""
+    staging = staging_for(folder / "output")  # .output.tmp-HOST-PID-RANDOM
+    with removed_on_ctrl_c(staging):
+        try:
+            yield staging
+            with output_in_place():
+                for name in names:
+                    if (staging / name).exists():
+                        move(staging / name, folder / name)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+
+def move(staged_file: Path, final: Path) -> None:
+    """A rename; copied where the file system renames nothing (S3 Mountpoint, some FUSE mounts),
+    the one way such a mount takes a file."""
+    try:
+        os.replace(staged_file, final)
+    except OSError as e:
+        if e.errno not in NO_RENAME:
+            raise
+        shutil.copyfile(staged_file, final)
+
+
 def read_checkpoint(flags: argparse.Namespace) -> Saved:
     """--checkpoint, read within --storage-timeout-s: a store that never answers ends the program
     with one line, not a hang."""
@@ -92,14 +128,28 @@ def read_checkpoint(flags: argparse.Namespace) -> Saved:
                           "(--storage-timeout-s); check the URL and that the store is up") from None
 
 
-def run_program(parse: Callable[[], argparse.Namespace], use: Callable[[argparse.Namespace, Saved], None]) -> None:
-    """Parse the flags, find the checkpoint, use it; an error ends the process with its one line (a
-    crash: its traceback, then a line) and its exit status."""
+def run_program(parse: Callable[[], argparse.Namespace],
+                use: Callable[[argparse.Namespace, Saved], int | None]) -> None:
+    """Parse the flags, find the checkpoint, use it (`use` returns the exit status; None: 0); an error
+    ends the process with its one line (a crash: its traceback, then a line) and its exit status.
+    Then the process ends at once (common/interrupts.py finished); a test's call returns, or raises
+    SystemExit for a status other than 0."""
+    try:
+        status = status_of(parse, use)
+    except SystemExit as ended:  # argparse's refusal of a flag (2) or --help (0), said already
+        status = ended.code if isinstance(ended.code, int) else 1
+    finished(status)
+    if status:
+        sys.exit(status)
+
+
+def status_of(parse: Callable[[], argparse.Namespace], use: Callable[[argparse.Namespace, Saved], int | None]) -> int:
+    """The program's exit status: `use`'s, or an error's once its line is said."""
     try:
         flags = parsed_telling_torchrun(parse)
-        use(flags, read_checkpoint(flags))
+        return use(flags, read_checkpoint(flags)) or 0
     except Exception as error:
         failure = told(error, None)
         if not failure.should_print():
             exit_quietly_after_the_printer(failure.quiet_exit_delay_s)
-        sys.exit(failure.exit_code)
+        return failure.exit_code
