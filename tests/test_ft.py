@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -300,6 +301,140 @@ def test_a_quorum_whose_training_groups_are_at_other_steps_is_refused_but_a_heal
         agree(25, [*same_run, 36])
     with pytest.raises(UserError, match="met groups that train another run"):
         agree(35, [2, 100, 0xAB13, 36])
+
+
+
+class TrainedAgain(Exception):
+    """The step's second vote: the loop trains the step again."""
+
+
+class HealVote:
+    """torchft's manager in a step the group heals in, as one_step() uses it: the vote loads the peer's
+    state on a rank whose transfer came (torchft applies it as the vote begins, and counts the rank at
+    the peer's step 35 from then on) and fails (a group died in the step)."""
+
+    def __init__(self, trainer, loads: bool) -> None:
+        self.trainer, self.loads, self.votes = trainer, loads, 0
+
+    def start_quorum(self) -> None:
+        pass
+
+    def disallow_state_dict_read(self) -> None:
+        pass
+
+    def allow_state_dict_read(self) -> None:
+        pass
+
+    def should_commit(self) -> bool:
+        self.votes += 1
+        if self.votes > 1:
+            raise TrainedAgain
+        if self.loads:
+            self.trainer.load_peer_state({"state": {}, "group": 0})
+        return False
+
+    def current_step(self) -> int:
+        return 35 if self.loads else 25
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("rank, loads, loaded_in_group, outcome", [
+    (0, True, 2, "healed at 35"),  # every rank has the peer's state: the group goes on from it
+    (1, False, 0, "trained again"),  # none has: the step is trained again, from the group's own place
+    (0, True, 1, "the group ends"),  # the transfer came to rank 0 only: neither way is one state for the group
+    (1, False, 1, "the group ends"),
+])
+def test_a_heal_whose_step_fails_goes_one_way_for_every_rank_of_the_group(rank, loads, loaded_in_group, outcome,
+                                                                           monkeypatch):
+    """A group of two ranks heals in step 26 (its checkpoint's place) from a peer at step 35 that dies in
+    the step: each rank receives its own part of the peer's state, so a transfer cut between the two
+    leaves one rank with the peer's state and step and the other with its own. The ranks then take
+    one way together: on from the peer's step, the step again, or (split) the group ends, one line
+    from rank 0, to heal once started again. Going separate ways, rank 0 trained step 36 and rank 1
+    step 26 again in one group, adding their gradients, each on its own weights."""
+    from common.errors import PeerFailed, UserError
+    from common.parallel.context import DistContext
+    from common.train import ft
+
+    @dataclass(frozen=True)
+    class GroupOfTwo(DistContext):
+        loaded: int = 0  # the group's sum: how many of its ranks loaded the peer's state
+
+        def all_reduce_sum(self, values: torch.Tensor) -> torch.Tensor:
+            return torch.tensor([self.loaded])
+
+    monkeypatch.setattr(ft, "load_training_state", lambda run, state: None)
+    trainer = object.__new__(ft.FaultTolerantTrainer)  # the loop's state, without a run or a Lighthouse
+    trainer.run = SimpleNamespace(ctx=GroupOfTwo(rank, 2, rank, 2, torch.device("cpu"), "gloo", loaded=loaded_in_group),
+                                  global_step=lambda at: at.epoch * 25 + at.step, steps_per_epoch=25)
+    trainer.ft = SimpleNamespace(quorum_every=1, group_id=1, synchronize=lambda extra, rows: extra)
+    trainer.manager, trainer.quorum, trainer.healed_from, trainer.retried = HealVote(trainer, loads), None, None, 0
+    trainer.settle = lambda at: ft.Quorum(1, None)  # the peer's group trains; this one heals
+    trainer.train_share = lambda quorum, at, clock: ([], (torch.zeros(2), None, torch.zeros(1)))
+    trainer.log = SimpleNamespace(warn=lambda line: None, info=lambda line: None)
+    try:
+        ft.FaultTolerantTrainer.one_step(trainer, None, ft.Position(1, 0), SimpleNamespace(lap=lambda what: None))
+    except ft.Healed as healed:
+        took = f"healed at {trainer.run.global_step(healed.at)}"
+    except TrainedAgain:
+        took = "trained again"
+    except UserError as ended:
+        took = "the group ends"
+        assert isinstance(ended, PeerFailed) == (rank != 0), ended  # rank 0 says it, the other ends quietly
+        assert "group 1: 1 of its 2 ranks loaded their peer's state before the step they healed in failed" in \
+            str(ended), ended
+    assert took == outcome
+
+
+
+@pytest.mark.quick
+def test_a_peer_state_read_waits_while_the_slots_move_batchnorm_statistics():
+    """torchft's quorum thread copies this group's state for a healing peer while the step's forward
+    runs, and forward moves BatchNorm's running statistics (train_slots() puts them back at its end).
+    The copy waits for them (torchft's read lock, here with a 0.2 s bound): a heal whose step then
+    failed kept statistics part way through a step, and went on with them."""
+    from torchft.checkpointing._rwlock import RWLock
+
+    from common.train import ft
+
+    statistics = torch.zeros(3)
+
+    class StateReads:  # torchft's Manager as far as a peer's state is read: its lock, and the quorum thread's read
+        _state_dict_lock, _is_state_dict_read_allowed = RWLock(timeout=0.2), True
+        _user_state_dicts = {"run": lambda: statistics.clone()}
+        disallow_state_dict_read = ft.Manager.disallow_state_dict_read
+        allow_state_dict_read = ft.Manager.allow_state_dict_read
+        _manager_state_dict = ft.Manager._manager_state_dict
+
+        def state_dict(self) -> dict[str, int]:
+            return {"step": 35, "batches_committed": 70}
+
+    def read() -> object:
+        try:
+            return StateReads._manager_state_dict(manager)["user"]["run"]
+        except TimeoutError:
+            return "waited"
+
+    read_in_step = []
+
+    def train_slots(mine: list[int], batches: list, at: ft.Position) -> str:
+        statistics.add_(1)  # a micro-batch's forward
+        quorum_thread = threading.Thread(target=lambda: read_in_step.append(read()))
+        quorum_thread.start()
+        quorum_thread.join()
+        statistics.sub_(1)  # put back: slot 0's come with the step's sum
+        return "trained"
+
+    manager = StateReads()
+    trainer = object.__new__(ft.FaultTolerantTrainer)
+    trainer.manager, trainer.train_slots = manager, train_slots
+    trainer.ft, trainer.run = SimpleNamespace(slots=2), SimpleNamespace(ctx=SimpleNamespace(rank=0, world_size=1))
+    trainer.slots = SimpleNamespace(batch=lambda slot, at: (slot, at))
+    trained = ft.FaultTolerantTrainer.train_share(trainer, ft.Quorum(1, 0), ft.Position(1, 10),
+                                                  SimpleNamespace(lap=lambda what: None))
+    assert trained == ([(0, ft.Position(1, 10)), (1, ft.Position(1, 10))], "trained")
+    assert read_in_step == ["waited"]  # not the statistics part way through the step
+    assert torch.equal(read(), torch.zeros(3))  # once the slots are done: the step's own
 
 
 REFUSALS = [

@@ -14,6 +14,7 @@ import signal
 import socket
 import time
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Iterator, NoReturn
@@ -156,7 +157,7 @@ class FaultTolerantTrainer(Trainer):
                 if quorum.index is None:
                     self.end_heal(started)
                 return stats, norm, sum(len(labels) for _, labels in batches)
-            if self.healed_from is not None:
+            if quorum.index is None and self.peer_state_loaded():
                 self.heal_not_committed()
             self.retried += 1
             fresh = True  # a new quorum, without the group that failed
@@ -168,7 +169,8 @@ class FaultTolerantTrainer(Trainer):
         mine = share(self.ft.slots, quorum, self.run.ctx.rank, self.run.ctx.world_size)
         batches = [self.slots.batch(slot, at) for slot in mine]
         clock.lap(DATA)
-        trained = self.train_slots(mine, batches, at)
+        with self.state_unread():
+            trained = self.train_slots(mine, batches, at)
         clock.lap(COMPUTE)
         return batches, trained
 
@@ -282,10 +284,40 @@ class FaultTolerantTrainer(Trainer):
                       f"it healed in failed across groups: it goes on from step {step + 1}")
         self.go_on_from(step)
 
+    def peer_state_loaded(self) -> bool:
+        """After a failed vote in a step this group healed in: whether it holds its peer's state, as all
+        its ranks find. Each rank receives its own from the peer's rank of its number: a source that
+        dies as it sends, or a transfer that times out on one rank, leaves some ranks with the peer's
+        state and step and the others with their own; gone on from two places, the group's ranks would
+        add two steps' gradients and train apart. Such a group ends (a collective every rank of it
+        makes: the vote and the quorum are the group's)."""
+        ctx = self.run.ctx
+        mine = torch.tensor([int(self.healed_from is not None)])
+        loaded = int((ctx.all_reduce_sum(mine) if ctx.world_size > 1 else mine).item())
+        if 0 < loaded < ctx.world_size:
+            ctx.fail_together(f"group {self.ft.group_id}: {loaded} of its {ctx.world_size} ranks loaded their peer's "
+                              "state before the step they healed in failed across groups (the transfer failed on the "
+                              "others): the group cannot go on from two states; it ends, and started again "
+                              "(launch/ft.sh does) heals from a live group or resumes from the last checkpoint")
+        return loaded > 0
+
     def go_on_from(self, step: int) -> NoReturn:
         """A peer's state loaded: the loop goes on after its `step` steps, with a quorum asked anew."""
         self.quorum, self.healed_from = None, None
         raise Healed(Position(*divmod(step, self.run.steps_per_epoch)))
+
+    @contextmanager
+    def state_unread(self) -> Iterator[None]:
+        """While this rank's slots train, no peer's heal reads this group's state: torchft's quorum thread
+        copies it for a healing group while the step's forward moves BatchNorm's statistics, which
+        train_slots() puts back at its end. A heal whose step then fails keeps what it copied: the
+        copy waits for the step's own statistics (torchft's lock for it; its wait is bounded by
+        --ft-timeout-s, as the healing group's wait for this step's sum is)."""
+        self.manager.disallow_state_dict_read()
+        try:
+            yield
+        finally:
+            self.manager.allow_state_dict_read()
 
     def train_slots(self, mine: list[int], batches: list[tuple[torch.Tensor, torch.Tensor]], at: Position,
                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
