@@ -21,7 +21,7 @@ programs); in a worker of torchrun, a thread watches its agent, so that the work
 agent dies, set-up included (common/orphans.py). Every one of those programs imports the package
 first, so that its own import of torch is covered too.
 """
-from common.collector import pause_during_set_up, program_name, started_as_a_training_script
+from common.collector import pause_during_set_up, started_as_a_training_script, suite_program
 
 __version__ = "0.1.0"
 
@@ -32,7 +32,7 @@ if started_as_a_training_script():
 from common.interrupts import end_on_ctrl_c  # noqa: E402
 from common.orphans import end_when_the_agent_dies, launched_by_torchrun  # noqa: E402
 
-end_on_ctrl_c(program_name())
+end_on_ctrl_c(suite_program())
 
 if launched_by_torchrun():
     end_when_the_agent_dies()

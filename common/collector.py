@@ -119,10 +119,20 @@ def program_name() -> str:
     return os.path.basename(getattr(sys.modules.get("__main__"), "__file__", None) or "")
 
 
+def suite_program() -> str:
+    """program_name() where the program is one of the suite's own, beside the package (a train_*.py,
+    evaluate.py, predict.py, export.py of this checkout); "" for any other: a user's own script
+    importing the installed package keeps its collector and its Ctrl-C, whatever its name
+    (train_mine.py, evaluate.py)."""
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None) or ""
+    suite = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    return os.path.basename(main_file) if main_file and os.path.dirname(os.path.realpath(main_file)) == suite else ""
+
+
 def is_training_script(program: str) -> bool:
     """Whether `program` (a file name) is one of the train_*.py scripts."""
     return program.startswith("train_")
 
 
 def started_as_a_training_script() -> bool:
-    return is_training_script(program_name())
+    return is_training_script(suite_program())

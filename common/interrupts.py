@@ -107,11 +107,17 @@ class _Guard:
 def end_on_ctrl_c(program: str) -> None:
     """From here (a training script: until start_up_over), a SIGINT ends this process at once, with
     `program`'s line (ctrl_c_line) from local rank 0, status 130; nothing changes for a program that
-    keeps Python's KeyboardInterrupt. From the main thread, before torch's import (the package's import)."""
+    keeps Python's KeyboardInterrupt. A use program's SIGTERM removes its staged output too, and the
+    process ends by it, silent as without the guard. A signal the process was started ignoring (a
+    background job of a script: `python evaluate.py ... &`) stays ignored, as Python leaves it. From
+    the main thread, before torch's import (the package's import)."""
     if (line := ctrl_c_line(program)) is None:
         return
+    wanted = (signal.SIGINT, signal.SIGTERM) if program in USE_PROGRAMS else (signal.SIGINT,)
+    if not (signals := tuple(s for s in wanted if signal.getsignal(s) is not signal.SIG_IGN)):
+        return
     _Guard.program, _Guard.line = program, line
-    _Guard.watch, _Guard.pid = SignalWatch((signal.SIGINT,), end_now, end_now), os.getpid()
+    _Guard.watch, _Guard.pid = SignalWatch(signals, end_now, end_now), os.getpid()
     os.register_at_fork(after_in_child=_forget_in_child)
 
 
@@ -135,11 +141,26 @@ def end_now(signum: int) -> None:
     process, or by the main thread itself, putting output in place, which the watcher waits for."""
     if not _ENDING.acquire(blocking=threading.current_thread() is not threading.main_thread()):
         return
-    if node_prints():
-        os.write(2, f"{_Guard.line}\n".encode())
+    if signum == signal.SIGINT and node_prints():
+        try:
+            os.write(2, f"{_Guard.line}\n".encode())
+        except OSError:  # stderr's reader gone (2>&1 | head): the process must end all the same
+            pass
     if _Guard.leftovers:
         _remove_leftovers()
+    if signum != signal.SIGINT:
+        _end_by(signum)
     os._exit(128 + signum)
+
+
+def _end_by(signum: int) -> None:
+    """The process ends as `signum`'s default action ends it, as without the guard: its parent (a
+    shell, torchrun) sees the signal, not an exit status (torchrun's report tells them apart). From
+    any thread: Python's signal.signal is the main thread's alone, libc's is not."""
+    import ctypes  # here, not at this module's import: see the imports above
+
+    ctypes.CDLL(None).signal(signum, None)  # SIG_DFL
+    os.kill(os.getpid(), signum)
 
 
 def _remove_leftovers() -> None:
@@ -192,9 +213,11 @@ def finished(status: int) -> None:
 
 def _forget_in_child() -> None:
     """A child forked while the guard lasts (a DataLoader worker indexing or decoding the data) takes
-    SIGINT as Python does by default (its loader ends it quietly on KeyboardInterrupt) and leaves the
-    wakeup fd, the parent's pipe, alone: its Ctrl-C is its parent's to act on."""
+    SIGINT as Python does by default (its loader ends it quietly on KeyboardInterrupt), SIGTERM by its
+    default action (the loader's way to end a worker that does not stop), and leaves the wakeup fd,
+    the parent's pipe, alone: its Ctrl-C is its parent's to act on."""
     if _Guard.watch is not None and _Guard.pid != os.getpid():
         signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for s in _Guard.watch.signals:
+            signal.signal(s, signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
         _Guard.watch = None

@@ -22,6 +22,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -56,6 +57,7 @@ from common.use.source import find_checkpoint
 from tests.conftest import (
     ENDS_PROMPTLY_S,
     ROOT,
+    as_from_a_terminal,
     child_env,
     error_lines,
     latest_checkpoint,
@@ -527,7 +529,6 @@ def test_bad_flags_are_one_line_exit_2(argv, message, capsys):
 def test_a_checkpoint_store_that_never_answers_ends_the_program_at_its_deadline(tmp_path):
     """A server that accepts and never replies: one line naming --storage-timeout-s, within it."""
     import socket
-    import sys
 
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
@@ -727,7 +728,7 @@ def test_ctrl_c_while_predict_writes_its_output_is_one_line_and_leaves_no_file(t
                                             str(trained.checkpoint), str(trained.images / "val"), "--output",
                                             str(output)]),
                             cwd=ROOT, env={**child_env(), **gate.env()}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=as_from_a_terminal)
     try:
         gate.held(hold, timeout=120)
         being_written = [f.read_text() for f in output.parent.rglob("*") if f.is_file()]
@@ -742,6 +743,69 @@ def test_ctrl_c_while_predict_writes_its_output_is_one_line_and_leaves_no_file(t
         being_written[0].count("\n") == 1, being_written  # held mid-write: the header alone
     assert proc.returncode == 128 + signal.SIGINT and err == f"{interrupts.ctrl_c_line('predict.py')}\n", err[-3000:]
     assert out == "" and list(output.parent.iterdir()) == []
+
+
+@pytest.mark.quick
+def test_a_ctrl_c_with_stderr_closed_still_ends_the_program_and_removes_its_staging(tmp_path, monkeypatch):
+    """`predict.py ... 2>&1 | head -1`, then a Ctrl-C: stderr's reader is gone and the line cannot be
+    written (EPIPE); the process ends all the same, status 130, its staging folder removed (the thread
+    that took the Ctrl-C died of the write, holding the lock: the Ctrl-C was lost, and the renames
+    then waited for that lock for ever)."""
+    ended = guarded_as("predict.py", tmp_path, monkeypatch)
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    stderr = os.dup(2)
+    try:
+        with pytest.raises(Ended), use_program.staged(tmp_path, ["preds.csv"]) as staging:
+            (staging / "preds.csv").write_text("file,class_1\n")
+            os.dup2(write_end, 2)
+            ctrl_c()
+    finally:
+        os.dup2(stderr, 2)
+        os.close(stderr)
+        os.close(write_end)
+    assert ended == [(130, [])]
+
+
+# predict.py's guard, its output staged, waiting in native code (a forward, an ONNX export: no Python
+# handler runs there) when a SIGTERM comes (kill, timeout, docker stop, torchrun stopping its workers);
+# a DataLoader worker forked before says how it takes a SIGTERM.
+TERMINATED = """
+import ctypes, os, signal, sys
+from pathlib import Path
+from common.interrupts import end_on_ctrl_c, removed_on_ctrl_c
+end_on_ctrl_c("predict.py")
+if os.fork() == 0:
+    print("worker", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True)
+    os._exit(0)
+os.wait()
+staging = Path(sys.argv[1])
+staging.mkdir()
+with removed_on_ctrl_c(staging):
+    (staging / "preds.csv").write_text("file,class_1")
+    mutex = ctypes.create_string_buffer(64)  # zeroed: glibc's PTHREAD_MUTEX_INITIALIZER
+    ctypes.CDLL(None).pthread_mutex_lock(mutex)
+    print("waiting", flush=True)
+    ctypes.CDLL(None).pthread_mutex_lock(mutex)
+"""
+
+
+@pytest.mark.quick
+def test_a_sigterm_removes_a_use_programs_staged_output_and_ends_it_as_the_signal_does(tmp_path):
+    """A SIGTERM to evaluate.py, predict.py or export.py removes what they staged (it was left
+    behind as a hidden .output.tmp-* folder), and the process ends by the signal, silent, as
+    without the guard: its parent (torchrun) sees the signal, not an exit status. A data worker
+    keeps SIGTERM's default action."""
+    proc = subprocess.Popen([sys.executable, "-c", TERMINATED, str(tmp_path / ".output.tmp-here")], cwd=ROOT,
+                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert [proc.stdout.readline() for _ in range(2)] == ["worker True\n", "waiting\n"]
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=ENDS_PROMPTLY_S)
+    finally:
+        proc.kill()
+    assert (proc.returncode, out, err) == (-signal.SIGTERM, "", "")
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.quick
