@@ -682,6 +682,19 @@ def test_a_ctrl_c_while_the_output_is_put_in_place_waits_for_it_then_says_it_is_
     assert before == [(130, [])] and capfd.readouterr().err == f"{interrupts.ctrl_c_line('evaluate.py')}\n"
 
 
+@pytest.mark.quick
+def test_predictions_to_a_pipe_whose_reader_stopped_reading_end_without_a_traceback(monkeypatch):
+    """`predict.py ... | head -1`: head reads its line and exits, and the next line meets a closed pipe.
+    The predictions' lines stop there, quietly (it was a BrokenPipeError's traceback and status 1,
+    "during joining or leaving the process group"); the exit status stays the predictions' own."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    with open(write_end, "w") as stdout:
+        monkeypatch.setattr(sys, "stdout", stdout)
+        predicting.write([predicting.Prediction(f"{i}.png", [("a", 0, 0.75)]) for i in range(3)], None)
+        print("after", flush=True)  # a later print goes nowhere, without an error
+
+
 def lenet_checkpoint(path: Path) -> Path:
     """A checkpoint of an untrained lenet for 1x28x28 images in 10 classes, as the programs read it."""
     model = build_model("lenet", 1, 28, 10, seed=0)

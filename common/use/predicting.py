@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -184,8 +185,12 @@ def batches(items: Iterator, size: int) -> Iterator[list]:
 def write(predictions: list[Prediction], output: str | None) -> None:
     """On the console (one line per image), or to --output as CSV or JSON."""
     if output is None:
-        for pred in predictions:
-            print(f"{pred.file}  " + "  ".join(f"{name} {prob:.4f}" for name, _, prob in pred.top), flush=True)
+        try:
+            for pred in predictions:
+                print(f"{pred.file}  " + "  ".join(f"{name} {prob:.4f}" for name, _, prob in pred.top), flush=True)
+        except BrokenPipeError:  # stdout's reader stopped reading (| head -1): it has the lines it wanted
+            # the line still buffered goes nowhere, not into a traceback at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return
     path = Path(output)
     path.parent.mkdir(parents=True, exist_ok=True)
