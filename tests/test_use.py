@@ -853,6 +853,20 @@ def test_a_sigterm_removes_a_use_programs_staged_output_and_ends_it_as_the_signa
 
 
 @pytest.mark.quick
+def test_a_full_disk_as_the_output_is_staged_is_one_line_and_leaves_the_previous_file(tmp_path):
+    """A full disk mid-way through the writing: the file there before is kept, the staging folder
+    removed, and the error is one line naming the folder (it was a traceback, "failed with OSError
+    during joining or leaving the process group")."""
+    (tmp_path / "preds.csv").write_text("before\n")
+    with pytest.raises(UserError) as refused, use_program.staged(tmp_path, ["preds.csv"]) as staging:
+        (staging / "preds.csv").write_text("file,class_1\n")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert str(refused.value) == f"{tmp_path}: no room for the output (No space left on device (ENOSPC)); free " \
+                                 "space there or write it elsewhere: no file was written, those there are as they were"
+    assert [p.name for p in tmp_path.iterdir()] == ["preds.csv"] and (tmp_path / "preds.csv").read_text() == "before\n"
+
+
+@pytest.mark.quick
 def test_output_is_copied_into_place_where_the_file_system_renames_nothing(tmp_path, monkeypatch):
     """S3 Mountpoint refuses rename(2) (EPERM, as tests/patched.py's no-rename): each staged file is
     copied under its final name, and the staging folder removed."""

@@ -4,6 +4,7 @@ as the training scripts do; a Ctrl-C: one line and status 130, common/interrupts
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import shutil
@@ -16,11 +17,11 @@ from typing import Callable, Iterator, Sequence
 from common.config import RankZeroParser
 from common.credentials import read_storage_options
 from common.data.index import staging_for
-from common.errors import ConfigError, exit_quietly_after_the_printer
+from common.errors import ConfigError, UserError, exit_quietly_after_the_printer
 from common.interrupts import finished, output_in_place, removed_on_ctrl_c
 from common.parallel.context import DeadlinePassed, abandon_hung_thread, run_within
 from common.parallel.failures import parsed_telling_torchrun, told
-from common.storage import NO_RENAME, STORAGE_TIMEOUT_S, url_problem
+from common.storage import NO_RENAME, STORAGE_TIMEOUT_S, os_cause, url_problem
 from common.use.source import Saved, find_checkpoint
 
 
@@ -108,13 +109,27 @@ def staged(folder: Path, names: Sequence[str]) -> Iterator[Path]:
     staging = staging_for(folder / "output")  # .output.tmp-HOST-PID-RANDOM
     with removed_on_ctrl_c(staging):
         try:
-            yield staging
+            with told_when_full(folder):
+                yield staging
             with output_in_place():
                 for name in names:
                     if (staging / name).exists():
                         move(staging / name, folder / name)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+
+
+@contextmanager
+def told_when_full(folder: Path) -> Iterator[None]:
+    """A full disk (or quota) as the output is staged: one line naming the folder, not a traceback;
+    nothing of the output is in place yet."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise UserError(f"{folder}: no room for the output ({os_cause(e)}); free space there or write it elsewhere: "
+                        "no file was written, those there are as they were") from None
 
 
 def move(staged_file: Path, final: Path) -> None:
