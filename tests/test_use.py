@@ -867,6 +867,19 @@ def test_a_full_disk_as_the_output_is_staged_is_one_line_and_leaves_the_previous
 
 
 @pytest.mark.quick
+def test_an_output_that_is_a_symbolic_link_is_written_through(tmp_path):
+    """--output results/latest.csv, a link to run-42.csv: the file it names gets the output, as before
+    the output was staged (open() writes through a link), and the link stays (a rename replaced it)."""
+    (tmp_path / "run-42.csv").write_text("before\n")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "latest.csv").symlink_to(tmp_path / "run-42.csv")
+    with use_program.staged(tmp_path / "results", ["latest.csv"]) as staging:
+        (staging / "latest.csv").write_text("file,class_1\n")
+    assert (tmp_path / "results" / "latest.csv").is_symlink() and [p.name for p in (tmp_path / "results").iterdir()] \
+        == ["latest.csv"] and (tmp_path / "run-42.csv").read_text() == "file,class_1\n"
+
+
+@pytest.mark.quick
 def test_output_is_copied_into_place_where_the_file_system_renames_nothing(tmp_path, monkeypatch):
     """S3 Mountpoint refuses rename(2) (EPERM, as tests/patched.py's no-rename): each staged file is
     copied under its final name, and the staging folder removed."""

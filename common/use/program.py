@@ -134,7 +134,9 @@ def told_when_full(folder: Path) -> Iterator[None]:
 
 def move(staged_file: Path, final: Path) -> None:
     """A rename; copied where the file system renames nothing (S3 Mountpoint, some FUSE mounts),
-    the one way such a mount takes a file."""
+    the one way such a mount takes a file. A symbolic link under the final name is written through,
+    as open() writes (the file it names is replaced; the link stays), not replaced by the file."""
+    final = Path(os.path.realpath(final)) if final.is_symlink() else final
     try:
         os.replace(staged_file, final)
     except OSError as e:
