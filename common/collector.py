@@ -28,10 +28,10 @@ group, and with it gloo's C++ threads. Left alive into the interpreter's own tea
 C++ thread can end the process with "terminate called without an active exception" (SIGABRT).
 Then what is still alive is frozen, so the interpreter's final collection skips it.
 
-Importing the package (common/__init__.py) pauses collection when a train_*.py is the program, and
-every train_*.py imports the package before anything else, so that importing torch (~0.35 s of
-collections a rank) is covered too; a test or program that imports a train_*.py keeps its
-collector untouched.
+Importing the package (common/__init__.py) pauses collection when one of the suite's train_*.py is
+the program (suite_program: not a user's own script of such a name), and every train_*.py imports
+the package before anything else, so that importing torch (~0.35 s of collections a rank) is
+covered too; a test or program that imports a train_*.py keeps its collector untouched.
 """
 from __future__ import annotations
 

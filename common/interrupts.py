@@ -8,10 +8,12 @@ group, a collective, a save, an evaluation's forward. So a thread woken through 
 request (common/train/preemption.py) and, before it, a Ctrl-C during start-up.
 
 Which programs a Ctrl-C ends with one line, and with which line, is decided here alone, by the
-program's file name (ctrl_c_line): the package's import asks for the program Python runs,
-tests/training_program.py for the script a test program stands for, launch/quiet_torchrun.py for
-the script it starts. Any other program (pytest, python -c, a user's script importing the package)
-keeps Python's KeyboardInterrupt, which it may catch.
+program's file name (ctrl_c_line): the package's import asks for the program Python runs where it
+is one of the suite's own (common/collector.py suite_program), tests/training_program.py for the
+script a test program stands for, launch/quiet_torchrun.py for the script it starts. Any other
+program (pytest, python -c, a user's script importing the package, whatever its name) keeps
+Python's KeyboardInterrupt, which it may catch; so does a program started with SIGINT ignored (a
+background job of a script), where it stays ignored.
 
 Ctrl-C during a training script's start-up (importing torch, preparing the data, joining the process
 group, building the model, reading the checkpoint to resume from) ends the process at once, with
@@ -31,7 +33,9 @@ the data, the evaluation, the export, the writing of the output) ends the proces
 line. Their output is written under staging names and put in place by renames
 (common/use/program.py, staged): a Ctrl-C before the renames removes what was staged
 (removed_on_ctrl_c) and says that no file was written; one during them (microseconds) waits for
-them to end (output_in_place), and from then on the line says the output is whole.
+them to end (output_in_place), and from then on the line says the output is whole. A SIGTERM
+removes the staged output alike, and the process then ends by the signal, without a line, as
+without the guard (_end_by).
 """
 from __future__ import annotations
 
