@@ -695,6 +695,21 @@ def test_predictions_to_a_pipe_whose_reader_stopped_reading_end_without_a_traceb
         print("after", flush=True)  # a later print goes nowhere, without an error
 
 
+@pytest.mark.quick
+def test_a_prediction_of_nothing_leaves_the_output_file_as_it_was(tmp_path, capsys):
+    """A mistyped image path: nothing predicted, exit 1, and the --output of an earlier run is kept
+    (it was replaced by a file of no prediction)."""
+    import predict
+
+    output = tmp_path / "preds.csv"
+    output.write_text("before\n")
+    with pytest.raises(SystemExit) as ended:
+        predict.main(["--checkpoint", str(lenet_checkpoint(tmp_path / "lenet.pt")), str(tmp_path / "typo"),
+                      "--output", str(output)])
+    assert ended.value.code == predicting.NONE_PREDICTED and output.read_text() == "before\n"
+    assert error_lines(capsys.readouterr().err) == [f"error: {tmp_path / 'typo'}: no such file or folder"]
+
+
 def lenet_checkpoint(path: Path) -> Path:
     """A checkpoint of an untrained lenet for 1x28x28 images in 10 classes, as the programs read it."""
     model = build_model("lenet", 1, 28, 10, seed=0)
