@@ -45,7 +45,7 @@ import threading
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from common.collector import end_without_teardown, is_training_script
+from common.collector import end_without_teardown, is_training_script, run_by_the_interpreter
 from common.errors import node_prints
 
 if TYPE_CHECKING:  # imported at the program's start, before the guard is up: each import widens that gap
@@ -210,8 +210,9 @@ def finished(status: int) -> None:
     ends now with `status`, without the interpreter's teardown (common/collector.py
     end_without_teardown). A Ctrl-C during that teardown could get no line: the watcher, a daemon
     thread, stops as the interpreter finalizes, and Python then resets SIGINT to its default, which
-    kills the process silently. Elsewhere (a test calling a program's main) it returns."""
-    if _Guard.watch is not None and _Guard.program in USE_PROGRAMS:
+    kills the process silently. Elsewhere (a test calling a program's main, a driver running the
+    program through runpy: run_by_the_interpreter) it returns."""
+    if _Guard.watch is not None and _Guard.program in USE_PROGRAMS and run_by_the_interpreter():
         end_without_teardown(status)
 
 

@@ -805,6 +805,28 @@ def test_ctrl_c_while_predict_writes_its_output_is_one_line_and_leaves_no_file(t
 
 
 @pytest.mark.quick
+@pytest.mark.parametrize("command, ends", [
+    (["python", "-u", "{root}/predict.py", "--checkpoint", "c.pt"], True),  # a shell's, torchrun's workers'
+    (["python", "-W", "ignore", "predict.py", "x.png"], True),  # the cwd the root
+    (["python", "driver.py", "{root}/predict.py"], False),  # runpy.run_path(predict.py) in a user's driver
+    (["python", "-m", "ipykernel_launcher", "-f", "k.json"], False),  # IPython's %run predict.py
+], ids=["python", "options", "runpy-driver", "ipython-run"])
+def test_a_finished_use_program_ends_the_process_only_where_it_is_the_interpreters_own(command, ends, monkeypatch):
+    """A finished evaluate.py, predict.py or export.py ends its process at once (no teardown) only where
+    the interpreter was started with it: a user's driver running it through runpy, or a notebook's
+    %run, gets control back (the driver was ended after its first run, status 0, its own work undone)."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "orig_argv", [arg.replace("{root}", str(ROOT)) for arg in command])
+    monkeypatch.setitem(sys.modules, "__main__", SimpleNamespace(__file__=str(ROOT / "predict.py")))
+    monkeypatch.setattr(interrupts._Guard, "watch", object())  # the guard, as predict.py's import installed it
+    monkeypatch.setattr(interrupts._Guard, "program", "predict.py")
+    ended = []
+    monkeypatch.setattr(interrupts, "end_without_teardown", ended.append)
+    interrupts.finished(3)
+    assert ended == ([3] if ends else [])
+
+
+@pytest.mark.quick
 def test_a_ctrl_c_with_stderr_closed_still_ends_the_program_and_removes_its_staging(tmp_path, monkeypatch):
     """`predict.py ... 2>&1 | head -1`, then a Ctrl-C: stderr's reader is gone and the line cannot be
     written (EPIPE); the process ends all the same, status 130, its staging folder removed (the thread
