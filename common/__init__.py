@@ -22,7 +22,7 @@ of torchrun, a thread watches its agent, so that the worker ends if the agent di
 (common/orphans.py). Every one of those programs imports the package first, so that its own import
 of torch is covered too.
 """
-from common.collector import pause_during_set_up, started_as_a_training_script, suite_program
+from common.collector import pause_during_set_up, run_by_the_interpreter, started_as_a_training_script, suite_program
 
 __version__ = "0.1.0"
 
@@ -33,7 +33,7 @@ if started_as_a_training_script():
 from common.interrupts import end_on_ctrl_c  # noqa: E402
 from common.orphans import end_when_the_agent_dies, launched_by_torchrun  # noqa: E402
 
-end_on_ctrl_c(suite_program())
+end_on_ctrl_c(suite_program() if run_by_the_interpreter() else "")  # not a driver's runpy, a notebook's %run
 
 if launched_by_torchrun():
     end_when_the_agent_dies()

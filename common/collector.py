@@ -130,16 +130,18 @@ def suite_program() -> str:
 
 
 def run_by_the_interpreter() -> bool:
-    """Whether the program (__main__'s file) is the one the interpreter was started with (python
-    [OPTIONS] FILE: a shell's command, torchrun's workers), not one run inside another program
-    (runpy.run_path from a user's driver, IPython's %run), whose process is not the program's to end.
-    python -m MODULE counts as not: its usual exit is only slower."""
-    main_file = getattr(sys.modules.get("__main__"), "__file__", None) or ""
+    """Whether the program (__main__) is the one the interpreter was started with (python [OPTIONS]
+    FILE or -m MODULE: a shell's command, torchrun's workers), not one run inside another program
+    (runpy.run_path from a user's driver, IPython's %run), whose process is not the program's."""
+    main = sys.modules.get("__main__")
+    main_file = getattr(main, "__file__", None) or ""
     args = iter(sys.orig_argv[1:])
     for arg in args:
         if arg in ("-W", "-X", "--check-hash-based-pycs"):  # the options that take the next argument
             next(args, None)
-        elif arg in ("-c", "-m") or not arg.startswith("-"):
+        elif arg == "-m":
+            return next(args, None) == getattr(getattr(main, "__spec__", None), "name", None)
+        elif arg == "-c" or not arg.startswith("-"):
             return bool(main_file) and os.path.realpath(arg) == os.path.realpath(main_file)
     return False
 

@@ -9,7 +9,8 @@ request (common/train/preemption.py) and, before it, a Ctrl-C during start-up.
 
 Which programs a Ctrl-C ends with one line, and with which line, is decided here alone, by the
 program's file name (ctrl_c_line): the package's import asks for the program Python runs where it
-is one of the suite's own (common/collector.py suite_program), tests/training_program.py for the
+is one of the suite's own (common/collector.py suite_program) and the interpreter was started with
+it (run_by_the_interpreter: not one a driver runs through runpy), tests/training_program.py for the
 script a test program stands for, launch/quiet_torchrun.py for the script it starts. Any other
 program (pytest, python -c, a user's script importing the package, whatever its name) keeps
 Python's KeyboardInterrupt, which it may catch; so does a program started with SIGINT ignored (a

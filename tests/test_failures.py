@@ -219,6 +219,28 @@ def test_a_users_own_script_of_a_suite_programs_name_keeps_its_ctrl_c_and_its_co
     assert (ran.returncode, ran.stdout, ran.stderr) == (0, "True True\ncaught\n", "")
 
 
+# A user's driver that runs one of the suite's programs as runpy.run_path(FILE, run_name="__main__")
+# does (FILE its __main__ for the run), then catches its own Ctrl-C.
+DRIVER = """
+import os, signal, sys, types
+main = types.ModuleType("__main__")
+main.__file__ = sys.argv[1]
+sys.modules["__main__"] = main
+import common
+print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)
+"""
+
+
+@pytest.mark.quick
+def test_a_suite_program_run_inside_a_users_driver_leaves_the_drivers_ctrl_c_alone():
+    """The guard is the program's where the interpreter was started with it (common/collector.py
+    run_by_the_interpreter), not where a driver (or IPython's %run) runs it: the driver's process and
+    its Ctrl-C are its own (a Ctrl-C there ended the driver with predict.py's line, status 130)."""
+    ran = subprocess.run([sys.executable, "-c", DRIVER, str(ROOT / "predict.py")], cwd=ROOT, env=child_env(),
+                         capture_output=True, text=True, timeout=ENDS_PROMPTLY_S, preexec_fn=as_from_a_terminal)
+    assert (ran.returncode, ran.stdout, ran.stderr) == (0, "True\n", "")
+
+
 class JobStore:
     """The job's key-value store as a worker holds it: a client of a TCPStore whose server (torchrun's
     agent's, here in this process) can die."""

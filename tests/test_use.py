@@ -808,16 +808,18 @@ def test_ctrl_c_while_predict_writes_its_output_is_one_line_and_leaves_no_file(t
 @pytest.mark.parametrize("command, ends", [
     (["python", "-u", "{root}/predict.py", "--checkpoint", "c.pt"], True),  # a shell's, torchrun's workers'
     (["python", "-W", "ignore", "predict.py", "x.png"], True),  # the cwd the root
+    (["python", "-m", "predict", "x.png"], True),
     (["python", "driver.py", "{root}/predict.py"], False),  # runpy.run_path(predict.py) in a user's driver
     (["python", "-m", "ipykernel_launcher", "-f", "k.json"], False),  # IPython's %run predict.py
-], ids=["python", "options", "runpy-driver", "ipython-run"])
+], ids=["python", "options", "module", "runpy-driver", "ipython-run"])
 def test_a_finished_use_program_ends_the_process_only_where_it_is_the_interpreters_own(command, ends, monkeypatch):
     """A finished evaluate.py, predict.py or export.py ends its process at once (no teardown) only where
     the interpreter was started with it: a user's driver running it through runpy, or a notebook's
     %run, gets control back (the driver was ended after its first run, status 0, its own work undone)."""
     monkeypatch.chdir(ROOT)
     monkeypatch.setattr(sys, "orig_argv", [arg.replace("{root}", str(ROOT)) for arg in command])
-    monkeypatch.setitem(sys.modules, "__main__", SimpleNamespace(__file__=str(ROOT / "predict.py")))
+    spec = SimpleNamespace(name="predict") if "predict" in command else None  # python -m predict's
+    monkeypatch.setitem(sys.modules, "__main__", SimpleNamespace(__file__=str(ROOT / "predict.py"), __spec__=spec))
     monkeypatch.setattr(interrupts._Guard, "watch", object())  # the guard, as predict.py's import installed it
     monkeypatch.setattr(interrupts._Guard, "program", "predict.py")
     ended = []
