@@ -141,7 +141,9 @@ def run_by_the_interpreter() -> bool:
             next(args, None)
         elif arg == "-m":
             return next(args, None) == getattr(getattr(main, "__spec__", None), "name", None)
-        elif arg == "-c" or not arg.startswith("-"):
+        elif arg == "-c":
+            return False
+        elif not arg.startswith("-"):  # the script
             return bool(main_file) and os.path.realpath(arg) == os.path.realpath(main_file)
     return False
 

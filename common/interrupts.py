@@ -155,7 +155,7 @@ def end_now(signum: int) -> None:
         _remove_leftovers()
     if signum != signal.SIGINT:
         _end_by(signum)
-    os._exit(128 + signum)
+    os._exit(128 + signum)  # a Ctrl-C's status (and, should the signal not end it, a SIGTERM's)
 
 
 def _end_by(signum: int) -> None:
