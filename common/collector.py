@@ -28,10 +28,10 @@ group, and with it gloo's C++ threads. Left alive into the interpreter's own tea
 C++ thread can end the process with "terminate called without an active exception" (SIGABRT).
 Then what is still alive is frozen, so the interpreter's final collection skips it.
 
-Importing the package (common/__init__.py) pauses collection when a train_*.py is the program, and
-every train_*.py imports the package before anything else, so that importing torch (~0.35 s of
-collections a rank) is covered too; a test or program that imports a train_*.py keeps its
-collector untouched.
+Importing the package (common/__init__.py) pauses collection when one of the suite's train_*.py is
+the program (suite_program: not a user's own script of such a name), and every train_*.py imports
+the package before anything else, so that importing torch (~0.35 s of collections a rank) is
+covered too; a test or program that imports a train_*.py keeps its collector untouched.
 """
 from __future__ import annotations
 
@@ -119,10 +119,39 @@ def program_name() -> str:
     return os.path.basename(getattr(sys.modules.get("__main__"), "__file__", None) or "")
 
 
+def suite_program() -> str:
+    """program_name() where the program is one of the suite's own, beside the package (a train_*.py,
+    evaluate.py, predict.py, export.py of this checkout); "" for any other: a user's own script
+    importing the installed package keeps its collector and its Ctrl-C, whatever its name
+    (train_mine.py, evaluate.py)."""
+    main_file = getattr(sys.modules.get("__main__"), "__file__", None) or ""
+    suite = os.path.dirname(os.path.dirname(os.path.realpath(__file__)))
+    return os.path.basename(main_file) if main_file and os.path.dirname(os.path.realpath(main_file)) == suite else ""
+
+
+def run_by_the_interpreter() -> bool:
+    """Whether the program (__main__) is the one the interpreter was started with (python [OPTIONS]
+    FILE or -m MODULE: a shell's command, torchrun's workers), not one run inside another program
+    (runpy.run_path from a user's driver, IPython's %run), whose process is not the program's."""
+    main = sys.modules.get("__main__")
+    main_file = getattr(main, "__file__", None) or ""
+    args = iter(sys.orig_argv[1:])
+    for arg in args:
+        if arg in ("-W", "-X", "--check-hash-based-pycs"):  # the options that take the next argument
+            next(args, None)
+        elif arg == "-m":
+            return next(args, None) == getattr(getattr(main, "__spec__", None), "name", None)
+        elif arg == "-c":
+            return False
+        elif not arg.startswith("-"):  # the script
+            return bool(main_file) and os.path.realpath(arg) == os.path.realpath(main_file)
+    return False
+
+
 def is_training_script(program: str) -> bool:
     """Whether `program` (a file name) is one of the train_*.py scripts."""
     return program.startswith("train_")
 
 
 def started_as_a_training_script() -> bool:
-    return is_training_script(program_name())
+    return is_training_script(suite_program())

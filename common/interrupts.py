@@ -8,10 +8,13 @@ group, a collective, a save, an evaluation's forward. So a thread woken through 
 request (common/train/preemption.py) and, before it, a Ctrl-C during start-up.
 
 Which programs a Ctrl-C ends with one line, and with which line, is decided here alone, by the
-program's file name (ctrl_c_line): the package's import asks for the program Python runs,
-tests/training_program.py for the script a test program stands for, launch/quiet_torchrun.py for
-the script it starts. Any other program (pytest, python -c, a user's script importing the package)
-keeps Python's KeyboardInterrupt, which it may catch.
+program's file name (ctrl_c_line): the package's import asks for the program Python runs where it
+is one of the suite's own (common/collector.py suite_program) and the interpreter was started with
+it (run_by_the_interpreter: not one a driver runs through runpy), tests/training_program.py for the
+script a test program stands for, launch/quiet_torchrun.py for the script it starts. Any other
+program (pytest, python -c, a user's script importing the package, whatever its name) keeps
+Python's KeyboardInterrupt, which it may catch; so does a program started with SIGINT ignored (a
+background job of a script), where it stays ignored.
 
 Ctrl-C during a training script's start-up (importing torch, preparing the data, joining the process
 group, building the model, reading the checkpoint to resume from) ends the process at once, with
@@ -31,7 +34,9 @@ the data, the evaluation, the export, the writing of the output) ends the proces
 line. Their output is written under staging names and put in place by renames
 (common/use/program.py, staged): a Ctrl-C before the renames removes what was staged
 (removed_on_ctrl_c) and says that no file was written; one during them (microseconds) waits for
-them to end (output_in_place), and from then on the line says the output is whole.
+them to end (output_in_place), and from then on the line says the output is whole. A SIGTERM
+removes the staged output alike, and the process then ends by the signal, without a line, as
+without the guard (_end_by).
 """
 from __future__ import annotations
 
@@ -41,7 +46,7 @@ import threading
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Callable, Iterator
 
-from common.collector import end_without_teardown, is_training_script
+from common.collector import end_without_teardown, is_training_script, run_by_the_interpreter
 from common.errors import node_prints
 
 if TYPE_CHECKING:  # imported at the program's start, before the guard is up: each import widens that gap
@@ -107,11 +112,17 @@ class _Guard:
 def end_on_ctrl_c(program: str) -> None:
     """From here (a training script: until start_up_over), a SIGINT ends this process at once, with
     `program`'s line (ctrl_c_line) from local rank 0, status 130; nothing changes for a program that
-    keeps Python's KeyboardInterrupt. From the main thread, before torch's import (the package's import)."""
+    keeps Python's KeyboardInterrupt. A use program's SIGTERM removes its staged output too, and the
+    process ends by it, silent as without the guard. A signal the process was started ignoring (a
+    background job of a script: `python evaluate.py ... &`) stays ignored, as Python leaves it. From
+    the main thread, before torch's import (the package's import)."""
     if (line := ctrl_c_line(program)) is None:
         return
+    wanted = (signal.SIGINT, signal.SIGTERM) if program in USE_PROGRAMS else (signal.SIGINT,)
+    if not (signals := tuple(s for s in wanted if signal.getsignal(s) is not signal.SIG_IGN)):
+        return
     _Guard.program, _Guard.line = program, line
-    _Guard.watch, _Guard.pid = SignalWatch((signal.SIGINT,), end_now, end_now), os.getpid()
+    _Guard.watch, _Guard.pid = SignalWatch(signals, end_now, end_now), os.getpid()
     os.register_at_fork(after_in_child=_forget_in_child)
 
 
@@ -135,11 +146,26 @@ def end_now(signum: int) -> None:
     process, or by the main thread itself, putting output in place, which the watcher waits for."""
     if not _ENDING.acquire(blocking=threading.current_thread() is not threading.main_thread()):
         return
-    if node_prints():
-        os.write(2, f"{_Guard.line}\n".encode())
+    if signum == signal.SIGINT and node_prints():
+        try:
+            os.write(2, f"{_Guard.line}\n".encode())
+        except OSError:  # stderr's reader gone (2>&1 | head): the process must end all the same
+            pass
     if _Guard.leftovers:
         _remove_leftovers()
-    os._exit(128 + signum)
+    if signum != signal.SIGINT:
+        _end_by(signum)
+    os._exit(128 + signum)  # a Ctrl-C's status (and, should the signal not end it, a SIGTERM's)
+
+
+def _end_by(signum: int) -> None:
+    """The process ends as `signum`'s default action ends it, as without the guard: its parent (a
+    shell, torchrun) sees the signal, not an exit status (torchrun's report tells them apart). From
+    any thread: Python's signal.signal is the main thread's alone, libc's is not."""
+    import ctypes  # here, not at this module's import: see the imports above
+
+    ctypes.CDLL(None).signal(signum, None)  # SIG_DFL
+    os.kill(os.getpid(), signum)
 
 
 def _remove_leftovers() -> None:
@@ -185,16 +211,19 @@ def finished(status: int) -> None:
     ends now with `status`, without the interpreter's teardown (common/collector.py
     end_without_teardown). A Ctrl-C during that teardown could get no line: the watcher, a daemon
     thread, stops as the interpreter finalizes, and Python then resets SIGINT to its default, which
-    kills the process silently. Elsewhere (a test calling a program's main) it returns."""
-    if _Guard.watch is not None and _Guard.program in USE_PROGRAMS:
+    kills the process silently. Elsewhere (a test calling a program's main, a driver running the
+    program through runpy: run_by_the_interpreter) it returns."""
+    if _Guard.watch is not None and _Guard.program in USE_PROGRAMS and run_by_the_interpreter():
         end_without_teardown(status)
 
 
 def _forget_in_child() -> None:
     """A child forked while the guard lasts (a DataLoader worker indexing or decoding the data) takes
-    SIGINT as Python does by default (its loader ends it quietly on KeyboardInterrupt) and leaves the
-    wakeup fd, the parent's pipe, alone: its Ctrl-C is its parent's to act on."""
+    SIGINT as Python does by default (its loader ends it quietly on KeyboardInterrupt), SIGTERM by its
+    default action (the loader's way to end a worker that does not stop), and leaves the wakeup fd,
+    the parent's pipe, alone: its Ctrl-C is its parent's to act on."""
     if _Guard.watch is not None and _Guard.pid != os.getpid():
         signal.set_wakeup_fd(-1)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        for s in _Guard.watch.signals:
+            signal.signal(s, signal.default_int_handler if s == signal.SIGINT else signal.SIG_DFL)
         _Guard.watch = None

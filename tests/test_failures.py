@@ -25,7 +25,7 @@ from common.interrupts import STARTUP_LINE
 from common.parallel.context import DistContext
 from common.parallel.failures import how_it_ended, told
 from common.parallel.transport import SHM_FOLDER, create_region
-from tests.conftest import ENDS_PROMPTLY_S, ROOT, child_env, error_lines, script_command
+from tests.conftest import ENDS_PROMPTLY_S, ROOT, as_from_a_terminal, child_env, error_lines, script_command
 
 FLAGS = ["--dataset", "synthetic", "--synthetic-shape", "mnist", "--model", "lenet", "--batch-size", "32",
          "--epochs", "1", "--max-steps", "40"]
@@ -152,7 +152,7 @@ def test_ctrl_c_during_start_up_ends_a_process_waiting_in_native_code(local_rank
     130, the line from local rank 0 only (every process of the node got the same Ctrl-C)."""
     env = {**child_env(), "LOCAL_RANK": local_rank}
     proc = subprocess.Popen([sys.executable, "-c", START_UP, "wait"], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=as_from_a_terminal)
     try:
         assert proc.stdout.readline() == "waiting\n"
         proc.send_signal(signal.SIGINT)
@@ -169,6 +169,76 @@ def test_a_data_worker_forked_during_start_up_keeps_pythons_ctrl_c():
     forked = subprocess.run([sys.executable, "-c", START_UP, "fork"], cwd=ROOT, env=child_env(), capture_output=True,
                             text=True, timeout=ENDS_PROMPTLY_S)
     assert forked.stdout == "True -1\n" and forked.returncode == 0, forked.stderr
+
+
+# A program whose SIGINT is ignored from its start, as a shell without job control starts a background
+# job (`python evaluate.py ... &` in a script): the guard is asked for, a Ctrl-C comes.
+IGNORED_FROM_THE_START = """
+import os, signal
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+from common.interrupts import end_on_ctrl_c
+end_on_ctrl_c("evaluate.py")
+os.kill(os.getpid(), signal.SIGINT)
+print("went on", signal.getsignal(signal.SIGINT) is signal.SIG_IGN, flush=True)
+"""
+
+
+@pytest.mark.quick
+def test_a_ctrl_c_the_program_was_started_ignoring_stays_ignored():
+    """A background job of a script ignores the Ctrl-C meant for the script's foreground, as Python
+    leaves it: the guard is not put in its place (it ended such a job with status 130)."""
+    ran = subprocess.run([sys.executable, "-c", IGNORED_FROM_THE_START], cwd=ROOT, env=child_env(), capture_output=True,
+                         text=True, timeout=ENDS_PROMPTLY_S)
+    assert (ran.returncode, ran.stdout, ran.stderr) == (0, "went on True\n", "")
+
+
+# A user's own script, named as one of the suite's programs, that imports the installed package and
+# catches its own Ctrl-C.
+OWN_SCRIPT = """
+import gc, os, signal
+import common
+print(gc.isenabled(), signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)
+try:
+    os.kill(os.getpid(), signal.SIGINT)
+except KeyboardInterrupt:
+    print("caught", flush=True)
+"""
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("name", ["train_mine.py", "evaluate.py"])
+def test_a_users_own_script_of_a_suite_programs_name_keeps_its_ctrl_c_and_its_collector(name, tmp_path):
+    """The package's import sets the collector and the Ctrl-C guard up for the suite's own programs
+    alone (common/collector.py suite_program), not for a script of the same name elsewhere, which
+    catches its KeyboardInterrupt with its collector on (it was ended with the guard's line, status
+    130, and a train_*.py's collector stayed off for its whole run)."""
+    script = tmp_path / name
+    script.write_text(OWN_SCRIPT)
+    ran = subprocess.run([sys.executable, str(script)], cwd=tmp_path, env=child_env(), capture_output=True, text=True,
+                         timeout=ENDS_PROMPTLY_S, preexec_fn=as_from_a_terminal)
+    assert (ran.returncode, ran.stdout, ran.stderr) == (0, "True True\ncaught\n", "")
+
+
+# A user's driver that runs one of the suite's programs as runpy.run_path(FILE, run_name="__main__")
+# does (FILE its __main__ for the run), then catches its own Ctrl-C.
+DRIVER = """
+import os, signal, sys, types
+main = types.ModuleType("__main__")
+main.__file__ = sys.argv[1]
+sys.modules["__main__"] = main
+import common
+print(signal.getsignal(signal.SIGINT) is signal.default_int_handler, flush=True)
+"""
+
+
+@pytest.mark.quick
+def test_a_suite_program_run_inside_a_users_driver_leaves_the_drivers_ctrl_c_alone():
+    """The guard is the program's where the interpreter was started with it (common/collector.py
+    run_by_the_interpreter), not where a driver (or IPython's %run) runs it: the driver's process and
+    its Ctrl-C are its own (a Ctrl-C there ended the driver with predict.py's line, status 130)."""
+    ran = subprocess.run([sys.executable, "-c", DRIVER, str(ROOT / "predict.py")], cwd=ROOT, env=child_env(),
+                         capture_output=True, text=True, timeout=ENDS_PROMPTLY_S, preexec_fn=as_from_a_terminal)
+    assert (ran.returncode, ran.stdout, ran.stderr) == (0, "True\n", "")
 
 
 class JobStore:

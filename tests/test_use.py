@@ -22,6 +22,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import threading
 import time
 import warnings
@@ -56,6 +57,7 @@ from common.use.source import find_checkpoint
 from tests.conftest import (
     ENDS_PROMPTLY_S,
     ROOT,
+    as_from_a_terminal,
     child_env,
     error_lines,
     latest_checkpoint,
@@ -522,12 +524,42 @@ def test_bad_flags_are_one_line_exit_2(argv, message, capsys):
     assert ended.value.code == 2 and len(lines) == 1 and message in lines[0], lines
 
 
+@pytest.mark.quick
+@pytest.mark.parametrize("argv, there, message", [
+    (["predict.py", "x.png", "--output", "{t}/p.csv"], "p.csv FIFO", "--output {t}/p.csv: is not a regular file"),
+    (["export.py", "--format", "onnx", "--output", "{t}/m.onnx"], "m.onnx.json folder",
+     "--output {t}/m.onnx: {t}/m.onnx.json is a folder"),
+    (["evaluate.py", "--output-dir", "{t}"], "metrics.json folder", "--output-dir {t}: {t}/metrics.json is a folder"),
+], ids=["predict-fifo", "export-json-folder", "evaluate-metrics-folder"])
+def test_an_output_no_rename_should_replace_is_refused_before_the_work(argv, there, message, tmp_path, capsys):
+    """The output is renamed into place: a folder of an output file's name would fail the rename after
+    the work (evaluate.py then had two files of three in place, a traceback, status 1), and a device
+    or a FIFO would be replaced by a file (as root, --output /dev/null replaced /dev/null; a FIFO
+    hung the check of --output). Refused first, in one line naming the flag, exit 2, left as it is."""
+    import importlib
+
+    name, kind = there.split()
+    path = tmp_path / name
+    path.mkdir() if kind == "folder" else os.mkfifo(path)
+    # A reader of the FIFO, open: a writer's open (the former check) would otherwise wait for one for ever
+    reader = os.open(path, os.O_RDONLY | os.O_NONBLOCK) if kind == "FIFO" else None
+    try:
+        with pytest.raises(SystemExit) as ended:
+            importlib.import_module(Path(argv[0]).stem).main(
+                ["--checkpoint", "c.pt", *(arg.replace("{t}", str(tmp_path)) for arg in argv[1:])])
+    finally:
+        if reader is not None:
+            os.close(reader)
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert ended.value.code == 2 and len(lines) == 1 and message.replace("{t}", str(tmp_path)) in lines[0], lines
+    assert path.is_dir() if kind == "folder" else path.is_fifo()
+
+
 @pytest.mark.slow
 @pytest.mark.quick
 def test_a_checkpoint_store_that_never_answers_ends_the_program_at_its_deadline(tmp_path):
     """A server that accepts and never replies: one line naming --storage-timeout-s, within it."""
     import socket
-    import sys
 
     with socket.socket() as server:
         server.bind(("127.0.0.1", 0))
@@ -650,6 +682,34 @@ def test_a_ctrl_c_while_the_output_is_put_in_place_waits_for_it_then_says_it_is_
     assert before == [(130, [])] and capfd.readouterr().err == f"{interrupts.ctrl_c_line('evaluate.py')}\n"
 
 
+@pytest.mark.quick
+def test_predictions_to_a_pipe_whose_reader_stopped_reading_end_without_a_traceback(monkeypatch):
+    """`predict.py ... | head -1`: head reads its line and exits, and the next line meets a closed pipe.
+    The predictions' lines stop there, quietly (it was a BrokenPipeError's traceback and status 1,
+    "during joining or leaving the process group"); the exit status stays the predictions' own."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    with open(write_end, "w") as stdout:
+        monkeypatch.setattr(sys, "stdout", stdout)
+        predicting.write([predicting.Prediction(f"{i}.png", [("a", 0, 0.75)]) for i in range(3)], None)
+        print("after", flush=True)  # a later print goes nowhere, without an error
+
+
+@pytest.mark.quick
+def test_a_prediction_of_nothing_leaves_the_output_file_as_it_was(tmp_path, capsys):
+    """A mistyped image path: nothing predicted, exit 1, and the --output of an earlier run is kept
+    (it was replaced by a file of no prediction)."""
+    import predict
+
+    output = tmp_path / "preds.csv"
+    output.write_text("before\n")
+    with pytest.raises(SystemExit) as ended:
+        predict.main(["--checkpoint", str(lenet_checkpoint(tmp_path / "lenet.pt")), str(tmp_path / "typo"),
+                      "--output", str(output)])
+    assert ended.value.code == predicting.NONE_PREDICTED and output.read_text() == "before\n"
+    assert error_lines(capsys.readouterr().err) == [f"error: {tmp_path / 'typo'}: no such file or folder"]
+
+
 def lenet_checkpoint(path: Path) -> Path:
     """A checkpoint of an untrained lenet for 1x28x28 images in 10 classes, as the programs read it."""
     model = build_model("lenet", 1, 28, 10, seed=0)
@@ -727,7 +787,7 @@ def test_ctrl_c_while_predict_writes_its_output_is_one_line_and_leaves_no_file(t
                                             str(trained.checkpoint), str(trained.images / "val"), "--output",
                                             str(output)]),
                             cwd=ROOT, env={**child_env(), **gate.env()}, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True, preexec_fn=as_from_a_terminal)
     try:
         gate.held(hold, timeout=120)
         being_written = [f.read_text() for f in output.parent.rglob("*") if f.is_file()]
@@ -742,6 +802,120 @@ def test_ctrl_c_while_predict_writes_its_output_is_one_line_and_leaves_no_file(t
         being_written[0].count("\n") == 1, being_written  # held mid-write: the header alone
     assert proc.returncode == 128 + signal.SIGINT and err == f"{interrupts.ctrl_c_line('predict.py')}\n", err[-3000:]
     assert out == "" and list(output.parent.iterdir()) == []
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("command, ends", [
+    (["python", "-u", "{root}/predict.py", "--checkpoint", "c.pt"], True),  # a shell's, torchrun's workers'
+    (["python", "-W", "ignore", "predict.py", "x.png"], True),  # the cwd the root
+    (["python", "-m", "predict", "x.png"], True),
+    (["python", "driver.py", "{root}/predict.py"], False),  # runpy.run_path(predict.py) in a user's driver
+    (["python", "-m", "ipykernel_launcher", "-f", "k.json"], False),  # IPython's %run predict.py
+], ids=["python", "options", "module", "runpy-driver", "ipython-run"])
+def test_a_finished_use_program_ends_the_process_only_where_it_is_the_interpreters_own(command, ends, monkeypatch):
+    """A finished evaluate.py, predict.py or export.py ends its process at once (no teardown) only where
+    the interpreter was started with it: a user's driver running it through runpy, or a notebook's
+    %run, gets control back (the driver was ended after its first run, status 0, its own work undone)."""
+    monkeypatch.chdir(ROOT)
+    monkeypatch.setattr(sys, "orig_argv", [arg.replace("{root}", str(ROOT)) for arg in command])
+    spec = SimpleNamespace(name="predict") if "predict" in command else None  # python -m predict's
+    monkeypatch.setitem(sys.modules, "__main__", SimpleNamespace(__file__=str(ROOT / "predict.py"), __spec__=spec))
+    monkeypatch.setattr(interrupts._Guard, "watch", object())  # the guard, as predict.py's import installed it
+    monkeypatch.setattr(interrupts._Guard, "program", "predict.py")
+    ended = []
+    monkeypatch.setattr(interrupts, "end_without_teardown", ended.append)
+    interrupts.finished(3)
+    assert ended == ([3] if ends else [])
+
+
+@pytest.mark.quick
+def test_a_ctrl_c_with_stderr_closed_still_ends_the_program_and_removes_its_staging(tmp_path, monkeypatch):
+    """`predict.py ... 2>&1 | head -1`, then a Ctrl-C: stderr's reader is gone and the line cannot be
+    written (EPIPE); the process ends all the same, status 130, its staging folder removed (the thread
+    that took the Ctrl-C died of the write, holding the lock: the Ctrl-C was lost, and the renames
+    then waited for that lock for ever)."""
+    ended = guarded_as("predict.py", tmp_path, monkeypatch)
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    stderr = os.dup(2)
+    try:
+        with pytest.raises(Ended), use_program.staged(tmp_path, ["preds.csv"]) as staging:
+            (staging / "preds.csv").write_text("file,class_1\n")
+            os.dup2(write_end, 2)
+            ctrl_c()
+    finally:
+        os.dup2(stderr, 2)
+        os.close(stderr)
+        os.close(write_end)
+    assert ended == [(130, [])]
+
+
+# predict.py's guard, its output staged, waiting in native code (a forward, an ONNX export: no Python
+# handler runs there) when a SIGTERM comes (kill, timeout, docker stop, torchrun stopping its workers);
+# a DataLoader worker forked before says how it takes a SIGTERM.
+TERMINATED = """
+import ctypes, os, signal, sys
+from pathlib import Path
+from common.interrupts import end_on_ctrl_c, removed_on_ctrl_c
+end_on_ctrl_c("predict.py")
+if os.fork() == 0:
+    print("worker", signal.getsignal(signal.SIGTERM) is signal.SIG_DFL, flush=True)
+    os._exit(0)
+os.wait()
+staging = Path(sys.argv[1])
+staging.mkdir()
+with removed_on_ctrl_c(staging):
+    (staging / "preds.csv").write_text("file,class_1")
+    mutex = ctypes.create_string_buffer(64)  # zeroed: glibc's PTHREAD_MUTEX_INITIALIZER
+    ctypes.CDLL(None).pthread_mutex_lock(mutex)
+    print("waiting", flush=True)
+    ctypes.CDLL(None).pthread_mutex_lock(mutex)
+"""
+
+
+@pytest.mark.quick
+def test_a_sigterm_removes_a_use_programs_staged_output_and_ends_it_as_the_signal_does(tmp_path):
+    """A SIGTERM to evaluate.py, predict.py or export.py removes what they staged (it was left
+    behind as a hidden .output.tmp-* folder), and the process ends by the signal, silent, as
+    without the guard: its parent (torchrun) sees the signal, not an exit status. A data worker
+    keeps SIGTERM's default action."""
+    proc = subprocess.Popen([sys.executable, "-c", TERMINATED, str(tmp_path / ".output.tmp-here")], cwd=ROOT,
+                            env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert [proc.stdout.readline() for _ in range(2)] == ["worker True\n", "waiting\n"]
+        proc.send_signal(signal.SIGTERM)
+        out, err = proc.communicate(timeout=ENDS_PROMPTLY_S)
+    finally:
+        proc.kill()
+    assert (proc.returncode, out, err) == (-signal.SIGTERM, "", "")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.quick
+def test_a_full_disk_as_the_output_is_staged_is_one_line_and_leaves_the_previous_file(tmp_path):
+    """A full disk mid-way through the writing: the file there before is kept, the staging folder
+    removed, and the error is one line naming the folder (it was a traceback, "failed with OSError
+    during joining or leaving the process group")."""
+    (tmp_path / "preds.csv").write_text("before\n")
+    with pytest.raises(UserError) as refused, use_program.staged(tmp_path, ["preds.csv"]) as staging:
+        (staging / "preds.csv").write_text("file,class_1\n")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    assert str(refused.value) == f"{tmp_path}: no room for the output (No space left on device (ENOSPC)); free " \
+                                 "space there or write it elsewhere: no file was written, those there are as they were"
+    assert [p.name for p in tmp_path.iterdir()] == ["preds.csv"] and (tmp_path / "preds.csv").read_text() == "before\n"
+
+
+@pytest.mark.quick
+def test_an_output_that_is_a_symbolic_link_is_written_through(tmp_path):
+    """--output results/latest.csv, a link to run-42.csv: the file it names gets the output, as before
+    the output was staged (open() writes through a link), and the link stays (a rename replaced it)."""
+    (tmp_path / "run-42.csv").write_text("before\n")
+    (tmp_path / "results").mkdir()
+    (tmp_path / "results" / "latest.csv").symlink_to(tmp_path / "run-42.csv")
+    with use_program.staged(tmp_path / "results", ["latest.csv"]) as staging:
+        (staging / "latest.csv").write_text("file,class_1\n")
+    assert (tmp_path / "results" / "latest.csv").is_symlink() and [p.name for p in (tmp_path / "results").iterdir()] \
+        == ["latest.csv"] and (tmp_path / "run-42.csv").read_text() == "file,class_1\n"
 
 
 @pytest.mark.quick

@@ -94,8 +94,13 @@ def parse_flags(argv: Sequence[str] | None = None) -> Flags:
         p.error("--batch-size and --image-size must be >= 1, --workers >= 0 and --timeout-s > 0 (finite)")
     check_storage(p, a, "data_dir")
     if a.output_dir is not None:
-        check_writable(p, "--output-dir", Path(a.output_dir), folder=True)
+        check_writable(p, "--output-dir", Path(a.output_dir), output_files(Path(a.output_dir)))
     return Flags(**vars(a))
+
+
+def output_files(folder: Path) -> list[Path]:
+    """The files evaluate.py may write in `folder` (--output-dir)."""
+    return [folder / name for name in OUTPUT_FILES]
 
 
 def default_output_dir(saved: Saved, ema: bool) -> Path:
@@ -117,7 +122,7 @@ def evaluate_on_every_rank(flags: Flags, saved: Saved) -> None:
     saved.weights(flags.ema)  # --ema without a moving average: refused before the process group
     if flags.output_dir is None:
         output = default_output_dir(saved, flags.ema)
-        if problem := writable_problem("--output-dir (default)", output, folder=True):
+        if problem := writable_problem("--output-dir (default)", output, output_files(output)):
             raise ConfigError(f"{problem}, or pass --output-dir")
         flags = replace(flags, output_dir=str(output))
     with distributed(flags) as ctx:

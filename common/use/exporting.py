@@ -48,7 +48,7 @@ def parse_flags(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--output", required=True, metavar="PATH", help="the file to write; PATH.json is written beside it")
     a = p.parse_args(argv)
     check_storage(p, a)
-    check_writable(p, "--output", Path(a.output))
+    check_writable(p, "--output", Path(a.output), written(Path(a.output)))
     return a
 
 
@@ -62,12 +62,17 @@ def export_checkpoint(flags: argparse.Namespace, saved: Saved) -> None:
     output = Path(flags.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     about = description(saved, preprocessing, flags.format, flags.ema)
-    # PATH.data before the model file that names it, PATH.json last: it describes the file in place
-    with staged(output.parent, [f"{output.name}.data", output.name, f"{output.name}.json"]) as staging:
+    with staged(output.parent, [file.name for file in written(output)]) as staging:
         difference = export(model, saved, preprocessing, flags.format, staging / output.name, about)
         (staging / f"{output.name}.json").write_text(json.dumps(about, indent=1) + "\n")
     print(f"wrote {output} and {output}.json; its outputs on {CHECK_BATCH} inputs are within {difference:.2e} "
           f"of PyTorch's (tolerance {TOLERANCE:g})", flush=True)
+
+
+def written(output: Path) -> list[Path]:
+    """The files an export may write, in the order they are put in place: PATH.data before the model
+    file that names it, PATH.json last: it describes the file in place."""
+    return [output.with_name(f"{output.name}.data"), output, output.with_name(f"{output.name}.json")]
 
 
 def description(saved: Saved, p: Preprocessing, fmt: str, ema: bool) -> dict[str, Any]:

@@ -5,19 +5,21 @@ normalized by the run's mean and std).
 
     python predict.py --checkpoint FILE IMAGE_OR_FOLDER... [--top-k K] [--output preds.csv|preds.json]
 
-A folder is searched recursively for images (the extensions ImageFolder reads); the other files
-in it are left alone, counted and named in one line. A file that cannot be predicted (not an
-image, unreadable, or of another size where the model takes images as they are) is named in one
-line on stderr and the others are predicted and written. Exit status: 0 every file predicted (with
+A folder is searched recursively for images (the extensions ImageFolder reads); the other files in
+it are left alone, counted and named in one line. A file that cannot be predicted (not an image,
+unreadable, or of another size where the model takes images as they are) is named in one line on
+stderr and the others are predicted and written. Exit status: 0 every file predicted (with
 --skip-broken: every file that could be), 3 some predicted and written and others not, 1 none
-predicted (or the checkpoint unusable), 2 a bad flag, 130 a Ctrl-C (one line; the --output file
-is written whole or not at all). One process, batched, in float32, on the GPU when there is one.
+predicted (--output left as it was) or the checkpoint unusable, 2 a bad flag, 130 a Ctrl-C (one
+line; the --output file is written whole or not at all). One process, batched, in float32, on the
+GPU when there is one.
 """
 from __future__ import annotations
 
 import argparse
 import csv
 import json
+import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -81,8 +83,10 @@ def predict_with(flags: argparse.Namespace, saved: Saved) -> int:
     failed = Failures(flags.skip_broken)
     predictions = list(predict(model, preprocessing, image_files(flags.images, failed), flags.top_k,
                                flags.batch_size, device, failed))
-    write(predictions, flags.output)
-    return exit_status(len(predictions), failed)
+    status = exit_status(len(predictions), failed)
+    if status != NONE_PREDICTED:  # a run that predicted nothing (a mistyped path) leaves the --output there as it was
+        write(predictions, flags.output)
+    return status
 
 
 def exit_status(predicted: int, failed: Failures) -> int:
@@ -184,8 +188,12 @@ def batches(items: Iterator, size: int) -> Iterator[list]:
 def write(predictions: list[Prediction], output: str | None) -> None:
     """On the console (one line per image), or to --output as CSV or JSON."""
     if output is None:
-        for pred in predictions:
-            print(f"{pred.file}  " + "  ".join(f"{name} {prob:.4f}" for name, _, prob in pred.top), flush=True)
+        try:
+            for pred in predictions:
+                print(f"{pred.file}  " + "  ".join(f"{name} {prob:.4f}" for name, _, prob in pred.top), flush=True)
+        except BrokenPipeError:  # stdout's reader stopped reading (| head -1): it has the lines it wanted
+            # the line still buffered goes nowhere, not into a traceback at exit
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return
     path = Path(output)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ as the training scripts do; a Ctrl-C: one line and status 130, common/interrupts
 from __future__ import annotations
 
 import argparse
+import errno
 import math
 import os
 import shutil
@@ -16,11 +17,11 @@ from typing import Callable, Iterator, Sequence
 from common.config import RankZeroParser
 from common.credentials import read_storage_options
 from common.data.index import staging_for
-from common.errors import ConfigError, exit_quietly_after_the_printer
+from common.errors import ConfigError, UserError, exit_quietly_after_the_printer
 from common.interrupts import finished, output_in_place, removed_on_ctrl_c
 from common.parallel.context import DeadlinePassed, abandon_hung_thread, run_within
 from common.parallel.failures import parsed_telling_torchrun, told
-from common.storage import NO_RENAME, STORAGE_TIMEOUT_S, url_problem
+from common.storage import NO_RENAME, STORAGE_TIMEOUT_S, os_cause, url_problem
 from common.use.source import Saved, find_checkpoint
 
 
@@ -55,33 +56,45 @@ def check_storage(p: argparse.ArgumentParser, a: argparse.Namespace, *flags: str
             p.error(f"--{flag.replace('_', '-')} {getattr(a, flag)}: {problem}")
 
 
-def check_writable(p: argparse.ArgumentParser, flag: str, file: Path, folder: bool = False) -> None:
-    """A file (or, folder: a folder) the program will write, checked before any work: one line naming
-    the flag (exit 2), not a traceback after it."""
-    if problem := writable_problem(flag, file, folder):
+def check_writable(p: argparse.ArgumentParser, flag: str, given: Path, files: Sequence[Path] = ()) -> None:
+    """The files a program will write, checked before any work: `given` (the flag's file), or `files`
+    (the flag's folder's, or its file and those beside it); one line naming the flag (exit 2), not a
+    traceback after it."""
+    if problem := writable_problem(flag, given, files):
         p.error(problem)
 
 
-def writable_problem(flag: str, file: Path, folder: bool = False) -> str | None:
-    """Why the program could not write `file` (or, folder: files into it), in words naming the flag; None if it can."""
-    target = file if folder else file.parent
+def writable_problem(flag: str, given: Path, files: Sequence[Path] = ()) -> str | None:
+    """Why the program could not write `files` (default: `given`, the flag's value), all in one
+    folder, in words naming the flag; None if it can. Each is put in place by a rename (staged), so
+    one that is there must be a regular file: a rename over a folder fails after the work, and one
+    over a device (--output /dev/null, as root) or a FIFO would replace it."""
+    files = files or [given]
+    folder = files[0].parent
     try:
-        target.mkdir(parents=True, exist_ok=True)
+        folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        return f"{flag} {file}: cannot create the folder {target} ({e.strerror}); give a path you can write"
-    if not folder and file.is_dir():
-        return f"{flag} {file}: is a folder; give a file path you can write"
+        return f"{flag} {given}: cannot create the folder {folder} ({e.strerror}); give a path you can write"
+    for file in files:
+        which, way_out = ("", "give a file path you can write") if file == given else \
+            (f"{file} ", f"move it away or give another {flag}")
+        if file.is_dir():
+            return f"{flag} {given}: {which}is a folder; {way_out}"
+        if file.exists() and not file.is_file():
+            return (f"{flag} {given}: {which}is not a regular file (a device, a FIFO or a socket), which the output, "
+                    f"renamed into place, would replace; {way_out}")
     # Written to, not asked (os.access): root passes every permission check, yet /proc, a read-only
     # mount or a full disk still refuse the file after the work.
     try:
-        probe, name = tempfile.mkstemp(prefix=".write-check-", dir=target)
+        probe, name = tempfile.mkstemp(prefix=".write-check-", dir=folder)
         os.close(probe)
         os.unlink(name)
-        if not folder and file.exists():
-            with open(file, "ab"):
-                pass
+        for file in files:
+            if file.exists():
+                with open(file, "ab"):
+                    pass
     except OSError as e:
-        return f"{flag} {file}: not writable ({e.strerror}); give a {'folder' if folder else 'file'} path you can write"
+        return f"{flag} {given}: not writable ({e.strerror}); give a path you can write"
     return None
 
 
@@ -96,7 +109,8 @@ def staged(folder: Path, names: Sequence[str]) -> Iterator[Path]:
     staging = staging_for(folder / "output")  # .output.tmp-HOST-PID-RANDOM
     with removed_on_ctrl_c(staging):
         try:
-            yield staging
+            with told_when_full(folder):
+                yield staging
             with output_in_place():
                 for name in names:
                     if (staging / name).exists():
@@ -105,9 +119,24 @@ def staged(folder: Path, names: Sequence[str]) -> Iterator[Path]:
             shutil.rmtree(staging, ignore_errors=True)
 
 
+@contextmanager
+def told_when_full(folder: Path) -> Iterator[None]:
+    """A full disk (or quota) as the output is staged: one line naming the folder, not a traceback;
+    nothing of the output is in place yet."""
+    try:
+        yield
+    except OSError as e:
+        if e.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        raise UserError(f"{folder}: no room for the output ({os_cause(e)}); free space there or write it elsewhere: "
+                        "no file was written, those there are as they were") from None
+
+
 def move(staged_file: Path, final: Path) -> None:
     """A rename; copied where the file system renames nothing (S3 Mountpoint, some FUSE mounts),
-    the one way such a mount takes a file."""
+    the one way such a mount takes a file. A symbolic link under the final name is written through,
+    as open() writes (the file it names is replaced; the link stays), not replaced by the file."""
+    final = Path(os.path.realpath(final)) if final.is_symlink() else final
     try:
         os.replace(staged_file, final)
     except OSError as e:
