@@ -13,7 +13,9 @@
 # (prefixed [gG]) say "quorum of N group(s) at step S: this group (group G) is number I [HH:MM:SS]" and
 # "group G healed from group K at step S". The events and the quorums end with the wall time.
 # Ctrl-C or SIGTERM stops every group: the quorum's first group saves the stop checkpoint, as a plain
-# run does; the same command resumes from it. Settings (environment):
+# run does; the same command resumes from it. Once every group started here has left or been lost for
+# good, the Lighthouse stays up while it still hears from groups started elsewhere (by hand, on another
+# machine), and ends when none is left. Settings (environment):
 #   FT_PORT               the Lighthouse's port on 127.0.0.1 (default 29510)
 #   FT_RESTARTS           restarts per group, at most (default 3)
 #   FT_LIGHTHOUSE_RESTARTS  restarts of the Lighthouse, at most (default 10): the groups wait for it within
@@ -106,6 +108,16 @@ supervise_lighthouse() {  # starts it, and again when it dies, FT_LIGHTHOUSE_RES
     done
 }
 
+# How many groups the Lighthouse heard from within its heartbeat timeout (its status page says "[N heartbeating]");
+# -1 while it does not answer (being started again), so that a restart is waited out, not taken for "none".
+heard_from() {
+    "$python" - "$port" <<'EOF' 2>/dev/null || echo -1
+import re, sys, urllib.request
+page = urllib.request.urlopen(f"http://127.0.0.1:{sys.argv[1]}/status", timeout=2).read().decode()
+print(re.search(r"\[(\d+) heartbeating\]", page).group(1))
+EOF
+}
+
 # In a process group of its own (a terminal's Ctrl-C is for the groups).
 set -m
 supervise_lighthouse &
@@ -170,6 +182,23 @@ for pid in "${supervisors[@]}"; do
     (( status == 0 )) && status=$code
 done
 [[ -n $finished && ! -e "$logs/stopping" ]] && status=0  # the run is done: the groups that finished trained it all
+# Every group started here left or was lost for good, the run neither done nor stopped: groups started
+# elsewhere (by hand, on another machine) may still train through this Lighthouse. It stays up while the
+# Lighthouse hears from any (its status page counts the groups heard within FT_HEARTBEAT_MS).
+if [[ -z $finished && ! -e "$logs/stopping" ]]; then
+    sleep $(( ${FT_HEARTBEAT_MS:-3000} / 1000 + 1 ))  # until the groups that ended here are no longer heard
+    if (( $(heard_from) != 0 )); then
+        say "every group started here has ended; the Lighthouse stays up for the groups it still hears from" \
+            "(started elsewhere), until none is left or on Ctrl-C/SIGTERM"
+        silent=0  # seconds in a row the Lighthouse did not answer: a minute of it ends the wait
+        while [[ ! -e "$logs/stopping" ]] && kill -0 "$supervisor" 2>/dev/null && (( silent < 60 )); do
+            heard=$(heard_from)
+            (( heard == 0 )) && break
+            if (( heard < 0 )); then silent=$((silent + 1)); else silent=0; fi
+            sleep 1
+        done
+    fi
+fi
 touch "$logs/stopping"  # the run is over: the Lighthouse is not started again
 kill "$supervisor" 2>/dev/null
 wait "$supervisor" 2>/dev/null

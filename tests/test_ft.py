@@ -579,17 +579,22 @@ def test_the_lighthouse_killed_for_good_ends_every_group_saved_and_when_started_
 
 # 3 -------------------------------------------------------------------------------------------
 LEAVE = 45  # mid-epoch: held at an epoch's last step, a stop is honoured at the epoch's save, after that step
+LAST_LEAVES, HAND_HELD = 60, 70  # group 0 leaves too; the hand-started group held till ft.sh says why it stays
 
 
-def test_a_third_group_joins_mid_run_and_a_stopped_group_leaves_without_a_restart(mnist_root, exact3, tmp_path):
+def test_a_third_group_joins_mid_run_and_stopped_groups_leave_without_a_restart_or_ending_its_lighthouse(
+        mnist_root, exact3, tmp_path):
     """Two groups of convnet (BatchNorm) with a batch planned for three (--groups 3: one group trains 2 slots).
     A third group started by hand while the two are held at step 35 joins the quorum, heals from a live
     group at step 36 and takes its slot; then group 1, stopped with SIGTERM while all are held at step
-    45, leaves after step 46 (launch/ft.sh does
-    not restart it) and the others go on without a restart. With --exact-sums the weights and the
-    BatchNorm statistics are the fault-free run's, bit for bit."""
-    gate, join, leave = Gate(tmp_path / "gates"), f"all@{MID_EPOCH_2}", f"all@{LEAVE}"
-    training = [*gated(join, leave), *flags(mnist_root, tmp_path, *EXACT, "--check-replicas", "5")]
+    45, leaves after step 46 (launch/ft.sh does not restart it) and the others go on without a restart.
+    At step 60 group 0 leaves too: every group ft.sh started has ended, but the Lighthouse it serves
+    stays up for the group started by hand (ft.sh used to end it, and that group then had no quorum),
+    which trains on alone to the end. With --exact-sums the weights and the BatchNorm statistics are
+    the fault-free run's, bit for bit."""
+    gate = Gate(tmp_path / "gates")
+    join, leave, last, held = f"all@{MID_EPOCH_2}", f"all@{LEAVE}", f"all@{LAST_LEAVES}", f"g2@{HAND_HELD}"
+    training = [*gated(join, leave, last, held), *flags(mnist_root, tmp_path, *EXACT, "--check-replicas", "5")]
     run = FtRun(tmp_path, 2, training, gate=gate)
     gate.held(join, processes=2)
     started = time.monotonic()
@@ -606,14 +611,25 @@ def test_a_third_group_joins_mid_run_and_a_stopped_group_leaves_without_a_restar
     left, gone = run.job.wait_for(r"\[g1\] group 1 stopped by SIGTERM after step (\d+) and left the quorum")
     run.job.wait_for(r"^ft: group 1 left \(stopped by SIGTERM\)")
     regrouped, _ = run.job.wait_for(r"\[g0\] quorum of 2 group\(s\) at step \d+", after=stopped)
-    assert run.job.finish() == 0 and third.finish() == 0, run.job.text()[-5000:] + third.text()[-3000:]
+    gate.held(last, processes=2)
+    os.killpg(int((run.logs / "group0.pid").read_text()), signal.SIGTERM)
+    gate.signalled(last)
+    gate.release(last)
+    run.job.wait_for(r"^ft: group 0 left \(stopped by SIGTERM\)")
+    gate.held(held)  # the group started by hand, alone, waits at a step until ft.sh has decided
+    run.job.wait_for(r"^ft: every group started here has ended; the Lighthouse stays up for the groups it still "
+                     r"hears from")
+    gate.release(held)
+    assert third.finish() == 0, run.job.text()[-5000:] + third.text()[-3000:]
+    assert run.job.finish() == 128 + signal.SIGTERM, run.job.text()[-5000:]  # its groups left: ft.sh says so
     assert "restarted" not in run.job.text()
     # held at a step, the SIGTERM is agreed on as the next step begins: the group leaves after it
     assert (int(match[1]), int(gone[1])) == (MID_EPOCH_2 + 1, LEAVE + 1), run.job.text()[-5000:]
     dw = max_dw(final_weights(tmp_path), exact3)
     print(f"\na third group joined {joined - started:.1f} s after its start, healed at step {match[1]}; group 1 left "
           f"after step {gone[1]} {left - stopped:.1f} s after its SIGTERM, the others' next quorum "
-          f"{regrouped - stopped:.1f} s after it; max |dw| against the fault-free run = {dw:.3g}")
+          f"{regrouped - stopped:.1f} s after it; group 0 left at step {LAST_LEAVES + 1} and the group started by "
+          f"hand trained on alone; max |dw| against the fault-free run = {dw:.3g}")
     assert dw == 0, "--exact-sums: the same bits whatever failed when"
 
 
