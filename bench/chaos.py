@@ -359,7 +359,6 @@ class Chaos:
     model = "lenet"
     kept = 3  # --keep of the training script: its default, unless --checkpoints-kept says more
 
-
     def __init__(self, folder: Path, data: Path, epochs: int, batch: int, slow_steps: float) -> None:
         self.folder, self.data, self.epochs, self.batch = folder, data, epochs, batch
         self.patches = f"slow-steps={slow_steps}"  # steps long enough for a fault's recovery to be a part of the run

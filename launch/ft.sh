@@ -35,6 +35,7 @@ fi
 groups=$1 nproc=$2
 shift 2
 port=${FT_PORT:-29510} restarts=${FT_RESTARTS:-3} lighthouse_restarts=${FT_LIGHTHOUSE_RESTARTS:-10}
+heartbeat_ms=${FT_HEARTBEAT_MS:-3000}  # the Lighthouse's, and how long this script waits for its groups to go quiet
 logs=${FT_LOGS:-$(mktemp -d /tmp/ft-XXXXXX)}
 mkdir -p "$logs" && rm -f "$logs"/group*.pid "$logs/stopping" "$logs/lighthouse.pid"
 lighthouse_bin=$(command -v torchft_lighthouse) ||
@@ -81,7 +82,7 @@ start_lighthouse() {
     RUST_LOG=${RUST_LOG:-info} "$python" -c 'import ctypes, os, signal, sys
 ctypes.CDLL(None).prctl(1, signal.SIGTERM)
 os.execv(sys.argv[1], sys.argv[1:])' "$lighthouse_bin" --min_replicas "$min_groups" --bind "127.0.0.1:$port" \
-        --heartbeat_timeout_ms "${FT_HEARTBEAT_MS:-3000}" --join_timeout_ms "${FT_JOIN_MS:-2000}" \
+        --heartbeat_timeout_ms "$heartbeat_ms" --join_timeout_ms "${FT_JOIN_MS:-2000}" \
         >> "$logs/lighthouse.log" 2>&1 &
     echo $! > "$logs/lighthouse.pid"
 }
@@ -186,7 +187,7 @@ done
 # elsewhere (by hand, on another machine) may still train through this Lighthouse. It stays up while the
 # Lighthouse hears from any (its status page counts the groups heard within FT_HEARTBEAT_MS).
 if [[ -z $finished && ! -e "$logs/stopping" ]]; then
-    sleep $(( ${FT_HEARTBEAT_MS:-3000} / 1000 + 1 ))  # until the groups that ended here are no longer heard
+    sleep $(( heartbeat_ms / 1000 + 1 ))  # until the groups that ended here are no longer heard
     if (( $(heard_from) != 0 )); then
         say "every group started here has ended; the Lighthouse stays up for the groups it still hears from" \
             "(started elsewhere), until none is left or on Ctrl-C/SIGTERM"
