@@ -129,6 +129,12 @@ def test_the_erased_box_is_torchvisions_random_erasing_from_the_same_generator_s
     assert 60 < erased < 140
 
 
+def photo_like(channels: int) -> torch.Tensor:
+    """A 40 x 56 uint8 (H, W, C) image of smooth ramps, a different one per channel."""
+    grid = torch.stack(torch.meshgrid(torch.arange(40), torch.arange(56), indexing="ij"))
+    return torch.stack([(grid[0] * 5 + grid[1] * 3 + 60 * c) % 256 for c in range(channels)], -1).to(torch.uint8)
+
+
 @pytest.mark.quick
 @pytest.mark.parametrize("augment", POLICIES)
 @pytest.mark.parametrize("channels", [3, 1], ids=["rgb", "grayscale"])
@@ -143,8 +149,7 @@ def test_a_cpu_policy_is_torchvisions_on_the_pil_image_from_the_same_generator_s
     from common.data.augment import PIL_MODES, Policy
 
     ours = Policy(augment)
-    grid = torch.stack(torch.meshgrid(torch.arange(40), torch.arange(56), indexing="ij"))
-    hwc = torch.stack([(grid[0] * 5 + grid[1] * 3 + 60 * c) % 256 for c in range(channels)], -1).to(torch.uint8)
+    hwc = photo_like(channels)
     row = hwc.permute(2, 0, 1)  # (C, H, W) over channels-last memory
     pil = Image.fromarray(hwc.numpy()[..., 0] if channels == 1 else hwc.numpy(), PIL_MODES[channels])
     changed = 0
@@ -156,3 +161,23 @@ def test_a_cpu_policy_is_torchvisions_on_the_pil_image_from_the_same_generator_s
         assert torch.equal(made, expected), seed
         changed += not torch.equal(made, row)
     assert changed > 20, f"{augment}: {changed} of 40 images changed"
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("augment", POLICIES)
+def test_a_gpu_policy_is_torchvisions_on_the_tensor_and_not_quite_the_cpus_pixels(augment):
+    """What a CUDA rank runs (torchvision's tensor kernels on the drawn ops; on a CPU tensor here,
+    where __call__ takes PIL, so nothing else in the suite runs them) gives, pixel for pixel,
+    torchvision's transform on the uint8 tensor from the same global generator state; and the
+    CPU's PIL pixels differ from it on some images (Color, Contrast, Rotate), as docs/data.md says."""
+    from common.data.augment import Policy
+
+    ours, image, differs = Policy(augment), photo_like(3).permute(2, 0, 1), 0
+    for seed in range(40):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            expected = ours.transform(image)
+        made = ours.apply(image, ours.draw(torch.Generator().manual_seed(seed), 40, 56))
+        assert torch.equal(made, expected), seed
+        differs += not torch.equal(made, ours(image, torch.Generator().manual_seed(seed)))
+    assert differs > 0, f"{augment}: the CPU's pixels are the GPU's on all 40 images: docs/data.md says otherwise"

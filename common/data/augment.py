@@ -116,22 +116,24 @@ class Policy:
     def __call__(self, image: torch.Tensor, g: torch.Generator) -> torch.Tensor:
         """The policy on one uint8 (C, H, W) image: on the CPU through PIL, as torchvision's
         reference applies it (its ops there cost 2-5x less than the tensor ones: an affine warp
-        0.2-0.4 ms against 1-2 ms at 224 px); on a GPU with torchvision's tensor ops."""
+        0.2-0.4 ms against 1-2 ms at 224 px); on a GPU with torchvision's tensor ops: the same ops
+        and magnitudes, not quite the same pixels (Color, Contrast and Rotate round otherwise)."""
         ops = [(op, magnitude) for op, magnitude in self.draw(g, *image.shape[-2:]) if op != "Identity"]
         if not ops:
             return image
         if image.device.type == "cpu" and image.shape[0] in PIL_MODES:
             return self._through_pil(image, ops)
-        return self._apply(image, ops)
+        return self.apply(image, ops)
 
-    def _apply(self, image: Any, ops: list[tuple[str, float]]) -> Any:
+    def apply(self, image: Any, ops: list[tuple[str, float]]) -> Any:
+        """torchvision's ops on a PIL image (the CPU's kernels) or a tensor (a GPU's), in order."""
         t = self.transform
         for op, magnitude in ops:
             image = t._apply_image_or_video_transform(image, op, magnitude, interpolation=t.interpolation, fill=t._fill)
         return image
 
     def _through_pil(self, image: torch.Tensor, ops: list[tuple[str, float]]) -> torch.Tensor:
-        """One copy into a PIL image (from the rows' channels-last memory: no transpose), the
+        """One copy into a PIL image (no transpose from a channels-last row, the workers'), the
         ops, one copy out as a (C, H, W) view of the result."""
         import numpy as np
         from PIL import Image
@@ -139,7 +141,7 @@ class Policy:
         channels = image.shape[0]
         array = image.permute(1, 2, 0).contiguous().numpy()
         pil = Image.fromarray(array[..., 0] if channels == 1 else array, PIL_MODES[channels])
-        out = torch.from_numpy(np.array(self._apply(pil, ops)))
+        out = torch.from_numpy(np.array(self.apply(pil, ops)))
         return out.reshape(*out.shape[:2], channels).permute(2, 0, 1)
 
     def draw(self, g: torch.Generator, height: int, width: int) -> list[tuple[str, float]]:
