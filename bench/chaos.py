@@ -48,7 +48,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
@@ -143,11 +143,14 @@ class Progress:
 
 
 class Job:
-    """A launcher's process tree, its output kept with the time each line came."""
+    """A launcher's process tree, its output kept with the time each line came. Each runs in a
+    session of its own (a terminal's Ctrl-C reaches the benchmark alone), so every one started is
+    kept in STARTED for a stopped benchmark to end (end_every_run)."""
 
     def __init__(self, command: list[str], env: dict[str, str], prefix: str = "") -> None:
         self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                         text=True, start_new_session=True)
+        STARTED.append(self)
         self.lines: list[tuple[float, str]] = []
         self.prefix = prefix
         threading.Thread(target=self._read, daemon=True).start()
@@ -158,6 +161,29 @@ class Job:
 
     def text(self) -> str:
         return "\n".join(line for _, line in self.lines)
+
+
+STARTED: list[Job] = []
+
+
+class Stopped(Exception):
+    """A SIGTERM to the benchmark: it ends its runs as on a Ctrl-C."""
+
+
+def stop_on_sigterm(signum: int, frame: object) -> None:
+    raise Stopped
+
+
+def end_every_run(folder: Path) -> None:
+    """SIGKILL to each launcher's process group whose leader is not yet reaped (a reaped leader's
+    pid, and so its group's id, may be another process's by now), then to any process that names
+    the runs' folder (a group whose leader ended first, an orphan)."""
+    for job in STARTED:
+        if job.process.poll() is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(job.process.pid, signal.SIGKILL)
+    for pid in left_behind(folder):
+        signal_pid(pid, signal.SIGKILL)
 
 
 def children(pid: int) -> list[int]:
@@ -198,6 +224,13 @@ def hit(fault: Fault, pid: int | None, signum: int) -> bool:
         return True
     fault.notes.append(f"{signal.Signals(signum).name} found no process ({'pid ' + str(pid) if pid else 'none'})")
     return False
+
+
+def after(seconds: float, action: Callable[..., object], *args: object) -> None:
+    """action(*args) in `seconds`, on a daemon thread: a stopped benchmark does not wait for it."""
+    timer = threading.Timer(seconds, action, args)
+    timer.daemon = True
+    timer.start()
 
 
 def left_behind(folder: Path) -> list[int]:
@@ -436,7 +469,7 @@ class Chaos:
     def freeze_worker(self, fault: Fault) -> None:
         worker = self.process(fault.target)
         hit(fault, worker, signal.SIGSTOP)
-        threading.Timer(fault.seconds, signal_pid, (worker, signal.SIGCONT)).start()
+        after(fault.seconds, signal_pid, worker, signal.SIGCONT)
         self.back(fault, fresh=False)
 
     def kill_in_set_up(self, fault: Fault) -> None:
@@ -607,7 +640,7 @@ class ReplicaGroups(Chaos):
         """Every link of the job slowed (or lossy) for `fault.seconds`; back: a step after that."""
         if not self.namespace.slow():
             fault.notes.append(f"tc refused {' '.join(self.namespace.queue)}")
-        threading.Timer(fault.seconds, self.namespace.restore).start()
+        after(fault.seconds, self.namespace.restore)
         self.back_when_trained(fault, fresh=False)
 
 
@@ -963,27 +996,44 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
+def run_all(args: argparse.Namespace, seeds: list[int], stores: list[str], modes: tuple[str, ...],
+            tmp: Path) -> bool:
+    """Every mode's fault-free run, then its runs under chaos, each reported as it ends; True if
+    every one was proved."""
+    data = write_mnist(tmp / "mnist")
+    proved = True
+    for mode in modes:
+        unslowed = argparse.Namespace(**{**vars(args), "slow_steps": 0})  # the weights do not depend on it
+        planned = fault_free(mode, tmp / f"{mode}-fault-free", data, unslowed)
+        slow = SLOW_STEPS[mode] if args.slow_steps is None else args.slow_steps
+        slowed = argparse.Namespace(**{**vars(args), "slow_steps": slow})
+        for store in stores if mode == "restart" else [None]:
+            for seed in seeds:
+                outcome = chaos_run(mode, store, seed, args.faults, slowed, tmp, data, planned)
+                title = f"{mode}{f' ({store})' if store else ''}, seed {seed}, {args.faults} faults"
+                table = "\n".join([*outcome.lines, "", outcome.table])
+                print(f"\n## {title}: {'proved' if outcome.proved else 'NOT proved'}\n\n{table}", flush=True)
+                proved &= outcome.proved
+    return proved
+
+
 def main() -> None:
     p = parser()
     args = p.parse_args()
     seeds, stores, modes = checked(p, args)
+    signal.signal(signal.SIGTERM, stop_on_sigterm)
     with tempfile.TemporaryDirectory() as scratch:
         tmp = Path(args.keep or scratch)
-        data = write_mnist(tmp / "mnist")
-        failed = False
-        for mode in modes:
-            unslowed = argparse.Namespace(**{**vars(args), "slow_steps": 0})  # the weights do not depend on it
-            planned = fault_free(mode, tmp / f"{mode}-fault-free", data, unslowed)
-            slow = SLOW_STEPS[mode] if args.slow_steps is None else args.slow_steps
-            slowed = argparse.Namespace(**{**vars(args), "slow_steps": slow})
-            for store in stores if mode == "restart" else [None]:
-                for seed in seeds:
-                    outcome = chaos_run(mode, store, seed, args.faults, slowed, tmp, data, planned)
-                    title = f"{mode}{f' ({store})' if store else ''}, seed {seed}, {args.faults} faults"
-                    table = "\n".join([*outcome.lines, "", outcome.table])
-                    print(f"\n## {title}: {'proved' if outcome.proved else 'NOT proved'}\n\n{table}", flush=True)
-                    failed |= not outcome.proved
-        sys.exit(1 if failed else 0)
+        try:
+            proved = run_all(args, seeds, stores, modes, tmp)
+        except (KeyboardInterrupt, Stopped) as stop:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C does not cut the ending short
+            end_every_run(tmp)
+            how, code = ("Ctrl-C", 130) if isinstance(stop, KeyboardInterrupt) else ("SIGTERM", 143)
+            kept = f"; the runs' files are in {args.keep}" if args.keep else ""
+            print(f"bench chaos: stopped ({how}); every process of its runs was ended{kept}", file=sys.stderr)
+            sys.exit(code)
+    sys.exit(0 if proved else 1)
 
 
 if __name__ == "__main__":

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ENDS_PROMPTLY_S, ROOT, child_env
+from tests.conftest import ENDS_PROMPTLY_S, ROOT, as_from_a_terminal, child_env
 
 # A torchrun worker in set-up: it has imported the package (as every script does first), says so in a
 # file, and then waits as a worker importing torch or reading its data would.
@@ -179,3 +179,31 @@ def test_replica_groups_survive_a_slowed_link_and_a_killed_worker(tmp_path):
     """Three groups in a network namespace of their own, whose link is slowed (netem's delay and loss,
     or a rate limit where the kernel lacks netem) for 2-8 s, and a worker SIGKILLed: bit for bit."""
     under_chaos(tmp_path, "ft", {None: ["slow-link", "kill-worker"]})
+
+
+@pytest.mark.parametrize("signum, code, how", [(signal.SIGINT, 130, "Ctrl-C"), (signal.SIGTERM, 143, "SIGTERM")],
+                         ids=["ctrl_c", "sigterm"])
+def test_a_stopped_chaos_benchmark_ends_its_runs_in_one_line(tmp_path, signum, code, how):
+    """`bench chaos` runs each launcher in a session of its own (a terminal's Ctrl-C reaches the
+    benchmark alone): stopped while its fault-free run trains (its agent and two ranks are up), it
+    ends every process of its runs and says so in one line, with 130 (Ctrl-C) or 143 (SIGTERM)."""
+    from bench.chaos import left_behind
+
+    keep = tmp_path / "keep"
+    bench = subprocess.Popen([sys.executable, "-m", "bench", "chaos", "--mode", "restart", "--stores", "disk",
+                              "--faults", "1", "--epochs", "1", "--seeds", "1", "--keep", str(keep)],
+                             cwd=ROOT, env=child_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             preexec_fn=as_from_a_terminal)
+    deadline = time.monotonic() + ENDS_PROMPTLY_S
+    while len(left_behind(keep)) < 3:
+        assert bench.poll() is None and time.monotonic() < deadline, bench.communicate()
+        time.sleep(0.1)  # polling for the run's processes, with a deadline
+    bench.send_signal(signum)
+    err = bench.communicate(timeout=ENDS_PROMPTLY_S)[1]
+    assert bench.returncode == code, err
+    assert err.splitlines() == [f"bench chaos: stopped ({how}); every process of its runs was ended; the runs' "
+                                f"files are in {keep}"], err
+    ended = time.monotonic() + 10
+    while (left := left_behind(keep)) and time.monotonic() < ended:
+        time.sleep(0.1)  # a SIGKILLed process is gone from /proc within milliseconds; a deadline all the same
+    assert not left, f"left running: {left}"
