@@ -213,7 +213,7 @@ def test_a_chaos_benchmark_stopped_by_sigterm_ends_its_runs_as_on_ctrl_c(tmp_pat
     above shows that ending) and exits 143 with its one line."""
     from bench import chaos
 
-    def terminated(*_) -> bool:
+    def terminated(*_) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(5)  # the handler raises in here, between two bytecodes
         pytest.fail("the SIGTERM did not stop the benchmark")
