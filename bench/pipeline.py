@@ -9,7 +9,10 @@ RandAugment and TrivialAugmentWide; ours: one worker's work (the suite's own-dat
 decoding, cropping, flipping and augmenting batches, --workers 0) and the whole training input
 path (the same loader feeding TrainLoader: worker + rank, everything the step gets), from the
 original photos and from shards converted with --max-side 320. "cores/node" is what an 8-GPU node
-of ResNet-50 H100s needs at that rate (3,000 images/s per GPU, 24,000 a node).
+of ResNet-50 H100s needs at that rate (3,000 images/s per GPU, 24,000 a node). A second table: the
+rank's own process per sample with each --augment when 2 DataLoader workers make its batches (as a
+run with --workers 2 does; process_time counts this process, not its workers), in 5 interleaved
+rounds: what the training loop's thread spends on the input, and the part of it the policy adds.
 
 The photos: an ImageNet-like set derived from real photos (70% at 500x375 or 375x500, the rest up
 to 1024 px on the long side, JPEG quality 90): each a random crop (60-100% of the largest crop of
@@ -48,6 +51,8 @@ NODE_DEMAND = 8 * 3000  # images/s: eight H100s training ResNet-50
 PHOTO_NAMES = ("astronaut", "coffee", "chelsea", "rocket", "motorcycle_left", "motorcycle_right", "hubble_deep_field",
                "retina", "ihc", "china", "flower")  # colour photos of skimage/data and sklearn/datasets/images
 BATCH = 32
+AUGMENTS = ("basic", "randaugment", "trivialaugment", "autoaugment")  # basic first: the others are against it
+RANK_ROUNDS = 5
 IMAGENET_MEAN, IMAGENET_STD = (0.485, 0.456, 0.406), (0.229, 0.224, 0.225)
 
 
@@ -188,10 +193,10 @@ def pil_alone(files: list[bytearray]) -> Callable[[], int]:
     return run
 
 
-def our_data(kind: str, data_dir: Path, cache: Path, size: int) -> own.Dataset:
+def our_data(kind: str, data_dir: Path, cache: Path, size: int, workers: int = 0) -> own.Dataset:
     """The suite's own-data loader on the set, streamed (--cache-gb 0), decoding in this process
-    (--workers 0): index and statistics made here, not timed."""
-    opts = own.OwnData(kind, str(data_dir), str(cache), {}, image_size=size, workers=0, prepare_workers=0,
+    (--workers 0) or in `workers` DataLoader worker processes: index and statistics made here, not timed."""
+    opts = own.OwnData(kind, str(data_dir), str(cache), {}, image_size=size, workers=workers, prepare_workers=0,
                        skip_broken=False, cache_gb=0.0, shard_cache_gb=1.0)
     return own.open_prepared(own.prepare(opts, lambda line: None), opts)
 
@@ -261,6 +266,18 @@ def rows(tree: Path, tmp: Path, size: int, max_side: int) -> list[Row]:
     return [measure(name, run) for name, run in plans]
 
 
+def rank_rows(tree: Path, tmp: Path, size: int, rounds: int = RANK_ROUNDS) -> list[list[Row]]:
+    """The rank's process alone, its batches made by 2 workers: `our_path` with the decode, crop, flip
+    and policy in worker processes, whose CPU process_time does not count. Per --augment, `rounds`
+    measurements interleaved with the other policies' (the rank's share is small: its noise is not)."""
+    fed = our_data("imagefolder", tree, tmp / "cache", size, workers=2)
+    measured: list[list[Row]] = [[] for _ in AUGMENTS]
+    for _ in range(rounds):
+        for rows_of, augment in zip(measured, AUGMENTS):
+            rows_of.append(measure(f"rank's process, 2 workers, --augment {augment}", our_path(fed, augment)))
+    return measured
+
+
 def table(measured: Iterable[Row]) -> str:
     measured = list(measured)
     ref = {row.name: row.rate for row in measured}
@@ -269,6 +286,26 @@ def table(measured: Iterable[Row]) -> str:
         policy = next((p for p in ("RandAugment", "TrivialAugment") if p in row.name), None)
         base = ref[f"torchvision reference + {policy}" if policy else "torchvision reference"]
         lines.append(f"| {row.name} | {row.rate:.0f} | {row.rate / base:.2f} | {NODE_DEMAND / row.rate:.0f} |")
+    return "\n".join(lines)
+
+
+def ms_per_sample(rows: list[Row]) -> list[float]:
+    return [row.cpu_s / row.images * 1e3 for row in rows]
+
+
+def rank_table(measured: list[list[Row]]) -> str:
+    """ms of the rank's CPU per sample (median and range over the rounds), and what each policy adds
+    over --augment basic (its crop and flip also made in the workers): the median of the rounds'
+    differences, the policy's cost on the training loop's thread."""
+    basic = ms_per_sample(measured[0])
+    lines = ["| the rank's process (2 workers make the batches) | ms per sample: median (range) | "
+             "added by the policy, ms: median (range) |", "|---|---|---|"]
+    for rows in measured:
+        ms = ms_per_sample(rows)
+        added = [m - b for m, b in zip(ms, basic)]
+        extra = f"{statistics.median(added):+.3f} ({min(added):+.3f} to {max(added):+.3f})" if rows is not measured[0] \
+            else ""
+        lines.append(f"| {rows[0].name} | {statistics.median(ms):.3f} ({min(ms):.3f}-{max(ms):.3f}) | {extra} |")
     return "\n".join(lines)
 
 
@@ -293,6 +330,8 @@ def main() -> None:
               "torchvision's reference with the same policy (none, RandAugment or TrivialAugment), on the "
               "original photos\n")
         print(table(rows(tree, Path(tmp), a.image_size, a.max_side)))
+        print()
+        print(rank_table(rank_rows(tree, Path(tmp), a.image_size)))
 
 
 if __name__ == "__main__":

@@ -50,7 +50,8 @@ def test_two_ranks_rows_are_the_one_process_batch_exactly(data, spec):
 def test_streamed_own_images_are_augmented_as_decoded_ones(tmp_path):
     """Your own images go through the same transform whether decoded into the cache or streamed
     by DataLoader workers: an RGB set at --image-size 24 (random-resized crops of the whole image,
-    cut by the workers), streamed at world 2 by two workers per rank, decoded at world 1 by none."""
+    cut by the workers), streamed at world 2 and 4 by two workers per rank, decoded at world 1 by
+    none; and a stream resumed mid-epoch (world 2, step 2 of 3) is the rest of that epoch."""
     folder = write_imagefolder(tmp_path / "set", train_size=48, test_size=4, shape="cifar", sizes=(20, 36))
     opts = own.OwnData("imagefolder", str(folder), str(tmp_path / "cache"), {}, image_size=24, workers=0,
                        prepare_workers=0, skip_broken=False, cache_gb=1.0, shard_cache_gb=1.0)
@@ -59,8 +60,11 @@ def test_streamed_own_images_are_augmented_as_decoded_ones(tmp_path):
     assert streamed.held.startswith("streamed") and decoded.spec.augment == "resized-crop-flip"
     flags = {"augment": "trivialaugment", "random_erase": 0.5}
     single = batches(decoded.train, decoded.spec, 1, **flags)
-    both = interleaved([batches(streamed.train, streamed.spec, 2, rank, **flags) for rank in range(2)])
-    assert len(single) == len(both) == 3 and all(torch.equal(a, b) for a, b in zip(single, both))
+    for world in (2, 4):
+        every = interleaved([batches(streamed.train, streamed.spec, world, rank, **flags) for rank in range(world)])
+        assert len(single) == len(every) == 3 and all(torch.equal(a, b) for a, b in zip(single, every)), world
+    resumed = interleaved([batches(streamed.train, streamed.spec, 2, rank, start_step=2, **flags) for rank in range(2)])
+    assert len(resumed) == 1 and torch.equal(resumed[0], single[2])
     assert not torch.equal(single[0], batches(decoded.train, decoded.spec, 1)[0])
 
 

@@ -2,6 +2,7 @@
 unknown one in a line, and `python -m bench gpu` says in a line that it needs CUDA where there is none."""
 from __future__ import annotations
 
+import statistics
 import subprocess
 import sys
 
@@ -75,6 +76,28 @@ def test_the_pipeline_bench_measures_every_row_on_a_tiny_photo_set(tmp_path):
     for row, line in zip(measured, lines):
         cells = [cell.strip() for cell in line.strip("|").split("|")]
         assert cells[0] == row.name and int(cells[3]) == round(pipeline.NODE_DEMAND / row.rate)
+
+
+def test_the_pipeline_benchs_rank_rows_draw_no_policy_in_the_ranks_process(tmp_path, monkeypatch):
+    """The rank table's rows (2 workers make the batches): one per --augment, basic first, each its
+    ms per sample; and the rank's process draws no policy op there (a count kept in this process:
+    the forked workers count in theirs), where with --workers 0 it draws one per sample."""
+    from bench import pipeline
+    from common.data.augment import Policy
+    from tests.datagen import write_photos
+
+    drawn = []
+    real_draw = Policy.draw
+    monkeypatch.setattr(Policy, "draw", lambda self, *args: drawn.append(1) or real_draw(self, *args))
+    tree = pipeline.write_photo_set(tmp_path / "photos", 40, sorted(
+        write_photos(tmp_path / "sources", train_size=2, test_size=1, classes=2).glob("train/*/*.jpg")))
+    measured = pipeline.rank_rows(tree, tmp_path, size=32, rounds=2)
+    assert [rows[0].name.split()[-1] for rows in measured] == list(pipeline.AUGMENTS) and drawn == []
+    lines = pipeline.rank_table(measured).splitlines()[2:]
+    medians = [statistics.median(pipeline.ms_per_sample(rows)) for rows in measured]
+    assert [float(line.split("|")[2].split()[0]) for line in lines] == [round(m, 3) for m in medians]
+    pipeline.our_path(pipeline.our_data("imagefolder", tree, tmp_path / "cache", 32), "randaugment")()
+    assert len(drawn) == 32  # --workers 0: this process made the batch (one whole batch of 40 images)
 
 
 def test_the_gpu_benchs_decode_rows_run_on_cpu_tensors(tmp_path):

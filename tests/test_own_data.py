@@ -927,3 +927,25 @@ def test_a_data_wait_is_said_once_with_the_ways_that_apply_to_the_set(decodes, d
     for _ in range(2):
         steps.check_data_wait(StepTimes(10.0, 8.0, 2.0), False, run, log)
     assert len(said) == 1 and expected in said[0] + "\n", said
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("cores, ranks, expected", [(64, 2, 31), (64, 1, 63), (16, 8, 1), (2, 4, 1), (1, 1, 1)])
+def test_the_default_workers_follow_the_cores_with_one_kept_per_rank_and_no_cap(cores, ranks, expected,
+                                                                                 monkeypatch):
+    """A 64-core node of 2 ranks gets 31 workers a rank (no cap of 8: a GPU rank eats what ~10 cores
+    decode); more ranks than cores still get one worker each (decoding never blocks the step)."""
+    from common.data.reading import default_workers
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
+    assert default_workers(ranks) == expected
+
+
+def test_the_banner_says_what_the_workers_deliver_per_rank(shared):
+    """`shared`'s streamed runs (2 workers a rank): the rate one worker measured, and twice it."""
+    launch, _ = shared
+    for kind in STREAMED:
+        said = re.search(r"input: one worker makes (\d+) training images per CPU-second here \(--augment basic\); "
+                         r"2 worker\(s\) per rank deliver up to (\d+) images/s per rank",
+                         launch[f"uninterrupted-{kind}"].stdout)
+        assert said and int(said[1]) > 0 and abs(int(said[2]) - 2 * int(said[1])) <= 1, kind

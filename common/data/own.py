@@ -5,7 +5,8 @@ choose the geometry, measure the normalization statistics on STATS_SAMPLES train
 either decode the whole set once into the node's cache (when it fits --cache-gb: every later run
 and every rank of the node maps it, and it trains at the speed of the built-in sets) or leave it
 to be streamed: DataLoader workers decode each batch, shards from a URL through a bounded shard cache.
-Both ways give the same batches: the same order, the same decoded pixels, the same augmentation.
+Both ways give the same batches: the same order, the same boxes and draws, the same pixels wherever an
+image is within the decoded copy's bound (reading.bounded: a long side of at most 2 S / 0.875).
 """
 from __future__ import annotations
 
