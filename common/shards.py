@@ -54,13 +54,17 @@ This module is the layouts' single definition: the readers in common/data/ impor
 from __future__ import annotations
 
 import argparse
+import contextlib
 import fnmatch
+import glob
 import io
 import json
 import math
 import os
 import random
 import re
+import shutil
+import socket
 import sys
 import tarfile
 import tempfile
@@ -74,7 +78,7 @@ from PIL import Image
 from common import hfsets
 from common.credentials import URL_PASSWORD, read_storage_options
 from common.errors import UserError, first_line
-from common.storage import Storage, StorageError, os_cause, storage_for
+from common.storage import Storage, StorageError, is_url, os_cause, storage_for
 
 SPLITS = {"train": "train", "val": "test"}  # folder or shard prefix -> the suite's split
 # What PIL reads and torchvision's ImageFolder accepts; other files in a class folder are ignored.
@@ -83,6 +87,7 @@ SHARD_EXTENSIONS = tuple(ext[1:] for ext in FOLDER_EXTENSIONS)  # a shard holds 
 CLASSES_FILE = "classes.txt"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
+SCRATCH_PREFIX = "common.shards."  # a conversion's local scratch: common.shards.HOST-PID-RANDOM in TMPDIR
 MAX_PIXELS = 89_478_485  # PIL's decompression-bomb threshold: past it, PIL warns, and past twice it refuses
 TRAIN, VAL = "train", "val"
 GENERATION_DIGITS = 12  # hex digits of a conversion's id
@@ -381,9 +386,9 @@ def convert_hf(src: str, dest: str, image_key: str = "image", label_key: str = "
     check_reencode(reencode)
     options = storage_options or {}
     source = hfsets.resolve(src, options, lambda path: "", flag=SRC)
-    with tempfile.TemporaryDirectory(prefix="common.shards.") as scratch:
-        classes, splits = _extract(source, Path(scratch), options, image_key, label_key)
-        return write_set(Path(scratch), classes, splits, dest, shard_mb, seed, storage_options, reencode)
+    with scratch_folder() as scratch:
+        classes, splits = _extract(source, scratch, options, image_key, label_key)
+        return write_set(scratch, classes, splits, dest, shard_mb, seed, storage_options, reencode)
 
 
 IMAGE_FORMATS = {"JPEG": "jpg", "PNG": "png", "WEBP": "webp", "GIF": "gif", "BMP": "bmp", "TIFF": "tiff",
@@ -447,10 +452,10 @@ def write_set(src: Path, classes: list[str], splits: dict[str, list[tuple[str, i
     for path, _ in splits[TRAIN] + splits[VAL]:
         verify(src / path)
     random.Random(seed).shuffle(splits[TRAIN])
-    with tempfile.TemporaryDirectory(prefix="common.shards.") as scratch:
+    with scratch_folder() as scratch:
         # to local scratch first, before DEST is touched: the shards are planned from the sizes
         if reencode is not None:
-            src, splits = Path(scratch), _reencode_tree(src, splits, reencode, Path(scratch))
+            src, splits = scratch, _reencode_tree(src, splits, reencode, scratch)
         storage = storage_for(dest, storage_options)
         generation = new_generation()
         shards = {split: _write_split(storage, src, split, generation, samples, int(shard_mb * 2**20))
@@ -462,6 +467,30 @@ def write_set(src: Path, classes: list[str], splits: dict[str, list[tuple[str, i
     _delete_other_shards(storage, {entry["name"] for entries in shards.values() for entry in entries})
     return {split: (len(splits[split]), len(entries), sum(entry["bytes"] for entry in entries))
             for split, entries in shards.items()}
+
+
+@contextlib.contextmanager
+def scratch_folder() -> Iterator[Path]:
+    """Local scratch for one conversion (in TMPDIR), named for this host and process. The folders that
+    conversions killed mid-way left there (their process gone) are deleted first: a re-encoded copy
+    of a set can be gigabytes, and nothing else would ever remove it."""
+    host = socket.gethostname()
+    for left in Path(tempfile.gettempdir()).glob(f"{glob.escape(SCRATCH_PREFIX + host)}-*"):
+        pid = left.name[len(SCRATCH_PREFIX + host) + 1:].split("-", 1)[0]
+        if pid.isdigit() and not process_alive(int(pid)):
+            shutil.rmtree(left, ignore_errors=True)
+    with tempfile.TemporaryDirectory(prefix=f"{SCRATCH_PREFIX}{host}-{os.getpid()}-") as folder:
+        yield Path(folder)
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's: alive
+        pass
+    return True
 
 
 def _reencode_tree(src: Path, splits: dict[str, list[tuple[str, int]]], settings: Reencode,
@@ -575,6 +604,8 @@ def main(argv: list[str] | None = None) -> int:
         options = read_storage_options(a.storage_options)
     except ValueError as e:
         p.error(f"--storage-options {e}")
+    if not is_url(a.dest) and Path(a.dest).exists() and not Path(a.dest).is_dir():
+        p.error(f"DEST {a.dest} is a file: give a folder (made if missing) or a URL such as s3://bucket/prefix")
     try:
         if is_tree(a.src):
             written = convert(Path(a.src), a.dest, a.shard_mb, a.seed, options, say=print, reencode=reencode)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import errno
 import fcntl
 import io
+import math
 import os
 import re
 import shutil
@@ -510,6 +511,19 @@ def test_skip_broken_trains_without_the_files_and_names_them(sets, tmp_path):
     assert torch.equal(batch.images[0], reader[position + 1][0])
 
 
+@pytest.mark.quick
+def test_skip_broken_never_leaves_a_class_without_a_training_image(sets, tmp_path):
+    """A class folder whose every image is unreadable: --skip-broken refuses the set in one line naming
+    the class and its files, where it would otherwise train a model that cannot learn that class."""
+    folder = Path(shutil.copytree(sets["folder"], tmp_path / "copy"))
+    lost = folder / "train" / "3"
+    for image in lost.iterdir():
+        image.write_bytes(b"\x00" * 100)
+    with pytest.raises(UserError, match=r"--skip-broken left class\(es\) 3 without a readable training image") as e:
+        dataset(options(folder, tmp_path / "cache", skip_broken=True))
+    assert str(next(lost.iterdir())) in str(e.value) or str(lost) in str(e.value)
+
+
 # ---------------------------------------------------------------- Hugging Face data sets
 
 @pytest.mark.quick
@@ -905,23 +919,27 @@ def test_the_data_folder_and_image_size_are_part_of_a_runs_identity():
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("decodes, device, expected", [
-    (True, "cpu", "give each rank more --workers (now 2), or convert the set to shards with python -m common.shards "
-                  "--max-side N"),
-    (True, "cuda", "give each rank more --workers (now 2), decode on the GPU (--decode gpu), or convert the set"),
-    (False, "cuda", "wait for data (50%); give each rank more --workers (now 2)\n"),
-], ids=["streamed", "streamed-gpu", "cached"])
-def test_a_data_wait_is_said_once_with_the_ways_that_apply_to_the_set(decodes, device, expected):
+@pytest.mark.parametrize("decodes, device, cores, expected", [
+    (True, "cpu", 8, "give each rank more --workers (now 2), or store the images smaller with python -m "
+                     "common.shards --max-side N"),
+    (True, "cuda", 8, "give each rank more --workers (now 2), decode on the GPU (--decode gpu), or store the images"),
+    (False, "cuda", 8, "wait for data (50%); give each rank more --workers (now 2)\n"),
+    (False, "cpu", 2, "wait for data (50%); give each rank more cores (its 2 --workers share 1)\n"),
+], ids=["streamed", "streamed-gpu", "cached", "workers-past-the-cores"])
+def test_a_data_wait_is_said_once_with_the_ways_that_apply_to_the_set(decodes, device, cores, expected, monkeypatch):
     """The ways out the warning names fit the set: a set held decoded in the cache decodes nothing, so
-    neither --max-side nor --decode gpu would shorten its wait."""
+    neither --max-side nor --decode gpu would shorten its wait; a rank whose workers already have
+    its share of the cores (2 ranks on 2 cores) needs cores, not workers."""
     from types import SimpleNamespace
 
     from common.output.logger import StepTimes
     from common.train.trainer import StepLog
 
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: set(range(cores)))
     said = []
     train = SimpleNamespace(augments=True, workers=2, gpu_decode=False, decodes=decodes)
-    run = SimpleNamespace(data=SimpleNamespace(train=train), ctx=SimpleNamespace(device=torch.device(device)))
+    run = SimpleNamespace(data=SimpleNamespace(train=train),
+                          ctx=SimpleNamespace(device=torch.device(device), local_world_size=2))
     log = SimpleNamespace(warn=said.append)
     steps = StepLog(run.ctx)
     for _ in range(2):
@@ -942,10 +960,49 @@ def test_the_default_workers_follow_the_cores_with_one_kept_per_rank_and_no_cap(
 
 
 def test_the_banner_says_what_the_workers_deliver_per_rank(shared):
-    """`shared`'s streamed runs (2 workers a rank): the rate one worker measured, and twice it."""
+    """`shared`'s streamed runs (2 workers a rank, 2 ranks): the rate one worker measured, times the
+    workers that have a core (1 on this 2-core host: 2 ranks share it)."""
     launch, _ = shared
     for kind in STREAMED:
         said = re.search(r"input: one worker makes (\d+) training images per CPU-second here \(--augment basic\); "
-                         r"2 worker\(s\) per rank deliver up to (\d+) images/s per rank",
+                         r"2 worker\(s\) per rank on its (\d+) core\(s\) deliver up to (\d+) images/s per rank",
                          launch[f"uninterrupted-{kind}"].stdout)
-        assert said and int(said[1]) > 0 and abs(int(said[2]) - 2 * int(said[1])) <= 1, kind
+        cores = max(1, len(os.sched_getaffinity(0)) // 2)
+        assert said and int(said[1]) > 0 and int(said[2]) == cores, kind
+        assert abs(int(said[3]) - min(2, cores) * int(said[1])) <= 1, kind
+
+
+@pytest.mark.quick
+def test_the_banners_rate_is_measured_on_a_batch_smaller_than_its_samples(tmp_path):
+    """A streamed square set (pad-crop draws, one per position of the global batch) at --batch-size 8:
+    the rate is measured on at most the batch's positions (it was an IndexError past them)."""
+    from common.data.augment import Draws
+
+    folder = write_imagefolder(tmp_path / "set", train_size=40, test_size=4, shape="cifar")
+    streamed = dataset(options(folder, tmp_path / "cache", cache_gb=0.0))
+    assert streamed.held.startswith("streamed")
+    for batch in (1, 8):
+        assert 0 < streamed.train.rate_per_worker(Draws(0, 0, 0, batch, "basic")) < math.inf
+
+
+@pytest.mark.quick
+def test_a_cache_dir_that_cannot_be_made_is_one_line_naming_it_not_the_data(sets, tmp_path):
+    """A --cache-dir under a folder that cannot hold one (/proc): the error names --cache-dir, not the
+    data (the failing path is an ancestor of the cache's folder)."""
+    with pytest.raises(UserError, match="--cache-dir") as refused:
+        dataset(options(sets["folder"], Path("/proc/no-such-cache") / "sub"))
+    assert "the data does not change" not in str(refused.value)
+
+
+@pytest.mark.quick
+def test_a_file_gone_while_streaming_is_named_in_the_batchs_error(tmp_path):
+    """An image deleted after indexing: the batch's one line names that file, not only the set's folder."""
+    from common.data.reading import Request
+
+    folder = write_imagefolder(tmp_path / "set", train_size=40, test_size=4)
+    streamed = dataset(options(folder, tmp_path / "cache", cache_gb=0.0))
+    gone = sorted((folder / "train").glob("*/*"))
+    for path in gone:
+        path.unlink()
+    batch = streamed.train.source.__getitems__(Request([0, 1]))
+    assert batch.error.split(":")[0] in {str(path) for path in gone}, batch.error

@@ -448,12 +448,6 @@ def test_odd_shard_sizes_are_a_usage_error(tree, tmp_path, args, message):
     assert result.returncode == 2 and message in result.stderr and result.stderr.count("\n") == 1
 
 
-def test_a_destination_that_is_a_file_is_one_line(tree, tmp_path):
-    (tmp_path / "out").write_text("not a folder")
-    result = run_converter(str(tree), str(tmp_path / "out"))
-    assert result.returncode != 0 and result.stderr.count("\n") == 1 and str(tmp_path / "out") in result.stderr
-
-
 def test_a_conversion_whose_shards_another_deleted_writes_no_manifest(tree, tmp_path, monkeypatch):
     """Two converters into one destination: the one that ends first deletes the other's shards."""
     from common import shards as module
@@ -538,6 +532,37 @@ def test_bad_max_side_or_quality_is_one_line_and_exit_2(tree, tmp_path, capsys, 
     out, err = capsys.readouterr()
     assert exit_.value.code == 2 and out == "" and not (tmp_path / "out").exists()
     assert message in err and err.count("\n") == 1, err
+
+
+def test_a_destination_that_is_a_file_is_one_line_naming_the_way_out(tree, tmp_path, capsys):
+    dest = tmp_path / "a-file"
+    dest.write_text("keep me")
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tree), str(dest)])
+    out, err = capsys.readouterr()
+    assert exit_.value.code == 2 and out == "" and dest.read_text() == "keep me"
+    assert f"DEST {dest} is a file: give a folder" in err and err.count("\n") == 1, err
+
+
+def test_the_scratch_a_killed_conversion_left_is_deleted_by_the_next_one(colour_tree, tmp_path, monkeypatch):
+    """A conversion's scratch (its re-encoded copy of the set) is named for its host and process: the
+    next conversion deletes those whose process is gone and keeps a live one's (and another host's)."""
+    import socket
+    import tempfile
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    host = socket.gethostname()
+    killed, live, elsewhere = (scratch / f"common.shards.{host}-{ended.pid}-abc", scratch / f"common.shards.{host}-1-x",
+                               scratch / f"common.shards.other-host-{ended.pid}-y")
+    for left in (killed, live, elsewhere):
+        (left / "train").mkdir(parents=True)
+    convert(colour_tree, str(tmp_path / "out"), reencode=Reencode(max_side=16, quality=80))
+    assert not killed.exists() and live.exists() and elsewhere.exists()
+    assert sorted(p.name for p in scratch.iterdir()) == sorted(p.name for p in (live, elsewhere))  # its own: gone
 
 
 def test_the_command_line_stores_smaller_photos(colour_tree, tmp_path):

@@ -263,7 +263,8 @@ def writing_cache(parent: Path, target: Path, say: Say) -> Iterator[None]:
             sweep_staging(parent, target)
             yield
     except OSError as e:
-        if e.filename and not str(e.filename).startswith(str(parent)):  # reading the data, not writing the cache
+        cache_side = e.filename and (str(e.filename).startswith(str(parent)) or parent.is_relative_to(e.filename))
+        if e.filename and not cache_side:  # reading the data, not making or writing the cache (or a folder above it)
             raise UserError(f"{e.filename}: {e.strerror or e}; check that it is readable and that the data does not "
                             "change while it is indexed") from None
         raise cache_error(parent, e) from None
@@ -308,6 +309,21 @@ def check_not_empty(index: SetIndex) -> None:
                      "hf": f"its {'train' if split == 'train' else 'validation (or test)'} split"}[index.kind]
             raise UserError(f"--data-dir {index.root}: its {split} split holds no image{skipped}; add images in "
                             f"{where} (a set is trained on train and evaluated on val)")
+    check_no_class_skipped_away(index)
+
+
+def check_no_class_skipped_away(index: SetIndex) -> None:
+    """--skip-broken never leaves a class without a training image: it would train a model that can
+    never learn that class, silently (an empty class folder is refused by the layout's check)."""
+    if not index.skipped_count:
+        return
+    present = torch.bincount(torch.as_tensor(index.train.labels), minlength=index.classes).tolist()
+    empty = [name for name, count in zip(index.class_names, present) if not count]
+    if empty:
+        raise UserError(f"--data-dir {index.root}: --skip-broken left class(es) {', '.join(empty[:5])}"
+                        f"{', ...' * (len(empty) > 5)} without a readable training image ({index.skipped_count} "
+                        f"unreadable file(s) skipped: {', '.join(index.skipped[:5])}); repair or add their images, or "
+                        "remove the class")
 
 
 def fingerprint_of(opts: OwnData) -> tuple[str, dict[str, str] | hfsets.Source]:

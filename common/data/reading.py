@@ -176,7 +176,8 @@ class Reader(torch.utils.data.Dataset):
             error = str(e)
         except OSError as e:  # a file gone or unreadable since the set was indexed
             images, labels, dims = torch.empty(0, dtype=torch.uint8), torch.empty(0, dtype=torch.int64), None
-            error = f"{self.root}: {e.strerror or e}; the data changed while it was read: restore it and run again"
+            error = (f"{e.filename or self.root}: {e.strerror or e}; the data changed while it was read: restore it "
+                     "and run again")
         counts = (self.cache.hits - hits, self.cache.misses - misses) if self.cache else (0, 0)
         return Batch(images, labels, skipped, *counts, error, dims, names)
 
@@ -327,12 +328,17 @@ class Ragged:
         return int(self.labels[i])
 
 
+def cores_per_rank(local_world_size: int) -> int:
+    """The cores this process may run on, shared by the node's ranks: at least one."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return max(1, cores // max(local_world_size, 1))
+
+
 def default_workers(local_world_size: int) -> int:
     """DataLoader workers per rank: the node's cores shared by its ranks, one kept for the rank's
     own process, at least one (decoding never blocks the step). Not capped: a GPU rank eats
     what all of its cores decode (a ResNet-50 on an H100 takes ~3,000 images/s, ~10 cores' worth)."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return max(1, cores // max(local_world_size, 1) - 1)
+    return max(1, cores_per_rank(local_world_size) - 1)
 
 
 def batches_of(source: Reader, indices: Iterable[list[int]], workers: int, pin: bool = False) -> Iterator:
@@ -444,12 +450,15 @@ class Streamed:
 
     def rate_per_worker(self, draws: Draws) -> float:
         """Training images one worker makes per CPU-second of this split (read, decode, crop, flip,
-        policy; with gpu_decode, read the bytes and the header), measured here on its first
-        RATE_SAMPLES samples after one to warm up (imports)."""
-        n = min(RATE_SAMPLES, len(self))
-        self.source.__getitems__(Request([0], (0,), draws, encoded=self.gpu_decode))
+        policy; with gpu_decode, read the bytes and the header), measured here on RATE_SAMPLES samples
+        spread over the set (not one class's), the second time they are made: the first pays each
+        decoder's imports, which the samples' formats decide. At most one global batch of them: the
+        draws are per position in it."""
+        n = min(RATE_SAMPLES, len(self), draws.global_batch)
+        request = Request([i * len(self) // n for i in range(n)], tuple(range(n)), draws, encoded=self.gpu_decode)
+        self.source.__getitems__(request)
         start = time.process_time()
-        batch = self.source.__getitems__(Request(list(range(n)), tuple(range(n)), draws, encoded=self.gpu_decode))
+        batch = self.source.__getitems__(request)
         return n / max(time.process_time() - start, 1e-9) if not batch.error else math.nan
 
     def prefetch(self, indices: list[torch.Tensor]) -> tuple[Prefetcher | None, list[int]]:

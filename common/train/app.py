@@ -16,7 +16,7 @@ from common.data.fetch import load_dataset
 from common.data.geometry import Resampling, choose_resampling
 from common.data.loader import Dataset, TrainLoader
 from common.data.own import OwnData
-from common.data.reading import default_workers
+from common.data.reading import cores_per_rank, default_workers
 from common.errors import exit_quietly_after_the_printer
 from common.models import build_model
 from common.output.logger import NullLogger, make_logger, node_console
@@ -251,12 +251,19 @@ def log_dir(cfg: Config, resumed: Resumed | None, world_size: int) -> str:
 
 
 def describe_loader(run: Run, log: NullLogger) -> None:
-    """What the DataLoader workers can deliver to each rank, from one worker's measured rate."""
+    """What the DataLoader workers can deliver to each rank, from one worker's measured rate: workers
+    beyond the rank's share of the cores add processes, not images."""
     cfg, workers = run.cfg, run.data.train.workers
     rate = run.data.train.rate_per_worker(Draws(cfg.seed, 0, 0, cfg.batch_size, cfg.augment))
     made = "reads the JPEGs of" if run.data.train.gpu_decode else "makes"
+    if not workers:
+        log.info(f"input: the rank {made} {rate:.0f} training images per CPU-second itself (--workers 0, "
+                 f"--augment {cfg.augment}), on the thread that trains")
+        return
+    cores = cores_per_rank(run.ctx.local_world_size)
     log.info(f"input: one worker {made} {rate:.0f} training images per CPU-second here (--augment {cfg.augment}); "
-             f"{workers} worker(s) per rank deliver up to {rate * max(workers, 1):.0f} images/s per rank, a core each")
+             f"{workers} worker(s) per rank on its {cores} core(s) deliver up to {rate * min(workers, cores):.0f} "
+             "images/s per rank")
 
 
 def describe(run: Run, checkpoints: Checkpoints, log: NullLogger) -> None:

@@ -11,6 +11,7 @@ from typing import Any, Iterator
 
 import torch
 
+from common.data.reading import cores_per_rank
 from common.output.logger import EpochResult, NullLogger, StepRecord, StepTimes
 from common.output.profiling import NoProfiler, StepProfiler
 from common.output.warnings_relay import WarningRelay
@@ -76,12 +77,13 @@ class StepLog:
             return
         self.data_wait_said = True
         train = run.data.train
-        ways = [f"give each rank more --workers (now {train.workers})"]
+        cores = cores_per_rank(run.ctx.local_world_size)
+        ways = [f"give each rank more --workers (now {train.workers})" if train.workers < cores else
+                f"give each rank more cores (its {train.workers} --workers share {cores})"]
         if train.decodes and run.ctx.device.type == "cuda" and not train.gpu_decode:
             ways.append("decode on the GPU (--decode gpu)")
         if train.decodes:  # a set held decoded in the cache decodes nothing: smaller stored images would not help
-            ways.append("convert the set to shards with python -m common.shards --max-side N (smaller stored images "
-                        "decode faster)")
+            ways.append("store the images smaller with python -m common.shards --max-side N (they decode faster)")
         log.warn(f"the input pipeline holds training up: {times.data_ms:.0f} ms of each {times.step_ms:.0f} ms step "
                  f"wait for data ({times.data_ms / times.step_ms:.0%}); {', '.join(ways[:-1])}"
                  f"{', or ' if len(ways) > 1 else ''}{ways[-1]}")
