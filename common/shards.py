@@ -71,7 +71,7 @@ import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, BinaryIO, Callable, Iterator, NoReturn
+from typing import Any, BinaryIO, Callable, Iterable, Iterator, NoReturn
 
 from PIL import Image
 
@@ -88,6 +88,7 @@ CLASSES_FILE = "classes.txt"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
 SCRATCH_PREFIX = "common.shards."  # a conversion's local scratch: common.shards.HOST-PID-RANDOM in TMPDIR
+BROKEN_NAMED = 5  # broken images a refused conversion names (it counts them all)
 MAX_PIXELS = 89_478_485  # PIL's decompression-bomb threshold: past it, PIL warns, and past twice it refuses
 TRAIN, VAL = "train", "val"
 GENERATION_DIGITS = 12  # hex digits of a conversion's id
@@ -222,7 +223,8 @@ def class_images(root: Path, split: str, classes: list[str],
                  ignore: Callable[[list[str]], None]) -> Iterator[tuple[int, list[str]]]:
     """Per class (in order), its images' paths relative to root: every file with an image extension
     in the class folder and its subfolders, symlinked ones included (torchvision's ImageFolder rule),
-    by walk_files' order. Other files go to `ignore` (by path), hidden ones nowhere. val/ may lack
+    by walk_files' order. Other files, and files beside the class folders (an image there has no class),
+    go to `ignore` (by path), hidden ones nowhere. val/ may lack
     a class; a class folder without an image is an error: a typo'd or half-copied tree would
     otherwise train on fewer classes than it names."""
     folder = _split_folder(root, split)
@@ -232,6 +234,7 @@ def class_images(root: Path, split: str, classes: list[str],
         raise UserError(f"{folder}/{extra[0]} is a class that {root / TRAIN} lacks; add it to {root / TRAIN} "
                         f"or remove it from {folder}")
     above = frozenset(_identity(path) for path in (root, folder))  # a link back up would add other classes' images
+    ignore(sorted(str(p.relative_to(root)) for p in folder.iterdir() if p.is_file() and not p.name.startswith(".")))
     for label, name in enumerate(classes):
         if not (folder / name).is_dir():  # a validation set may lack a class; train/ defines them
             continue
@@ -302,6 +305,22 @@ def verify(path: Path) -> None:
         raise UserError(f"{path} {problem}")
 
 
+def verify_all(paths: Iterable[Path]) -> None:
+    """Every image checked before DEST is touched, the broken ones named together (the first
+    BROKEN_NAMED and their count): one run lists what to repair, not one file per run."""
+    broken = []
+    for path in paths:
+        try:
+            verify(path)
+        except UserError as e:
+            broken.append(str(e))
+    if len(broken) > 1:
+        raise UserError(f"{len(broken)} images do not decode or are too large: {'; '.join(broken[:BROKEN_NAMED])}"
+                        f"{'; ...' * (len(broken) > BROKEN_NAMED)}")
+    if broken:
+        raise UserError(broken[0])
+
+
 # ---------------------------------------------------------------- the converter
 
 END_OF_ARCHIVE = 2 * tarfile.BLOCKSIZE
@@ -365,8 +384,8 @@ def convert(src: Path, dest: str, shard_mb: float = 64, seed: int = 0,
     splits = {split: [(rel, label) for label, paths in class_images(src, split, classes, ignored.extend)
                       for rel in paths] for split in (TRAIN, VAL)}
     if ignored:
-        say(f"common.shards: left out {len(ignored)} file(s) that are not images ({', '.join(FOLDER_EXTENSIONS)}): "
-            f"{', '.join(ignored[:5])}{', ...' * (len(ignored) > 5)}")
+        say(f"common.shards: left out {len(ignored)} file(s) that are not images ({', '.join(FOLDER_EXTENSIONS)}) in a "
+            f"class folder: {', '.join(ignored[:5])}{', ...' * (len(ignored) > 5)}")
     return write_set(src, classes, splits, dest, shard_mb, seed, storage_options, reencode)
 
 
@@ -449,8 +468,7 @@ def write_set(src: Path, classes: list[str], splits: dict[str, list[tuple[str, i
               ) -> dict[str, tuple[int, int, int]]:
     """The samples (paths under `src`, labels) of each split, checked whole, then written to DEST as a
     new generation's shards, classes.txt and, last, manifest.json; DEST's other shards deleted."""
-    for path, _ in splits[TRAIN] + splits[VAL]:
-        verify(src / path)
+    verify_all(src / path for path, _ in splits[TRAIN] + splits[VAL])
     random.Random(seed).shuffle(splits[TRAIN])
     with scratch_folder() as scratch:
         # to local scratch first, before DEST is touched: the shards are planned from the sizes

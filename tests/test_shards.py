@@ -378,6 +378,17 @@ def test_an_image_that_does_not_decode_or_is_too_large_stops_the_converter_befor
     assert err.startswith(f"common.shards: error: {tree / name} {says}") and err.count("\n") == 1
 
 
+def test_every_broken_image_is_counted_and_the_first_five_named_in_one_line(tmp_path, capsys):
+    broken = {f"train/a/cut{i}.png": NOISE[:len(NOISE) // 2] for i in range(7)}
+    tree = write_tree(tmp_path / "tree", {"train/a/0.png": PNG, "train/b/1.png": NOISE, "val/a/2.png": PNG, **broken})
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tree), str(tmp_path / "out")])
+    _, err = capsys.readouterr()
+    assert exit_.value.code == 2 and not (tmp_path / "out").exists() and err.count("\n") == 1
+    assert err.startswith("common.shards: error: 7 images do not decode or are too large: ") and err.endswith("; ...\n")
+    assert sum(f"{tree / name} does not decode" in err for name in broken) == 5
+
+
 def test_pixels_problem_refuses_past_pils_limit():
     assert pixels_problem(9459, 9459) is None and pixels_problem(89_478_485, 1) is None
     assert pixels_problem(89_478_486, 1).startswith("is 89478486 x 1 = 89478486 pixels, more than the 89478485 ")
@@ -399,7 +410,7 @@ def images_of(root: Path, split: str, classes: list[str], ignored: list[str] | N
 
 def test_class_images_reads_imagefolders_order_and_val_may_lack_a_class(tmp_path):
     for name in ("train/b/2.png", "train/b/1.JPG", "train/a/z.webp", "train/a/notes.txt", "train/a/.hidden.png",
-                 "val/b/x.bmp"):
+                 "train/loose.jpg", "train/.DS_Store", "val/b/x.bmp"):
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).touch()
     (tmp_path / "train" / ".cache").mkdir()
@@ -408,7 +419,7 @@ def test_class_images_reads_imagefolders_order_and_val_may_lack_a_class(tmp_path
     ignored: list[str] = []
     assert images_of(tmp_path, TRAIN, classes, ignored) == [("train/a/z.webp", 0), ("train/b/1.JPG", 1),
                                                             ("train/b/2.png", 1)]
-    assert ignored == ["train/a/notes.txt"]
+    assert ignored == ["train/loose.jpg", "train/a/notes.txt"]  # an image beside the classes has none: named
     assert images_of(tmp_path, VAL, classes) == [("val/b/x.bmp", 1)]
 
 

@@ -296,7 +296,8 @@ def build_index(opts: OwnData, folder: Path, listing: dict[str, str] | hfsets.So
 
 
 REASONS = {"skipped": "unreadable file(s)",
-           "ignored": f"file(s) that are not images the suite reads ({', '.join(layout.FOLDER_EXTENSIONS)})"}
+           "ignored": f"file(s) that are not images the suite reads ({', '.join(layout.FOLDER_EXTENSIONS)}) in a "
+                      "class folder"}
 
 
 def check_not_empty(index: SetIndex) -> None:
