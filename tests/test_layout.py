@@ -210,9 +210,10 @@ def test_the_quick_tier_leaves_out_the_slow_tests_in_any_expression(markexpr, gi
     quick): `-m "quick and not ft"` took the slow tests in, as only `-m quick` spelt so left them out."""
     from tests.conftest import pytest_collection_modifyitems
 
-    class Item:  # what the hook reads of a collected test: its marks
+    class Item:  # what the hook reads of a collected test: its marks and its file
         def __init__(self, name: str) -> None:
             self.name, self.marks = name, [getattr(pytest.mark, m).mark for m in name.split("+") if m != "launch"]
+            self.path = Path("tests/test_x.py")
 
         def iter_markers(self):
             return iter(self.marks)
@@ -232,3 +233,16 @@ def test_the_quick_tier_leaves_out_the_slow_tests_in_any_expression(markexpr, gi
     pytest_collection_modifyitems(config, items)
     assert {item.name for item in items} == kept
     assert {item.name for item in config.hook.deselected} == set(given) - kept
+
+
+@pytest.mark.quick
+def test_the_longest_files_are_handed_out_first_and_the_rest_keep_their_order():
+    """xdist hands files out in collection order: conftest's LONGEST_FIRST ahead (in its order), the
+    others after them as collected, a file's tests in theirs."""
+    from tests.conftest import LONGEST_FIRST, pytest_collection_modifyitems
+
+    files = ["test_a.py", LONGEST_FIRST[1], "test_b.py", LONGEST_FIRST[0], "test_a.py", LONGEST_FIRST[1]]
+    items = [SimpleNamespace(path=Path("tests") / name, index=i, get_closest_marker=lambda name: None)
+             for i, name in enumerate(files)]
+    pytest_collection_modifyitems(SimpleNamespace(getoption={"markexpr": ""}.__getitem__), items)
+    assert [item.index for item in items] == [3, 1, 5, 0, 2, 4]
