@@ -263,8 +263,8 @@ def writing_cache(parent: Path, target: Path, say: Say) -> Iterator[None]:
             sweep_staging(parent, target)
             yield
     except OSError as e:
-        cache_side = e.filename and (str(e.filename).startswith(str(parent)) or parent.is_relative_to(e.filename))
-        if e.filename and not cache_side:  # reading the data, not making or writing the cache (or a folder above it)
+        # Reading the data, not making or writing the cache (or a folder above it):
+        if e.filename and not (str(e.filename).startswith(str(parent)) or parent.is_relative_to(e.filename)):
             raise UserError(f"{e.filename}: {e.strerror or e}; check that it is readable and that the data does not "
                             "change while it is indexed") from None
         raise cache_error(parent, e) from None
