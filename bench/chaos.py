@@ -59,6 +59,9 @@ from tests.s3server import S3Server
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
+# What torch itself makes in TMPDIR and keeps by design (temp_files): plain torchrun's log folder, one per
+# launch, and the compiler's cache folder (torchinductor_USER, made empty at torch._dynamo's import).
+TORCH_KEEPS = ("torchelastic_", "torchinductor_")
 TAG = "train/loss"
 FT_KINDS = ("kill-worker", "freeze-worker", "kill-in-set-up", "kill-while-healing", "kill-agent", "leave-and-rejoin",
             "kill-lighthouse", "slow-link")
@@ -247,7 +250,18 @@ def left_behind(folder: Path) -> list[int]:
 
 
 def temp_files(folder: Path) -> list[Path]:
-    return sorted(folder.rglob(".*.tmp-*"))
+    """What the run left that was to be temporary: a write's temp file beside its target, and anything
+    in the run's TMPDIR (run_env) but what torch keeps there by design (TORCH_KEEPS: restart mode runs
+    plain torchrun; launch/quiet_torchrun.py, which ft.sh runs, deletes its log folder)."""
+    scratch = [left for left in (folder / "tmp").glob("*") if not left.name.startswith(TORCH_KEEPS)]
+    return sorted(folder.rglob(".*.tmp-*")) + sorted(scratch)
+
+
+def run_env(folder: Path) -> dict[str, str]:
+    """The environment of a run's processes: TMPDIR a folder of the run's, so that temp_files sees
+    what they leave there."""
+    (folder / "tmp").mkdir(parents=True, exist_ok=True)
+    return {**child_env(), "TMPDIR": str(folder / "tmp")}
 
 
 def max_dw(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -513,7 +527,7 @@ class ReplicaGroups(Chaos):
                  namespace: Namespace | None = None) -> None:
         super().__init__(folder, data, epochs, batch, slow_steps)
         self.groups, self.logs, self.namespace = groups, folder / "ft-logs", namespace
-        self.env = {**child_env(), "FT_PORT": str(free_port()), "FT_LOGS": str(self.logs), "FT_RESTARTS": "100",
+        self.env = {**run_env(folder), "FT_PORT": str(free_port()), "FT_LOGS": str(self.logs), "FT_RESTARTS": "100",
                     "FT_LIGHTHOUSE_RESTARTS": "100"}
         self.rejoined: dict[int, Job] = {}  # a group started again by hand: its latest launch
         self.rejoins: list[Job] = []  # every such launch, for the output
@@ -653,7 +667,7 @@ class Restarts(Chaos):
         the run's folder (a tmpfs, where the caller mounted one)."""
         super().__init__(folder, data, epochs, batch, slow_steps)
         self.save_every, self.jobs, self.restarting, self.server = save_every, [], False, server
-        self.env = child_env()
+        self.env = run_env(folder)
         if server:
             self.checkpoints = f"s3://{BUCKET}/{folder.name}"
             self.env.update(server.env())

@@ -56,7 +56,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fnmatch
-import glob
 import io
 import json
 import math
@@ -64,10 +63,8 @@ import os
 import random
 import re
 import shutil
-import socket
 import sys
 import tarfile
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -75,7 +72,7 @@ from typing import Any, BinaryIO, Callable, Iterable, Iterator, NoReturn
 
 from PIL import Image
 
-from common import hfsets
+from common import hfsets, scratch
 from common.credentials import URL_PASSWORD, read_storage_options
 from common.errors import UserError, first_line
 from common.storage import Storage, StorageError, is_url, os_cause, storage_for
@@ -87,7 +84,7 @@ SHARD_EXTENSIONS = tuple(ext[1:] for ext in FOLDER_EXTENSIONS)  # a shard holds 
 CLASSES_FILE = "classes.txt"
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = 1
-SCRATCH_PREFIX = "common.shards."  # a conversion's local scratch: common.shards.HOST-PID-RANDOM in TMPDIR
+SCRATCH_PREFIX = "common.shards"  # a conversion's local scratch: common.shards.HOST-PID-RANDOM in TMPDIR
 BROKEN_NAMED = 5  # broken images a refused conversion names (it counts them all)
 MAX_PIXELS = 89_478_485  # PIL's decompression-bomb threshold: past it, PIL warns, and past twice it refuses
 TRAIN, VAL = "train", "val"
@@ -489,26 +486,13 @@ def write_set(src: Path, classes: list[str], splits: dict[str, list[tuple[str, i
 
 @contextlib.contextmanager
 def scratch_folder() -> Iterator[Path]:
-    """Local scratch for one conversion (in TMPDIR), named for this host and process. The folders that
-    conversions killed mid-way left there (their process gone) are deleted first: a re-encoded copy
-    of a set can be gigabytes, and nothing else would ever remove it."""
-    host = socket.gethostname()
-    for left in Path(tempfile.gettempdir()).glob(f"{glob.escape(SCRATCH_PREFIX + host)}-*"):
-        pid = left.name[len(SCRATCH_PREFIX + host) + 1:].split("-", 1)[0]
-        if pid.isdigit() and not process_alive(int(pid)):
-            shutil.rmtree(left, ignore_errors=True)
-    with tempfile.TemporaryDirectory(prefix=f"{SCRATCH_PREFIX}{host}-{os.getpid()}-") as folder:
-        yield Path(folder)
-
-
-def process_alive(pid: int) -> bool:
+    """Local scratch for one conversion (in TMPDIR; common/scratch.py: those of conversions killed
+    mid-way are deleted first): a re-encoded copy of a set can be gigabytes."""
+    folder = scratch.make(SCRATCH_PREFIX)
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's: alive
-        pass
-    return True
+        yield folder
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def _reencode_tree(src: Path, splits: dict[str, list[tuple[str, int]]], settings: Reencode,

@@ -22,7 +22,7 @@
 #                         --quorum-timeout-s and go on, no group ends
 #   FT_HEARTBEAT_MS       a group silent this long is out of the quorum (default 3000)
 #   FT_JOIN_MS            how long a quorum waits for late groups once enough have joined (default 2000)
-#   FT_LOGS               where the Lighthouse's log goes (default: a new folder under /tmp)
+#   FT_LOGS               where the Lighthouse's log goes (default: a new folder in TMPDIR, /tmp without it; kept: the line that starts the run names it)
 # The Lighthouse forms quorums of the run's --min-groups (among the FLAGS; 1 without it) or more groups: a group
 # up before its peers waits for them (docs/fault-tolerance.md, "--min-groups").
 # On several machines, Slurm or Kubernetes: docs/clusters.md ("Fault-tolerant replica groups").
@@ -36,7 +36,7 @@ groups=$1 nproc=$2
 shift 2
 port=${FT_PORT:-29510} restarts=${FT_RESTARTS:-3} lighthouse_restarts=${FT_LIGHTHOUSE_RESTARTS:-10}
 heartbeat_ms=${FT_HEARTBEAT_MS:-3000}  # the Lighthouse's, and how long this script waits for its groups to go quiet
-logs=${FT_LOGS:-$(mktemp -d /tmp/ft-XXXXXX)}
+logs=${FT_LOGS:-$(mktemp -d "${TMPDIR:-/tmp}/ft-XXXXXX")}
 mkdir -p "$logs" && rm -f "$logs"/group*.pid "$logs/stopping" "$logs/lighthouse.pid"
 lighthouse_bin=$(command -v torchft_lighthouse) ||
     { echo "error: torchft_lighthouse is not on PATH; activate the environment of requirements.txt (torchft)" >&2; exit 2; }
@@ -185,20 +185,25 @@ done
 [[ -n $finished && ! -e "$logs/stopping" ]] && status=0  # the run is done: the groups that finished trained it all
 # Every group started here left or was lost for good, the run neither done nor stopped: groups started
 # elsewhere (by hand, on another machine) may still train through this Lighthouse. It stays up while the
-# Lighthouse hears from any (its status page counts the groups heard within FT_HEARTBEAT_MS).
+# Lighthouse hears from any (its status page counts the groups heard within FT_HEARTBEAT_MS). None is
+# left only once it has heard none for a heartbeat timeout: a Lighthouse just started again has heard
+# none yet (a live group's heartbeat reaches it within a few tenths of a second), and ending it then
+# left the groups started by hand without a quorum.
 if [[ -z $finished && ! -e "$logs/stopping" ]]; then
     sleep $(( heartbeat_ms / 1000 + 1 ))  # until the groups that ended here are no longer heard
-    if (( $(heard_from) != 0 )); then
-        say "every group started here has ended; the Lighthouse stays up for the groups it still hears from" \
-            "(started elsewhere), until none is left or on Ctrl-C/SIGTERM"
-        silent=0  # seconds in a row the Lighthouse did not answer: a minute of it ends the wait
-        while [[ ! -e "$logs/stopping" ]] && kill -0 "$supervisor" 2>/dev/null && (( silent < 60 )); do
-            heard=$(heard_from)
-            (( heard == 0 )) && break
-            if (( heard < 0 )); then silent=$((silent + 1)); else silent=0; fi
-            sleep 1
-        done
-    fi
+    silent=0 unheard=0 said=""  # seconds in a row it did not answer (a minute ends the wait), it heard no group
+    while [[ ! -e "$logs/stopping" ]] && kill -0 "$supervisor" 2>/dev/null && (( silent < 60 )); do
+        heard=$(heard_from)
+        if (( heard < 0 )); then silent=$((silent + 1)); else silent=0; fi
+        if (( heard == 0 )); then unheard=$((unheard + 1)); else unheard=0; fi
+        (( unheard > heartbeat_ms / 1000 )) && break
+        if (( heard > 0 )) && [[ -z $said ]]; then
+            say "every group started here has ended; the Lighthouse stays up for the groups it still hears from" \
+                "(started elsewhere), until none is left or on Ctrl-C/SIGTERM"
+            said=1
+        fi
+        sleep 1
+    done
 fi
 touch "$logs/stopping"  # the run is over: the Lighthouse is not started again
 kill "$supervisor" 2>/dev/null

@@ -16,6 +16,10 @@ torchrun would.
 
 A training script that is not there is one line and status 2, before any worker starts.
 
+torchrun keeps its workers' error files in a folder of TMPDIR that it never deletes, one per launch;
+this gives it a folder of its own there and deletes it as it ends (kept after a crash, whose report
+names the files in it, until the next launch on the host; see own_log_dir).
+
 A run whose workers refused a flag (exit 2) is not restarted (--max-restarts): every restart would
 refuse it again.
 
@@ -28,9 +32,12 @@ not a KeyboardInterrupt traceback.
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import sys
+from pathlib import Path
 
+from common import scratch
 from common.collector import pause_during_set_up, resume_for_training
 from common.interrupts import STARTUP_LINE, ctrl_c_line, end_now, says_on_ctrl_c
 from common.parallel.failures import LAUNCHER_NAMES_FAILURES, host, how_it_ended
@@ -65,6 +72,7 @@ CLOSING = "Sending process %s closing signal %s"  # torchrun's log line as it st
 # After forwarding a TERM or INT, torchrun waits this long for the workers before it sends SIGKILL;
 # its own default (LaunchConfig.shutdown_timeout: 30 s) can cut the stop's checkpoint save short.
 STOP_GRACE_S = 120
+LOG_DIR_PREFIX = "quiet_torchrun"  # the agent's own folder for torchrun's error files (own_log_dir)
 
 
 def give_workers_time_to_stop() -> None:
@@ -142,6 +150,17 @@ def missing_script(args: object) -> str | None:
             f"({os.getcwd()}) or an absolute one")
 
 
+def own_log_dir(args: object) -> Path | None:
+    """torchrun keeps its workers' error files in a folder of TMPDIR that it never deletes (one per
+    launch: thousands after a test suite); this agent gives it one of its own (common/scratch.py) and
+    deletes it as it ends. Not when the caller chose the folder (--log-dir, --logs-specs) or asked for
+    the workers' output in it (--redirects, --tee): those files are theirs to keep."""
+    if args.log_dir or args.logs_specs or str(args.redirects) != "0" or str(args.tee) != "0":
+        return None
+    args.log_dir = str(scratch.make(LOG_DIR_PREFIX))
+    return Path(args.log_dir)
+
+
 def main() -> None:
     args = parse_args(sys.argv[1:])
     if (missing := missing_script(args)) is not None:
@@ -159,6 +178,7 @@ def main() -> None:
     no_restart_after_a_refused_flag()
     if str(args.nproc_per_node).isdigit() and int(args.nproc_per_node) > 1:
         os.environ.setdefault("OMP_NUM_THREADS", "1")  # what torchrun sets then, without its five-line banner
+    logs, crashed = own_log_dir(args), False
     try:
         run(args)
     except ChildFailedError as error:
@@ -166,6 +186,7 @@ def main() -> None:
         status, lines = handled(error, stopped), signal_lines(error, stopped)
         if status is None and lines is None:
             held.flush()
+            crashed = True  # torchrun's report names the error files: they stay (until the next launch's sweep)
             raise
         held.setTarget(None)  # logging flushes handlers at exit: drop the held lines for good
         if status is None:
@@ -175,6 +196,9 @@ def main() -> None:
         held.setTarget(None)
         print(f"launcher: {stop.sigval.name} passed on to the workers; they have ended", file=sys.stderr, flush=True)
         sys.exit(128 + stop.sigval)
+    finally:
+        if logs and not crashed:
+            shutil.rmtree(logs, ignore_errors=True)
     held.flush()
 
 

@@ -9,8 +9,10 @@ import os
 import re
 import shlex
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -494,6 +496,27 @@ def test_quiet_torchrun_gives_the_workers_120_s_to_stop(monkeypatch):
 
 
 @pytest.mark.quick
+@pytest.mark.parametrize("flags, own", [([], True), (["--log-dir", "mine"], False), (["--redirects", "3"], False),
+                                        (["--tee", "2"], False)])
+def test_quiet_torchrun_gives_torchrun_a_log_folder_of_its_own_unless_the_files_are_the_callers(flags, own, tmp_path,
+                                                                                              monkeypatch):
+    """The agent's own folder for torchrun's error files, in TMPDIR, named for it (deleted as it ends:
+    the flag-error test through every launcher); never where the caller chose the folder or asked for
+    the workers' output in it."""
+    from torch.distributed.run import parse_args
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    args = parse_args(["--standalone", "--nproc_per_node=1", *flags, "train_ddp.py"])
+    folder = quiet_torchrun().own_log_dir(args)
+    assert (folder is not None) == own
+    if own:
+        assert args.log_dir == str(folder) and folder.parent == tmp_path
+        assert folder.name.startswith(f"quiet_torchrun.{socket.gethostname()}-{os.getpid()}-")
+    else:
+        assert args.log_dir in (None, "mine") and not list(tmp_path.iterdir())
+
+
+@pytest.mark.quick
 @pytest.mark.parametrize("submitted_from", ["repository", "elsewhere"])
 def test_slurm_finds_its_redaction_when_run_from_slurms_copy(submitted_from, tmp_path):
     """sbatch runs a copy of the script from its spool folder: redact.sh is then found through the
@@ -535,7 +558,9 @@ def test_a_flag_error_is_one_line_and_status_2_through_every_launcher(launcher, 
     dump or the launcher's traceback after it (launch/quiet_torchrun.sh runs the agent of each).
     slurm.sbatch runs as its batch step on one node (a stand-in srun for its relay step); k8s.sh's
     pod command runs here as the pod would run it."""
-    env = {"NPROC": "1"}
+    scratch = tmp_path / "tmp"  # TMPDIR: torchrun's folder of error files is the agent's, deleted as it ends
+    scratch.mkdir()
+    env = {"NPROC": "1", "TMPDIR": str(scratch)}
     command, echoed = ["bash", str(LAUNCH / launcher), *BAD_FLAG], 1  # the launcher echoes its command
     store = None
     if launcher == "multi_node.sh":
@@ -551,6 +576,7 @@ def test_a_flag_error_is_one_line_and_status_2_through_every_launcher(launcher, 
                    RDZV_PORT=str(free_port()), PATH=f"{fake}{os.pathsep}{child_env()['PATH']}")
     elif launcher == "k8s.sh":
         (command, env), echoed = k8s_pod_command(tmp_path), 0
+        env["TMPDIR"] = str(scratch)
     try:
         result = subprocess.run(command, cwd=ROOT, env=launcher_env(**env), capture_output=True, text=True,
                                 timeout=ENDS_PROMPTLY_S)
@@ -561,6 +587,7 @@ def test_a_flag_error_is_one_line_and_status_2_through_every_launcher(launcher, 
     assert result.returncode == 2, result.stdout + result.stderr
     assert result.stderr.strip().splitlines() == [FLAG_ERROR], result.stderr
     assert len(result.stdout.strip().splitlines()) == echoed, result.stdout
+    assert not list(scratch.iterdir()), "left in TMPDIR"
 
 
 @pytest.mark.quick

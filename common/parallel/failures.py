@@ -228,9 +228,13 @@ def report_to_torchrun(error: UserError) -> None:
     """Tell torchrun (through its per-rank error file) that this rank ended on a handled error, so its
     summary says why and launch/quiet_torchrun.py can keep the console to our one line."""
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if path:
+    if not path:
+        return
+    try:
         with open(path, "w") as f:  # the format torch.distributed.elastic's @record writes
             json.dump({"message": {"message": f"{type(error).__name__}: {error}",
                                    "extraInfo": {"py_callstack": "(handled; printed as one line above)",
                                                  "timestamp": str(int(time.time())),
                                                  "where": getattr(error, "where", "")}}}, f)
+    except FileNotFoundError:  # a killed agent's folder, swept by the next launch: no agent is left to read it
+        pass

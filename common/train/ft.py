@@ -68,7 +68,7 @@ def connect(group_id: int, lighthouse: str, min_groups: int, backend: str, ft_ti
     """This group's torchft Manager, registered with the Lighthouse (within quorum_timeout_s)."""
     quiet_torchft()
     seconds = timedelta(seconds=ft_timeout_s)
-    pg = ProcessGroupNCCL(timeout=seconds) if backend == "nccl" else ProcessGroupGloo(timeout=seconds)
+    pg = (StoreCheckedNCCL if backend == "nccl" else StoreCheckedGloo)(timeout=seconds)
     waited = timedelta(seconds=quorum_timeout_s)
     attempt = timedelta(seconds=min(QUORUM_ATTEMPT_S, quorum_timeout_s))
     try:
@@ -80,6 +80,43 @@ def connect(group_id: int, lighthouse: str, min_groups: int, backend: str, ft_ti
         raise UserError(f"--lighthouse {lighthouse}: no answer within --quorum-timeout-s {quorum_timeout_s:g} "
                         f"({first_line(error)}); start it (torchft_lighthouse --min_replicas {min_groups} --bind "
                         "[::]:PORT, --min_replicas being --min-groups; or launch/ft.sh) or correct the URL") from None
+
+
+class StoreChecked:
+    """A cross-group process group whose quorum's store is asked first whether it is there. A quorum
+    can name the store of a group that has just died (its heartbeat not yet timed out): c10d's
+    connect to it would wait out the whole timeout and log its failure with a dump of C++ frames,
+    where a closed port answers at once. The step then fails across groups, in one line, and is
+    trained again without that group (torchft reports the error as the step's)."""
+
+    _timeout: timedelta
+
+    def configure(self, store_addr: str, *args: Any, **kwargs: Any) -> None:
+        check_store(store_addr, self._timeout)
+        super().configure(store_addr, *args, **kwargs)  # type: ignore[misc]
+
+
+def check_store(store_addr: str, timeout: timedelta) -> None:
+    """Raise StoreGone unless a TCP connection to the store (HOST:PORT/PREFIX, as torchft writes it)
+    opens within `timeout`."""
+    host, _, port = store_addr.partition("/")[0].rpartition(":")
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=timeout.total_seconds()).close()
+    except OSError as error:
+        raise StoreGone(f"the quorum's store at {host}:{port} does not answer ({error.strerror or error}): the group "
+                        "that hosted it has ended") from None
+
+
+class StoreGone(ConnectionError):
+    pass
+
+
+if Manager is not None:
+    class StoreCheckedGloo(StoreChecked, ProcessGroupGloo):
+        pass
+
+    class StoreCheckedNCCL(StoreChecked, ProcessGroupNCCL):
+        pass
 
 
 @dataclass(frozen=True)
