@@ -12,8 +12,11 @@ for several points) stops at POINT and waits there until the test releases it:
          `heal-sum` (train_ft.py: held before the first cross-group sum of a step the group heals
          in; its peer's state has arrived, torchft loads it as the step's vote begins),
          `data` (a point of start-up: held as the run begins to prepare its data set, the process
-         group joined, nothing trained), or `output` (predict.py: held as it writes its --output
-         CSV file, the first line written and flushed, the others not yet)
+         group joined, nothing trained; train_ft.py's group not yet known to the Lighthouse),
+         `restart-data` (the same point, where only WHO's processes after the first are held: a
+         group that ft.sh starts again kept out of the quorum until the test lets it in), or
+         `output` (predict.py: held as it writes its --output CSV file, the first line written and
+         flushed, the others not yet)
 
 Held, the process writes GATE_DIR/WHO@POINT.{pid}.held ("held at POINT pid P") and waits for
 GATE_DIR/WHO@POINT.go, which the test writes (Gate.release). A released gate stays open: a process
@@ -81,8 +84,8 @@ def install(point: str) -> None:
         _gate_heals(folder, point)
     elif at == "heal-sum":
         _gate_heal_sums(folder, point)
-    elif at == "data":
-        _gate_data(folder, point)
+    elif at in ("data", "restart-data"):
+        _gate_data(folder, point, restarts_only=at == "restart-data")
     elif at == "output":
         _gate_output(folder, point)
         return  # predict.py: no quorum to tell of
@@ -103,13 +106,18 @@ def _gate_step(folder: Path, point: str, step: int) -> None:
     Trainer.after_step = after_step
 
 
-def _gate_data(folder: Path, point: str) -> None:
+def _gate_data(folder: Path, point: str, restarts_only: bool) -> None:
     from common.train import app
 
     real = app.load_dataset
 
     def load_dataset(*args, **kwargs):
-        hold(folder, point)
+        arrived = folder / f"{point}.arrived"
+        first = not arrived.exists()
+        with arrived.open("a") as record:  # one line per process that came here, the first one's included
+            record.write(f"pid {os.getpid()}\n")
+        if not (restarts_only and first):
+            hold(folder, point)
         return real(*args, **kwargs)
     app.load_dataset = load_dataset
 

@@ -519,8 +519,9 @@ def test_a_group_killed_mid_epoch_heals_though_its_source_dies_in_the_heal_and_t
     step (--check-replicas 1), every committed step trained every slot once (counted), and the final
     weights are the planned schedule's."""
     gate, hold, in_heal, alone = Gate(tmp_path / "gates"), f"all@{MID_EPOCH_2}", "g1@heal-sum", f"g1@{ALONE_TO}"
-    run = FtRun(tmp_path, 2, [*gated(hold, in_heal, alone), *flags(mnist_root, tmp_path, "--check-replicas", "1")],
-                gate=gate)
+    back = "g0@restart-data"  # group 0 started again, kept out of the quorum until group 1 trained alone to 60
+    run = FtRun(tmp_path, 2, [*gated(hold, in_heal, alone, back),
+                              *flags(mnist_root, tmp_path, "--check-replicas", "1")], gate=gate)
     gate.held(hold, processes=2)
     asked = gate.quorum_requests(1)
     killed = time.monotonic()
@@ -536,7 +537,9 @@ def test_a_group_killed_mid_epoch_heals_though_its_source_dies_in_the_heal_and_t
     went_on, _ = run.job.wait_for(rf"\[g1\] group 1 has group 0's state of step {MID_EPOCH_2}, but the step it "
                                   rf"healed in failed across groups: it goes on from step {MID_EPOCH_2 + 1}",
                                   after=killed)
+    gate.held(back)  # not a race with group 1's steps: group 0, started again, waits out of the quorum
     gate.held(alone)  # group 1 trained alone to here; group 0, restarted, meets it in its next quorum
+    gate.release(back)
     gate.asked_quorum(0, beyond=asked)
     gate.release(alone)
     healed, _ = run.job.wait_for(rf"\[g0\] group 0 healed from group 1 at step {ALONE_TO + 1}", after=killed)
