@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import glob
 import os
+import re
 import shutil
 import socket
 import tempfile
@@ -25,8 +26,10 @@ def sweep(prefix: str) -> None:
     """Delete this host's PREFIX folders whose process is gone."""
     mine = f"{prefix}.{socket.gethostname()}-"
     for left in Path(tempfile.gettempdir()).glob(f"{glob.escape(mine)}*"):
-        pid = left.name[len(mine):].split("-", 1)[0]
-        if pid.isdigit() and not process_alive(int(pid)):
+        # PID-RANDOM and nothing more (mkdtemp's RANDOM has no "-"): HOST-N-PID-RANDOM is host HOST-N's,
+        # in a TMPDIR that several hosts share
+        named = re.fullmatch(r"(\d+)-[^-]+", left.name[len(mine):])
+        if named and not process_alive(int(named[1])):
             shutil.rmtree(left, ignore_errors=True)
 
 

@@ -190,13 +190,17 @@ done
 # none yet (a live group's heartbeat reaches it within a few tenths of a second), and ending it then
 # left the groups started by hand without a quorum.
 if [[ -z $finished && ! -e "$logs/stopping" ]]; then
+    up=$(cat "$logs/lighthouse.pid")  # up through the sleep below: it has heard every group still alive
     sleep $(( heartbeat_ms / 1000 + 1 ))  # until the groups that ended here are no longer heard
     silent=0 unheard=0 said=""  # seconds in a row it did not answer (a minute ends the wait), it heard no group
     while [[ ! -e "$logs/stopping" ]] && kill -0 "$supervisor" 2>/dev/null && (( silent < 60 )); do
         heard=$(heard_from)
         if (( heard < 0 )); then silent=$((silent + 1)); else silent=0; fi
         if (( heard == 0 )); then unheard=$((unheard + 1)); else unheard=0; fi
-        (( unheard > heartbeat_ms / 1000 )) && break
+        # None left: heard by the Lighthouse that was up all along, or, by one started again since, over
+        # polls a heartbeat timeout apart
+        (( heard == 0 )) && [[ $(cat "$logs/lighthouse.pid") == "$up" ]] && break
+        (( (unheard - 1) * 1000 >= heartbeat_ms )) && break
         if (( heard > 0 )) && [[ -z $said ]]; then
             say "every group started here has ended; the Lighthouse stays up for the groups it still hears from" \
                 "(started elsewhere), until none is left or on Ctrl-C/SIGTERM"

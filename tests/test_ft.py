@@ -630,6 +630,58 @@ def heard_from_none(port: int, timeout: float = 60) -> None:
     raise AssertionError(f"the Lighthouse on {port} never answered having heard from no group within {timeout} s")
 
 
+FAKE_LIGHTHOUSE = """
+import http.server, sys, time
+from pathlib import Path
+folder, port = Path(sys.argv[1]), int(sys.argv[sys.argv.index("--bind") + 1].rsplit(":", 1)[1])
+restarted = (folder / "started").exists()
+(folder / "started").touch()
+class Status(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        if restarted:
+            with (folder / "polls").open("a") as polls:
+                polls.write(f"{time.time()}\\n")
+        body = f"[{0 if restarted else 1} heartbeating]".encode()
+        self.send_response(200)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+        if not restarted:
+            self.wfile.flush()
+            sys.exit(1)  # dies once it has said it hears a group: ft.sh starts it again
+    def log_message(self, *args):
+        pass
+with http.server.HTTPServer(("127.0.0.1", port), Status) as server:
+    server.serve_forever()
+"""
+GIVES_UP = """
+import sys
+from common.errors import UserError
+from common.parallel.failures import report_to_torchrun
+report_to_torchrun(UserError("gave up (a stand-in)"))
+sys.exit(3)
+"""
+
+
+def test_ft_sh_ends_a_lighthouse_started_again_only_after_a_heartbeat_timeout_of_hearing_no_group(tmp_path):
+    """A Lighthouse started again has heard no group yet: ft.sh, its own groups ended, ends it only once
+    it has heard none for FT_HEARTBEAT_MS (here 1.9 s: polled once a second, that is 3 polls, not 2).
+    A stand-in Lighthouse says it hears a group, dies, and comes back hearing none."""
+    fake = tmp_path / "bin"
+    fake.mkdir()
+    (fake / "torchft_lighthouse").write_text(f"#!{sys.executable}\nimport sys; sys.argv.insert(1, {str(tmp_path)!r})\n"
+                                             + FAKE_LIGHTHOUSE)
+    (fake / "torchft_lighthouse").chmod(0o755)
+    (tmp_path / "gives_up.py").write_text(GIVES_UP)
+    env = {**child_env(), "FT_PORT": str(free_port()), "FT_LOGS": str(tmp_path / "ft-logs"), "FT_HEARTBEAT_MS": "1900"}
+    env["PATH"] = f"{fake}{os.pathsep}{env['PATH']}"
+    job = Job(["bash", "launch/ft.sh", "1", "1", str(tmp_path / "gives_up.py")], env)
+    assert job.finish(120) == 3, job.text()
+    assert "the Lighthouse died (exit 1); restarted (1 of" in job.text(), job.text()
+    polls = [float(line) for line in (tmp_path / "polls").read_text().split()]
+    assert polls[-1] - polls[0] >= 1.9, (polls, job.text())
+
+
 def test_a_third_group_joins_mid_run_and_stopped_groups_leave_without_a_restart_or_ending_its_lighthouse(
         mnist_root, exact3, tmp_path):
     """Two groups of convnet (BatchNorm) with a batch planned for three (--groups 3: one group trains 2 slots).

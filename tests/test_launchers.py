@@ -517,6 +517,24 @@ def test_quiet_torchrun_gives_torchrun_a_log_folder_of_its_own_unless_the_files_
 
 
 @pytest.mark.quick
+def test_a_launch_sweeps_its_hosts_dead_folders_not_those_of_a_host_whose_name_extends_its_own(tmp_path, monkeypatch):
+    """Hosts "node" and "node-N" sharing a TMPDIR: quiet_torchrun.node-N-PID-RANDOM is host node-N's,
+    live there; host "node" has no process N (the name's first number) and must not take it for its own."""
+    from common import scratch
+
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(socket, "gethostname", lambda: "node")
+    dead = tmp_path / f"quiet_torchrun.node-{ended.pid}-abcdefgh"  # this host's, its agent gone
+    other_hosts = tmp_path / f"quiet_torchrun.node-{ended.pid}-{os.getpid()}-abcdefgh"  # host node-PID's, live
+    dead.mkdir()
+    other_hosts.mkdir()
+    scratch.sweep("quiet_torchrun")
+    assert not dead.exists() and other_hosts.exists()
+
+
+@pytest.mark.quick
 @pytest.mark.parametrize("submitted_from", ["repository", "elsewhere"])
 def test_slurm_finds_its_redaction_when_run_from_slurms_copy(submitted_from, tmp_path):
     """sbatch runs a copy of the script from its spool folder: redact.sh is then found through the
