@@ -90,7 +90,8 @@ os.execv(sys.argv[1], sys.argv[1:])' "$lighthouse_bin" --min_replicas "$min_grou
 # shellcheck disable=SC2317  # runs in the background
 supervise_lighthouse() {  # starts it, and again when it dies, FT_LIGHTHOUSE_RESTARTS times at most
     local attempt=0 code pid
-    trap 'kill "$(cat "$logs/lighthouse.pid")" 2>/dev/null; exit 0' TERM
+    # Waited for: a run started right after this one ends finds the port free.
+    trap 'pid=$(cat "$logs/lighthouse.pid"); kill "$pid" 2>/dev/null; wait "$pid" 2>/dev/null; exit 0' TERM
     trap '' INT  # a terminal's Ctrl-C is for the groups, which stop and save first
     while :; do
         start_lighthouse

@@ -161,10 +161,18 @@ def own_log_dir(args: object) -> Path | None:
     return Path(args.log_dir)
 
 
+def log_dir_in_the_way(args: object) -> str | None:
+    """The line for a --log-dir that is a file (torchrun: a NotADirectoryError traceback)."""
+    if not (args.log_dir and os.path.isfile(args.log_dir)):
+        return None
+    return (f"error: --log-dir {args.log_dir}: a file, where torchrun keeps its workers' error files (and logs); give "
+            "a folder, or leave the flag out")
+
+
 def main() -> None:
     args = parse_args(sys.argv[1:])
-    if (missing := missing_script(args)) is not None:
-        print(missing, file=sys.stderr, flush=True)
+    if (refused := missing_script(args) or log_dir_in_the_way(args)) is not None:
+        print(refused, file=sys.stderr, flush=True)
         sys.exit(2)
     # torchrun's own log lines ("failed (exitcode: 1)", "Sending process ... SIGTERM") are held back
     # and shown only if the failure turns out not to be a handled one.

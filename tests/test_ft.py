@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -283,7 +284,6 @@ def test_a_quorum_naming_the_store_of_a_group_gone_fails_at_once_without_cpp_fra
     the port first, and fails the quorum at once with a line of its own, where c10d's connect waited
     out the timeout (5 s) and logged its failure with a dump of C++ frames (seen in bench chaos's
     output). A store that is there is connected to as before."""
-    import socket
     from datetime import timedelta
 
     import torch.distributed as dist
@@ -666,7 +666,8 @@ sys.exit(3)
 def test_ft_sh_ends_a_lighthouse_started_again_only_after_a_heartbeat_timeout_of_hearing_no_group(tmp_path):
     """A Lighthouse started again has heard no group yet: ft.sh, its own groups ended, ends it only once
     it has heard none for FT_HEARTBEAT_MS (here 1.9 s: polled once a second, that is 3 polls, not 2).
-    A stand-in Lighthouse says it hears a group, dies, and comes back hearing none."""
+    A stand-in Lighthouse says it hears a group, dies, and comes back hearing none. ft.sh waits for it
+    to end: its port is free as ft.sh exits."""
     fake = tmp_path / "bin"
     fake.mkdir()
     (fake / "torchft_lighthouse").write_text(f"#!{sys.executable}\nimport sys; sys.argv.insert(1, {str(tmp_path)!r})\n"
@@ -680,6 +681,9 @@ def test_ft_sh_ends_a_lighthouse_started_again_only_after_a_heartbeat_timeout_of
     assert "the Lighthouse died (exit 1); restarted (1 of" in job.text(), job.text()
     polls = [float(line) for line in (tmp_path / "polls").read_text().split()]
     assert polls[-1] - polls[0] >= 1.9, (polls, job.text())
+    with socket.socket() as probe:  # ft.sh waited for its Lighthouse to end: the same command runs again at once
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        probe.bind(("127.0.0.1", int(env["FT_PORT"])))
 
 
 def test_a_third_group_joins_mid_run_and_stopped_groups_leave_without_a_restart_or_ending_its_lighthouse(

@@ -626,6 +626,22 @@ def test_a_missing_script_is_one_line_and_status_2_before_any_worker_starts(monk
 
 
 @pytest.mark.quick
+def test_a_log_dir_that_is_a_file_is_one_line_and_status_2_before_any_worker_starts(tmp_path, monkeypatch, capsys):
+    """torchrun's --log-dir naming a file: one line naming the flag, not torchrun's NotADirectoryError traceback."""
+    quiet = quiet_torchrun()
+    monkeypatch.setattr(quiet, "run", lambda args: pytest.fail("a worker was started"))
+    (tmp_path / "logs").write_text("")
+    monkeypatch.setattr(sys, "argv", ["quiet_torchrun.py", "--nproc_per_node=1", "--log-dir", str(tmp_path / "logs"),
+                                      "train_ddp.py"])
+    with pytest.raises(SystemExit) as exit:
+        quiet.main()
+    assert exit.value.code == 2
+    assert capsys.readouterr().err.splitlines() == [
+        f"error: --log-dir {tmp_path / 'logs'}: a file, where torchrun keeps its workers' error files (and logs); "
+        "give a folder, or leave the flag out"]
+
+
+@pytest.mark.quick
 def test_an_elastic_restart_reads_as_a_membership_change_and_a_stop_as_a_stop(tmp_path, monkeypatch):
     """launch/elastic.sh makes its marker file before it passes on a stop of its own: a SIGTERM
     without it came from torchrun's agent, restarting the workers for a membership change."""
