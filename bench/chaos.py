@@ -405,6 +405,7 @@ class Chaos:
 
     model = "lenet"
     kept = 3  # --keep of the training script: its default, unless --checkpoints-kept says more
+    launcher_code: int | None = None  # the launcher's own status, where the job's is not it (ReplicaGroups)
 
     def __init__(self, folder: Path, data: Path, epochs: int, batch: int, slow_steps: float) -> None:
         self.folder, self.data, self.epochs, self.batch = folder, data, epochs, batch
@@ -551,7 +552,18 @@ class ReplicaGroups(Chaos):
         code = self.job.process.wait(3600)
         for supervisor in list(self.supervisors):  # each sees the run ended: it starts nothing more
             supervisor.join(600)
-        return code
+        self.launcher_code = code
+        return self.job_status(code)
+
+    def job_status(self, code: int) -> int:
+        """ft.sh's status, or the groups' that finished the run in its place. ft.sh says 143 when every
+        group it started left on SIGTERM (test_ft: its groups left) and none of them finished: where
+        that SIGTERM was this runner's (leave-and-rejoin, every group), the run is the rejoined groups',
+        and their last launches say how it ended."""
+        last = [job.process.poll() for job in self.rejoined.values()]
+        if code != 128 + signal.SIGTERM or set(self.rejoined) != set(range(self.groups)) or None in last:
+            return code
+        return next((status for status in last if status), 0)
 
     def output(self) -> str:
         return "\n".join(job.text() for job in [self.job, *self.rejoins])
@@ -812,11 +824,19 @@ def report(mode: str, faults: list[Fault], chaos: Chaos, code: int, dw: float, p
         backs = [f.back - f.landed for f in landed if f.back]
         rows.append(f"| {kind} | {len(mine)} | {len(landed)} | {_stat(pauses)} | {_stat(backs)} ({len(backs)} back) |")
     rows += ["", f"faults landed {sum(1 for f in faults if f.landed)} of {len(faults)}; "
-                 f"exit {code}; max |dw| against the fault-free run {dw:.3g}; steps trained again {again}; "
+                 f"exit {code}{launched_as(chaos, code)}; max |dw| against the fault-free run {dw:.3g}; "
+                 f"steps trained again {again}; "
                  f"processes left {len(processes)}; temporary files left {len(files)}; tracebacks {tracebacks(text)}; "
                  f"median step {step_s * 1000:.0f} ms"]
     notes = [f"{f.kind} at step {f.step}: {'; '.join(f.notes)}" for f in faults if f.notes]
     return "\n".join(rows + notes)
+
+
+def launched_as(chaos: Chaos, code: int) -> str:
+    if chaos.launcher_code in (None, code):
+        return ""
+    return (f" (launch/ft.sh's {chaos.launcher_code}: every group it started had left; the groups started again in "
+            "their place finished the run)")
 
 
 def _stat(values: list[float]) -> str:

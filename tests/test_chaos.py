@@ -11,6 +11,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -21,6 +22,7 @@ from tests.conftest import ENDS_PROMPTLY_S, ROOT, as_from_a_terminal, child_env
 IN_SET_UP = """
 import sys, time
 from pathlib import Path
+from types import SimpleNamespace
 import common
 Path(sys.argv[1]).write_text("importing")
 time.sleep(600)
@@ -93,6 +95,29 @@ def test_a_chaos_signal_that_finds_no_process_is_the_faults_note():
     fault = Fault("kill-during-evaluation", 90, 1, 2.0, landed=1.0)
     assert not hit(fault, None, signal.SIGKILL) and not hit(fault, ended.pid, signal.SIGKILL)
     assert fault.notes == ["SIGKILL found no process (none)", f"SIGKILL found no process (pid {ended.pid})"]
+
+
+@pytest.mark.quick
+def test_an_ft_job_whose_groups_all_left_and_rejoined_ends_as_the_rejoined_groups_do():
+    """ft.sh exits 143 when every group it started left on SIGTERM and none of them finished (test_ft):
+    where the runner's leave-and-rejoin stopped them all, the run's status is that of the groups
+    started again in their place (seed 1 of the 3 x 30 run: ft.sh 143, the rejoined groups 0)."""
+    from bench.chaos import ReplicaGroups
+
+    def ended(status: int) -> SimpleNamespace:
+        return SimpleNamespace(process=SimpleNamespace(poll=lambda: status))
+
+    groups = object.__new__(ReplicaGroups)
+    groups.groups, groups.rejoined = 3, {0: ended(0), 1: ended(0), 2: ended(0)}
+    assert groups.job_status(143) == 0
+    groups.rejoined[1] = ended(1)
+    assert groups.job_status(143) == 1  # a rejoined group that failed fails the run
+    assert groups.job_status(1) == 1  # ft.sh's own failure stands
+    del groups.rejoined[2]
+    groups.rejoined[1] = ended(0)
+    assert groups.job_status(143) == 143  # group 2 was never the runner's to stop: ft.sh's 143 stands
+    groups.rejoined[2] = SimpleNamespace(process=SimpleNamespace(poll=lambda: None))
+    assert groups.job_status(143) == 143  # still running after ft.sh ended: not a finished run
 
 
 @pytest.mark.quick
