@@ -72,6 +72,7 @@ STORES = {"disk": ("full-disk",), "s3": ("store-down-in-save", "store-down-in-re
 # replica groups train on while one recovers (20-90 s on 2 loaded cores), so their run is made long
 # enough for 30 faults to land, at most two groups away at once (2,000 steps of about 0.45 s).
 SLOW_STEPS = {"restart": 0.05, "ft": 0.4}
+FT_TIMEOUT_S = 5.0  # ft mode's train_ft.py --ft-timeout-s (bench chaos --ft-timeout-s)
 JOB_WIDE = ("kill-lighthouse", "slow-link")  # ft faults that hit every group, not one
 ENDED_FOR_GOOD = (0, 2, 3, 130, 143)  # launch/ft.sh does not start a group that ended so again
 BUCKET = "chaos"
@@ -530,13 +531,14 @@ class ReplicaGroups(Chaos):
         self.groups, self.logs, self.namespace = groups, folder / "ft-logs", namespace
         self.env = {**run_env(folder), "FT_PORT": str(free_port()), "FT_LOGS": str(self.logs), "FT_RESTARTS": "100",
                     "FT_LIGHTHOUSE_RESTARTS": "100"}
+        self.ft_timeout_s = FT_TIMEOUT_S  # train_ft.py's: how long a cross-group sum waits for a dead group
         self.rejoined: dict[int, Job] = {}  # a group started again by hand: its latest launch
         self.rejoins: list[Job] = []  # every such launch, for the output
         self.supervisors: list[threading.Thread] = []
 
     def training(self) -> list[str]:
         return ["tests/patched.py", self.patches, self.script, *self.flags(),
-                "--groups", str(self.groups), "--exact-sums", "--ft-timeout-s", "5"]
+                "--groups", str(self.groups), "--exact-sums", "--ft-timeout-s", f"{self.ft_timeout_s:g}"]
 
     def start(self) -> None:
         self.job = Job([*self.inside(), "bash", "launch/ft.sh", str(self.groups), "1", *self.training()], self.env)
@@ -859,6 +861,8 @@ def make(mode: str, folder: Path, data: Path, args: argparse.Namespace, namespac
         if mode == "ft" else Restarts(folder, data, args.epochs, args.batch_size, args.slow_steps, args.save_every,
                                       server)
     chaos.kept = args.checkpoints_kept
+    if isinstance(chaos, ReplicaGroups):
+        chaos.ft_timeout_s = args.ft_timeout_s
     return chaos
 
 
@@ -987,8 +991,9 @@ def checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[
     for flag, value, least in (("--faults", args.faults, 1), ("--epochs", args.epochs, 1),
                                ("--batch-size", args.batch_size, 1), ("--save-every", args.save_every, 1),
                                ("--groups", args.groups, 2), ("--slow-steps", args.slow_steps or 0, 0),
+                               ("--ft-timeout-s", args.ft_timeout_s, 0.5),
                                ("--checkpoints-kept", args.checkpoints_kept, 2)):
-        if value < least:
+        if not value >= least:  # nan too
             p.error(f"{flag} {value}: at least {least}")
     if args.batch_size > IMAGES:
         p.error(f"--batch-size {args.batch_size}: at most {IMAGES} (the training set's images)")
@@ -1022,6 +1027,9 @@ def parser() -> argparse.ArgumentParser:
                         "others train on while a group recovers; the fault-free run is not slowed)")
     p.add_argument("--batch-size", type=int, default=24)
     p.add_argument("--groups", type=int, default=3, help="ft mode: replica groups of one process")
+    p.add_argument("--ft-timeout-s", type=float, default=FT_TIMEOUT_S,
+                   help="ft mode: train_ft.py's --ft-timeout-s, how long the survivors' cross-group sum waits for a "
+                        "group that died inside it (default: %(default)g)")
     p.add_argument("--save-every", type=int, default=20, help="restart mode: --save-every-steps")
     p.add_argument("--keep", help="a folder to keep the runs' files in (default: a temporary one)")
     p.add_argument("--checkpoints-kept", type=int, default=3,

@@ -128,6 +128,7 @@ def test_an_ft_job_whose_groups_all_left_and_rejoined_ends_as_the_rejoined_group
     (["--seeds", "1,x"], "--seeds 1,x: a comma-separated list of integers"),
     (["--mode", "ft", "--groups", "1"], "--groups 1: at least 2"),
     (["--slow-steps", "-1"], "--slow-steps -1.0: at least 0"),
+    (["--ft-timeout-s", "nan"], "--ft-timeout-s nan: at least 0.5"),
     (["--batch-size", "0"], "--batch-size 0: at least 1"),
     (["--mode", "restart", "--kinds", "store-down-in-save"], "--kinds store-down-in-save: none is drawn in restart "
                                                                "mode with --stores disk"),
