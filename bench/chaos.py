@@ -606,20 +606,24 @@ class ReplicaGroups(Chaos):
 
     def kill_while_healing(self, fault: Fault) -> None:
         """Killed, and again as its restart heals: once its quorum says it copies a live group's state
-        (the copy comes with the step's commit, a few ms to a few s later)."""
+        (the copy comes with the step's commit, a few ms to a few s later). A restart that joins without
+        a heal (it resumed from a checkpoint of the very step its peers were held at, waiting for a
+        quorum) is killed again as the first time, until one heals."""
         hit(fault, self.worker(fault.target), signal.SIGKILL)
-        landed = time.monotonic()
+        killed, landed = time.time(), time.monotonic()
         deadline = landed + 120
-        healing = re.compile(rf"^\[g{fault.target}\] quorum of .*\(healing\)")
+        quorum = re.compile(rf"^\[g{fault.target}\] quorum of .*(\(healing\)|is number)")
         while time.monotonic() < deadline:
-            heal = [at for at, line in self.lines() if at > landed and healing.search(line)]
-            if heal:
+            met = [match for at, line in self.lines() if at > landed and (match := quorum.search(line))]
+            if met:
                 hit(fault, self.worker(fault.target), signal.SIGKILL)
-                break
+                killed, landed = time.time(), time.monotonic()
+                if met[0][1] == "(healing)":
+                    break
             time.sleep(0.02)
         else:
             fault.notes.append("no heal to interrupt")
-        self.back(fault)
+        self.back(fault, since=killed)  # a process started after the last kill: not after the wait for a heal
 
     def kill_agent(self, fault: Fault) -> None:
         hit(fault, self.agent(fault.target), signal.SIGKILL)
