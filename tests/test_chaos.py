@@ -121,6 +121,41 @@ def test_an_ft_job_whose_groups_all_left_and_rejoined_ends_as_the_rejoined_group
 
 
 @pytest.mark.quick
+def test_kill_while_healing_kills_a_restart_that_joined_without_a_heal_again_until_one_heals():
+    """A group killed right after a checkpoint, its peers held at that step (a quorum that waits), comes
+    back at their step and joins without a heal: the fault kills that restart again as the first time,
+    then its next restart as it heals, and counts the group back from the last kill (seeds 1 and 3 of
+    the 3 x 30 run: no heal to interrupt, and a group that trained to the end taken as not back)."""
+    from bench.chaos import Fault, ReplicaGroups
+
+    workers = [subprocess.Popen(["sleep", "60"]) for _ in range(3)]  # the first process, then two restarts
+    said: dict[int, tuple[float, str]] = {}
+    told = {1: "[g1] quorum of 2 group(s) at step 1601: this group (group 1) is number 1 [23:11:58]",
+            2: "[g1] quorum of 2 group(s) at step 1652: this group (group 1) is not one of them yet: it copies a "
+               "live group's state first (healing) [23:12:30]"}
+
+    def lines() -> list[tuple[float, str]]:  # what the restarts say, as each of them comes up
+        dead = sum(worker.poll() is not None for worker in workers)
+        for restart in range(1, min(dead, 2) + 1):
+            said.setdefault(restart, (time.monotonic(), told[restart]))
+        return list(said.values())
+
+    groups = object.__new__(ReplicaGroups)
+    groups.lines = lines
+    groups.worker = lambda target, timeout=60: next(w.pid for w in workers if w.poll() is None)
+    counted: list[float] = []
+    groups.back = lambda fault, since: counted.append(since)
+    fault = Fault("kill-while-healing", 1575, 1, 0.0, landed=1.0)
+    try:
+        groups.kill_while_healing(fault)
+        assert [worker.wait(10) for worker in workers] == [-signal.SIGKILL] * 3
+        assert fault.notes == [] and counted and counted[0] > time.time() - 30
+    finally:
+        for worker in workers:
+            worker.kill()
+
+
+@pytest.mark.quick
 @pytest.mark.parametrize("flags, error", [
     (["--faults", "0"], "--faults 0: at least 1"),
     (["--epochs", "1", "--faults", "50"], "--faults 50: a run of 50 steps (--epochs 1, --batch-size 24) has room "
