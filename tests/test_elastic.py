@@ -150,7 +150,7 @@ def join_then_leave(script: str, flags: list[str], gate: Path) -> tuple[Console,
             world2 = console.first_step_of_next_world(joined, "join")
             left = console.now()
             agents[1].send_signal(signal.SIGTERM)
-            signalled(gate, "B")  # the leaving agent passed the TERM on to its worker, held at the gate
+            signalled(gate, "B", console)  # the leaving agent passed the TERM on to its worker, held at the gate
             gate.unlink()
             world1 = console.first_step_of_next_world(left, "leave")
             agents[0].wait(timeout=ENDS_PROMPTLY_S)
@@ -188,11 +188,12 @@ def test_a_node_joins_and_leaves_without_losing_a_step(mnist_root, tmp_path):
     assert dw == 0, "the same world sizes at the same steps: the same sums in the same order"
 
 
-def signalled(gate: Path, node: str) -> None:
+def signalled(gate: Path, node: str, console: Console) -> None:
     """Wait until the node's worker, held at a gate, has taken its signal."""
     marker, deadline = gate.with_name(f"signalled-{node}"), time.monotonic() + ENDS_PROMPTLY_S
     while not marker.exists():
-        assert time.monotonic() < deadline, f"node {node}'s worker took no signal within {ENDS_PROMPTLY_S} s"
+        assert time.monotonic() < deadline, \
+            f"node {node}'s worker took no signal within {ENDS_PROMPTLY_S} s; the agents said:\n{console.text()}"
         time.sleep(0.05)  # a poll with a deadline: the marker is a file the worker writes
 
 
