@@ -112,14 +112,19 @@ def _gate_data(folder: Path, point: str, restarts_only: bool) -> None:
     real = app.load_dataset
 
     def load_dataset(*args, **kwargs):
-        arrived = folder / f"{point}.arrived"
-        first = not arrived.exists()
-        with arrived.open("a") as record:  # one line per process that came here, the first one's included
-            record.write(f"pid {os.getpid()}\n")
-        if not (restarts_only and first):
+        if not (restarts_only and _first_to_arrive(folder / f"{point}.arrived")):
             hold(folder, point)
         return real(*args, **kwargs)
     app.load_dataset = load_dataset
+
+
+def _first_to_arrive(marker: Path) -> bool:
+    """Whether this process made `marker` (an exclusive create: of processes arriving together, one)."""
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 class _HeldAfterTheFirstLine:
