@@ -526,12 +526,12 @@ class ReplicaGroups(Chaos):
     model = "convnet"  # BatchNorm: its statistics go through the faults too
 
     def __init__(self, folder: Path, data: Path, epochs: int, batch: int, slow_steps: float, groups: int,
-                 namespace: Namespace | None = None) -> None:
+                 ft_timeout_s: float, namespace: Namespace | None = None) -> None:
         super().__init__(folder, data, epochs, batch, slow_steps)
         self.groups, self.logs, self.namespace = groups, folder / "ft-logs", namespace
         self.env = {**run_env(folder), "FT_PORT": str(free_port()), "FT_LOGS": str(self.logs), "FT_RESTARTS": "100",
                     "FT_LIGHTHOUSE_RESTARTS": "100"}
-        self.ft_timeout_s = FT_TIMEOUT_S  # train_ft.py's: how long a cross-group sum waits for a dead group
+        self.ft_timeout_s = ft_timeout_s  # train_ft.py's: how long a cross-group sum waits for a dead group
         self.rejoined: dict[int, Job] = {}  # a group started again by hand: its latest launch
         self.rejoins: list[Job] = []  # every such launch, for the output
         self.supervisors: list[threading.Thread] = []
@@ -861,12 +861,11 @@ def fault_free(mode: str, folder: Path, data: Path, args: argparse.Namespace) ->
 
 def make(mode: str, folder: Path, data: Path, args: argparse.Namespace, namespace: Namespace | None = None,
          server: S3Server | None = None) -> Chaos:
-    chaos: Chaos = ReplicaGroups(folder, data, args.epochs, args.batch_size, args.slow_steps, args.groups, namespace) \
+    chaos: Chaos = ReplicaGroups(folder, data, args.epochs, args.batch_size, args.slow_steps, args.groups,
+                                 args.ft_timeout_s, namespace) \
         if mode == "ft" else Restarts(folder, data, args.epochs, args.batch_size, args.slow_steps, args.save_every,
                                       server)
     chaos.kept = args.checkpoints_kept
-    if isinstance(chaos, ReplicaGroups):
-        chaos.ft_timeout_s = args.ft_timeout_s
     return chaos
 
 
