@@ -34,6 +34,7 @@ import argparse
 import contextlib
 import errno
 import logging
+import math
 import os
 import random
 import re
@@ -59,9 +60,11 @@ from tests.s3server import S3Server
 
 ROOT = Path(__file__).resolve().parent.parent
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run"]
-# What torch itself makes in TMPDIR and keeps by design (temp_files): plain torchrun's log folder, one per
-# launch, and the compiler's cache folder (torchinductor_USER, made empty at torch._dynamo's import).
-TORCH_KEEPS = ("torchelastic_", "torchinductor_")
+# What torch itself makes in TMPDIR and keeps by design (temp_files): the compiler's cache folder
+# (torchinductor_USER, made empty at torch._dynamo's import: kept only while empty), and in restart mode,
+# which runs plain torchrun, its log folder, one per launch (ft.sh's quiet_torchrun deletes its own).
+INDUCTOR_CACHE = "torchinductor_"
+TORCHRUN_LOGS = "torchelastic_"
 TAG = "train/loss"
 FT_KINDS = ("kill-worker", "freeze-worker", "kill-in-set-up", "kill-while-healing", "kill-agent", "leave-and-rejoin",
             "kill-lighthouse", "slow-link")
@@ -75,6 +78,10 @@ SLOW_STEPS = {"restart": 0.05, "ft": 0.4}
 FT_TIMEOUT_S = 5.0  # ft mode's train_ft.py --ft-timeout-s (bench chaos --ft-timeout-s)
 JOB_WIDE = ("kill-lighthouse", "slow-link")  # ft faults that hit every group, not one
 ENDED_FOR_GOOD = (0, 2, 3, 130, 143)  # launch/ft.sh does not start a group that ended so again
+STALL_S = 600  # a run under chaos that trains no step for this long is ended as hung (recoveries take 20-90 s)
+RUN_S = 3600  # the most a run (or a group started again by hand) is waited for once its faults have landed
+# launch/ft.sh's lines for a group's process that ended: `lost ... restarted` is one restart, the others its end
+GROUP_ENDED = re.compile(r"^ft: group (\d+) (finished|gave up|left|ended|lost \(exit \d+\); (no restarts|restarted))")
 BUCKET = "chaos"
 IMAGES = 1200  # of the generated MNIST-format training set (tests/datagen.py's default)
 DISK_SIZE = "64m"  # the tmpfs of the checkpoints: a few lenet checkpoints (~3.5 MB each) and room to spare
@@ -153,7 +160,7 @@ class Job:
 
     def __init__(self, command: list[str], env: dict[str, str], prefix: str = "") -> None:
         self.process = subprocess.Popen(command, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                        text=True, start_new_session=True)
+                                        text=True, errors="replace", start_new_session=True)
         STARTED.append(self)
         self.lines: list[tuple[float, str]] = []
         self.prefix = prefix
@@ -238,23 +245,30 @@ def after(seconds: float, action: Callable[..., object], *args: object) -> None:
 
 
 def left_behind(folder: Path) -> list[int]:
-    """Processes whose command line names the run's folder (orphans included)."""
-    mine = str(folder)
+    """Processes whose command line names the run's folder, or whose environment has the run's TMPDIR
+    (run_env gives it every process a run starts: a Lighthouse, ft.sh's own helpers, a spawned child,
+    whatever its command line), orphans included."""
+    mine, scratch = str(folder), f"TMPDIR={folder / 'tmp'}".encode()
     found = []
-    for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
+    for proc in Path("/proc").glob("[0-9]*"):
         try:
-            if mine in cmdline.read_text().replace("\0", " ") and int(cmdline.parent.name) != os.getpid():
-                found.append(int(cmdline.parent.name))
+            named = mine in (proc / "cmdline").read_text(errors="replace").replace("\0", " ")
+            if (named or scratch in (proc / "environ").read_bytes().split(b"\0")) and int(proc.name) != os.getpid():
+                found.append(int(proc.name))
         except OSError:
             continue
     return found
 
 
-def temp_files(folder: Path) -> list[Path]:
+def temp_files(folder: Path, torch_keeps: tuple[str, ...]) -> list[Path]:
     """What the run left that was to be temporary: a write's temp file beside its target, and anything
-    in the run's TMPDIR (run_env) but what torch keeps there by design (TORCH_KEEPS: restart mode runs
-    plain torchrun; launch/quiet_torchrun.py, which ft.sh runs, deletes its log folder)."""
-    scratch = [left for left in (folder / "tmp").glob("*") if not left.name.startswith(TORCH_KEEPS)]
+    in the run's TMPDIR (run_env) but what torch keeps there by design: the compiler's cache folder while
+    empty, and the folders named by `torch_keeps` (the mode's: plain torchrun's logs in restart mode)."""
+    def kept(left: Path) -> bool:
+        if left.name.startswith(INDUCTOR_CACHE):
+            return not any(left.rglob("*"))
+        return left.name.startswith(torch_keeps)
+    scratch = [left for left in (folder / "tmp").glob("*") if not kept(left)]
     return sorted(folder.rglob(".*.tmp-*")) + sorted(scratch)
 
 
@@ -266,11 +280,20 @@ def run_env(folder: Path) -> dict[str, str]:
 
 
 def max_dw(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    """The largest difference between two states of the same keys; inf where the keys differ, nan where
+    either holds a NaN (neither is 0: the oracle fails)."""
+    if a.keys() != b.keys():
+        return math.inf
+    gaps = [(a[k].double() - b[k].double()).abs().max().item() if a[k].numel() else 0.0 for k in a]
+    return math.nan if any(math.isnan(g) for g in gaps) else max(gaps, default=0.0)
 
 
 def tracebacks(text: str) -> int:
-    return text.count("Traceback (most recent call last)") + len(re.findall(r"^\S*\s*frame #0", text, re.M))
+    """Python's tracebacks and fatal errors, C++ frame dumps and uncaught exceptions, Rust panics (the
+    Lighthouse's)."""
+    return (text.count("Traceback (most recent call last)") + text.count("Fatal Python error")
+            + text.count("terminate called") + text.count("panicked at")
+            + len(re.findall(r"^\S*\s*frame #0", text, re.M)))
 
 
 def said_since(job: Job, since: float, pattern: str, timeout: float) -> str | None:
@@ -407,9 +430,12 @@ class Chaos:
     model = "lenet"
     kept = 3  # --keep of the training script: its default, unless --checkpoints-kept says more
     launcher_code: int | None = None  # the launcher's own status, where the job's is not it (ReplicaGroups)
+    torch_keeps: tuple[str, ...] = ()  # what torch leaves in TMPDIR by design under this mode's launcher
 
     def __init__(self, folder: Path, data: Path, epochs: int, batch: int, slow_steps: float) -> None:
         self.folder, self.data, self.epochs, self.batch = folder, data, epochs, batch
+        self.kills: dict[int, int] = {}  # target -> the runner's SIGKILLs that found its process
+        self.run_notes: list[str] = []  # what went wrong with the run as a whole (the oracle fails on any)
         self.patches = f"slow-steps={slow_steps}"  # steps long enough for a fault's recovery to be a part of the run
         self.progress = Progress(folder / "tb")
         self.checkpoints = str(folder / "ckpt")  # --checkpoint-dir: a folder, or a URL
@@ -426,8 +452,7 @@ class Chaos:
         self.start()
         self.landed: list[Fault] = []
         for fault in faults:
-            while self.progress.step() < fault.step and self.running():
-                time.sleep(0.2)
+            self.wait_for(fault.step)
             deadline = time.monotonic() + 300
             while self.running() and not self.free(fault) and time.monotonic() < deadline:
                 time.sleep(0.2)
@@ -441,6 +466,20 @@ class Chaos:
             self.landed.append(fault)
             threading.Thread(target=self.land, args=(fault,), daemon=True).start()
         return self.finish()
+
+    def wait_for(self, step: int) -> None:
+        """Until the run has trained `step` steps or ended; a run that trains no step for STALL_S is ended
+        (a run note: the oracle fails), so that a hung job does not hold the benchmark."""
+        reached, moved = self.progress.step(), time.monotonic()
+        while reached < step and self.running():
+            time.sleep(0.2)
+            now = self.progress.step()
+            if now != reached:
+                reached, moved = now, time.monotonic()
+            elif time.monotonic() - moved > STALL_S:
+                self.run_notes.append(f"the run trained no step for {STALL_S} s after step {reached}: ended")
+                end_every_run(self.folder)
+                return
 
     def land(self, fault: Fault) -> None:
         """The fault's action; one that fails says so in the table (it never comes back)."""
@@ -474,12 +513,27 @@ class Chaos:
         """The training process a fault hits (a group's worker, a rank); None if none within `timeout`."""
         raise NotImplementedError
 
+    def processes(self) -> set[int]:
+        """Every training process of the run now."""
+        raise NotImplementedError
+
+    def unfinished(self) -> list[str]:
+        """How each part of the job that did not finish the run ended (none: the job's status says it)."""
+        return []
+
     def back(self, fault: Fault, fresh: bool = True, since: float | None = None) -> None:
         """Mark the fault's target back once it trains again (see back_when_trained)."""
         raise NotImplementedError
 
+    def kill(self, fault: Fault, pid: int | None) -> bool:
+        """SIGKILL to one of the target's processes, counted: each is to explain one restart."""
+        if not hit(fault, pid, signal.SIGKILL):
+            return False
+        self.kills[fault.target] = self.kills.get(fault.target, 0) + 1
+        return True
+
     def kill_worker(self, fault: Fault) -> None:
-        hit(fault, self.process(fault.target), signal.SIGKILL)
+        self.kill(fault, self.process(fault.target))
         self.back(fault)
 
     def freeze_worker(self, fault: Fault) -> None:
@@ -492,15 +546,15 @@ class Chaos:
         """Killed, and its restarted process killed again 1 s after it started (importing torch, joining).
         The restarted process is looked for afresh at each poll: its launcher (a group's torchrun) may
         be a new one, whose pid replaces the old one's only once that one has ended."""
-        old = self.process(fault.target)
-        hit(fault, old, signal.SIGKILL)
+        before = self.processes()  # a process of these is not the restart (a dying peer, a zombie's neighbour)
+        self.kill(fault, self.process(fault.target))
         last_kill = time.time()  # wall time, as the TensorBoard points that say the target is back
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             new = self.process(fault.target, timeout=0.5)
-            if new and new != old:
+            if new and new not in before:
                 time.sleep(1.0)  # into the new process's set-up
-                if hit(fault, new, signal.SIGKILL):
+                if self.kill(fault, new):
                     last_kill = time.time()
                 break
             time.sleep(0.1)  # a poll with a deadline: the launcher starts the process again
@@ -534,6 +588,7 @@ class ReplicaGroups(Chaos):
         self.ft_timeout_s = ft_timeout_s  # train_ft.py's: how long a cross-group sum waits for a dead group
         self.rejoined: dict[int, Job] = {}  # a group started again by hand: its latest launch
         self.rejoins: list[Job] = []  # every such launch, for the output
+        self.relaunched: dict[int, int] = {}  # group -> the times the runner started a rejoined group again
         self.supervisors: list[threading.Thread] = []
 
     def training(self) -> list[str]:
@@ -551,11 +606,45 @@ class ReplicaGroups(Chaos):
         return self.job.process.poll() is None
 
     def finish(self) -> int:
-        code = self.job.process.wait(3600)
+        code = self.job.process.wait(RUN_S)
         for supervisor in list(self.supervisors):  # each sees the run ended: it starts nothing more
-            supervisor.join(600)
+            supervisor.join(RUN_S)
         self.launcher_code = code
+        self.run_notes += self.unfinished() + self.unexplained_restarts()
         return self.job_status(code)
+
+    def group_ends(self) -> dict[int, list[str]]:
+        """Group -> how each of its processes started by ft.sh ended, in order (ft.sh's lines)."""
+        ends: dict[int, list[str]] = {}
+        for _, line in list(self.job.lines):
+            if said := GROUP_ENDED.match(line):
+                ends.setdefault(int(said[1]), []).append(said[2])
+        return ends
+
+    def unfinished(self) -> list[str]:
+        """Every group must finish the run (ft.sh exits 0 once one did): its last process, ft.sh's or
+        one the runner started again by hand, ended 0."""
+        ends, notes = self.group_ends(), []
+        for group in range(self.groups):
+            if group in self.rejoined:
+                code = self.rejoined[group].process.poll()
+                if code != 0:
+                    notes.append(f"group {group}, started again by hand, did not finish the run (status {code})")
+            elif not ends.get(group) or ends[group][-1] != "finished":
+                last = ends[group][-1] if ends.get(group) else "no end said by ft.sh"
+                notes.append(f"group {group} did not finish the run ({last})")
+        return notes
+
+    def unexplained_restarts(self) -> list[str]:
+        """A group's process that died with no kill of this runner's behind it is a failure a restart hid."""
+        ends, notes = self.group_ends(), []
+        for group in range(self.groups):
+            lost = sum(1 for end in ends.get(group, []) if end.startswith("lost")) + self.relaunched.get(group, 0)
+            killed = self.kills.get(group, 0)
+            if lost > killed:
+                notes.append(f"group {group} was lost {lost} times, {killed} of them by this runner's kills: a process "
+                             "died of something else")
+        return notes
 
     def job_status(self, code: int) -> int:
         """ft.sh's status, or the groups' that finished the run in its place. ft.sh says 143 when every
@@ -568,7 +657,10 @@ class ReplicaGroups(Chaos):
         return next((status for status in last if status), 0)
 
     def output(self) -> str:
-        return "\n".join(job.text() for job in [self.job, *self.rejoins])
+        """Every launch's lines, and the Lighthouse's log (ft.sh appends each restart's to it)."""
+        lighthouse = self.logs / "lighthouse.log"
+        log = lighthouse.read_text(errors="replace") if lighthouse.exists() else ""
+        return "\n".join([*(job.text() for job in [self.job, *self.rejoins]), log])
 
     def lines(self) -> list[tuple[float, str]]:
         return [line for job in [self.job, *self.rejoins] for line in list(job.lines)]
@@ -604,19 +696,22 @@ class ReplicaGroups(Chaos):
     def process(self, target: int, timeout: float = 60) -> int | None:
         return self.worker(target, timeout)
 
+    def processes(self) -> set[int]:
+        return {pid for group in range(self.groups) if (pid := self.worker(group, timeout=0))}
+
     def kill_while_healing(self, fault: Fault) -> None:
         """Killed, and again as its restart heals: once its quorum says it copies a live group's state
         (the copy comes with the step's commit, a few ms to a few s later). A restart that joins without
         a heal (it resumed from a checkpoint of the very step its peers were held at, waiting for a
         quorum) is killed again as the first time, until one heals."""
-        hit(fault, self.worker(fault.target), signal.SIGKILL)
+        self.kill(fault, self.worker(fault.target))
         killed, landed = time.time(), time.monotonic()
         deadline = landed + 120
         quorum = re.compile(rf"^\[g{fault.target}\] quorum of .*(\(healing\)|is number)")
         while time.monotonic() < deadline:
             met = [match for at, line in self.lines() if at > landed and (match := quorum.search(line))]
             if met:
-                hit(fault, self.worker(fault.target), signal.SIGKILL)
+                self.kill(fault, self.worker(fault.target))
                 killed, landed = time.time(), time.monotonic()
                 if met[0][1] == "(healing)":
                     break
@@ -626,7 +721,7 @@ class ReplicaGroups(Chaos):
         self.back(fault, since=killed)  # a process started after the last kill: not after the wait for a heal
 
     def kill_agent(self, fault: Fault) -> None:
-        hit(fault, self.agent(fault.target), signal.SIGKILL)
+        self.kill(fault, self.agent(fault.target))
         self.back(fault)
 
     def leave_and_rejoin(self, fault: Fault) -> None:
@@ -657,15 +752,24 @@ class ReplicaGroups(Chaos):
                        "--nproc_per_node=1", *self.training()], env, f"[g{fault.target}] ")
             self.rejoined[fault.target] = job
             self.rejoins.append(job)
-            if job.process.wait() in ENDED_FOR_GOOD:
+            try:
+                if job.process.wait(RUN_S) in ENDED_FOR_GOOD:
+                    return
+            except subprocess.TimeoutExpired:
+                self.run_notes.append(f"group {fault.target}, started again by hand, still ran {RUN_S} s later")
                 return
+            self.relaunched[fault.target] = self.relaunched.get(fault.target, 0) + 1
 
     def kill_lighthouse(self, fault: Fault) -> None:
+        """Back: the groups' next step after ft.sh said it started the Lighthouse again."""
         try:
             hit(fault, int((self.logs / "lighthouse.pid").read_text()), signal.SIGKILL)
         except (OSError, ValueError):
             fault.notes.append("no Lighthouse")
-        fault.seconds = 0.0  # back: the groups' next step
+            return
+        if not said_since(self.job, fault.landed, r"^ft: the Lighthouse died .*; restarted", 60):
+            fault.notes.append("ft.sh did not say it started the Lighthouse again within 60 s")
+        fault.seconds = 0.0
         self.back_when_trained(fault, fresh=False)
 
     def slow_link(self, fault: Fault) -> None:
@@ -678,6 +782,7 @@ class ReplicaGroups(Chaos):
 
 class Restarts(Chaos):
     script = "train_ddp.py"
+    torch_keeps = (TORCHRUN_LOGS,)  # plain torchrun keeps a log folder per launch
 
     def __init__(self, folder: Path, data: Path, epochs: int, batch: int, slow_steps: float, save_every: int,
                  server: S3Server | None = None) -> None:
@@ -705,7 +810,7 @@ class Restarts(Chaos):
     def finish(self) -> int:
         while True:
             job = self.job
-            code = job.process.wait(3600)
+            code = job.process.wait(RUN_S)
             while self.restarting:
                 time.sleep(0.2)
             if self.job is job:
@@ -716,9 +821,16 @@ class Restarts(Chaos):
 
     def rank(self, rank: int) -> int | None:
         """The worker of `rank`: torchrun's children in local-rank order."""
-        workers = [pid for pid in children(self.job.process.pid)
-                   if self.script in Path(f"/proc/{pid}/cmdline").read_text(errors="replace")]
-        return sorted(workers)[rank] if len(workers) > rank else None
+        workers = sorted(self.processes())
+        return workers[rank] if len(workers) > rank else None
+
+    def processes(self) -> set[int]:
+        found = set()
+        for pid in children(self.job.process.pid):
+            with contextlib.suppress(OSError):  # ended since
+                if self.script in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):
+                    found.add(pid)
+        return found
 
     def process(self, target: int, timeout: float = 60) -> int | None:
         """The rank's worker now (torchrun restarts every rank at once: kill_in_set_up polls)."""
@@ -734,7 +846,7 @@ class Restarts(Chaos):
         due = self.next_save()
         while self.progress.step() < due and self.running():
             time.sleep(0.02)
-        hit(fault, self.rank(0), signal.SIGKILL)
+        self.kill(fault, self.rank(0))
         self.back_when_trained(fault)
 
     def next_save(self) -> int:
@@ -758,10 +870,12 @@ class Restarts(Chaos):
         """The store stopped until the next save has failed (the ranks end with one line), and `fault.seconds`
         more: torchrun restarts the ranks, and their resume waits for the store (RESUME_RETRY_S)."""
         self.server.stop()
-        if not said_since(self.job, fault.landed, r"^error: saving checkpoint s3://.* failed", 120):
-            fault.notes.append("no failed save within 120 s")
-        time.sleep(fault.seconds)  # the outage's length, drawn
-        self.server.start()
+        try:
+            if not said_since(self.job, fault.landed, r"^error: saving checkpoint s3://.* failed", 120):
+                fault.notes.append("no failed save within 120 s")
+            time.sleep(fault.seconds)  # the outage's length, drawn
+        finally:
+            self.server.start()
         self.back_when_trained(fault)
 
     def store_down_in_resume(self, fault: Fault) -> None:
@@ -771,18 +885,20 @@ class Restarts(Chaos):
         (the client's own retries or the resume's, "the store did not answer at first", outlast it)."""
         if not said_since(self.job, 0.0, r"^saved s3://", 300):
             fault.notes.append("no checkpoint in the store within 300 s")
-        old = self.rank(fault.target)
+        before = self.processes()
         self.server.stop()
-        with Dropper(self.server.port) as port:
-            hit(fault, old, signal.SIGKILL)
-            deadline = time.monotonic() + 120
-            while self.rank(fault.target) in (old, None) and time.monotonic() < deadline:
-                time.sleep(0.1)  # a poll with a deadline: torchrun starts the ranks again
-            port.dropped = 0  # the killed rank's writer is gone: what comes now is the resume
-            if not port.tried(120):
-                fault.notes.append("no resume reached the store within 120 s")
-            time.sleep(fault.seconds)  # the outage's length, drawn
-        self.server.start()
+        try:
+            with Dropper(self.server.port) as port:
+                self.kill(fault, self.rank(fault.target))
+                deadline = time.monotonic() + 120
+                while self.rank(fault.target) in before | {None} and time.monotonic() < deadline:
+                    time.sleep(0.1)  # a poll with a deadline: torchrun starts the ranks again
+                port.dropped = 0  # the killed rank's writer is gone: what comes now is the resume
+                if not port.tried(120):
+                    fault.notes.append("no resume reached the store within 120 s")
+                time.sleep(fault.seconds)  # the outage's length, drawn
+        finally:
+            self.server.start()
         self.back_when_trained(fault)
 
     def kill_during_evaluation(self, fault: Fault) -> None:
@@ -791,17 +907,19 @@ class Restarts(Chaos):
         due = (self.progress.step() // per_epoch + 1) * per_epoch
         while self.progress.step() < due and self.running():
             time.sleep(0.02)
-        hit(fault, self.rank(fault.target), signal.SIGKILL)
+        self.kill(fault, self.rank(fault.target))
         self.back_when_trained(fault)
 
     def kill_agent(self, fault: Fault) -> None:
         """torchrun's agent SIGKILLed: the job is gone (its workers end with it), and the same command is
         run again, as a cluster's scheduler would."""
         self.restarting = True
-        hit(fault, self.job.process.pid, signal.SIGKILL)
-        self.job.process.wait(60)
-        self.start()
-        self.restarting = False
+        try:
+            hit(fault, self.job.process.pid, signal.SIGKILL)
+            self.job.process.wait(60)
+            self.start()
+        finally:  # else running() would stay true, and the schedule and finish() wait for ever
+            self.restarting = False
         self.back_when_trained(fault)
 
 
@@ -835,14 +953,15 @@ def report(mode: str, faults: list[Fault], chaos: Chaos, code: int, dw: float, p
                  f"processes left {len(processes)}; temporary files left {len(files)}; tracebacks {tracebacks(text)}; "
                  f"median step {step_s * 1000:.0f} ms"]
     notes = [f"{f.kind} at step {f.step}: {'; '.join(f.notes)}" for f in faults if f.notes]
-    return "\n".join(rows + notes)
+    return "\n".join(rows + notes + [f"the run: {note}" for note in chaos.run_notes])
 
 
 def launched_as(chaos: Chaos, code: int) -> str:
     if chaos.launcher_code in (None, code):
         return ""
+    how = "finished the run" if code == 0 else f"ended with status {code}"
     return (f" (launch/ft.sh's {chaos.launcher_code}: every group it started had left; the groups started again in "
-            "their place finished the run)")
+            f"their place {how})")
 
 
 def _stat(values: list[float]) -> str:
@@ -854,8 +973,9 @@ def fault_free(mode: str, folder: Path, data: Path, args: argparse.Namespace) ->
     not change what is trained)."""
     chaos = make(mode, folder, data, args)
     code = chaos.run([])
-    if code:
-        raise SystemExit(f"the fault-free {mode} run failed (exit {code}):\n{chaos.output()[-4000:]}")
+    if code or chaos.run_notes:
+        raise SystemExit(f"the fault-free {mode} run failed (exit {code}; {'; '.join(chaos.run_notes) or 'no note'}):"
+                         f"\n{chaos.output()[-4000:]}")
     return latest_state(folder / "ckpt")["model"]
 
 
@@ -926,6 +1046,7 @@ class Outcome:
     files: list[Path]
     tracebacks: int
     table: str
+    run_notes: list[str]  # what went wrong with the run as a whole: a group that did not finish, a hidden death
 
     @property
     def not_back(self) -> list[Fault]:
@@ -935,9 +1056,10 @@ class Outcome:
     def proved(self) -> bool:
         """The oracle held, and every fault happened as drawn: it landed, its target came back, and it has
         no note (a note says what did not go as drawn: a signal that found no process, a save that did not
-        fail, a resume that never met the outage, a group not started again)."""
+        fail, a resume that never met the outage, a group not started again), and the run has none (every
+        group finished, no process died that the runner did not kill, no stall)."""
         return (self.code == 0 and self.dw == 0 and not self.processes and not self.files and not self.tracebacks
-                and all(f.landed and not f.notes for f in self.faults) and not self.not_back)
+                and all(f.landed and not f.notes for f in self.faults) and not self.not_back and not self.run_notes)
 
 
 def chaos_run(mode: str, store: str | None, seed: int, count: int, args: argparse.Namespace, tmp: Path, data: Path,
@@ -957,11 +1079,11 @@ def chaos_run(mode: str, store: str | None, seed: int, count: int, args: argpars
         if not any(saved.rglob("step-*.pt")):
             raise SystemExit(f"the {mode} run under chaos saved nothing (exit {code}):\n{chaos.output()[-4000:]}")
         dw = max_dw(latest_state(saved)["model"], planned)
-        processes, files = left_behind(folder), temp_files(folder)
+        processes, files = left_behind(folder), temp_files(folder, chaos.torch_keeps)
     for pid in processes:
         signal_pid(pid, signal.SIGKILL)
     return Outcome(lines, faults, code, dw, processes, files, tracebacks(chaos.output()),
-                   report(mode, faults, chaos, code, dw, processes, files))
+                   report(mode, faults, chaos, code, dw, processes, files), chaos.run_notes)
 
 
 def run_steps(args: argparse.Namespace) -> int:
@@ -998,6 +1120,8 @@ def checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[
                                ("--checkpoints-kept", args.checkpoints_kept, 2)):
         if not value >= least:  # nan too
             p.error(f"{flag} {value}: at least {least}")
+    if args.keep and Path(args.keep).is_dir() and any(Path(args.keep).iterdir()):
+        p.error(f"--keep {args.keep}: not empty (its runs would resume from the checkpoints there); name a new folder")
     if args.batch_size > IMAGES:
         p.error(f"--batch-size {args.batch_size}: at most {IMAGES} (the training set's images)")
     if args.faults > room(run_steps(args)):
@@ -1078,6 +1202,9 @@ def main() -> None:
             kept = f"; the runs' files are in {args.keep}" if args.keep else ""
             print(f"bench chaos: stopped ({how}); every process of its runs was ended{kept}", file=sys.stderr)
             sys.exit(code)
+        except Exception:  # the runner's own failure: its runs' processes (each in a session of its own) end too
+            end_every_run(tmp)
+            raise
     sys.exit(0 if proved else 1)
 
 

@@ -71,10 +71,13 @@ def test_a_chaos_schedule_draws_every_kind_at_distinct_steps_inside_the_run_the_
 def test_a_chaos_run_is_proved_only_when_every_fault_drawn_landed_and_its_target_came_back():
     from bench.chaos import Fault, Outcome
 
-    def outcome(*faults: Fault) -> Outcome:
-        return Outcome([], list(faults), 0, 0.0, [], [], 0, "")
+    def outcome(*faults: Fault, run_notes: tuple[str, ...] = ()) -> Outcome:
+        return Outcome([], list(faults), 0, 0.0, [], [], 0, "", list(run_notes))
 
     assert outcome(Fault("kill-worker", 10, 0, 2.0, landed=1.0, back=2.0)).proved
+    # every fault as drawn, but a group did not finish (ft.sh exits 0 once one did) or died unkilled
+    assert not outcome(Fault("kill-worker", 10, 0, 2.0, landed=1.0, back=2.0),
+                       run_notes=["group 2 did not finish the run (gave up)"]).proved
     assert not outcome(Fault("kill-worker", 10, 0, 2.0, landed=1.0, back=None)).proved  # never trained again
     assert not outcome(Fault("kill-worker", 10, 0, 2.0, landed=1.0, back=2.0),
                        Fault("kill-agent", 90, 1, 2.0, notes=["the run had ended"])).proved  # one never landed
@@ -121,6 +124,65 @@ def test_an_ft_job_whose_groups_all_left_and_rejoined_ends_as_the_rejoined_group
 
 
 @pytest.mark.quick
+def test_every_group_must_finish_and_each_restart_must_follow_a_kill_of_the_runners(tmp_path):
+    """ft.sh exits 0 once any group finished: a group that gave up, ran out of restarts or, started again
+    by hand, failed, fails the run; so does a restart that no kill of the runner's explains (a process
+    that crashed of itself, which a restart and --exact-sums would otherwise hide)."""
+    from bench.chaos import ReplicaGroups
+
+    groups = ReplicaGroups(tmp_path, tmp_path, 1, 24, 0.0, 3, 5.0)
+    said = ["ft: group 0 finished [10:00:09]",
+            "ft: group 1 lost (exit 137); restarted (1 of 100): it heals from a live group, if one is left [10:00:01]",
+            "[g1] quorum of 3 group(s) at step 40: this group (group 1) is number 1 [10:00:02]",
+            "ft: group 1 finished [10:00:09]",
+            "ft: group 2 lost (exit 137); restarted (1 of 100): it heals from a live group, if one is left [10:00:03]",
+            "ft: group 2 gave up (its line above says why); not restarted: a restart would fail alike [10:00:05]"]
+    groups.job = SimpleNamespace(lines=[(0.0, line) for line in said])
+    groups.kills = {1: 1, 2: 1}
+    assert groups.unfinished() == ["group 2 did not finish the run (gave up)"]
+    assert groups.unexplained_restarts() == []
+    groups.kills = {2: 1}  # group 1's restart followed no kill: it died of itself
+    assert groups.unexplained_restarts() == ["group 1 was lost 1 times, 0 of them by this runner's kills: a process "
+                                             "died of something else"]
+    groups.rejoined = {2: SimpleNamespace(process=SimpleNamespace(poll=lambda: 3))}  # started by hand, then gave up
+    groups.relaunched = {2: 1}  # and once started again by the runner after a death
+    assert groups.unfinished() == ["group 2, started again by hand, did not finish the run (status 3)"]
+    assert "group 2 was lost 2 times, 1 of them" in " ".join(groups.unexplained_restarts())
+
+
+@pytest.mark.quick
+def test_the_oracle_sees_nans_other_keys_hidden_processes_and_a_compiler_cache_with_files(tmp_path):
+    """max |dw| is nan where either state holds a NaN (a max over keys dropped it after the first key)
+    and inf where the keys differ; a process is the run's by its TMPDIR, whatever its command line (the
+    Lighthouse, ft.sh's helpers name no run folder); torch's compiler cache is left alone only empty, and
+    plain torchrun's log folders only in restart mode (ft.sh's launcher deletes its own)."""
+    import math
+
+    import torch
+
+    from bench.chaos import Restarts, left_behind, max_dw, run_env, temp_files
+
+    state = {"a": torch.zeros(2), "b": torch.zeros(3), "n": torch.tensor(4)}
+    assert max_dw(state, {**state, "b": torch.ones(3)}) == 1.0
+    assert math.isnan(max_dw(state, {**state, "b": torch.tensor([0.0, math.nan, 0.0])}))
+    assert max_dw(state, {"a": state["a"], "b": state["b"]}) == math.inf
+
+    hidden = subprocess.Popen(["sleep", "60"], env=run_env(tmp_path))
+    try:
+        assert hidden.pid in left_behind(tmp_path)
+    finally:
+        hidden.kill()
+        hidden.wait()
+    scratch = tmp_path / "tmp"
+    (scratch / "torchinductor_root").mkdir()
+    (scratch / "torchelastic_abc").mkdir()
+    assert temp_files(tmp_path, Restarts.torch_keeps) == []
+    assert temp_files(tmp_path, ()) == [scratch / "torchelastic_abc"]  # ft mode
+    (scratch / "torchinductor_root" / "cache").write_text("x")
+    assert temp_files(tmp_path, Restarts.torch_keeps) == [scratch / "torchinductor_root"]
+
+
+@pytest.mark.quick
 def test_kill_while_healing_kills_a_restart_that_joined_without_a_heal_again_until_one_heals():
     """A group killed right after a checkpoint, its peers held at that step (a quorum that waits), comes
     back at their step and joins without a heal: the fault kills that restart again as the first time,
@@ -141,6 +203,7 @@ def test_kill_while_healing_kills_a_restart_that_joined_without_a_heal_again_unt
         return list(said.values())
 
     groups = object.__new__(ReplicaGroups)
+    groups.kills = {}
     groups.lines = lines
     groups.worker = lambda target, timeout=60: next(w.pid for w in workers if w.poll() is None)
     counted: list[float] = []
@@ -150,6 +213,7 @@ def test_kill_while_healing_kills_a_restart_that_joined_without_a_heal_again_unt
         groups.kill_while_healing(fault)
         assert [worker.wait(10) for worker in workers] == [-signal.SIGKILL] * 3
         assert fault.notes == [] and counted and counted[0] > time.time() - 30
+        assert groups.kills == {1: 3}  # each kill is to explain one of the group's restarts
     finally:
         for worker in workers:
             worker.kill()
@@ -168,13 +232,17 @@ def test_kill_while_healing_kills_a_restart_that_joined_without_a_heal_again_unt
     (["--mode", "restart", "--kinds", "store-down-in-save"], "--kinds store-down-in-save: none is drawn in restart "
                                                                "mode with --stores disk"),
     (["--mode", "both", "--kinds", "kill-worker"], "--kinds kill-worker: none is drawn in restart mode"),
+    (["--keep", "{used}"], "--keep {used}: not empty (its runs would resume from the checkpoints there)"),
 ])
 def test_a_chaos_flag_that_would_fail_a_run_or_prove_nothing_is_one_line_before_any_run(flags, error, monkeypatch,
-                                                                                        capsys):
+                                                                                        capsys, tmp_path):
     """Checked before the fault-free run: these failed minutes later with a traceback (a draw of no kind,
     a sample larger than the run's room), or ran and proved nothing (no fault drawn)."""
     from bench import chaos
 
+    used = tmp_path / "used"  # --keep: a folder an earlier benchmark ran in
+    (used / "ft-seed1").mkdir(parents=True)
+    flags, error = [flag.format(used=used) for flag in flags], error.format(used=used)
     monkeypatch.setattr(sys, "argv", ["chaos", *flags])
     monkeypatch.setattr(chaos, "fault_free", lambda *_: pytest.fail("a run started"))
     with pytest.raises(SystemExit) as ended:
@@ -212,6 +280,7 @@ def under_chaos(tmp_path: Path, mode: str, runs: dict[str | None, list[str]]) ->
         assert not any(f.notes for f in outcome.faults), outcome.table  # each happened as drawn (its save failed, ...)
         assert not outcome.not_back, outcome.table
         assert outcome.code == 0 and outcome.dw == 0, outcome.table  # the fault-free run's weights, bit for bit
+        assert not outcome.run_notes, outcome.table  # every group finished; no restart but the runner's kills
         assert not outcome.processes and not outcome.files, outcome.table
         assert not outcome.tracebacks, outcome.table + traceback_excerpts(tmp_path)
 
