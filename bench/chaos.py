@@ -164,11 +164,19 @@ class Job:
         STARTED.append(self)
         self.lines: list[tuple[float, str]] = []
         self.prefix = prefix
-        threading.Thread(target=self._read, daemon=True).start()
+        self.reader = threading.Thread(target=self._read, daemon=True)
+        self.reader.start()
 
     def _read(self) -> None:
         for line in self.process.stdout:
             self.lines.append((time.monotonic(), self.prefix + line.rstrip("\n")))
+
+    def wait(self, timeout: float) -> int:
+        """Its status once it ended and its last lines are read (a status as a shell gives it: 128 + N
+        for a signal N), or TimeoutExpired."""
+        code = self.process.wait(timeout)
+        self.reader.join(30)  # the pipe ends with the process tree: what it said before it ended is in
+        return 128 - code if code < 0 else code
 
     def text(self) -> str:
         return "\n".join(line for _, line in self.lines)
@@ -207,15 +215,16 @@ def children(pid: int) -> list[int]:
 def worker_of(agent: int, script: str, timeout: float = 120) -> int | None:
     """The training process under a torchrun agent (None if none comes within `timeout`)."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+    while True:  # looked for once at least (timeout 0: now)
         for pid in children(agent):
             try:
                 if script in Path(f"/proc/{pid}/cmdline").read_text():
                     return pid
             except OSError:
                 continue
+        if time.monotonic() >= deadline:
+            return None
         time.sleep(0.05)
-    return None
 
 
 def signal_pid(pid: int | None, signum: int) -> bool:
@@ -248,12 +257,13 @@ def left_behind(folder: Path) -> list[int]:
     """Processes whose command line names the run's folder, or whose environment has the run's TMPDIR
     (run_env gives it every process a run starts: a Lighthouse, ft.sh's own helpers, a spawned child,
     whatever its command line), orphans included."""
-    mine, scratch = str(folder), f"TMPDIR={folder / 'tmp'}".encode()
+    mine, scratch = str(folder), f"TMPDIR={folder}/".encode()  # a run's TMPDIR, or any run's under a root
     found = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
             named = mine in (proc / "cmdline").read_text(errors="replace").replace("\0", " ")
-            if (named or scratch in (proc / "environ").read_bytes().split(b"\0")) and int(proc.name) != os.getpid():
+            ours = any(entry.startswith(scratch) for entry in (proc / "environ").read_bytes().split(b"\0"))
+            if (named or ours) and int(proc.name) != os.getpid():
                 found.append(int(proc.name))
         except OSError:
             continue
@@ -280,9 +290,9 @@ def run_env(folder: Path) -> dict[str, str]:
 
 
 def max_dw(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """The largest difference between two states of the same keys; inf where the keys differ, nan where
-    either holds a NaN (neither is 0: the oracle fails)."""
-    if a.keys() != b.keys():
+    """The largest difference between two states of the same keys; inf where the keys or a shape differ,
+    nan where either holds a NaN (neither is 0: the oracle fails)."""
+    if a.keys() != b.keys() or any(a[k].shape != b[k].shape for k in a):
         return math.inf
     gaps = [(a[k].double() - b[k].double()).abs().max().item() if a[k].numel() else 0.0 for k in a]
     return math.nan if any(math.isnan(g) for g in gaps) else max(gaps, default=0.0)
@@ -434,7 +444,8 @@ class Chaos:
 
     def __init__(self, folder: Path, data: Path, epochs: int, batch: int, slow_steps: float) -> None:
         self.folder, self.data, self.epochs, self.batch = folder, data, epochs, batch
-        self.kills: dict[int, int] = {}  # target -> the runner's SIGKILLs that found its process
+        self.kills: dict[int, int] = {}  # target -> its processes the runner SIGKILLed (each once)
+        self.killed: set[int] = set()  # those processes' pids
         self.run_notes: list[str] = []  # what went wrong with the run as a whole (the oracle fails on any)
         self.patches = f"slow-steps={slow_steps}"  # steps long enough for a fault's recovery to be a part of the run
         self.progress = Progress(folder / "tb")
@@ -517,19 +528,18 @@ class Chaos:
         """Every training process of the run now."""
         raise NotImplementedError
 
-    def unfinished(self) -> list[str]:
-        """How each part of the job that did not finish the run ended (none: the job's status says it)."""
-        return []
-
     def back(self, fault: Fault, fresh: bool = True, since: float | None = None) -> None:
         """Mark the fault's target back once it trains again (see back_when_trained)."""
         raise NotImplementedError
 
     def kill(self, fault: Fault, pid: int | None) -> bool:
-        """SIGKILL to one of the target's processes, counted: each is to explain one restart."""
+        """SIGKILL to one of the target's processes, counted once per process: each is to explain one
+        restart (a second signal to a dying one explains nothing more)."""
         if not hit(fault, pid, signal.SIGKILL):
             return False
-        self.kills[fault.target] = self.kills.get(fault.target, 0) + 1
+        if pid not in self.killed:
+            self.killed.add(pid)
+            self.kills[fault.target] = self.kills.get(fault.target, 0) + 1
         return True
 
     def kill_worker(self, fault: Fault) -> None:
@@ -552,7 +562,7 @@ class Chaos:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             new = self.process(fault.target, timeout=0.5)
-            if new and new not in before:
+            if new and new not in before | self.killed:
                 time.sleep(1.0)  # into the new process's set-up
                 if self.kill(fault, new):
                     last_kill = time.time()
@@ -606,7 +616,8 @@ class ReplicaGroups(Chaos):
         return self.job.process.poll() is None
 
     def finish(self) -> int:
-        code = self.job.process.wait(RUN_S)
+        self.wait_for(math.inf)  # its end, or a stall (then it is ended)
+        code = self.job.wait(60)
         for supervisor in list(self.supervisors):  # each sees the run ended: it starts nothing more
             supervisor.join(RUN_S)
         self.launcher_code = code
@@ -705,20 +716,33 @@ class ReplicaGroups(Chaos):
         a heal (it resumed from a checkpoint of the very step its peers were held at, waiting for a
         quorum) is killed again as the first time, until one heals."""
         self.kill(fault, self.worker(fault.target))
-        killed, landed = time.time(), time.monotonic()
-        deadline = landed + 120
-        quorum = re.compile(rf"^\[g{fault.target}\] quorum of .*(\(healing\)|is number)")
-        while time.monotonic() < deadline:
-            met = [match for at, line in self.lines() if at > landed and (match := quorum.search(line))]
-            if met:
-                self.kill(fault, self.worker(fault.target))
-                killed, landed = time.time(), time.monotonic()
-                if met[0][1] == "(healing)":
-                    break
-            time.sleep(0.02)
+        killed, deadline = time.time(), time.monotonic() + 120
+        while met := self.restart_in_quorum(fault.target, deadline):
+            pid, healing = met
+            self.kill(fault, pid)
+            killed = time.time()
+            if healing:
+                break
         else:
             fault.notes.append("no heal to interrupt")
         self.back(fault, since=killed)  # a process started after the last kill: not after the wait for a heal
+
+    def restart_in_quorum(self, group: int, deadline: float) -> tuple[int, bool] | None:
+        """(pid, whether it heals) of the group's next restart, once its quorum line came: a line said
+        after that process was first seen, so that a line the killed process said as it died, read
+        late, is not taken for its restart's. None by the deadline."""
+        quorum = re.compile(rf"^\[g{group}\] quorum of .*(\(healing\)|is number)")
+        restart, seen = None, 0.0
+        while time.monotonic() < deadline:
+            pid = self.worker(group, timeout=0)
+            if pid and pid not in self.killed and pid != restart:
+                restart, seen = pid, time.monotonic()
+            if restart:
+                met = [match for at, line in self.lines() if at >= seen and (match := quorum.search(line))]
+                if met:
+                    return restart, met[0][1] == "(healing)"
+            time.sleep(0.02)
+        return None
 
     def kill_agent(self, fault: Fault) -> None:
         self.kill(fault, self.agent(fault.target))
@@ -747,23 +771,25 @@ class ReplicaGroups(Chaos):
             return
         env = {**self.env, "REPLICA_GROUP_ID": str(fault.target), "FT_GROUPS": str(self.groups),
                "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{self.env['FT_PORT']}"}
-        while self.running():
+        while True:
             job = Job([*self.inside(), sys.executable, "launch/quiet_torchrun.py", "--standalone",
                        "--nproc_per_node=1", *self.training()], env, f"[g{fault.target}] ")
             self.rejoined[fault.target] = job
             self.rejoins.append(job)
             try:
-                if job.process.wait(RUN_S) in ENDED_FOR_GOOD:
-                    return
+                code = job.wait(RUN_S)
             except subprocess.TimeoutExpired:
                 self.run_notes.append(f"group {fault.target}, started again by hand, still ran {RUN_S} s later")
                 return
-            self.relaunched[fault.target] = self.relaunched.get(fault.target, 0) + 1
+            if code in ENDED_FOR_GOOD or not self.running():
+                return
+            self.relaunched[fault.target] = self.relaunched.get(fault.target, 0) + 1  # it died: started again
 
     def kill_lighthouse(self, fault: Fault) -> None:
         """Back: the groups' next step after ft.sh said it started the Lighthouse again."""
         try:
-            hit(fault, int((self.logs / "lighthouse.pid").read_text()), signal.SIGKILL)
+            if not hit(fault, int((self.logs / "lighthouse.pid").read_text()), signal.SIGKILL):
+                return
         except (OSError, ValueError):
             fault.notes.append("no Lighthouse")
             return
@@ -808,9 +834,10 @@ class Restarts(Chaos):
         return self.job.process.poll() is None or self.restarting
 
     def finish(self) -> int:
+        self.wait_for(math.inf)  # its end, or a stall (then it is ended)
         while True:
             job = self.job
-            code = job.process.wait(RUN_S)
+            code = job.wait(RUN_S)
             while self.restarting:
                 time.sleep(0.2)
             if self.job is job:
@@ -1120,8 +1147,9 @@ def checked(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[list[
                                ("--checkpoints-kept", args.checkpoints_kept, 2)):
         if not value >= least:  # nan too
             p.error(f"{flag} {value}: at least {least}")
-    if args.keep and Path(args.keep).is_dir() and any(Path(args.keep).iterdir()):
-        p.error(f"--keep {args.keep}: not empty (its runs would resume from the checkpoints there); name a new folder")
+    if args.keep and Path(args.keep).exists() and (not Path(args.keep).is_dir() or any(Path(args.keep).iterdir())):
+        p.error(f"--keep {args.keep}: not a new or empty folder (runs in a used one would resume from its "
+                "checkpoints); name a new folder")
     if args.batch_size > IMAGES:
         p.error(f"--batch-size {args.batch_size}: at most {IMAGES} (the training set's images)")
     if args.faults > room(run_steps(args)):

@@ -151,6 +151,32 @@ def test_every_group_must_finish_and_each_restart_must_follow_a_kill_of_the_runn
 
 
 @pytest.mark.quick
+def test_a_groups_worker_is_found_at_once_and_a_run_that_trains_no_step_is_ended_as_hung(tmp_path, monkeypatch):
+    """kill-in-set-up tells its target's restart from the processes before the kill: those must be seen
+    with no wait (a zero timeout once looked nowhere, so the dying worker was taken for its restart). A
+    run that trains no step for STALL_S is ended, with a note that fails the oracle."""
+    from bench import chaos
+
+    groups = chaos.ReplicaGroups(tmp_path, tmp_path, 1, 24, 0.0, 2, 5.0)
+    agent = subprocess.Popen(["bash", "-c", "bash -c 'exec -a train_ft.py sleep 60' & wait"], start_new_session=True)
+    try:
+        (tmp_path / "ft-logs").mkdir()
+        (tmp_path / "ft-logs" / "group0.pid").write_text(str(agent.pid))
+        worker = chaos.worker_of(agent.pid, "train_ft.py", timeout=10)
+        assert worker and groups.processes() == {worker}
+    finally:
+        os.killpg(agent.pid, signal.SIGKILL)
+        agent.wait()
+
+    ended: list[Path] = []
+    monkeypatch.setattr(chaos, "STALL_S", 0.5)
+    monkeypatch.setattr(chaos, "end_every_run", ended.append)
+    groups.running = lambda: not ended
+    groups.wait_for(10)
+    assert ended == [tmp_path] and groups.run_notes == ["the run trained no step for 0.5 s after step 0: ended"]
+
+
+@pytest.mark.quick
 def test_the_oracle_sees_nans_other_keys_hidden_processes_and_a_compiler_cache_with_files(tmp_path):
     """max |dw| is nan where either state holds a NaN (a max over keys dropped it after the first key)
     and inf where the keys differ; a process is the run's by its TMPDIR, whatever its command line (the
@@ -166,6 +192,7 @@ def test_the_oracle_sees_nans_other_keys_hidden_processes_and_a_compiler_cache_w
     assert max_dw(state, {**state, "b": torch.ones(3)}) == 1.0
     assert math.isnan(max_dw(state, {**state, "b": torch.tensor([0.0, math.nan, 0.0])}))
     assert max_dw(state, {"a": state["a"], "b": state["b"]}) == math.inf
+    assert max_dw(state, {**state, "b": torch.zeros(1)}) == math.inf  # broadcast would have said 0
 
     hidden = subprocess.Popen(["sleep", "60"], env=run_env(tmp_path))
     try:
@@ -203,7 +230,7 @@ def test_kill_while_healing_kills_a_restart_that_joined_without_a_heal_again_unt
         return list(said.values())
 
     groups = object.__new__(ReplicaGroups)
-    groups.kills = {}
+    groups.kills, groups.killed = {}, set()
     groups.lines = lines
     groups.worker = lambda target, timeout=60: next(w.pid for w in workers if w.poll() is None)
     counted: list[float] = []
@@ -232,7 +259,8 @@ def test_kill_while_healing_kills_a_restart_that_joined_without_a_heal_again_unt
     (["--mode", "restart", "--kinds", "store-down-in-save"], "--kinds store-down-in-save: none is drawn in restart "
                                                                "mode with --stores disk"),
     (["--mode", "both", "--kinds", "kill-worker"], "--kinds kill-worker: none is drawn in restart mode"),
-    (["--keep", "{used}"], "--keep {used}: not empty (its runs would resume from the checkpoints there)"),
+    (["--keep", "{used}"], "--keep {used}: not a new or empty folder (runs in a used one would resume from"),
+    (["--keep", "{used}/ft-seed1/output.txt"], "--keep {used}/ft-seed1/output.txt: not a new or empty folder"),
 ])
 def test_a_chaos_flag_that_would_fail_a_run_or_prove_nothing_is_one_line_before_any_run(flags, error, monkeypatch,
                                                                                         capsys, tmp_path):
@@ -242,6 +270,7 @@ def test_a_chaos_flag_that_would_fail_a_run_or_prove_nothing_is_one_line_before_
 
     used = tmp_path / "used"  # --keep: a folder an earlier benchmark ran in
     (used / "ft-seed1").mkdir(parents=True)
+    (used / "ft-seed1" / "output.txt").write_text("")
     flags, error = [flag.format(used=used) for flag in flags], error.format(used=used)
     monkeypatch.setattr(sys, "argv", ["chaos", *flags])
     monkeypatch.setattr(chaos, "fault_free", lambda *_: pytest.fail("a run started"))
