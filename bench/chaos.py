@@ -79,6 +79,7 @@ FT_TIMEOUT_S = 5.0  # ft mode's train_ft.py --ft-timeout-s (bench chaos --ft-tim
 JOB_WIDE = ("kill-lighthouse", "slow-link")  # ft faults that hit every group, not one
 ENDED_FOR_GOOD = (0, 2, 3, 130, 143)  # launch/ft.sh does not start a group that ended so again
 STALL_S = 600  # a run under chaos that trains no step for this long is ended as hung (recoveries take 20-90 s)
+OUTPUT_HELD_S = 30  # a launcher ended: its tree's output is read until it closes, at most this long
 RUN_S = 3600  # the most a run (or a group started again by hand) is waited for once its faults have landed
 # launch/ft.sh's lines for a group's process that ended: `lost ... restarted` is one restart, the others its end
 GROUP_ENDED = re.compile(r"^ft: group (\d+) (finished|gave up|left|ended|lost \(exit \d+\); (no restarts|restarted))")
@@ -172,17 +173,33 @@ class Job:
             self.lines.append((time.monotonic(), self.prefix + line.rstrip("\n")))
 
     def wait(self, timeout: float) -> int:
-        """Its status once it ended and its last lines are read (a status as a shell gives it: 128 + N
-        for a signal N), or TimeoutExpired."""
-        code = self.process.wait(timeout)
-        self.reader.join(30)  # the pipe ends with the process tree: what it said before it ended is in
-        return 128 - code if code < 0 else code
+        """Its status once it ended and its last lines are read (see status), or TimeoutExpired. A
+        process of its tree that outlives it holds its output open: `held` says so (the reader gave up)."""
+        self.process.wait(timeout)
+        self.reader.join(OUTPUT_HELD_S)
+        return self.status()
+
+    @property
+    def held(self) -> bool:
+        return self.reader.is_alive()
+
+    def status(self) -> int | None:
+        """Its exit status as a shell gives it (128 + N for a signal N); None while it runs."""
+        code = self.process.poll()
+        return 128 - code if code is not None and code < 0 else code
 
     def text(self) -> str:
         return "\n".join(line for _, line in self.lines)
 
 
 STARTED: list[Job] = []
+
+
+def held_output(jobs: list[Job]) -> list[str]:
+    """A process that outlived its launcher by OUTPUT_HELD_S still held the launcher's output: one left
+    behind, which may have ended by the time the run's processes are counted."""
+    return [f"a process still held the output of `{' '.join(job.process.args[-3:])}` {OUTPUT_HELD_S} s after it "
+            "ended" for job in jobs if job.process.poll() is not None and job.held]
 
 
 class Stopped(Exception):
@@ -225,6 +242,14 @@ def worker_of(agent: int, script: str, timeout: float = 120) -> int | None:
         if time.monotonic() >= deadline:
             return None
         time.sleep(0.05)
+
+
+def identity(pid: int | None) -> tuple[int, str] | None:
+    """A process as (pid, its start time in clock ticks since boot): a reused pid is another process."""
+    try:
+        return pid, Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError, TypeError):
+        return None
 
 
 def signal_pid(pid: int | None, signum: int) -> bool:
@@ -445,8 +470,9 @@ class Chaos:
     def __init__(self, folder: Path, data: Path, epochs: int, batch: int, slow_steps: float) -> None:
         self.folder, self.data, self.epochs, self.batch = folder, data, epochs, batch
         self.kills: dict[int, int] = {}  # target -> its processes the runner SIGKILLed (each once)
-        self.killed: set[int] = set()  # those processes' pids
+        self.killed: set[tuple[int, str] | None] = set()  # those processes (identity: a pid may be reused)
         self.run_notes: list[str] = []  # what went wrong with the run as a whole (the oracle fails on any)
+        self.stalled = False  # ended as hung (wait_for)
         self.patches = f"slow-steps={slow_steps}"  # steps long enough for a fault's recovery to be a part of the run
         self.progress = Progress(folder / "tb")
         self.checkpoints = str(folder / "ckpt")  # --checkpoint-dir: a folder, or a URL
@@ -488,6 +514,7 @@ class Chaos:
             if now != reached:
                 reached, moved = now, time.monotonic()
             elif time.monotonic() - moved > STALL_S:
+                self.stalled = True
                 self.run_notes.append(f"the run trained no step for {STALL_S} s after step {reached}: ended")
                 end_every_run(self.folder)
                 return
@@ -535,12 +562,17 @@ class Chaos:
     def kill(self, fault: Fault, pid: int | None) -> bool:
         """SIGKILL to one of the target's processes, counted once per process: each is to explain one
         restart (a second signal to a dying one explains nothing more)."""
+        process = identity(pid)
         if not hit(fault, pid, signal.SIGKILL):
             return False
-        if pid not in self.killed:
-            self.killed.add(pid)
+        if process is None or process not in self.killed:  # None: gone as it was signalled
+            self.killed.add(process)
             self.kills[fault.target] = self.kills.get(fault.target, 0) + 1
         return True
+
+    def was_killed(self, pid: int | None) -> bool:
+        process = identity(pid)
+        return process is not None and process in self.killed
 
     def kill_worker(self, fault: Fault) -> None:
         self.kill(fault, self.process(fault.target))
@@ -562,7 +594,7 @@ class Chaos:
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:
             new = self.process(fault.target, timeout=0.5)
-            if new and new not in before | self.killed:
+            if new and new not in before and not self.was_killed(new):
                 time.sleep(1.0)  # into the new process's set-up
                 if self.kill(fault, new):
                     last_kill = time.time()
@@ -621,7 +653,7 @@ class ReplicaGroups(Chaos):
         for supervisor in list(self.supervisors):  # each sees the run ended: it starts nothing more
             supervisor.join(RUN_S)
         self.launcher_code = code
-        self.run_notes += self.unfinished() + self.unexplained_restarts()
+        self.run_notes += self.unfinished() + self.unexplained_restarts() + held_output([self.job, *self.rejoins])
         return self.job_status(code)
 
     def group_ends(self) -> dict[int, list[str]]:
@@ -638,7 +670,7 @@ class ReplicaGroups(Chaos):
         ends, notes = self.group_ends(), []
         for group in range(self.groups):
             if group in self.rejoined:
-                code = self.rejoined[group].process.poll()
+                code = self.rejoined[group].status()
                 if code != 0:
                     notes.append(f"group {group}, started again by hand, did not finish the run (status {code})")
             elif not ends.get(group) or ends[group][-1] != "finished":
@@ -662,7 +694,7 @@ class ReplicaGroups(Chaos):
         group it started left on SIGTERM (test_ft: its groups left) and none of them finished: where
         that SIGTERM was this runner's (leave-and-rejoin, every group), the run is the rejoined groups',
         and their last launches say how it ended."""
-        last = [job.process.poll() for job in self.rejoined.values()]
+        last = [job.status() for job in self.rejoined.values()]
         if code != 128 + signal.SIGTERM or set(self.rejoined) != set(range(self.groups)) or None in last:
             return code
         return next((status for status in last if status), 0)
@@ -735,7 +767,7 @@ class ReplicaGroups(Chaos):
         restart, seen = None, 0.0
         while time.monotonic() < deadline:
             pid = self.worker(group, timeout=0)
-            if pid and pid not in self.killed and pid != restart:
+            if pid and pid != restart and not self.was_killed(pid):
                 restart, seen = pid, time.monotonic()
             if restart:
                 met = [match for at, line in self.lines() if at >= seen and (match := quorum.search(line))]
@@ -788,10 +820,12 @@ class ReplicaGroups(Chaos):
     def kill_lighthouse(self, fault: Fault) -> None:
         """Back: the groups' next step after ft.sh said it started the Lighthouse again."""
         try:
-            if not hit(fault, int((self.logs / "lighthouse.pid").read_text()), signal.SIGKILL):
-                return
+            found = hit(fault, int((self.logs / "lighthouse.pid").read_text()), signal.SIGKILL)
         except (OSError, ValueError):
             fault.notes.append("no Lighthouse")
+            found = False
+        if not found:  # not back from nothing, but done: the schedule's next kill-lighthouse waits for it
+            fault.back = time.monotonic()
             return
         if not said_since(self.job, fault.landed, r"^ft: the Lighthouse died .*; restarted", 60):
             fault.notes.append("ft.sh did not say it started the Lighthouse again within 60 s")
@@ -841,6 +875,7 @@ class Restarts(Chaos):
             while self.restarting:
                 time.sleep(0.2)
             if self.job is job:
+                self.run_notes += held_output(self.jobs)
                 return code
 
     def output(self) -> str:
@@ -944,7 +979,8 @@ class Restarts(Chaos):
         try:
             hit(fault, self.job.process.pid, signal.SIGKILL)
             self.job.process.wait(60)
-            self.start()
+            if not self.stalled:  # a run ended as hung is not started again
+                self.start()
         finally:  # else running() would stay true, and the schedule and finish() wait for ever
             self.restarting = False
         self.back_when_trained(fault)

@@ -107,8 +107,8 @@ def test_an_ft_job_whose_groups_all_left_and_rejoined_ends_as_the_rejoined_group
     started again in their place (seed 1 of the 3 x 30 run: ft.sh 143, the rejoined groups 0)."""
     from bench.chaos import ReplicaGroups
 
-    def ended(status: int) -> SimpleNamespace:
-        return SimpleNamespace(process=SimpleNamespace(poll=lambda: status))
+    def ended(status: int | None) -> SimpleNamespace:
+        return SimpleNamespace(status=lambda: status)
 
     groups = object.__new__(ReplicaGroups)
     groups.groups, groups.rejoined = 3, {0: ended(0), 1: ended(0), 2: ended(0)}
@@ -119,7 +119,7 @@ def test_an_ft_job_whose_groups_all_left_and_rejoined_ends_as_the_rejoined_group
     del groups.rejoined[2]
     groups.rejoined[1] = ended(0)
     assert groups.job_status(143) == 143  # group 2 was never the runner's to stop: ft.sh's 143 stands
-    groups.rejoined[2] = SimpleNamespace(process=SimpleNamespace(poll=lambda: None))
+    groups.rejoined[2] = ended(None)
     assert groups.job_status(143) == 143  # still running after ft.sh ended: not a finished run
 
 
@@ -144,7 +144,7 @@ def test_every_group_must_finish_and_each_restart_must_follow_a_kill_of_the_runn
     groups.kills = {2: 1}  # group 1's restart followed no kill: it died of itself
     assert groups.unexplained_restarts() == ["group 1 was lost 1 times, 0 of them by this runner's kills: a process "
                                              "died of something else"]
-    groups.rejoined = {2: SimpleNamespace(process=SimpleNamespace(poll=lambda: 3))}  # started by hand, then gave up
+    groups.rejoined = {2: SimpleNamespace(status=lambda: 3)}  # started by hand, then gave up
     groups.relaunched = {2: 1}  # and once started again by the runner after a death
     assert groups.unfinished() == ["group 2, started again by hand, did not finish the run (status 3)"]
     assert "group 2 was lost 2 times, 1 of them" in " ".join(groups.unexplained_restarts())
@@ -174,6 +174,33 @@ def test_a_groups_worker_is_found_at_once_and_a_run_that_trains_no_step_is_ended
     groups.running = lambda: not ended
     groups.wait_for(10)
     assert ended == [tmp_path] and groups.run_notes == ["the run trained no step for 0.5 s after step 0: ended"]
+
+
+@pytest.mark.quick
+def test_a_jobs_status_is_a_shells_its_last_lines_are_read_and_a_kill_counts_once_per_process(tmp_path,
+                                                                                                 monkeypatch):
+    """A launcher's status as ft.sh and a shell give it (128 + N for a signal N), read after its last
+    line; its output held open by a process that outlived it is a run note (a process left behind that
+    may end before the count); a process killed twice explains one restart, not two."""
+    from bench import chaos
+
+    monkeypatch.setattr(chaos, "OUTPUT_HELD_S", 0.5)
+    killed = chaos.Job(["bash", "-c", "echo last; kill -9 $$"], child_env())
+    assert killed.wait(10) == 137 and killed.lines[-1][1] == "last" and not killed.held
+    held = chaos.Job(["bash", "-c", "sleep 30 & echo started"], child_env())
+    try:
+        assert held.wait(10) == 0 and held.held
+        assert chaos.held_output([killed, held]) == ["a process still held the output of `bash -c sleep 30 & echo "
+                                                     "started` 0.5 s after it ended"]
+    finally:
+        os.killpg(held.process.pid, signal.SIGKILL)
+
+    groups = chaos.ReplicaGroups(tmp_path, tmp_path, 1, 24, 0.0, 2, 5.0)
+    victim = subprocess.Popen(["sleep", "60"])
+    fault = chaos.Fault("kill-worker", 1, 0, 2.0)
+    assert groups.kill(fault, victim.pid) and groups.kill(fault, victim.pid)  # the second finds it dying
+    victim.wait()
+    assert groups.kills == {0: 1} and not groups.was_killed(os.getpid())
 
 
 @pytest.mark.quick
