@@ -260,7 +260,7 @@ class JobStore:
                 self.client.set("probe", "")
             except dist.DistNetworkError:
                 return
-            time.sleep(0.01)
+            time.sleep(0.01)  # a poll with a bound (100 tries): the server's close reaching the client's socket
         raise AssertionError("the client never saw its store's server die")
 
 
