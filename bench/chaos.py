@@ -653,7 +653,7 @@ class ReplicaGroups(Chaos):
         for supervisor in list(self.supervisors):  # each sees the run ended: it starts nothing more
             supervisor.join(RUN_S)
         self.launcher_code = code
-        self.run_notes += self.unfinished() + self.unexplained_restarts() + held_output([self.job, *self.rejoins])
+        self.run_notes += self.unfinished() + self.unexplained_restarts() + held_output(self.launches())
         return self.job_status(code)
 
     def group_ends(self) -> dict[int, list[str]]:
@@ -703,10 +703,14 @@ class ReplicaGroups(Chaos):
         """Every launch's lines, and the Lighthouse's log (ft.sh appends each restart's to it)."""
         lighthouse = self.logs / "lighthouse.log"
         log = lighthouse.read_text(errors="replace") if lighthouse.exists() else ""
-        return "\n".join([*(job.text() for job in [self.job, *self.rejoins]), log])
+        return "\n".join([*(job.text() for job in self.launches()), log])
 
     def lines(self) -> list[tuple[float, str]]:
-        return [line for job in [self.job, *self.rejoins] for line in list(job.lines)]
+        return [line for job in self.launches() for line in list(job.lines)]
+
+    def launches(self) -> list[Job]:
+        """ft.sh's, then every group started again by hand."""
+        return [self.job, *self.rejoins]
 
     def agent(self, group: int) -> int | None:
         if group in self.rejoined:
