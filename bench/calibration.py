@@ -3,19 +3,22 @@ the model against the suite's own step times.
 
 Measured: each collective the strategies use, over gloo and the shared-memory transport, at W=2 and
 4 (torchrun processes of this module: a line a + b n fitted to the median time of each size, and the
-ring's alpha and beta read from it); each strategy's step time (the suite's own clock: data +
+ring's alpha and beta read from it), both back to back (the wire's own cost) and issued from a step
+(the cost training sees, and the model's: on CPU ranks the collective's threads wait for a core the
+step's compute held, and the ranks arrive apart); each strategy's step time (the suite's own clock: data +
 compute + sync) at W=1, 2 and 4 as real torchrun runs of train_*.py; the no-sync reference at each
 W, which is the model's compute (the ranks share the 2 cores: at W=4 two ranks per core). Rounds
 interleave every row, so the machine's drifting load (other jobs share it) hits all of them alike;
 medians are reported, with the range.
 
 The model then puts each strategy's step together from those parts, as it does for a cluster, with
-one difference: CPU ranks have no spare core, so nothing overlaps the backward.
+two differences: CPU ranks have no spare core, so nothing overlaps the backward, and each collective
+costs what it cost in a step (on a GPU, NCCL's kernels run on their own stream and the link's
+alpha and beta are the cluster's).
 """
 from __future__ import annotations
 
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -31,6 +34,7 @@ from bench.strategies import run, synthetic, timing
 ROOT = Path(__file__).resolve().parent.parent
 MODEL, PER_RANK, STEPS, EVERY = "convnet", 16, 40, 10
 SIZES = [1 << 12, 1 << 15, 1 << 17, 1 << 19, 1 << 21]  # bytes: the convnet's blocks up to 16x its gradients
+IN_STEP_ROUNDS, IN_STEP_CALLS = 3, 6  # a collective timed in a step: interleaved rounds, steps to a median
 
 ROWS: dict[str, tuple[list[str], str, str]] = {  # label -> (script and flags, the model's name, the wire)
     "ddp": (["train_ddp.py"], "ddp", "shm"),
@@ -60,8 +64,9 @@ def median_ms(f: Callable[[], object], calls: int) -> float:
     return 1000 * statistics.median(times)
 
 
-def probe() -> None:
-    """Time every collective at every size; rank 0 prints one JSON line: wire -> op -> [ms per size]."""
+def probe(chosen: list[str]) -> None:
+    """Time every collective (or the `chosen` ones) at every size, back to back and issued from a
+    step; rank 0 prints one JSON line: kind -> wire -> op -> [ms per size], and the steps."""
     import torch
     import torch.distributed as dist
 
@@ -84,54 +89,98 @@ def probe() -> None:
                  "all_gather": lambda t: dist.all_gather_into_tensor(t, t[:t.numel() // world].clone())},
         "ring": {"all_reduce": ring_all_reduce},
     }
-    found: dict[str, dict[str, list[float]]] = {}
-    for wire, table in ops.items():
-        for op, call in table.items():
-            for size in SIZES:
-                tensor = torch.zeros(size // 4)
-                dist.barrier()
-                found.setdefault(wire, {}).setdefault(op, []).append(
-                    median_ms(lambda call=call, tensor=tensor: call(tensor), max(8, 60 >> SIZES.index(size))))
-    found["step"] = suite_steps(shm, rank, world)
+    ops = {wire: {op: call for op, call in table.items() if not chosen or op in chosen} for wire, table in ops.items()}
+    convnet = ConvnetStep(shm, rank, world)
+    found = {"back_to_back": back_to_back(ops), "in_step": in_step(ops, convnet.step(None)),
+             "step": convnet.timed()}
     if rank == 0:
         print("PROBE " + json.dumps(found), flush=True)
     dist.destroy_process_group()
 
 
-def suite_steps(shm: object, rank: int, world: int) -> dict[str, list[float]]:
-    """The convnet's step in this process, without any sync and with the suite's hand-written
-    buckets over the shared-memory transport (train_allreduce.py's sync), rounds interleaved: ms."""
+def back_to_back(ops: dict[str, dict[str, Callable]]) -> dict[str, dict[str, list[float]]]:
+    """Each collective in a loop of calls: the wire's own cost, ms per size."""
     import torch
-    import torch.nn.functional as F
+    import torch.distributed as dist
 
-    from common.models import build_model
-    from common.parallel.comm import GradientBuckets, launch_all_reduce
+    found: dict[str, dict[str, list[float]]] = {}
+    for wire, table in ops.items():
+        for op, call in table.items():
+            for i, size in enumerate(SIZES):
+                tensor = torch.zeros(size // 4)
+                dist.barrier()
+                found.setdefault(wire, {}).setdefault(op, []).append(
+                    median_ms(lambda call=call, tensor=tensor: call(tensor), max(8, 60 >> i)))
+    return found
 
-    def steps(sync: GradientBuckets | None) -> Callable[[], None]:
-        def step() -> None:
-            loss = F.cross_entropy(model(x), y)
-            optimizer.zero_grad(set_to_none=True)
+
+def in_step(ops: dict[str, dict[str, Callable]], step: Callable[[], None]) -> dict[str, dict[str, list[float]]]:
+    """Each collective as training issues it, after a step's compute: a step with it less the step
+    alone, medians over interleaved rounds, ms per size. On a host whose cores all compute, the
+    collective's I/O threads then wait for a core and the ranks arrive apart (the slowest rank's lead
+    is inside this figure): 1-3.5 ms at W=2 where the same call costs 0.04-0.7 ms back to back."""
+    import torch
+    import torch.distributed as dist
+
+    rounds: dict[tuple[str, str, int], list[float]] = {}
+    for _ in range(IN_STEP_ROUNDS):
+        for wire, table in ops.items():
+            for op, call in table.items():
+                dist.barrier()
+                alone = median_ms(step, IN_STEP_CALLS)
+                for i, size in enumerate(SIZES):
+                    tensor = torch.zeros(size // 4)
+                    dist.barrier()
+                    both = median_ms(lambda call=call, tensor=tensor: (step(), call(tensor)), IN_STEP_CALLS)
+                    rounds.setdefault((wire, op, i), []).append(both - alone)
+    found: dict[str, dict[str, list[float]]] = {}
+    for (wire, op, _), extra in rounds.items():  # below 0 where the step's jitter outweighs a small call
+        found.setdefault(wire, {}).setdefault(op, []).append(statistics.median(extra))
+    return found
+
+
+class ConvnetStep:
+    """The convnet's training step in this process, with or without the suite's hand-written
+    buckets over the shared-memory transport (train_allreduce.py's sync)."""
+
+    def __init__(self, shm: object, rank: int, world: int) -> None:
+        import torch
+
+        from common.models import build_model
+        from common.parallel.comm import GradientBuckets, launch_all_reduce
+
+        self.model = build_model(MODEL, 1, 28, 10, 0).to(memory_format=torch.channels_last)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
+        self.x = torch.randn(PER_RANK, 1, 28, 28).contiguous(memory_format=torch.channels_last)
+        self.y = torch.randint(0, 10, (PER_RANK,))
+        self.buckets = GradientBuckets(self.model, 25, launch_all_reduce("torch", shm), rank=rank,
+                                       device=torch.device("cpu"), scale=1.0 / world)
+        self.world = world
+
+    def step(self, sync: object | None) -> Callable[[], None]:
+        import torch.nn.functional as F
+
+        def one() -> None:
+            loss = F.cross_entropy(self.model(self.x), self.y)
+            self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             if sync:
                 sync.finish()
-            optimizer.step()
-        return step
+            self.optimizer.step()
+        return one
 
-    model = build_model(MODEL, 1, 28, 10, 0).to(memory_format=torch.channels_last)
-    optimizer = torch.optim.SGD(model.parameters(), lr=0.01, momentum=0.9)
-    x = torch.randn(PER_RANK, 1, 28, 28).contiguous(memory_format=torch.channels_last)
-    y = torch.randint(0, 10, (PER_RANK,))
-    buckets = GradientBuckets(model, 25, launch_all_reduce("torch", shm), rank=rank, device=torch.device("cpu"),
-                              scale=1.0 / world)
-    timed: dict[str, list[float]] = {"nosync": [], "buckets": [], "slowest": [], "mean": []}
-    for _ in range(5):
-        with buckets.paused():
-            timed["nosync"].append(median_ms(steps(None), 10))
-            slowest, mean = stragglers(steps(None), world, 10)
-            timed["slowest"].append(slowest)
-            timed["mean"].append(mean)
-        timed["buckets"].append(median_ms(steps(buckets), 10))
-    return timed
+    def timed(self) -> dict[str, list[float]]:
+        """Without sync and with the buckets, rounds interleaved (ms); and the slowest rank's step
+        against the mean rank's when started together."""
+        timed: dict[str, list[float]] = {"nosync": [], "buckets": [], "slowest": [], "mean": []}
+        for _ in range(5):
+            with self.buckets.paused():
+                timed["nosync"].append(median_ms(self.step(None), 10))
+                slowest, mean = stragglers(self.step(None), self.world, 10)
+                timed["slowest"].append(slowest)
+                timed["mean"].append(mean)
+            timed["buckets"].append(median_ms(self.step(self.buckets), 10))
+        return timed
 
 
 def stragglers(step: Callable[[], None], world: int, calls: int) -> tuple[float, float]:
@@ -157,9 +206,10 @@ def stragglers(step: Callable[[], None], world: int, calls: int) -> tuple[float,
 # --- the driver ---------------------------------------------------------------------------------------
 
 
-def fit(sizes: list[int], ms: list[float]) -> tuple[float, float]:
-    """a + b n through the points, each weighted by 1 / its time (relative error): small sizes count."""
-    w = [1 / t ** 2 for t in ms]
+def fit(sizes: list[int], ms: list[float], relative: bool = True) -> tuple[float, float]:
+    """a + b n through the points, each weighted by 1 / its time (relative error: small sizes count),
+    or all alike where the noise is absolute (a collective in a step: the step's own jitter)."""
+    w = [1 / t ** 2 if relative else 1.0 for t in ms]
     sw, sx, sy = sum(w), sum(wi * x for wi, x in zip(w, sizes)), sum(wi * y for wi, y in zip(w, ms))
     sxx, sxy = sum(wi * x * x for wi, x in zip(w, sizes)), sum(wi * x * y for wi, x, y in zip(w, sizes, ms))
     b = (sw * sxy - sx * sy) / (sw * sxx - sx * sx)
@@ -167,9 +217,10 @@ def fit(sizes: list[int], ms: list[float]) -> tuple[float, float]:
     return max(a, 0.0) / 1000, max(b, 0.0) / 1000  # seconds, seconds per byte
 
 
-def measure_collectives(world: int) -> dict[str, dict[str, list[float]]]:
+def measure_collectives(world: int, ops: tuple[str, ...] = ()) -> dict[str, dict]:
+    """One torchrun launch of the probe at W (every collective, or only `ops`)."""
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-                           "-m", "bench.calibration"], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                           "-m", "bench.calibration", *ops], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
                           capture_output=True, text=True, timeout=600, check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("PROBE ")]
     if done.returncode or not lines:
@@ -177,10 +228,13 @@ def measure_collectives(world: int) -> dict[str, dict[str, list[float]]]:
     return json.loads(lines[-1][len("PROBE "):])
 
 
-def lines_of(probes: list[dict[str, dict[str, list[float]]]]) -> dict[str, dict[str, tuple[float, float]]]:
-    """Per wire and op: the line through the median (over rounds) time of each size."""
-    return {wire: {op: fit(SIZES, [statistics.median(p[wire][op][i] for p in probes) for i in range(len(SIZES))])
-                   for op in ops} for wire, ops in probes[0].items() if wire != "step"}
+def lines_of(probes: list[dict], timed: str = "in_step") -> dict[str, dict[str, tuple[float, float]]]:
+    """Per wire and op: the line through the median (over rounds) time of each size, as `timed`
+    (in_step: what the model uses, the cost training sees; back_to_back: the wire's own)."""
+    def line(wire: str, op: str) -> tuple[float, float]:
+        ms = [statistics.median(p[timed][wire][op][i] for p in probes) for i in range(len(SIZES))]
+        return fit(SIZES, ms, relative=timed == "back_to_back")
+    return {wire: {op: line(wire, op) for op in ops} for wire, ops in probes[0][timed].items()}
 
 
 def convnet_workload(compute_s: float) -> cm.Workload:
@@ -241,76 +295,72 @@ def straggling(probes: list[dict]) -> float:
     return statistics.median(ratios) if ratios else 1.0
 
 
-def waits_for_slowest(kind: str, factor: float, sync_every: int) -> float:
-    """What of the slowest rank's lead a strategy waits for: all of it where it synchronizes every
-    step, none in one process (DataParallel); local SGD waits once per H steps, by when independent
-    leads have grown as sqrt(H) against H steps of compute."""
-    if kind == "dp":
-        return 1.0
-    return 1 + (factor - 1) / math.sqrt(sync_every)
-
-
 def in_process(probes: list[dict], lines: dict[str, dict[str, tuple[float, float]]], world: int) -> dict[str, float]:
     """The probe's own step check: the suite's buckets over shared memory against the model (the
-    no-sync step, times the slowest rank's lead, plus the fitted all-reduce)."""
+    no-sync step plus the all-reduce's line fitted in a step, which holds the slowest rank's lead)."""
     nosync = statistics.median(t for p in probes for t in p["step"]["nosync"])
     buckets = statistics.median(t for p in probes for t in p["step"]["buckets"])
     factor = straggling(probes)
     return {"nosync_ms": nosync, "buckets_ms": buckets, "straggling": factor,
-            "model_ms": model_ms("allreduce", "shm", factor * nosync / 1000, world, lines, 1)[0]}
+            "model_ms": model_ms("allreduce", "shm", nosync / 1000, world, lines, 1)[0]}
 
 
 def report(steps: dict[tuple[str, int], list[float]], memory: dict[tuple[str, int], float],
            probes: dict[int, list[dict]], worlds: list[int]) -> dict:
     """The model's compute at W: the no-sync run's step at W (its ranks share the cores as the
-    strategies' do) times the slowest rank's lead measured at W (1 at W=1)."""
+    strategies' do); its collectives: the lines fitted to them timed in a step at W."""
     lines = {w: lines_of(p) for w, p in probes.items()}
-    factor = {w: straggling(probes[w]) if w in probes else 1.0 for w in worlds}
     nosync = {w: statistics.median(steps[("nosync", w)]) / 1000 for w in worlds}
     rows = []
     for label, (script, kind, wire) in ROWS.items():
         every = int(script[script.index("--sync-every") + 1]) if "--sync-every" in script else 1
         for world in worlds:
-            waits = waits_for_slowest(kind, factor[world], every)
             measured = steps[(label, world)]
             # Each round's row against the no-sync run of the same round: the load drifts by the minute.
-            ratios = [model_ms(kind, wire, floor / 1000 * waits, world, lines.get(world, {}), every)[0] / ms
+            ratios = [model_ms(kind, wire, floor / 1000, world, lines.get(world, {}), every)[0] / ms
                       for floor, ms in zip(steps[("nosync", world)], measured)]
-            predicted, model_mb = model_ms(kind, wire, nosync[world] * waits, world, lines.get(world, {}), every)
+            predicted, model_mb = model_ms(kind, wire, nosync[world], world, lines.get(world, {}), every)
             rows.append({"strategy": label, "world": world, "measured_ms": statistics.median(measured),
                          "measured_range_ms": [min(measured), max(measured)], "model_ms": predicted,
                          "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
                          "model_state_mb": model_mb, "logged_state_mb": memory[(label, world)]})
-    links = {world: {wire: {op: {"a_us": 1e6 * a, "b_ns_per_byte": 1e9 * b,
-                                 **({"alpha_us": 1e6 * cm.ring_link(a, b, world).alpha_s,
-                                     "beta_gbps": 8 / cm.ring_link(a, b, world).beta_s_per_byte / 1e9}
-                                    if op == "all_reduce" and b > 0 else {})}
-                             for op, (a, b) in ops.items()} for wire, ops in by_wire.items()}
-             for world, by_wire in lines.items()}
     per_sample = {w: 1000 * nosync[w] / PER_RANK for w in worlds}
     return {"compute_ms_per_sample": per_sample, "nosync_ms": {w: 1000 * nosync[w] for w in worlds},
-            "straggling": factor,
-            "collectives": links, "rows": rows,
-            "in_process": {w: in_process(p, lines[w], w) for w, p in probes.items()}}
+            "straggling": {w: straggling(probes[w]) if w in probes else 1.0 for w in worlds},
+            "collectives": {timed: {w: described(lines_of(p, timed), w) for w, p in probes.items()}
+                            for timed in ("back_to_back", "in_step")},
+            "rows": rows, "in_process": {w: in_process(p, lines[w], w) for w, p in probes.items()}}
+
+
+def described(lines: dict[str, dict[str, tuple[float, float]]], world: int) -> dict[str, dict[str, dict]]:
+    """Fitted lines in microseconds and nanoseconds per byte; an all-reduce's read as a ring's alpha and beta."""
+    def one(op: str, a: float, b: float) -> dict[str, float]:
+        ring = cm.ring_link(a, b, world)
+        return {"a_us": 1e6 * a, "b_ns_per_byte": 1e9 * b,
+                **({"alpha_us": 1e6 * ring.alpha_s, "beta_gbps": 8 / ring.beta_s_per_byte / 1e9}
+                   if op == "all_reduce" and b > 0 else {})}
+    return {wire: {op: one(op, a, b) for op, (a, b) in ops.items()} for wire, ops in lines.items()}
 
 
 def print_report(doc: dict) -> None:
     print("\ncompute (the no-sync reference), ms per sample: "
           + ", ".join(f"W={w}: {ms:.3f}" for w, ms in doc["compute_ms_per_sample"].items())
-          + "; the slowest rank's step over the mean rank's, steps started together: "
-          + ", ".join(f"W={w}: {f:.2f}" for w, f in doc["straggling"].items()))
-    print("\ncollectives: fitted a + b n (median time per size), and a ring's alpha and beta read from the "
-          "all-reduce\n")
-    print("| W | wire | collective | a (us) | b (ns/byte) | ring alpha (us) | ring beta (Gb/s) |\n"
-          "|---|---|---|---|---|---|---|")
-    for world, wires in doc["collectives"].items():
-        for wire, ops in wires.items():
-            for op, f in ops.items():
-                alpha = f"{f['alpha_us']:.1f}" if "alpha_us" in f else ""
-                beta = f"{f['beta_gbps']:.1f}" if "beta_gbps" in f else ""
-                print(f"| {world} | {wire} | {op} | {f['a_us']:.1f} | {f['b_ns_per_byte']:.3f} | {alpha} | {beta} |")
+          + "; the slowest rank's step over the mean rank's, steps started together (inside the in-step "
+          "collectives): " + ", ".join(f"W={w}: {f:.2f}" for w, f in doc["straggling"].items()))
+    print("\ncollectives: fitted a + b n (median time per size), back to back and issued from a step (what the "
+          "model uses), and a ring's alpha and beta read from the all-reduce\n")
+    print("| W | wire | collective | timed | a (us) | b (ns/byte) | ring alpha (us) | ring beta (Gb/s) |\n"
+          "|---|---|---|---|---|---|---|---|")
+    for timed, worlds in doc["collectives"].items():
+        for world, wires in worlds.items():
+            for wire, ops in wires.items():
+                for op, f in ops.items():
+                    alpha = f"{f['alpha_us']:.1f}" if "alpha_us" in f else ""
+                    beta = f"{f['beta_gbps']:.1f}" if "beta_gbps" in f else ""
+                    print(f"| {world} | {wire} | {op} | {timed.replace('_', ' ')} | {f['a_us']:.1f} | "
+                          f"{f['b_ns_per_byte']:.3f} | {alpha} | {beta} |")
     print("\nin the probe's processes: the convnet's step without sync, with the suite's buckets over shared memory "
-          "(train_allreduce.py's sync), and the model (the first plus the fitted all-reduce)\n")
+          "(train_allreduce.py's sync), and the model (the first plus the all-reduce's line fitted in a step)\n")
     print("| W | no sync ms | slowest / mean | buckets ms | model ms | model / measured |\n|---|---|---|---|---|---|")
     for world, r in doc["in_process"].items():
         print(f"| {world} | {r['nosync_ms']:.2f} | {r['straggling']:.2f} | {r['buckets_ms']:.2f} | "
@@ -329,4 +379,4 @@ def print_report(doc: dict) -> None:
 
 
 if __name__ == "__main__":
-    probe()
+    probe(sys.argv[1:])

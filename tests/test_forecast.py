@@ -211,15 +211,16 @@ def test_a_line_is_fitted_through_timings_and_read_as_a_ring():
 
 
 def test_one_calibration_at_world_2(capsys):
-    """One launch: the collectives over gloo and shared memory at W=2, fitted; the suite's own
-    bucketed sync (train_allreduce.py's, over shared memory) timed in the same processes against a
-    step without it. The model built from the fitted all-reduce and the no-sync step must land near
-    the measured step. The bound is loose (a shared machine: the 15% target is the benchmark's,
-    `python -m bench forecast --calibrate`): it catches a model off by its units, not noise."""
-    probes = calibration.measure_collectives(2)
+    """One launch: the all-reduces over gloo and shared memory at W=2, timed back to back and in a
+    step, fitted; the suite's own bucketed sync (train_allreduce.py's, over shared memory) timed in
+    the same processes against a step without it. The model built from the all-reduce's in-step line
+    and the no-sync step must land near the measured step. The bound is loose (a shared machine: the
+    15% target is the benchmark's, `python -m bench forecast --calibrate`): it catches a model off by
+    its units, or one that prices collectives as back to back (under load: 0.48 of the step), not noise."""
+    probes = calibration.measure_collectives(2, ("all_reduce",))
     lines = calibration.lines_of([probes])
-    for wire in ("shm", "gloo"):
-        a, b = lines[wire]["all_reduce"]
+    for wire in ("shm", "gloo"):  # in a step, the step's jitter (0.3 ms) can hide the slope
+        a, b = calibration.lines_of([probes], "back_to_back")[wire]["all_reduce"]
         assert a >= 0 and b > 0, (wire, a, b)
     check = calibration.in_process([probes], lines, 2)
     with capsys.disabled():
