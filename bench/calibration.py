@@ -19,6 +19,7 @@ alpha and beta are the cluster's).
 from __future__ import annotations
 
 import json
+import math
 import os
 import statistics
 import subprocess
@@ -288,6 +289,29 @@ def main(repeats: int, worlds: list[int], as_json: bool) -> None:
         print_report(doc)
 
 
+def lead_s(probes: list[dict]) -> float:
+    """The slowest rank's lead over the mean rank's in a step started on every rank at once (the
+    probes' median, seconds): inside each collective timed in a step, yet a step waits for it once
+    however many collectives it issues (FSDP2: three a block), each after a part of its compute."""
+    leads = [s - m for p in probes for s, m in zip(p["step"]["slowest"], p["step"]["mean"])]
+    return statistics.median(leads) / 1000 if leads else 0.0
+
+
+def per_call(probes: list[dict], lead: float) -> dict[str, dict[str, tuple[float, float]]]:
+    """Each collective's line as the model prices a call: timed in a step, less the lead (counted
+    once a step, in the compute), never below the same call back to back."""
+    in_step, alone = lines_of(probes), lines_of(probes, "back_to_back")
+    return {wire: {op: (max(a - lead, alone[wire][op][0]), b) for op, (a, b) in ops.items()}
+            for wire, ops in in_step.items()}
+
+
+def lead_waited(kind: str, sync_every: int) -> float:
+    """What of the slowest rank's lead a step waits for: none in one process (DataParallel), all of
+    it where the ranks meet every step; local SGD meets every H steps, by when independent leads have
+    grown as sqrt(H) against H steps of compute: 1 / sqrt(H) of it a step."""
+    return 0.0 if kind == "dp" else 1 / math.sqrt(sync_every)
+
+
 def straggling(probes: list[dict]) -> float:
     """How much longer a step started on every rank at once takes to finish on the slowest rank than
     on the mean one (the probes' median): what a synchronized step waits for, beyond the mean."""
@@ -295,31 +319,34 @@ def straggling(probes: list[dict]) -> float:
     return statistics.median(ratios) if ratios else 1.0
 
 
-def in_process(probes: list[dict], lines: dict[str, dict[str, tuple[float, float]]], world: int) -> dict[str, float]:
+def in_process(probes: list[dict], world: int) -> dict[str, float]:
     """The probe's own step check: the suite's buckets over shared memory against the model (the
-    no-sync step plus the all-reduce's line fitted in a step, which holds the slowest rank's lead)."""
+    no-sync step and the slowest rank's lead, plus the all-reduce's call)."""
     nosync = statistics.median(t for p in probes for t in p["step"]["nosync"])
     buckets = statistics.median(t for p in probes for t in p["step"]["buckets"])
-    factor = straggling(probes)
-    return {"nosync_ms": nosync, "buckets_ms": buckets, "straggling": factor,
-            "model_ms": model_ms("allreduce", "shm", nosync / 1000, world, lines, 1)[0]}
+    lead = lead_s(probes)
+    return {"nosync_ms": nosync, "buckets_ms": buckets, "straggling": straggling(probes),
+            "model_ms": model_ms("allreduce", "shm", nosync / 1000 + lead, world, per_call(probes, lead), 1)[0]}
 
 
 def report(steps: dict[tuple[str, int], list[float]], memory: dict[tuple[str, int], float],
            probes: dict[int, list[dict]], worlds: list[int]) -> dict:
     """The model's compute at W: the no-sync run's step at W (its ranks share the cores as the
-    strategies' do); its collectives: the lines fitted to them timed in a step at W."""
-    lines = {w: lines_of(p) for w, p in probes.items()}
+    strategies' do) and the slowest rank's lead, once a step; its collectives: the lines fitted to
+    them timed in a step at W, less that lead."""
+    lead = {w: lead_s(probes[w]) if w in probes else 0.0 for w in worlds}
+    lines = {w: per_call(p, lead[w]) for w, p in probes.items()}
     nosync = {w: statistics.median(steps[("nosync", w)]) / 1000 for w in worlds}
     rows = []
     for label, (script, kind, wire) in ROWS.items():
         every = int(script[script.index("--sync-every") + 1]) if "--sync-every" in script else 1
         for world in worlds:
             measured = steps[(label, world)]
+            waited = lead[world] * lead_waited(kind, every)
             # Each round's row against the no-sync run of the same round: the load drifts by the minute.
-            ratios = [model_ms(kind, wire, floor / 1000, world, lines.get(world, {}), every)[0] / ms
+            ratios = [model_ms(kind, wire, floor / 1000 + waited, world, lines.get(world, {}), every)[0] / ms
                       for floor, ms in zip(steps[("nosync", world)], measured)]
-            predicted, model_mb = model_ms(kind, wire, nosync[world], world, lines.get(world, {}), every)
+            predicted, model_mb = model_ms(kind, wire, nosync[world] + waited, world, lines.get(world, {}), every)
             rows.append({"strategy": label, "world": world, "measured_ms": statistics.median(measured),
                          "measured_range_ms": [min(measured), max(measured)], "model_ms": predicted,
                          "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
@@ -329,7 +356,8 @@ def report(steps: dict[tuple[str, int], list[float]], memory: dict[tuple[str, in
             "straggling": {w: straggling(probes[w]) if w in probes else 1.0 for w in worlds},
             "collectives": {timed: {w: described(lines_of(p, timed), w) for w, p in probes.items()}
                             for timed in ("back_to_back", "in_step")},
-            "rows": rows, "in_process": {w: in_process(p, lines[w], w) for w, p in probes.items()}}
+            "lead_ms": {w: 1000 * s for w, s in lead.items()},
+            "rows": rows, "in_process": {w: in_process(p, w) for w, p in probes.items()}}
 
 
 def described(lines: dict[str, dict[str, tuple[float, float]]], world: int) -> dict[str, dict[str, dict]]:

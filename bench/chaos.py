@@ -71,6 +71,10 @@ FT_KINDS = ("kill-worker", "freeze-worker", "kill-in-set-up", "kill-while-healin
 RESTART_KINDS = ("kill-rank", "freeze-rank", "kill-in-set-up", "kill-while-saving", "kill-during-evaluation",
                  "kill-agent")
 STORES = {"disk": ("full-disk",), "s3": ("store-down-in-save", "store-down-in-resume")}  # restart mode's, by store
+# Restart mode's faults that end every rank by design, no kill behind it (a failed save): torchrun
+# restarts the group once for each. Its agent says each restart at INFO (LOGLEVEL=INFO for the job).
+ENDS_EVERY_RANK = ("full-disk", "store-down-in-save")
+TORCHRUN_RESTARTED = re.compile(r"\d+/\d+ attempts left; will restart worker group")
 # Seconds added to each step under chaos, by mode: a restart stops the run while it recovers, but
 # replica groups train on while one recovers (20-90 s on 2 loaded cores), so their run is made long
 # enough for 30 faults to land, at most two groups away at once (2,000 steps of about 0.45 s).
@@ -854,7 +858,7 @@ class Restarts(Chaos):
         the run's folder (a tmpfs, where the caller mounted one)."""
         super().__init__(folder, data, epochs, batch, slow_steps)
         self.save_every, self.jobs, self.restarting, self.server = save_every, [], False, server
-        self.env = run_env(folder)
+        self.env = {**run_env(folder), "LOGLEVEL": "INFO"}  # torchrun's agent says each restart
         if server:
             self.checkpoints = f"s3://{BUCKET}/{folder.name}"
             self.env.update(server.env())
@@ -879,8 +883,18 @@ class Restarts(Chaos):
             while self.restarting:
                 time.sleep(0.2)
             if self.job is job:
-                self.run_notes += held_output(self.jobs)
+                self.run_notes += self.unexplained_restarts() + held_output(self.jobs)
                 return code
+
+    def unexplained_restarts(self) -> list[str]:
+        """torchrun restarted the ranks more often than this runner's kills and failed saves explain:
+        a rank died of something else, and a restart hid it."""
+        restarts = sum(len(TORCHRUN_RESTARTED.findall(job.text())) for job in self.jobs)
+        explained = sum(self.kills.values()) + sum(1 for f in self.landed if f.kind in ENDS_EVERY_RANK)
+        if restarts <= explained:
+            return []
+        return [f"torchrun restarted the ranks {restarts} times, {explained} of them explained by this runner's "
+                "kills and failed saves: a rank died of something else"]
 
     def output(self) -> str:
         return "\n".join(job.text() for job in self.jobs)

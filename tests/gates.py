@@ -11,6 +11,10 @@ for several points) stops at POINT and waits there until the test releases it:
          `heal` (train_ft.py: held as the group loads a live peer's state, before it does),
          `heal-sum` (train_ft.py: held before the first cross-group sum of a step the group heals
          in; its peer's state has arrived, torchft loads it as the step's vote begins),
+         `first-quorum` (train_ft.py: held as it asks for its first quorum, its heartbeat already
+         on: groups held there and released together meet in their first quorum, where a group
+         up a little before its peers would otherwise get a quorum of its own at once and they
+         would heal from it; with a heal gate on a late group, held at step 1),
          `data` (a point of start-up: held as the run begins to prepare its data set, the process
          group joined, nothing trained; train_ft.py's group not yet known to the Lighthouse),
          `restart-data` (the same point, where only WHO's processes after the first are held: a
@@ -26,8 +30,9 @@ signal taken while held is marked in GATE_DIR/WHO@POINT.{pid}.signalled (Gate.si
 that signals a held job releases it once the signal is in, so the stop lands after a known step
 even where a launcher passes the signal on to the workers later.
 
-train_ft.py's groups also say when they ask the Lighthouse for a quorum: each request appends
-"pid P step S" to GATE_DIR/gN.quorum (Gate.asked_quorum), so that a test releases the groups it
+train_ft.py's groups also say when they ask the Lighthouse for a quorum: each request of a gated
+process (whichever of its points match it) appends "pid P step S" to GATE_DIR/gN.quorum
+(Gate.asked_quorum), so that a test releases the groups it
 holds only once a group that starts or thaws is waiting in the quorum too (else the held groups'
 next quorum could form without it).
 
@@ -43,6 +48,7 @@ from typing import Callable
 
 POLL_S = 0.02  # how often a held process looks for its release (and a test for a marker)
 DEADLINE_S = 300.0
+_told_quorums = False  # this process's Manager.start_quorum writes its requests down (once, however many points)
 
 
 def _who_matches(who: str) -> bool:
@@ -78,20 +84,22 @@ def install(point: str) -> None:
     """Patch the training process (tests/patched.py's `gate=POINT`). Several calls add points."""
     folder = Path(os.environ["GATE_DIR"])
     who, at = point.split("@")
+    if "REPLICA_GROUP_ID" in os.environ:  # a group of train_ft.py's: its quorum requests, gate or not
+        _tell_quorums(folder)
     if not _who_matches(who):
         return
     if at == "heal":
         _gate_heals(folder, point)
     elif at == "heal-sum":
         _gate_heal_sums(folder, point)
+    elif at == "first-quorum":
+        _gate_first_quorum(folder, point)
     elif at in ("data", "restart-data"):
         _gate_data(folder, point, restarts_only=at == "restart-data")
     elif at == "output":
         _gate_output(folder, point)
-        return  # predict.py: no quorum to tell of
     else:
         _gate_step(folder, point, int(at))
-    _tell_quorums(folder)
 
 
 def _gate_step(folder: Path, point: str, step: int) -> None:
@@ -182,13 +190,26 @@ def _gate_heal_sums(folder: Path, point: str) -> None:
     Manager.allreduce = allreduce
 
 
-def _tell_quorums(folder: Path) -> None:
+def _gate_first_quorum(folder: Path, point: str) -> None:
     from common.train.ft import Manager  # through train_ft.py's module: it sets torchft's log level first
 
-    if Manager is None:  # no torchft: not a train_ft.py run
+    real, asked = Manager.start_quorum, []
+
+    def start_quorum(self, *args, **kwargs):
+        if not asked:
+            asked.append(True)
+            hold(folder, point)
+        return real(self, *args, **kwargs)
+    Manager.start_quorum = start_quorum
+
+
+def _tell_quorums(folder: Path) -> None:
+    global _told_quorums
+    from common.train.ft import Manager  # through train_ft.py's module: it sets torchft's log level first
+
+    if Manager is None or _told_quorums:  # no torchft (train_ft.py refuses to run), or told already
         return
-    if getattr(Manager.start_quorum, "told", False):
-        return
+    _told_quorums = True
     real = Manager.start_quorum
 
     def start_quorum(self, *args, **kwargs):
@@ -196,8 +217,15 @@ def _tell_quorums(folder: Path) -> None:
         with open(folder / f"g{os.environ.get('REPLICA_GROUP_ID')}.quorum", "a") as told:
             told.write(f"pid {os.getpid()} step {self.current_step()}\n")
         return result
-    start_quorum.told = True
     Manager.start_quorum = start_quorum
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (a zombie, killed and not yet reaped, does not)."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 class Gate:
@@ -225,8 +253,9 @@ class Gate:
         while time.monotonic() < deadline:
             # whole lines only: a marker is seen as soon as it is created, before its line is written
             lines = [text for m in self.folder.glob(f"{point}.*.{what}") if (text := m.read_text()).endswith("\n")]
-            if len(lines) >= processes:
-                return [int(line.split()[-1]) for line in lines]
+            pids = [pid for line in lines if _alive(pid := int(line.split()[-1]))]  # a killed one is held no more
+            if len(pids) >= processes:
+                return pids
             time.sleep(POLL_S)  # a poll with a deadline
         raise AssertionError(f"no {processes} process(es) {what} at {point} within {timeout} s{self.output()}")
 
@@ -239,16 +268,20 @@ class Gate:
 
     def quorum_requests(self, group: int) -> int:
         """How many quorum requests group `group`'s processes made so far."""
+        return len(self._requests(group))
+
+    def _requests(self, group: int) -> list[str]:
+        """Group `group`'s quorum requests so far, whole lines only (a line may be half written)."""
         told = self.folder / f"g{group}.quorum"
-        return len(told.read_text().splitlines()) if told.exists() else 0
+        text = told.read_text() if told.exists() else ""
+        return text[:text.rfind("\n") + 1].splitlines()
 
     def asked_quorum(self, group: int, beyond: int, timeout: float = 180) -> tuple[int, int]:
         """Wait for group `group`'s quorum request number `beyond` + 1 (after a restart or a thaw, with
         `beyond` counted before it): (the asking pid, the step its manager stood at)."""
-        told = self.folder / f"g{group}.quorum"
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            lines = told.read_text().splitlines() if told.exists() else []
+            lines = self._requests(group)
             if len(lines) > beyond:
                 _, pid, _, step = lines[beyond].split()
                 return int(pid), int(step)

@@ -151,6 +151,25 @@ def test_every_group_must_finish_and_each_restart_must_follow_a_kill_of_the_runn
 
 
 @pytest.mark.quick
+def test_each_of_torchruns_restarts_must_follow_a_kill_or_a_failed_save_of_the_runners(tmp_path):
+    """Restart mode: torchrun's agent says each restart (LOGLEVEL=INFO in the job's environment); more
+    restarts than the runner's kills and failed saves is a rank that died of itself, which the
+    restart and the exact resume would otherwise hide."""
+    from bench.chaos import Fault, Restarts
+
+    chaos = Restarts(tmp_path, tmp_path, 1, 24, 0.0, 20)
+    assert chaos.env["LOGLEVEL"] == "INFO"
+    said = "[default] Worker group FAILED. 99/100 attempts left; will restart worker group"
+    chaos.jobs = [SimpleNamespace(text=lambda: f"x\n{said}\n{said}\n"), SimpleNamespace(text=lambda: said)]
+    chaos.landed = [Fault("full-disk", 10, 0, 3.0), Fault("kill-rank", 20, 1, 3.0), Fault("freeze-rank", 30, 0, 3.0)]
+    chaos.kills = {1: 2}  # the kill-rank, and a kill of a rank on the second launch (kill-agent started it)
+    assert chaos.unexplained_restarts() == []
+    chaos.kills = {1: 1}
+    assert chaos.unexplained_restarts() == ["torchrun restarted the ranks 3 times, 2 of them explained by this "
+                                            "runner's kills and failed saves: a rank died of something else"]
+
+
+@pytest.mark.quick
 def test_a_groups_worker_is_found_at_once_and_a_run_that_trains_no_step_is_ended_as_hung(tmp_path, monkeypatch):
     """kill-in-set-up tells its target's restart from the processes before the kill: those must be seen
     with no wait (a zero timeout once looked nowhere, so the dying worker was taken for its restart). A

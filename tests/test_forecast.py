@@ -214,7 +214,8 @@ def test_one_calibration_at_world_2(capsys):
     """One launch: the all-reduces over gloo and shared memory at W=2, timed back to back and in a
     step, fitted; the suite's own bucketed sync (train_allreduce.py's, over shared memory) timed in
     the same processes against a step without it. The model built from the all-reduce's in-step line
-    and the no-sync step must land near the measured step. The bound is loose (a shared machine: the
+    (less the slowest rank's lead, counted once in the compute) and the no-sync step must land near
+    the measured step. The bound is loose (a shared machine: the
     15% target is the benchmark's, `python -m bench forecast --calibrate`): it catches a model off by
     its units, or one that prices collectives as back to back (under load: 0.48 of the step), not noise."""
     probes = calibration.measure_collectives(2, ("all_reduce",))
@@ -222,7 +223,7 @@ def test_one_calibration_at_world_2(capsys):
     for wire in ("shm", "gloo"):  # in a step, the step's jitter (0.3 ms) can hide the slope
         a, b = calibration.lines_of([probes], "back_to_back")[wire]["all_reduce"]
         assert a >= 0 and b > 0, (wire, a, b)
-    check = calibration.in_process([probes], lines, 2)
+    check = calibration.in_process([probes], 2)
     with capsys.disabled():
         print(f"\nW=2: {check}; shm all-reduce a={1e6 * lines['shm']['all_reduce'][0]:.1f} us, "
               f"gloo a={1e6 * lines['gloo']['all_reduce'][0]:.1f} us")

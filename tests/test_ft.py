@@ -184,11 +184,11 @@ class FtRun:
     """launch/ft.sh GROUPS 1 on a free port, its pid files and logs in `folder`."""
 
     def __init__(self, folder: Path, groups: int, training: list[str], restarts: int = 3,
-                 gate: Gate | None = None, lighthouse_restarts: int = 10) -> None:
+                 gate: Gate | None = None, lighthouse_restarts: int = 10, env: dict[str, str] | None = None) -> None:
         self.logs, self.port = folder / "ft-logs", free_port()
         self.env = {**child_env(), "FT_PORT": str(self.port), "FT_LOGS": str(self.logs),
                     "FT_RESTARTS": str(restarts), "FT_LIGHTHOUSE_RESTARTS": str(lighthouse_restarts),
-                    **(gate.env() if gate else {})}
+                    **(gate.env() if gate else {}), **(env or {})}
         if gate:  # a quorum waits for every group whose heartbeat it hears, held ones too, however loaded the host
             self.env["FT_JOIN_MS"] = "60000"
         self.training = training
@@ -215,6 +215,17 @@ class FtRun:
                "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{self.port}"}
         return Job([sys.executable, "launch/quiet_torchrun.py", "--standalone", "--nproc_per_node=1", *self.training],
                    env)
+
+
+TOGETHER = "all@first-quorum"
+
+
+def start_together(gate: Gate, groups: int) -> None:
+    """Release the groups held before their first quorum once all are: a group up a little before
+    its peers would get a quorum of its own, and a late one heal from it at step 1 (where a test's
+    heal gate for that group would hold it)."""
+    gate.held(TOGETHER, processes=groups)
+    gate.release(TOGETHER)
 
 
 def outliving(pids: list[int], grace_s: float = 2.0) -> list[int]:
@@ -520,8 +531,9 @@ def test_a_group_killed_mid_epoch_heals_though_its_source_dies_in_the_heal_and_t
     weights are the planned schedule's."""
     gate, hold, in_heal, alone = Gate(tmp_path / "gates"), f"all@{MID_EPOCH_2}", "g1@heal-sum", f"g1@{ALONE_TO}"
     back = "g0@restart-data"  # group 0 started again, kept out of the quorum until group 1 trained alone to 60
-    run = FtRun(tmp_path, 2, [*gated(hold, in_heal, alone, back),
+    run = FtRun(tmp_path, 2, [*gated(TOGETHER, hold, in_heal, alone, back),
                               *flags(mnist_root, tmp_path, "--check-replicas", "1")], gate=gate)
+    start_together(gate, 2)
     gate.held(hold, processes=2)
     asked = gate.quorum_requests(1)
     killed = time.monotonic()
@@ -611,7 +623,10 @@ def test_the_lighthouse_killed_for_good_ends_every_group_saved_and_when_started_
 # 3 -------------------------------------------------------------------------------------------
 LEAVE = 45  # mid-epoch: held at an epoch's last step, a stop is honoured at the epoch's save, after that step
 LAST_LEAVES, HAND_HELD = 60, 70  # group 0 leaves too; the hand-started group held till ft.sh says why it stays
-SILENT_S = 1.5  # the hand-started group frozen as its Lighthouse comes back: under FT_HEARTBEAT_MS (3 s)
+# The hand-started group frozen as its Lighthouse comes back, for less than the heartbeat timeout: ft.sh,
+# polling once a second, sees 2 or 3 polls of silence where 6 in a row would end the Lighthouse (3 s of a
+# slowed host's delays to spare; the default 3 s timeout left about 1).
+HEARTBEAT_MS, SILENT_S = 5000, 2.0
 
 
 def heard_from_none(port: int, timeout: float = 60) -> None:
@@ -699,7 +714,7 @@ def test_a_third_group_joins_mid_run_and_stopped_groups_leave_without_a_restart_
     gate = Gate(tmp_path / "gates")
     join, leave, last, held = f"all@{MID_EPOCH_2}", f"all@{LEAVE}", f"all@{LAST_LEAVES}", f"g2@{HAND_HELD}"
     training = [*gated(join, leave, last, held), *flags(mnist_root, tmp_path, *EXACT, "--check-replicas", "5")]
-    run = FtRun(tmp_path, 2, training, gate=gate)
+    run = FtRun(tmp_path, 2, training, gate=gate, env={"FT_HEARTBEAT_MS": str(HEARTBEAT_MS)})
     gate.held(join, processes=2)
     started = time.monotonic()
     third = run.extra_group(2, 3)
@@ -761,8 +776,10 @@ def test_a_frozen_group_a_group_killed_while_healing_and_the_last_group_alone_ne
     wait is bounded; the weights and statistics are still the fault-free run's, bit for bit."""
     gate = Gate(tmp_path / "gates")
     freeze, kill, thaw = (f"all@{step}" for step in FREEZE_KILL_THAW)
-    training = [*gated(freeze, kill, thaw, "g1@heal"), *flags(mnist_root, tmp_path, *EXACT, "--ft-timeout-s", "4")]
+    training = [*gated(TOGETHER, freeze, kill, thaw, "g1@heal"),
+                *flags(mnist_root, tmp_path, *EXACT, "--ft-timeout-s", "4")]
     run = FtRun(tmp_path, 3, training, restarts=1, gate=gate)
+    start_together(gate, 3)
     gate.held(freeze, processes=3)
     frozen_worker = run.worker(2)
     os.kill(frozen_worker, signal.SIGSTOP)
