@@ -373,10 +373,11 @@ def described(lines: dict[str, dict[str, tuple[float, float]]], world: int) -> d
 def print_report(doc: dict) -> None:
     print("\ncompute (the no-sync reference), ms per sample: "
           + ", ".join(f"W={w}: {ms:.3f}" for w, ms in doc["compute_ms_per_sample"].items())
-          + "; the slowest rank's step over the mean rank's, steps started together (inside the in-step "
-          "collectives): " + ", ".join(f"W={w}: {f:.2f}" for w, f in doc["straggling"].items()))
-    print("\ncollectives: fitted a + b n (median time per size), back to back and issued from a step (what the "
-          "model uses), and a ring's alpha and beta read from the all-reduce\n")
+          + "; the slowest rank's step over the mean rank's, steps started together: "
+          + ", ".join(f"W={w}: {f:.2f} ({doc['lead_ms'][w]:.2f} ms ahead)" for w, f in doc["straggling"].items()))
+    print("\ncollectives: fitted a + b n (median time per size), back to back and issued from a step (the model "
+          "prices a call as the latter less the slowest rank's lead, which it counts once a step), and a ring's "
+          "alpha and beta read from the all-reduce\n")
     print("| W | wire | collective | timed | a (us) | b (ns/byte) | ring alpha (us) | ring beta (Gb/s) |\n"
           "|---|---|---|---|---|---|---|---|")
     for timed, worlds in doc["collectives"].items():
@@ -388,7 +389,7 @@ def print_report(doc: dict) -> None:
                     print(f"| {world} | {wire} | {op} | {timed.replace('_', ' ')} | {f['a_us']:.1f} | "
                           f"{f['b_ns_per_byte']:.3f} | {alpha} | {beta} |")
     print("\nin the probe's processes: the convnet's step without sync, with the suite's buckets over shared memory "
-          "(train_allreduce.py's sync), and the model (the first plus the all-reduce's line fitted in a step)\n")
+          "(train_allreduce.py's sync), and the model (the first, the slowest rank's lead, the all-reduce's call)\n")
     print("| W | no sync ms | slowest / mean | buckets ms | model ms | model / measured |\n|---|---|---|---|---|---|")
     for world, r in doc["in_process"].items():
         print(f"| {world} | {r['nosync_ms']:.2f} | {r['straggling']:.2f} | {r['buckets_ms']:.2f} | "
