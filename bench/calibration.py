@@ -92,8 +92,9 @@ def probe(chosen: list[str]) -> None:
     }
     ops = {wire: {op: call for op, call in table.items() if not chosen or op in chosen} for wire, table in ops.items()}
     convnet = ConvnetStep(shm, rank, world)
-    found = {"back_to_back": back_to_back(ops), "in_step": in_step(ops, convnet.step(None)),
-             "step": convnet.timed()}
+    with convnet.buckets.paused():  # else their hooks launch the buckets' all-reduces, which no step finishes
+        in_steps = in_step(ops, convnet.step(None))
+    found = {"back_to_back": back_to_back(ops), "in_step": in_steps, "step": convnet.timed()}
     if rank == 0:
         print("PROBE " + json.dumps(found), flush=True)
     dist.destroy_process_group()
@@ -315,7 +316,7 @@ def lead_waited(kind: str, sync_every: int) -> float:
 def straggling(probes: list[dict]) -> float:
     """How much longer a step started on every rank at once takes to finish on the slowest rank than
     on the mean one (the probes' median): what a synchronized step waits for, beyond the mean."""
-    ratios = [s / m for p in probes if "slowest" in p["step"] for s, m in zip(p["step"]["slowest"], p["step"]["mean"])]
+    ratios = [s / m for p in probes for s, m in zip(p["step"]["slowest"], p["step"]["mean"])]
     return statistics.median(ratios) if ratios else 1.0
 
 

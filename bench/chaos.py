@@ -474,6 +474,7 @@ class Chaos:
     def __init__(self, folder: Path, data: Path, epochs: int, batch: int, slow_steps: float) -> None:
         self.folder, self.data, self.epochs, self.batch = folder, data, epochs, batch
         self.kills: dict[int, int] = {}  # target -> its processes the runner SIGKILLed (each once)
+        self.kill_times: list[float] = []  # time.monotonic() of each of those kills
         self.killed: set[tuple[int, str] | None] = set()  # those processes (identity: a pid may be reused)
         self.run_notes: list[str] = []  # what went wrong with the run as a whole (the oracle fails on any)
         self.stalled = False  # ended as hung (wait_for)
@@ -572,6 +573,7 @@ class Chaos:
         if process is None or process not in self.killed:  # None: gone as it was signalled
             self.killed.add(process)
             self.kills[fault.target] = self.kills.get(fault.target, 0) + 1
+            self.kill_times.append(time.monotonic())
         return True
 
     def was_killed(self, pid: int | None) -> bool:
@@ -887,14 +889,20 @@ class Restarts(Chaos):
                 return code
 
     def unexplained_restarts(self) -> list[str]:
-        """torchrun restarted the ranks more often than this runner's kills and failed saves explain:
-        a rank died of something else, and a restart hid it."""
-        restarts = sum(len(TORCHRUN_RESTARTED.findall(job.text())) for job in self.jobs)
-        explained = sum(self.kills.values()) + sum(1 for f in self.landed if f.kind in ENDS_EVERY_RANK)
-        if restarts <= explained:
+        """Each of torchrun's restarts must follow one of this runner's kills or failed saves not yet
+        spent on an earlier restart: else a rank died of something else, and a restart hid it."""
+        restarts = sorted(t for job in self.jobs for t, line in list(job.lines) if TORCHRUN_RESTARTED.search(line))
+        causes = sorted([*self.kill_times, *(f.landed for f in self.landed if f.kind in ENDS_EVERY_RANK)])
+        unexplained, spent = [], 0
+        for at in restarts:
+            if spent < len(causes) and causes[spent] <= at:
+                spent += 1
+            else:
+                unexplained.append(at)
+        if not unexplained:
             return []
-        return [f"torchrun restarted the ranks {restarts} times, {explained} of them explained by this runner's "
-                "kills and failed saves: a rank died of something else"]
+        return [f"torchrun restarted the ranks {len(restarts)} times, {len(unexplained)} of them after none of this "
+                "runner's kills and failed saves not yet spent: a rank died of something else"]
 
     def output(self) -> str:
         return "\n".join(job.text() for job in self.jobs)

@@ -152,21 +152,25 @@ def test_every_group_must_finish_and_each_restart_must_follow_a_kill_of_the_runn
 
 @pytest.mark.quick
 def test_each_of_torchruns_restarts_must_follow_a_kill_or_a_failed_save_of_the_runners(tmp_path):
-    """Restart mode: torchrun's agent says each restart (LOGLEVEL=INFO in the job's environment); more
-    restarts than the runner's kills and failed saves is a rank that died of itself, which the
-    restart and the exact resume would otherwise hide."""
+    """Restart mode: torchrun's agent says each restart (LOGLEVEL=INFO in the job's environment); each
+    must follow a kill or a failed save of the runner's not spent on an earlier restart. Else a rank
+    died of itself, which the restart and the exact resume would otherwise hide."""
     from bench.chaos import Fault, Restarts
 
     chaos = Restarts(tmp_path, tmp_path, 1, 24, 0.0, 20)
     assert chaos.env["LOGLEVEL"] == "INFO"
-    said = "[default] Worker group FAILED. 99/100 attempts left; will restart worker group"
-    chaos.jobs = [SimpleNamespace(text=lambda: f"x\n{said}\n{said}\n"), SimpleNamespace(text=lambda: said)]
-    chaos.landed = [Fault("full-disk", 10, 0, 3.0), Fault("kill-rank", 20, 1, 3.0), Fault("freeze-rank", 30, 0, 3.0)]
-    chaos.kills = {1: 2}  # the kill-rank, and a kill of a rank on the second launch (kill-agent started it)
+    said = "I1128 [default] Worker group FAILED. 99/100 attempts left; will restart worker group"
+    chaos.jobs = [SimpleNamespace(lines=[(0.0, "x"), (11.0, said), (21.0, said)]),
+                  SimpleNamespace(lines=[(41.0, said)])]  # a second launch (kill-agent started it)
+    chaos.landed = [Fault("full-disk", 10, 0, 3.0, landed=10.0), Fault("freeze-rank", 30, 0, 3.0, landed=30.0)]
+    chaos.kill_times = [20.0, 40.0]  # a kill-rank, and a kill of a rank of the second launch
     assert chaos.unexplained_restarts() == []
-    chaos.kills = {1: 1}
-    assert chaos.unexplained_restarts() == ["torchrun restarted the ranks 3 times, 2 of them explained by this "
-                                            "runner's kills and failed saves: a rank died of something else"]
+    chaos.kill_times = [20.0, 45.0]  # the same count, but the last restart came before its kill
+    assert chaos.unexplained_restarts() == ["torchrun restarted the ranks 3 times, 1 of them after none of this "
+                                            "runner's kills and failed saves not yet spent: a rank died of something "
+                                            "else"]
+    chaos.kill_times = [20.0]
+    assert "3 times, 1 of them" in chaos.unexplained_restarts()[0]
 
 
 @pytest.mark.quick
@@ -276,7 +280,7 @@ def test_kill_while_healing_kills_a_restart_that_joined_without_a_heal_again_unt
         return list(said.values())
 
     groups = object.__new__(ReplicaGroups)
-    groups.kills, groups.killed = {}, set()
+    groups.kills, groups.killed, groups.kill_times = {}, set(), []
     groups.lines = lines
     groups.worker = lambda target, timeout=60: next(w.pid for w in workers if w.poll() is None)
     counted: list[float] = []

@@ -219,11 +219,12 @@ class FtRun:
 TOGETHER = "all@first-quorum"
 
 
-def start_together(gate: Gate, groups: int) -> None:
-    """Release the groups held before their first quorum once all are: a group up a little before
-    its peers would get a quorum of its own, and a late one heal from it at step 1 (where a test's
-    heal gate for that group would hold it)."""
+def start_together(gate: Gate, run: FtRun, groups: int) -> None:
+    """Release the groups (one rank each) held before their first quorum once all are and the
+    Lighthouse hears every one: a group up a little before its peers would get a quorum of its own,
+    and a late one heal from it at step 1 (where a test's heal gate for that group would hold it)."""
     gate.held(TOGETHER, processes=groups)
+    heard_from(run.port, groups)
     gate.release(TOGETHER)
 
 
@@ -532,7 +533,7 @@ def test_a_group_killed_mid_epoch_heals_though_its_source_dies_in_the_heal_and_t
     back = "g0@restart-data"  # group 0 started again, kept out of the quorum until group 1 trained alone to 60
     run = FtRun(tmp_path, 2, [*gated(TOGETHER, hold, in_heal, alone, back),
                               *flags(mnist_root, tmp_path, "--check-replicas", "1")], gate=gate)
-    start_together(gate, 2)
+    start_together(gate, run, 2)
     gate.held(hold, processes=2)
     asked = gate.quorum_requests(1)
     killed = time.monotonic()
@@ -628,8 +629,8 @@ LAST_LEAVES, HAND_HELD = 60, 70  # group 0 leaves too; the hand-started group he
 HEARTBEAT_MS, SILENT_S = 5000, 2.0
 
 
-def heard_from_none(port: int, timeout: float = 60) -> None:
-    """Wait until the Lighthouse on `port` answers its status page, having heard from no group."""
+def heard_from(port: int, groups: int, timeout: float = 60) -> None:
+    """Wait until the Lighthouse on `port` answers its status page, hearing from `groups` groups."""
     import urllib.request
 
     deadline = time.monotonic() + timeout
@@ -638,10 +639,10 @@ def heard_from_none(port: int, timeout: float = 60) -> None:
             page = urllib.request.urlopen(f"http://127.0.0.1:{port}/status", timeout=2).read().decode()
         except OSError:
             page = ""  # not serving yet
-        if "[0 heartbeating]" in page:
+        if f"[{groups} heartbeating]" in page:
             return
         time.sleep(0.05)  # a poll with a deadline
-    raise AssertionError(f"the Lighthouse on {port} never answered having heard from no group within {timeout} s")
+    raise AssertionError(f"the Lighthouse on {port} never answered hearing from {groups} group(s) within {timeout} s")
 
 
 FAKE_LIGHTHOUSE = """
@@ -744,7 +745,7 @@ def test_a_third_group_joins_mid_run_and_stopped_groups_leave_without_a_restart_
     killed = time.monotonic()
     os.kill(int((run.logs / "lighthouse.pid").read_text()), signal.SIGKILL)
     run.job.wait_for(r"^ft: the Lighthouse died \(killed by SIGKILL\); restarted \(1 of", after=killed)
-    heard_from_none(run.port)
+    heard_from(run.port, 0)
     time.sleep(SILENT_S)  # deliberate: a silence shorter than the heartbeat timeout, which ft.sh polls every second
     os.kill(hand, signal.SIGCONT)
     gate.release(held)
@@ -778,7 +779,7 @@ def test_a_frozen_group_a_group_killed_while_healing_and_the_last_group_alone_ne
     training = [*gated(TOGETHER, freeze, kill, thaw, "g1@heal"),
                 *flags(mnist_root, tmp_path, *EXACT, "--ft-timeout-s", "4")]
     run = FtRun(tmp_path, 3, training, restarts=1, gate=gate)
-    start_together(gate, 3)
+    start_together(gate, run, 3)
     gate.held(freeze, processes=3)
     frozen_worker = run.worker(2)
     os.kill(frozen_worker, signal.SIGSTOP)
