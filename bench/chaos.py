@@ -54,6 +54,7 @@ from typing import Callable, Iterator
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from common.parallel.procs import start_ticks
 from tests.conftest import child_env, free_port, latest_state
 from tests.datagen import write_mnist
 from tests.s3server import S3Server
@@ -248,12 +249,10 @@ def worker_of(agent: int, script: str, timeout: float = 120) -> int | None:
         time.sleep(0.05)
 
 
-def identity(pid: int | None) -> tuple[int, str] | None:
+def identity(pid: int | None) -> tuple[int, int] | None:
     """A process as (pid, its start time in clock ticks since boot): a reused pid is another process."""
-    try:
-        return pid, Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError, TypeError):
-        return None
+    ticks = start_ticks(pid) if pid else None
+    return None if ticks is None else (pid, ticks)
 
 
 def signal_pid(pid: int | None, signum: int) -> bool:
@@ -475,7 +474,7 @@ class Chaos:
         self.folder, self.data, self.epochs, self.batch = folder, data, epochs, batch
         self.kills: dict[int, int] = {}  # target -> its processes the runner SIGKILLed (each once)
         self.kill_times: list[float] = []  # time.monotonic() of each of those kills
-        self.killed: set[tuple[int, str] | None] = set()  # those processes (identity: a pid may be reused)
+        self.killed: set[tuple[int, int] | None] = set()  # those processes (identity: a pid may be reused)
         self.run_notes: list[str] = []  # what went wrong with the run as a whole (the oracle fails on any)
         self.stalled = False  # ended as hung (wait_for)
         self.patches = f"slow-steps={slow_steps}"  # steps long enough for a fault's recovery to be a part of the run

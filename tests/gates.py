@@ -46,6 +46,8 @@ import time
 from pathlib import Path
 from typing import Callable
 
+from common.parallel.procs import running
+
 POLL_S = 0.02  # how often a held process looks for its release (and a test for a marker)
 DEADLINE_S = 300.0
 _told_quorums = False  # this process's Manager.start_quorum writes its requests down (once, however many points)
@@ -220,14 +222,6 @@ def _tell_quorums(folder: Path) -> None:
     Manager.start_quorum = start_quorum
 
 
-def _alive(pid: int) -> bool:
-    """Whether process `pid` runs (a zombie, killed and not yet reaped, does not)."""
-    try:
-        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
 class Gate:
     """The test's side: where the markers go, waiting for a hold, releasing it."""
 
@@ -253,7 +247,7 @@ class Gate:
         while time.monotonic() < deadline:
             # whole lines only: a marker is seen as soon as it is created, before its line is written
             lines = [text for m in self.folder.glob(f"{point}.*.{what}") if (text := m.read_text()).endswith("\n")]
-            pids = [pid for line in lines if _alive(pid := int(line.split()[-1]))]  # a killed one is held no more
+            pids = [pid for line in lines if running(pid := int(line.split()[-1]))]  # a killed one is held no more
             if len(pids) >= processes:
                 return pids
             time.sleep(POLL_S)  # a poll with a deadline

@@ -1,4 +1,5 @@
-"""A process's state from /proc (Linux), by pid: whether a peer still runs, and how a zombie ended."""
+"""A process's state from /proc (Linux), by pid: whether a peer still runs, how a zombie ended, when
+it started."""
 from __future__ import annotations
 
 
@@ -18,6 +19,13 @@ def exit_code(pid: int) -> int | None:
         return None
     status = int(stat[49])  # field 52, exit_code: a waitpid(2) status
     return -(status & 0x7F) if status & 0x7F else status >> 8
+
+
+def start_ticks(pid: int) -> int | None:
+    """When the process started, in clock ticks since boot (field 22): with the pid, which process
+    it is (a pid is reused); None if there is no such process."""
+    stat = _stat(pid)
+    return int(stat[19]) if stat is not None and len(stat) > 19 else None
 
 
 def _stat(pid: int) -> list[str] | None:

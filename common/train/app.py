@@ -24,6 +24,7 @@ from common.output.profiling import NoProfiler, StepProfiler, trace_folder
 from common.output.warnings_relay import WarningRelay
 from common.parallel.context import DistContext, check_same_flags, distributed
 from common.parallel.failures import is_handled, parsed_telling_torchrun, told
+from common.parallel.procs import start_ticks
 from common.parallel.sync_batchnorm import convert_batchnorm
 from common.train.checkpoint import Checkpoints, Resumed
 from common.train.ema import EMA
@@ -220,12 +221,13 @@ def own_data(cfg: Config, ctx: DistContext, resampling: Resampling) -> OwnData |
 
 def process_age_s() -> float:
     """Seconds since this process started (Linux: from /proc), for the start-up time."""
+    ticks = start_ticks(os.getpid())
     try:
-        ticks = int(open("/proc/self/stat").read().rsplit(")", 1)[1].split()[19])
-        uptime = float(open("/proc/uptime").read().split()[0])
-        return uptime - ticks / os.sysconf("SC_CLK_TCK")
+        if ticks is not None:
+            return float(open("/proc/uptime").read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
     except (OSError, ValueError, IndexError):
-        return time.monotonic() - STARTED
+        pass  # no /proc/uptime: measured from this module's import instead
+    return time.monotonic() - STARTED
 
 
 def resume_position(resumed: Resumed | None) -> Position:
