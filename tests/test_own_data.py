@@ -333,6 +333,8 @@ def test_a_lock_file_removed_while_waited_on_is_locked_again_as_newly_made(tmp_p
             assert not entered.wait(1.0), "the waiter took a deleted lock file while its successor was held"
             fcntl.flock(successor, fcntl.LOCK_UN)
             assert entered.wait(10), "the waiter never took the lock file once it was free"
+    thread.join(10)  # entered is set while the waiter still holds the lock: removed once it lets go
+    assert not thread.is_alive(), "the waiter never let go of the lock file"
     remove_lock(lock)
     assert not lock.exists()
 
