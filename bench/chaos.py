@@ -54,7 +54,7 @@ from typing import Callable, Iterator
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from common.parallel.procs import start_ticks
+from common.parallel.procs import children, start_ticks
 from tests.conftest import child_env, free_port, latest_state
 from tests.datagen import write_mnist
 from tests.s3server import S3Server
@@ -225,13 +225,6 @@ def end_every_run(folder: Path) -> None:
                 os.killpg(job.process.pid, signal.SIGKILL)
     for pid in left_behind(folder):
         signal_pid(pid, signal.SIGKILL)
-
-
-def children(pid: int) -> list[int]:
-    try:
-        return [int(c) for c in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
-    except OSError:
-        return []
 
 
 def worker_of(agent: int, script: str, timeout: float = 120) -> int | None:

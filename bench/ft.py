@@ -23,6 +23,7 @@ from pathlib import Path
 
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
+from common.parallel.procs import children, command_line
 from tests.conftest import child_env, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -102,8 +103,7 @@ def with_ft(model: str, steps: int, batch: int, kill_at: int, away_s: float, tmp
         if job.poll() is not None:
             raise SystemExit("train_ft.py ended before the kill:\n" + job.stdout.read()[-4000:])
     agent = int((folder / "ft-logs" / "group1.pid").read_text())
-    worker = next(int(p) for p in Path(f"/proc/{agent}/task/{agent}/children").read_text().split()
-                  if "train_ft.py" in Path(f"/proc/{p}/cmdline").read_text())
+    worker = next(p for p in children(agent) if "train_ft.py" in command_line(p))
     os.kill(worker, signal.SIGKILL)
     killed = time.time()
     time.sleep(away_s)

@@ -43,6 +43,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from common.parallel import procs
 from common.train.app import main as run
 from common.train.checkpoint import CheckpointFolder
 from common.train.precision import Precision
@@ -75,7 +76,7 @@ def job(torchrun_first: bool = True) -> list[int]:
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return [os.getpid()]
     torchrun = os.getppid()
-    workers = [int(pid) for pid in Path(f"/proc/{torchrun}/task/{torchrun}/children").read_text().split()]
+    workers = procs.children(torchrun)
     return [torchrun, *workers] if torchrun_first else [*workers, torchrun]
 
 

@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from common.parallel import procs
 from tests.conftest import ENDS_PROMPTLY_S, ROOT, as_from_a_terminal, child_env
 
 # A torchrun worker in set-up: it has imported the package (as every script does first), says so in a
@@ -41,7 +42,7 @@ def test_a_worker_whose_torchrun_agent_is_killed_during_its_set_up_ends_with_one
     while not ready.exists():
         assert agent.poll() is None and time.monotonic() < deadline, agent.communicate()[0]
         time.sleep(0.05)  # polling for the worker's file, with a deadline
-    worker = next(int(pid) for pid in Path(f"/proc/{agent.pid}/task/{agent.pid}/children").read_text().split())
+    worker = procs.children(agent.pid)[0]
     os.kill(agent.pid, signal.SIGKILL)
     killed = time.monotonic()
     while Path(f"/proc/{worker}").exists() and time.monotonic() < killed + ENDS_PROMPTLY_S:

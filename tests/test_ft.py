@@ -25,6 +25,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from common.parallel import procs
 from tests.conftest import ROOT, as_from_a_terminal, child_env, free_port, latest_state, refusal_in_process, run_script
 from tests.gates import Gate
 
@@ -162,7 +163,7 @@ class Job:
                 stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
                 status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
                               if ":\t" in line)
-                command = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()[:100]
+                command = procs.command_line(pid)[:100]
             except OSError:
                 continue
             rows.append(f"{pid} ppid {stat[1]} pgid {stat[2]} {stat[0]} ign {status['SigIgn']} blk "
@@ -203,8 +204,8 @@ class FtRun:
     def worker(self, group: int) -> int:
         """The group's training process (torchrun's child), not its agent."""
         agent = int((self.logs / f"group{group}.pid").read_text())
-        children = Path(f"/proc/{agent}/task/{agent}/children").read_text().split()
-        workers = [int(pid) for pid in children if "train_ft.py" in Path(f"/proc/{pid}/cmdline").read_text()]
+        children = procs.children(agent)
+        workers = [pid for pid in children if "train_ft.py" in procs.command_line(pid)]
         assert len(workers) == 1, (agent, children)
         return workers[0]
 

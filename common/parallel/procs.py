@@ -1,5 +1,5 @@
 """A process's state from /proc (Linux), by pid: whether a peer still runs, how a zombie ended, when
-it started."""
+it started, what it started and with which command."""
 from __future__ import annotations
 
 
@@ -26,6 +26,24 @@ def start_ticks(pid: int) -> int | None:
     it is (a pid is reused); None if there is no such process."""
     stat = _stat(pid)
     return int(stat[19]) if stat is not None and len(stat) > 19 else None
+
+
+def children(pid: int) -> list[int]:
+    """The processes `pid`'s main thread started (a torchrun agent's workers); [] once it is gone."""
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as listing:
+            return [int(child) for child in listing.read().split()]
+    except OSError:
+        return []
+
+
+def command_line(pid: int) -> str:
+    """Its arguments joined by spaces; "" once it is gone."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as arguments:
+            return arguments.read().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return ""
 
 
 def _stat(pid: int) -> list[str] | None:
