@@ -54,7 +54,7 @@ from typing import Callable, Iterator
 import torch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from common.parallel.procs import children, start_ticks
+from common.parallel.procs import children, command_line, start_ticks
 from tests.conftest import child_env, free_port, latest_state
 from tests.datagen import write_mnist
 from tests.s3server import S3Server
@@ -282,7 +282,7 @@ def left_behind(folder: Path) -> list[int]:
     found = []
     for proc in Path("/proc").glob("[0-9]*"):
         try:
-            named = mine in (proc / "cmdline").read_text(errors="replace").replace("\0", " ")
+            named = mine in command_line(int(proc.name))
             ours = any(entry.startswith(scratch) for entry in (proc / "environ").read_bytes().split(b"\0"))
             if (named or ours) and int(proc.name) != os.getpid():
                 found.append(int(proc.name))

@@ -98,23 +98,6 @@ def nothing_left_running():
     STARTED.clear()
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (its groups' torchruns run in process groups of their own)."""
-    children: dict[int, list[int]] = {}
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
-    found, todo = [], [pid]
-    while todo:
-        below = children.get(todo.pop(), [])
-        found += below
-        todo += below
-    return found
-
-
 class Job:
     """launch/ft.sh (or one more group's torchrun), its output read line by line with the time each
     line came."""
@@ -158,7 +141,7 @@ class Job:
         """Each process of the job: pid, parent, process group, state, signals ignored, blocked and caught
         (a failed wait's message: which process did not take a stop, and why)."""
         rows = []
-        for pid in [self.process.pid, *descendants(self.process.pid)]:
+        for pid in [self.process.pid, *procs.descendants(self.process.pid)]:
             try:
                 stat = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
                 status = dict(line.split(":\t", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines()
@@ -171,7 +154,7 @@ class Job:
         return "\n".join(rows)
 
     def kill_tree(self) -> None:
-        for pid in [*descendants(self.process.pid), self.process.pid]:
+        for pid in [*procs.descendants(self.process.pid), self.process.pid]:
             for signum in (signal.SIGCONT, signal.SIGKILL):  # a frozen (SIGSTOPped) group too
                 try:
                     os.kill(pid, signum)

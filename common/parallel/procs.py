@@ -2,6 +2,8 @@
 it started, what it started and with which command."""
 from __future__ import annotations
 
+import os
+
 
 def running(pid: int) -> bool:
     """False once the process has exited: gone, or a zombie its parent has not reaped yet."""
@@ -35,6 +37,20 @@ def children(pid: int) -> list[int]:
             return [int(child) for child in listing.read().split()]
     except OSError:
         return []
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid`: its children, theirs, and so on (in process groups of their own too)."""
+    below: dict[int, list[int]] = {}
+    for entry in os.scandir("/proc"):
+        if entry.name.isdigit() and (stat := _stat(int(entry.name))) is not None:
+            below.setdefault(int(stat[1]), []).append(int(entry.name))  # field 4: the parent
+    found, todo = [], [pid]
+    while todo:
+        children_of = below.get(todo.pop(), [])
+        found += children_of
+        todo += children_of
+    return found
 
 
 def command_line(pid: int) -> str:
