@@ -45,11 +45,11 @@ def test_a_worker_whose_torchrun_agent_is_killed_during_its_set_up_ends_with_one
     worker = procs.children(agent.pid)[0]
     os.kill(agent.pid, signal.SIGKILL)
     killed = time.monotonic()
-    while Path(f"/proc/{worker}").exists() and time.monotonic() < killed + ENDS_PROMPTLY_S:
+    while procs.running(worker) and time.monotonic() < killed + ENDS_PROMPTLY_S:
         time.sleep(0.05)  # polling for the orphan's end, with a deadline
     gone = time.monotonic() - killed
     output = agent.communicate(timeout=30)[0]
-    assert not Path(f"/proc/{worker}").exists(), f"worker {worker} outlived its agent:\n{output}"
+    assert not procs.running(worker), f"worker {worker} outlived its agent:\n{output}"
     print(f"\nthe orphaned worker ended {gone:.1f} s after its agent's SIGKILL")
     assert f"error: rank 0's torchrun agent (pid {agent.pid}) is gone: this worker stops" in output, output
     assert "Traceback" not in output, output
@@ -208,9 +208,9 @@ def test_a_jobs_status_is_a_shells_its_last_lines_are_read_and_a_kill_counts_onc
     may end before the count); a process killed twice explains one restart, not two."""
     from bench import chaos
 
-    monkeypatch.setattr(chaos, "OUTPUT_HELD_S", 0.5)
     killed = chaos.Job(["bash", "-c", "echo last; kill -9 $$"], child_env())
     assert killed.wait(10) == 137 and killed.lines[-1][1] == "last" and not killed.held
+    monkeypatch.setattr(chaos, "OUTPUT_HELD_S", 0.5)  # after the killed job: its reader has the default's time
     held = chaos.Job(["bash", "-c", "sleep 30 & echo started"], child_env())
     try:
         assert held.wait(10) == 0 and held.held

@@ -54,7 +54,13 @@ def test_a_training_script_collects_nothing_during_set_up_and_freezes_it_for_tra
 THREADS_PROBE = """
 import atexit, os, runpy, sys
 def report():
-    names = sorted(open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task"))
+    names = []
+    for t in os.listdir("/proc/self/task"):
+        try:
+            names.append(open(f"/proc/self/task/{t}/comm").read().strip())
+        except OSError:  # a thread that ended since the listing
+            continue
+    names.sort()
     # one write of the whole line: unbuffered (PYTHONUNBUFFERED), print writes word by word, and
     # the two ranks' words would interleave on the shared pipe
     os.write(1, " ".join(["THREADS", os.environ["RANK"], *names, "\\n"]).encode())

@@ -215,7 +215,7 @@ def start_together(gate: Gate, run: FtRun, groups: int) -> None:
 def outliving(pids: list[int], grace_s: float = 2.0) -> list[int]:
     """Those of `pids` still running `grace_s` after ft.sh ended (a killed process's exit is asynchronous)."""
     deadline = time.monotonic() + grace_s
-    while (alive := [pid for pid in pids if Path(f"/proc/{pid}").exists()]) and time.monotonic() < deadline:
+    while (alive := [pid for pid in pids if procs.running(pid)]) and time.monotonic() < deadline:
         time.sleep(0.05)  # a poll with a deadline
     return alive
 

@@ -121,7 +121,8 @@ def test_tensorboard_server_serves_scalars_and_hparams(runs):
     try:
         deadline = time.monotonic() + 90
         tags: dict = {}
-        while time.monotonic() < deadline and set(tags) != {"ddp", "allreduce"}:
+        while time.monotonic() < deadline and not (set(tags) == {"ddp", "allreduce"} and all(
+                STEP_TAGS | EPOCH_TAGS <= set(run_tags) for run_tags in tags.values())):
             time.sleep(1)  # a poll with a deadline: TensorBoard loading the finished runs
             try:
                 tags = _get(f"{base}/data/plugin/scalars/tags")

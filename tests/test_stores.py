@@ -265,7 +265,7 @@ class Unreachable(LocalStorage):
 
 @pytest.mark.quick
 def test_a_pointer_read_that_times_out_is_retried_then_ends_the_start(tmp_path, monkeypatch):
-    monkeypatch.setattr("common.storage.RESUME_RETRY_S", 0.5)
+    monkeypatch.setattr("common.storage.RESUME_RETRY_S", 0.65)  # 0.35 s for the failing reads themselves
     monkeypatch.setattr("common.storage.FIRST_PAUSE_S", 0.1)
     _three_checkpoints(CheckpointFolder(LocalStorage(str(tmp_path)), keep=3))
     folder = CheckpointFolder(Unreachable(str(tmp_path)), keep=3)
