@@ -232,11 +232,8 @@ def worker_of(agent: int, script: str, timeout: float = 120) -> int | None:
     deadline = time.monotonic() + timeout
     while True:  # looked for once at least (timeout 0: now)
         for pid in children(agent):
-            try:
-                if script in Path(f"/proc/{pid}/cmdline").read_text():
-                    return pid
-            except OSError:
-                continue
+            if script in command_line(pid):
+                return pid
         if time.monotonic() >= deadline:
             return None
         time.sleep(0.05)
@@ -905,12 +902,7 @@ class Restarts(Chaos):
         return workers[rank] if len(workers) > rank else None
 
     def processes(self) -> set[int]:
-        found = set()
-        for pid in children(self.job.process.pid):
-            with contextlib.suppress(OSError):  # ended since
-                if self.script in Path(f"/proc/{pid}/cmdline").read_text(errors="replace"):
-                    found.add(pid)
-        return found
+        return {pid for pid in children(self.job.process.pid) if self.script in command_line(pid)}
 
     def process(self, target: int, timeout: float = 60) -> int | None:
         """The rank's worker now (torchrun restarts every rank at once: kill_in_set_up polls)."""

@@ -77,6 +77,7 @@ def job(torchrun_first: bool = True) -> list[int]:
         return [os.getpid()]
     torchrun = os.getppid()
     workers = procs.children(torchrun)
+    assert os.getpid() in workers, (torchrun, workers)  # this process is one of them: else the list is wrong
     return [torchrun, *workers] if torchrun_first else [*workers, torchrun]
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from common.output.logger import SUMMARY_METRICS
 from common.output.report import write_report
 from tests.conftest import ROOT, SharedLaunch, child_env, free_port, shared_launch
 
@@ -112,6 +113,13 @@ def _get(url: str, body: dict | None = None):
         return json.loads(response.read())
 
 
+def _session_groups(base: str) -> list[dict]:
+    return _get(f"{base}/data/plugin/hparams/session_groups", {
+        "experimentName": "", "allowedStatuses": ["STATUS_SUCCESS", "STATUS_UNKNOWN", "STATUS_RUNNING",
+                                                  "STATUS_FAILURE"], "colParams": [], "startIndex": 0,
+        "sliceSize": 100})["sessionGroups"]
+
+
 def test_tensorboard_server_serves_scalars_and_hparams(runs):
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "tensorboard.main", "--logdir", str(runs), "--host", "127.0.0.1",
@@ -121,11 +129,16 @@ def test_tensorboard_server_serves_scalars_and_hparams(runs):
     try:
         deadline = time.monotonic() + 90
         tags: dict = {}
-        while time.monotonic() < deadline and not (set(tags) == {"ddp", "allreduce"} and all(
-                STEP_TAGS | EPOCH_TAGS <= set(run_tags) for run_tags in tags.values())):
+        groups: list = []
+        # Until both runs are loaded to their last events (the summary scalars, then the hparams
+        # summary): a reload can serve a run read only in part.
+        while time.monotonic() < deadline and not (
+                set(tags) == {"ddp", "allreduce"}
+                and all(STEP_TAGS | EPOCH_TAGS | set(SUMMARY_METRICS) <= set(run_tags) for run_tags in tags.values())
+                and len(groups) == 2 and all(len(g.get("metricValues", [])) == len(SUMMARY_METRICS) for g in groups)):
             time.sleep(1)  # a poll with a deadline: TensorBoard loading the finished runs
             try:
-                tags = _get(f"{base}/data/plugin/scalars/tags")
+                tags, groups = _get(f"{base}/data/plugin/scalars/tags"), _session_groups(base)
             except OSError:
                 continue
         assert set(tags) == {"ddp", "allreduce"}, tags
@@ -142,10 +155,6 @@ def test_tensorboard_server_serves_scalars_and_hparams(runs):
         metrics = {m["name"]["tag"] for m in experiment["metricInfos"]}
         assert {"summary/final_test_acc", "summary/best_test_acc", "summary/wall_time_s",
                 "summary/mean_images_per_s"} <= metrics
-        groups = _get(f"{base}/data/plugin/hparams/session_groups", {
-            "experimentName": "", "allowedStatuses": ["STATUS_SUCCESS", "STATUS_UNKNOWN", "STATUS_RUNNING",
-                                                      "STATUS_FAILURE"], "colParams": [], "startIndex": 0,
-            "sliceSize": 100})["sessionGroups"]
         assert {g["hparams"]["strategy"] for g in groups} == {"ddp", "allreduce/torch"}
         for group in groups:
             assert {m["name"]["tag"] for m in group["metricValues"]} == metrics
