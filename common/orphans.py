@@ -44,7 +44,11 @@ def _watch(agent: int) -> None:
         time.sleep(POLL_S)
     rank = os.environ.get("RANK", "?")
     # os.write and os._exit: the main thread may be anywhere (printing, in a collective, in native code)
-    if not SAID.is_set():
-        os.write(2, f"error: rank {rank}'s torchrun agent (pid {agent}) is gone: this worker stops rather than train "
-                    "on unsupervised (its checkpoints are kept: the same command resumes)\n".encode())
-    os._exit(1)
+    try:
+        if not SAID.is_set():
+            os.write(2, f"error: rank {rank}'s torchrun agent (pid {agent}) is gone: this worker stops rather than "
+                        "train on unsupervised (its checkpoints are kept: the same command resumes)\n".encode())
+    except OSError:
+        pass  # the agent held the read end of stderr: gone with it (EPIPE); the exit must not be
+    finally:
+        os._exit(1)

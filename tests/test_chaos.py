@@ -30,6 +30,40 @@ time.sleep(600)
 """
 
 
+# An agent that starts a worker (the package imported as under torchrun), holds the only read end of
+# its stderr, and dies once the worker is up: the worker's line about it then meets a broken pipe.
+AGENT_HOLDING_STDERR = """
+import os, subprocess, sys, time
+from pathlib import Path
+ready = Path(sys.argv[1])
+worker = subprocess.Popen([sys.executable, "-c", "import sys, time; import common; "
+                           "open(sys.argv[1], 'w').close(); time.sleep(600)", str(ready)],
+                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          env={**os.environ, "TORCHELASTIC_RUN_ID": "orphan-test"})
+deadline = time.monotonic() + 60
+while not ready.exists() and time.monotonic() < deadline:
+    time.sleep(0.05)  # a poll with a deadline: the worker's import of the package, which starts its watch
+print(worker.pid, flush=True)
+os._exit(0)
+"""
+
+
+@pytest.mark.quick
+def test_a_worker_whose_agent_dies_with_the_read_end_of_its_stderr_still_ends(tmp_path):
+    """The orphan's one line meets a pipe nobody reads (EPIPE): it still ends, rather than living on
+    with its watch gone (a hung worker of a timed-out test once stayed for 10 minutes so)."""
+    agent = subprocess.run([sys.executable, "-c", AGENT_HOLDING_STDERR, str(tmp_path / "ready")], cwd=ROOT,
+                           env=child_env(), capture_output=True, text=True, timeout=120)
+    worker = int(agent.stdout)
+    deadline = time.monotonic() + 30
+    while procs.running(worker) and time.monotonic() < deadline:
+        time.sleep(0.05)  # a poll with a deadline: the watch's poll is 0.5 s
+    alive = procs.running(worker)
+    if alive:
+        os.kill(worker, signal.SIGKILL)
+    assert not alive, "the orphaned worker lived on with its stderr's reader gone"
+
+
 def test_a_worker_whose_torchrun_agent_is_killed_during_its_set_up_ends_with_one_line(tmp_path):
     """SIGKILL of the agent while its worker sets up (before any step or process group): the worker,
     re-parented, ends within a second or so with one line naming the agent, instead of living on."""
