@@ -6,6 +6,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -119,3 +120,36 @@ def test_a_waiter_tells_a_slow_worker_from_a_dead_or_late_one(monkeypatch):
 def slow_work() -> int:
     time.sleep(2.5)  # work longer than the deadline, whose heartbeat keeps it alive: not a point in training
     return 7
+
+
+# A DataLoader worker stuck where no SIGTERM reaches it (in native code, on a lock held when it was
+# forked, as seen once under load; here: SIGTERM blocked, then a sleep), behind a 1 s loader deadline.
+STUCK_WORKER = """
+import signal, sys, time
+import torch
+from common.data import reading
+from common.errors import UserError
+
+class Stuck(torch.utils.data.Dataset):
+    root = "a stuck set"
+    def __len__(self):
+        return 2
+    def __getitem__(self, i):
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+        time.sleep(600)
+
+reading.LOADER_TIMEOUT_S = 1.0
+try:
+    next(reading.batches_of(Stuck(), [[0], [1]], workers=1))
+except UserError as e:
+    print(f"error: {e}", flush=True)
+"""
+
+
+@pytest.mark.quick
+def test_a_loader_worker_that_takes_no_sigterm_does_not_hold_the_rank_past_its_deadline():
+    """The loader's deadline passes, the rank says so in one line and exits: its stuck worker is
+    killed, not waited for (multiprocessing joins its children as the interpreter exits: forever)."""
+    done = subprocess.run([sys.executable, "-c", STUCK_WORKER], cwd=ROOT, env=child_env(), capture_output=True,
+                          text=True, timeout=ENDS_PROMPTLY_S)
+    assert done.stdout.startswith("error: a DataLoader worker delivered no batch of a stuck set in 1 s"), done

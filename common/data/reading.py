@@ -357,8 +357,18 @@ def _deadlined(batches: Iterator, root: str) -> Iterator:
     except RuntimeError as e:
         if "timed out" not in str(e):
             raise
+        _kill_workers(batches)
         raise UserError(f"a DataLoader worker delivered no batch of {root} in {LOADER_TIMEOUT_S:g} s: its "
                         "files or store hang; check them (a streamed set is read during training)") from None
+
+
+def _kill_workers(batches: Iterator) -> None:
+    """SIGKILL a timed-out loader's workers. One stuck in native code (a lock another thread held when
+    it was forked) takes no SIGTERM, the rank's own handler, inherited, running only between
+    bytecodes; and the rank's exit would wait for it forever (multiprocessing joins its children)."""
+    for worker in getattr(batches, "_workers", []):  # torch's worker processes; none without workers
+        if worker.is_alive():
+            worker.kill()
 
 
 class Plan:
