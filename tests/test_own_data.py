@@ -25,10 +25,11 @@ import torch
 from common import hfsets
 from common.data import cache, hf, own
 from common.data.cache import file_lock, remove_lock, staging_path
-from common.data.loader import TrainLoader, global_order
+from common.data.loader import MNIST_SPEC, SHUFFLE_WINDOW, Split, TrainLoader, global_order, rank_start
 from common.data.reading import Reader
 from common.data.shardcache import FETCH_LOCK_COUNT, STAGING, ShardCache, fetch_lock
 from common.errors import UserError
+from common.parallel.context import DistContext
 from common.shards import MANIFEST
 from common.shards import main as shards_main
 from common.train.flags import parse_args
@@ -79,15 +80,16 @@ def dataset(opts: own.OwnData):
     return own.open_prepared(own.prepare(opts, lambda line: None), opts)
 
 
-def global_batches(data, world: int, epoch: int = 1) -> list[torch.Tensor]:
-    """Each step's global batch as the ranks of a world hold it, put back in global order."""
-    loaders = [TrainLoader(data.train, data.spec, 24, rank, world, seed=3, device=CPU) for rank in range(world)]
+def global_batches(data, world: int, epoch: int = 1, nodes: int = 1) -> list[torch.Tensor]:
+    """Each step's global batch as the ranks of a world (on `nodes` nodes) hold it, put back in global order."""
+    loaders = [TrainLoader(data.train, data.spec, 24, rank, world, seed=3, device=CPU, nodes=nodes)
+               for rank in range(world)]
     steps = zip(*(loader.epoch(epoch) for loader in loaders))
     out = []
     for per_rank in steps:
         batch = torch.empty(24, *per_rank[0][0].shape[1:])
-        for rank, (images, _) in enumerate(per_rank):
-            batch[rank::world] = images
+        for loader, (images, _) in zip(loaders, per_rank):
+            batch[loader.start::world] = images
         out.append(batch)
     return out
 
@@ -97,8 +99,9 @@ def global_batches(data, world: int, epoch: int = 1) -> list[torch.Tensor]:
 @pytest.mark.quick
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_the_sample_stream_is_the_same_at_every_world_size_worker_count_and_holding(layout, sets, tmp_path):
-    """Decoded into the cache or streamed by 0 or 2 workers, at world 1, 2 and 4: the same global
-    batches, bit for bit (the augmentation too: drawn per global batch)."""
+    """Decoded into the cache or streamed by 0 or 2 workers, at world 1, 2 and 4 (and 4 as 2 nodes of 2,
+    whose ranks take the places node by node): the same global batches, bit for bit (the
+    augmentation too: drawn per global batch)."""
     name, kind = LAYOUTS[layout]
     source = sets[name]
     cached = dataset(options(source, tmp_path, kind))
@@ -110,10 +113,10 @@ def test_the_sample_stream_is_the_same_at_every_world_size_worker_count_and_hold
         assert streamed.held.startswith("streamed")
         holdings[f"streamed by {workers} workers"] = (streamed, worlds)
     for holding, (data, worlds) in holdings.items():
-        for world in worlds:
-            got = global_batches(data, world)
+        for world, nodes in [(world, 1) for world in worlds] + [(4, 2)] * (4 in worlds):
+            got = global_batches(data, world, nodes=nodes)
             assert len(got) == len(reference) and all(torch.equal(a, b) for a, b in zip(got, reference)), \
-                (holding, world)
+                (holding, world, nodes)
 
 
 @pytest.mark.quick
@@ -162,6 +165,38 @@ def test_a_parquet_row_group_is_decompressed_once_a_node_and_a_rank_reads_only_i
     copied.clear()
     assert sum(1 for _ in TrainLoader(streamed.train, streamed.spec, 24, 0, 2, seed=3, device=CPU).epoch(2)) == 10
     assert copied == []
+
+
+@pytest.mark.quick
+def test_at_two_nodes_each_row_group_is_decompressed_and_read_by_one_node(sets, tmp_path, monkeypatch):
+    """Row groups of 10 rows (24 training groups), world 4 as 2 nodes of 2 ranks, each node with a
+    cache of its own: in an epoch each node's ranks read the rows of 12 row groups and the other
+    node's none, and a node decompresses no other (every node used to copy and read all 24)."""
+    source = write_hf(sets["folder"], tmp_path / "hf", rows_per_group=10)
+    read, copied = [set(), set()], [set(), set()]
+    node = 0
+    opened, column_batches = hf.RowGroupCache.opened, hfsets.Files.column_batches
+
+    def reading(self, name):
+        read[node].add(name)
+        return opened(self, name)
+
+    def copying(self, name, group, *rest):
+        copied[node].add(f"{name}#{group}")
+        return column_batches(self, name, group, *rest)
+
+    monkeypatch.setattr(hf.RowGroupCache, "opened", reading)
+    monkeypatch.setattr(hfsets.Files, "column_batches", copying)
+    for node in range(2):
+        data = dataset(options(source, tmp_path / f"node{node}", "hf", cache_gb=0.0))
+        read[node].clear(), copied[node].clear()  # what the statistics took; the epoch's alone from here
+        for rank in (2 * node, 2 * node + 1):
+            loader = TrainLoader(data.train, data.spec, 24, rank, 4, seed=3, device=CPU, nodes=2)
+            assert sum(1 for _ in loader.epoch(1)) == 10
+    groups = set(data.train.source.table.names)
+    assert len(groups) == 24 and read[0] | read[1] == groups, (len(groups), read)
+    assert len(read[0]) == len(read[1]) == 12 and not read[0] & read[1], read
+    assert copied[0] <= read[0] and copied[1] <= read[1], (copied, read)  # statistics copied some before
 
 
 @pytest.mark.quick
@@ -394,6 +429,47 @@ def test_an_epoch_takes_each_sample_once_and_equal_steps_on_uneven_shards(sets, 
     assert sorted(order.tolist()) == list(range(len(data.train)))
     loaders = [TrainLoader(data.train, data.spec, 24, rank, 4, 5, CPU) for rank in range(4)]
     assert len({sum(1 for _ in loader.epoch(2)) for loader in loaders}) == 1
+
+
+def shards_each_node_reads(groups: torch.Tensor, world: int, nodes: int, batch: int = 24) -> list[set[int]]:
+    """The shards (row groups) each node's ranks read in an epoch: those of the samples at their places."""
+    split = Split(torch.zeros(len(groups), 1, 1, 1, dtype=torch.uint8), torch.zeros(len(groups), dtype=torch.int64),
+                  groups)
+    read: list[set[int]] = [set() for _ in range(nodes)]
+    for rank in range(world):
+        loader = TrainLoader(split, MNIST_SPEC, batch, rank, world, seed=5, device=CPU, nodes=nodes)
+        read[rank // (world // nodes)] |= set(groups[torch.cat(loader.indices(2))].tolist())
+    return read
+
+
+@pytest.mark.quick
+def test_each_node_reads_only_the_shards_of_its_places_lanes():
+    """16 shards of 12 samples, global batch 24: where the node count divides the window of 4 shards,
+    the nodes read disjoint shards that together are the set (at 2 nodes of 2 ranks: 8 each, where
+    every node used to read all 16); at 8 nodes each shard is read by 2. Shards of unequal sizes
+    lend samples between lanes: only a window's lending shards (at most 3) are read by two nodes."""
+    equal = torch.arange(16).repeat_interleave(12)
+    for world, nodes in ((4, 2), (4, 4), (8, 2), (8, 4)):
+        read = shards_each_node_reads(equal, world, nodes)
+        assert sum(len(r) for r in read) == 16 and set().union(*read) == set(range(16)), (world, nodes, read)
+    assert [len(r) for r in shards_each_node_reads(equal, 8, 8)] == [4] * 8  # 32 reads of 16 shards
+    assert [len(r) for r in shards_each_node_reads(equal, 6, 3)] == [16] * 3  # 3 nodes a shard: gcd(3, 4) = 1
+    uneven = torch.arange(16).repeat_interleave(torch.tensor([12] * 15 + [5]))
+    read = shards_each_node_reads(uneven, 4, 2)
+    assert len(read[0] & read[1]) <= SHUFFLE_WINDOW - 1 and len(read[0] | read[1]) >= 15, read
+
+
+@pytest.mark.quick
+@pytest.mark.parametrize("hosts, dealt", [("aabb", 2), ("aaabbbccc", 3), ("abab", 1), ("aaab", 1), ("aaaa", 1)])
+def test_the_places_are_dealt_by_host_only_where_hosts_hold_equal_blocks_of_ranks(hosts, dealt):
+    """Hosts of equal, contiguous blocks of ranks (torchrun's numbering) deal the places host by host;
+    any other layout (nodes of different sizes) as one node: every layout one partition of the batch."""
+    world = len(hosts)
+    peers = tuple((host, pid) for pid, host in enumerate(hosts))
+    ctx = DistContext(0, world, 0, 1, CPU, "gloo", peers=peers)
+    assert ctx.hosts == dealt
+    places = sorted(p for rank in range(world) for p in range(rank_start(rank, world, ctx.hosts), 36, world))
+    assert places == list(range(36))
 
 
 @pytest.mark.quick

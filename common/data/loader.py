@@ -51,7 +51,7 @@ def listed(names: Sequence[str]) -> str:
 
 CIFAR_SPEC = DataSpec(3, 32, 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), augment="pad-crop-flip")
 MNIST_SPEC = DataSpec(1, 28, 10, (0.1307,), (0.3081,), augment="none")
-SHUFFLE_WINDOW = 4  # shards: each epoch shuffles the shards, then the samples within each window of this many
+SHUFFLE_WINDOW = 4  # shards: each epoch shuffles the shards, then deals each window of this many into as many lanes
 
 
 @dataclass(frozen=True)
@@ -164,16 +164,52 @@ def on_device(split: Split, device: torch.device) -> Split:
 
 def global_order(size: int, seed: int, epoch: int, groups: torch.Tensor | None = None) -> torch.Tensor:
     """The epoch's order of all samples, the same at every world size: DistributedSampler's
-    permutation; for shards, shuffled shards with their samples shuffled within windows of
-    SHUFFLE_WINDOW shards, so a bounded cache of shards serves the reads."""
+    permutation; for shards (and row groups), the shards shuffled and taken SHUFFLE_WINDOW at a time,
+    so a bounded cache of shards serves the reads. A window's shards are dealt into lanes: the
+    sample at place i of the epoch is from lane i mod SHUFFLE_WINDOW, lane k holding the window's
+    k-th shard, its samples shuffled; so every batch mixes the window's shards evenly, and, where
+    the global batch is a multiple of SHUFFLE_WINDOW, a batch's place p always reads lane p mod
+    SHUFFLE_WINDOW: the ranks that take those places (rank_start) read those shards, no others."""
     g = torch.Generator().manual_seed(seed + epoch)  # DistributedSampler's seeding
     if groups is None:
         return torch.randperm(size, generator=g)
     by_group = torch.argsort(groups, stable=True).split(torch.bincount(groups).tolist())
     shards = torch.randperm(len(by_group), generator=g).tolist()
-    windows = [torch.cat([by_group[s] for s in shards[w:w + SHUFFLE_WINDOW]])
-               for w in range(0, len(shards), SHUFFLE_WINDOW)]
-    return torch.cat([window[torch.randperm(len(window), generator=g)] for window in windows])
+    windows, start = [], 0
+    for w in range(0, len(shards), SHUFFLE_WINDOW):
+        window = [by_group[s] for s in shards[w:w + SHUFFLE_WINDOW]]
+        windows.append(dealt_into_lanes(window, start, g))
+        start += len(windows[-1])
+    return torch.cat(windows)
+
+
+def dealt_into_lanes(window: list[torch.Tensor], start: int, g: torch.Generator) -> torch.Tensor:
+    """A window's samples in the epoch's order from its place `start` on: place i holds a sample of
+    lane i mod SHUFFLE_WINDOW, lane k the window's k-th shard's samples, shuffled. Shards of unequal
+    sizes (and a last window of fewer) fill their lanes' places unevenly: a lane's samples beyond
+    its places fill the places other lanes lack (a shard read there too, for those samples)."""
+    size = sum(len(shard) for shard in window)
+    places = [torch.arange((lane - start) % SHUFFLE_WINDOW, size, SHUFFLE_WINDOW) for lane in range(SHUFFLE_WINDOW)]
+    shuffled = [shard[torch.randperm(len(shard), generator=g)] for shard in window]
+    lanes = shuffled + [torch.zeros(0, dtype=torch.int64)] * (SHUFFLE_WINDOW - len(window))
+    spare = torch.cat([lane[len(mine):] for lane, mine in zip(lanes, places)])
+    order, lent = torch.empty(size, dtype=torch.int64), 0
+    for lane, mine in zip(lanes, places):
+        short = len(mine) - min(len(lane), len(mine))
+        order[mine] = torch.cat([lane[:len(mine)], spare[lent:lent + short]])
+        lent += short
+    return order
+
+
+def rank_start(rank: int, world_size: int, nodes: int) -> int:
+    """The first of this rank's places in each global batch (it takes every world_size-th from it).
+    Node n of N takes the places n mod N, its L ranks every L-th of those (n + N j + W i for its
+    rank j): where N divides SHUFFLE_WINDOW, a node's ranks read only its lanes' shards or row
+    groups (global_order), each fetched or decompressed by one node. On one node: the rank itself."""
+    if nodes <= 1 or world_size % nodes:
+        return rank
+    node, local = divmod(rank, world_size // nodes)
+    return node + nodes * local
 
 
 class Normalizer:
@@ -197,9 +233,10 @@ class Normalizer:
 class TrainLoader:
     """This rank's share of each global batch, in DistributedSampler order.
 
-    Rank r of W takes perm[r::W], so per-rank batches of B/W make global batch k exactly
-    perm[k*B:(k+1)*B] at every W. Augmentation is drawn for the whole global batch from
-    (seed, epoch, step) and sliced the same way, so every sample is cropped and flipped the same
+    Rank r of W takes perm[s::W] from its start s (r itself on one node; node-major on several:
+    rank_start), so per-rank batches of B/W make global batch k exactly perm[k*B:(k+1)*B] at every
+    W. Augmentation is drawn for the whole global batch from (seed, epoch, step) and sliced the
+    same way, so every sample is cropped and flipped the same
     whatever the world size: training is one sample stream, independent of W. --augment's policies
     and --random-erase draw per sample from its global position (common/data/augment.py), so they too.
     A split that makes its training batches itself (own images: DataLoader workers crop, flip and
@@ -210,7 +247,7 @@ class TrainLoader:
     def __init__(self, split: Split, spec: DataSpec, global_batch: int, rank: int, world_size: int,
                  seed: int, device: torch.device, max_steps: int = 0,
                  memory_format: torch.memory_format = torch.contiguous_format, augment: str = "basic",
-                 random_erase: float = 0.0) -> None:
+                 random_erase: float = 0.0, nodes: int = 1) -> None:
         full_steps = len(split) // global_batch
         if full_steps == 0:
             raise UserError(f"--batch-size {global_batch} is larger than the training set ({len(split)} images)")
@@ -220,7 +257,8 @@ class TrainLoader:
         self.normalize = Normalizer(spec, device, memory_format)
         self.per_sample = SampleAugment(augment, random_erase)
         self.augment = augment
-        self.positions = range(rank, global_batch, world_size)  # this rank's rows' places in the global batch
+        self.start = rank_start(rank, world_size, nodes)
+        self.positions = range(self.start, global_batch, world_size)  # this rank's rows' places in the global batch
         self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its global order), for label_scale
 
     def order(self, epoch: int) -> torch.Tensor:
@@ -241,10 +279,7 @@ class TrainLoader:
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """Global batch k is order[k*B:(k+1)*B]; this rank takes every W-th sample of it, from its rank."""
-        order = self.order(epoch)
-        b = self.global_batch
-        indices = [order[step * b + self.rank:(step + 1) * b:self.world_size]
-                   for step in range(start_step, self.steps_per_epoch)]
+        indices = self.indices(epoch, start_step)
         if self.split.augments:
             draws = Draws(self.seed, epoch, start_step, self.global_batch, self.augment)
             for step, (images, labels) in enumerate(self.split.batches(indices, self.device, draws, self.positions),
@@ -253,6 +288,12 @@ class TrainLoader:
             return
         for step, (images, labels) in enumerate(self.split.batches(indices, self.device), start=start_step):
             yield self._transform(images, epoch, step), labels
+
+    def indices(self, epoch: int, start_step: int = 0) -> list[torch.Tensor]:
+        """This rank's samples of each step of the epoch from start_step on: its places of each global batch."""
+        order, b = self.order(epoch), self.global_batch
+        return [order[step * b + self.start:(step + 1) * b:self.world_size]
+                for step in range(start_step, self.steps_per_epoch)]
 
     def _transform(self, images: torch.Tensor, epoch: int, step: int) -> torch.Tensor:
         """The data set's crop and flip, then --augment's policy on uint8 images, normalization and
@@ -268,7 +309,7 @@ class TrainLoader:
         if self.spec.augment != "pad-crop-flip":  # own images' crops are cut from the whole image, in workers
             raise ValueError(f"an in-memory split cannot be trained with {self.spec.augment}")
         shifts, flips = pad_crop_draws(self.seed, epoch, step, self.global_batch)
-        mine = slice(self.rank, None, self.world_size)
+        mine = slice(self.start, None, self.world_size)
         return crop_and_flip(images, to_device(shifts[mine], images.device), to_device(flips[mine], images.device))
 
 

@@ -112,6 +112,19 @@ class DistContext:
         return self.world_size // self.local_world_size
 
     @property
+    def hosts(self) -> int:
+        """How many hosts the ranks run on where each holds an equal, contiguous block of ranks (as
+        torchrun numbers them, node by node), else 1 (nodes of different sizes; peers not known yet):
+        the same on every rank, so the places a loader deals host by host (loader.rank_start) are
+        one partition of the global batch."""
+        names = [host for host, _ in self.peers]
+        count = len(set(names))
+        per = len(names) // count if count else 0
+        blocks = count > 1 and per * count == len(names) and all(names[i] == names[i - i % per]
+                                                                 for i in range(len(names)))
+        return count if blocks else 1
+
+    @property
     def node_rank(self) -> int:
         """This node's index (torchrun numbers ranks node by node)."""
         return self.rank // self.local_world_size

@@ -141,7 +141,7 @@ def build_run(cfg: Config, ctx: DistContext, strategy: Strategy) -> tuple[Run, L
     data = normalized_for_weights(data, weights)  # the weights' content says which torchvision file they are
     loader = ctx.together(lambda: TrainLoader(data.train, data.spec, cfg.batch_size, ctx.rank, ctx.world_size,
                                               cfg.seed, ctx.device, cfg.max_steps, memory_format, cfg.augment,
-                                              cfg.random_erase))
+                                              cfg.random_erase, ctx.hosts))
     model = model.to(ctx.device, memory_format=memory_format)
     if cfg.sync_bn:
         convert_batchnorm(model)

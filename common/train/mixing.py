@@ -3,7 +3,7 @@ world size (torchvision's and timm's draw per rank, so their results change with
 
 Everything random is a function of (seed, epoch, step): the choice between mixup and cutmix, the
 weight lambda and cutmix's box. The pairs come from the positions: g is mixed with g + B/2 (mod B)
-of the global batch B. Rank r of W holds positions r, r + W, ... (common/data/loader.py), so g's
+of the global batch B. A rank of W holds positions s, s + W, ... from its start s (common/data/loader.py), so g's
 partner lies on the same rank, b/2 rows further on (b = B/W, even): a roll of the rank's batch by
 b/2, with no communication. The global batch is a fresh random sample every step, so the pairs are
 random pairs.
