@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from common.data import own
-from common.data.loader import DataSpec, Split, TrainLoader, make_synthetic
+from common.data.loader import DataSpec, Split, TrainLoader, make_synthetic, rank_places
 from tests.datagen import write_imagefolder
 
 CPU = torch.device("cpu")
@@ -24,13 +24,13 @@ def batches(split: Split, spec: DataSpec, world: int, rank: int = 0, start_step:
 
 
 def interleaved(per_rank: list[list[torch.Tensor]]) -> list[torch.Tensor]:
-    """Each step's global batch put back together: rank r holds positions r, r + W, ..."""
+    """Each step's global batch put back together, each rank's rows at its places (one node)."""
     world = len(per_rank)
     steps = []
     for rows in zip(*per_rank):
         whole = torch.empty(len(rows[0]) * world, *rows[0].shape[1:])
         for rank, part in enumerate(rows):
-            whole[rank::world] = part
+            whole[list(rank_places(rank, world, 1, len(whole)))] = part
         steps.append(whole)
     return steps
 

@@ -4,7 +4,7 @@ own-data layout: indexed, then decoded into the node's cache or streamed like th
 The index (common/data/index.py) is a sharded table whose groups are the files' row groups (an
 Arrow file's record batches): a sample is row `offset` of group `group`. The epoch's order shuffles
 the groups and deals each window of SHUFFLE_WINDOW groups into as many lanes (loader.global_order);
-a node's ranks read only their places' lanes (loader.rank_start), but on a node each rank uses
+a node's ranks read only their places' lanes (loader.rank_places), but on a node each rank uses
 about 1/W of a window's rows, and a parquet row group's pages decompress only whole (pyarrow
 writes pages of up to 1,024 rows), so a row group is decompressed once per node into the node's
 row-group cache (RowGroupCache), and every rank and worker reads only its own rows from there. An

@@ -167,9 +167,9 @@ def global_order(size: int, seed: int, epoch: int, groups: torch.Tensor | None =
     permutation; for shards (and row groups), the shards shuffled and taken SHUFFLE_WINDOW at a time,
     so a bounded cache of shards serves the reads. A window's shards are dealt into lanes: the
     sample at place i of the epoch is from lane i mod SHUFFLE_WINDOW, lane k holding the window's
-    k-th shard, its samples shuffled; so every batch mixes the window's shards evenly, and, where
-    the global batch is a multiple of SHUFFLE_WINDOW, a batch's place p always reads lane p mod
-    SHUFFLE_WINDOW: the ranks that take those places (rank_start) read those shards, no others."""
+    k-th shard, its samples shuffled; so every batch mixes the window's shards evenly, and the
+    places of a node (rank_places: those equal to n mod N) read only the lanes equal to n mod
+    gcd(N, SHUFFLE_WINDOW), at every step: its ranks fetch and decompress those shards, no others."""
     g = torch.Generator().manual_seed(seed + epoch)  # DistributedSampler's seeding
     if groups is None:
         return torch.randperm(size, generator=g)
@@ -189,7 +189,9 @@ def dealt_into_lanes(window: list[torch.Tensor], start: int, g: torch.Generator)
     sizes (and a last window of fewer) fill their lanes' places unevenly: a lane's samples beyond
     its places fill the places other lanes lack (a shard read there too, for those samples)."""
     size = sum(len(shard) for shard in window)
-    places = [torch.arange((lane - start) % SHUFFLE_WINDOW, size, SHUFFLE_WINDOW) for lane in range(SHUFFLE_WINDOW)]
+    # min: a window of fewer samples than lanes (a last shard of 1) leaves a lane no place
+    places = [torch.arange(min((lane - start) % SHUFFLE_WINDOW, size), size, SHUFFLE_WINDOW)
+              for lane in range(SHUFFLE_WINDOW)]
     shuffled = [shard[torch.randperm(len(shard), generator=g)] for shard in window]
     lanes = shuffled + [torch.zeros(0, dtype=torch.int64)] * (SHUFFLE_WINDOW - len(window))
     spare = torch.cat([lane[len(mine):] for lane, mine in zip(lanes, places)])
@@ -201,15 +203,20 @@ def dealt_into_lanes(window: list[torch.Tensor], start: int, g: torch.Generator)
     return order
 
 
-def rank_start(rank: int, world_size: int, nodes: int) -> int:
-    """The first of this rank's places in each global batch (it takes every world_size-th from it).
-    Node n of N takes the places n mod N, its L ranks every L-th of those (n + N j + W i for its
-    rank j): where N divides SHUFFLE_WINDOW, a node's ranks read only its lanes' shards or row
-    groups (global_order), each fetched or decompressed by one node. On one node: the rank itself."""
-    if nodes <= 1 or world_size % nodes:
-        return rank
+def rank_places(rank: int, world_size: int, nodes: int, global_batch: int) -> tuple[int, ...]:
+    """This rank's places in each global batch (its rows' positions), the ranks' places one partition.
+    Node n of N takes the places n mod N: a node's places read N / gcd(N, SHUFFLE_WINDOW) of the
+    window's lanes (global_order), so its ranks fetch and decompress only those shards or row groups.
+    Its L ranks take consecutive runs of the node's places, which cycle through the node's lanes (a
+    rank's batch mixes every shard its node reads); in two halves where a rank's share is even, so
+    place g and its mixing partner g + B/2 stay on one rank (common/train/mixing.py)."""
+    nodes = nodes if nodes > 1 and world_size % nodes == 0 else 1
     node, local = divmod(rank, world_size // nodes)
-    return node + nodes * local
+    mine, share = range(node, global_batch, nodes), global_batch // world_size
+    if share % 2:
+        return tuple(mine[local * share:(local + 1) * share])
+    half, middle = share // 2, len(mine) // 2
+    return (*mine[local * half:(local + 1) * half], *mine[middle + local * half:middle + (local + 1) * half])
 
 
 class Normalizer:
@@ -233,12 +240,12 @@ class Normalizer:
 class TrainLoader:
     """This rank's share of each global batch, in DistributedSampler order.
 
-    Rank r of W takes perm[s::W] from its start s (r itself on one node; node-major on several:
-    rank_start), so per-rank batches of B/W make global batch k exactly perm[k*B:(k+1)*B] at every
-    W. Augmentation is drawn for the whole global batch from (seed, epoch, step) and sliced the
-    same way, so every sample is cropped and flipped the same
-    whatever the world size: training is one sample stream, independent of W. --augment's policies
-    and --random-erase draw per sample from its global position (common/data/augment.py), so they too.
+    Each rank of W takes B/W places of every global batch (rank_places: the ranks' places one
+    partition), so its batches make global batch k exactly perm[k*B:(k+1)*B] at every W.
+    Augmentation is drawn for the whole global batch from (seed, epoch, step) and sliced the same
+    way, so every sample is cropped and flipped the same whatever the world size: training is one
+    sample stream, independent of W. --augment's policies and --random-erase draw per sample from
+    its global position (common/data/augment.py), so they too.
     A split that makes its training batches itself (own images: DataLoader workers crop, flip and
     apply the policy on uint8, with the same draws) is handed the draws; the rank then only
     normalizes and erases.
@@ -257,8 +264,8 @@ class TrainLoader:
         self.normalize = Normalizer(spec, device, memory_format)
         self.per_sample = SampleAugment(augment, random_erase)
         self.augment = augment
-        self.start = rank_start(rank, world_size, nodes)
-        self.positions = range(self.start, global_batch, world_size)  # this rank's rows' places in the global batch
+        self.positions = rank_places(rank, world_size, nodes, global_batch)  # its rows' places in a global batch
+        self.places = torch.tensor(self.positions, dtype=torch.int64)
         self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its global order), for label_scale
 
     def order(self, epoch: int) -> torch.Tensor:
@@ -292,8 +299,7 @@ class TrainLoader:
     def indices(self, epoch: int, start_step: int = 0) -> list[torch.Tensor]:
         """This rank's samples of each step of the epoch from start_step on: its places of each global batch."""
         order, b = self.order(epoch), self.global_batch
-        return [order[step * b + self.start:(step + 1) * b:self.world_size]
-                for step in range(start_step, self.steps_per_epoch)]
+        return [order[step * b + self.places] for step in range(start_step, self.steps_per_epoch)]
 
     def _transform(self, images: torch.Tensor, epoch: int, step: int) -> torch.Tensor:
         """The data set's crop and flip, then --augment's policy on uint8 images, normalization and
@@ -309,8 +315,8 @@ class TrainLoader:
         if self.spec.augment != "pad-crop-flip":  # own images' crops are cut from the whole image, in workers
             raise ValueError(f"an in-memory split cannot be trained with {self.spec.augment}")
         shifts, flips = pad_crop_draws(self.seed, epoch, step, self.global_batch)
-        mine = slice(self.start, None, self.world_size)
-        return crop_and_flip(images, to_device(shifts[mine], images.device), to_device(flips[mine], images.device))
+        return crop_and_flip(images, to_device(shifts[self.places], images.device),
+                             to_device(flips[self.places], images.device))
 
 
 def eval_shard(size: int, rank: int, world_size: int) -> torch.Tensor:

@@ -366,6 +366,9 @@ def _kill_workers(batches: Iterator) -> None:
     """SIGKILL a timed-out loader's workers. One stuck in native code (a lock another thread held when
     it was forked) takes no SIGTERM, the rank's own handler, inherited, running only between
     bytecodes; and the rank's exit would wait for it forever (multiprocessing joins its children)."""
+    if getattr(batches, "_worker_pids_set", False):  # else torch's SIGCHLD handler raises for the kill
+        torch.utils.data._utils.signal_handling._remove_worker_pids(id(batches))
+        batches._worker_pids_set = False
     for worker in getattr(batches, "_workers", []):  # torch's worker processes; none without workers
         if worker.is_alive():
             worker.kill()

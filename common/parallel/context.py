@@ -115,7 +115,7 @@ class DistContext:
     def hosts(self) -> int:
         """How many hosts the ranks run on where each holds an equal, contiguous block of ranks (as
         torchrun numbers them, node by node), else 1 (nodes of different sizes; peers not known yet):
-        the same on every rank, so the places a loader deals host by host (loader.rank_start) are
+        the same on every rank, so the places a loader deals host by host (loader.rank_places) are
         one partition of the global batch."""
         names = [host for host, _ in self.peers]
         count = len(set(names))

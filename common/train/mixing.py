@@ -3,10 +3,12 @@ world size (torchvision's and timm's draw per rank, so their results change with
 
 Everything random is a function of (seed, epoch, step): the choice between mixup and cutmix, the
 weight lambda and cutmix's box. The pairs come from the positions: g is mixed with g + B/2 (mod B)
-of the global batch B. A rank of W holds positions s, s + W, ... from its start s (common/data/loader.py), so g's
-partner lies on the same rank, b/2 rows further on (b = B/W, even): a roll of the rank's batch by
-b/2, with no communication. The global batch is a fresh random sample every step, so the pairs are
-random pairs.
+of the global batch B. A rank of W holds its places in two halves (common/data/loader.py,
+rank_places): its i-th row is place g, its (b/2 + i)-th g + B/2, so g's partner lies on the same
+rank, b/2 rows further on (b = B/W, even): a roll of the rank's batch by b/2, with no
+communication. The global batch is a fresh random sample every step, so the pairs are random pairs
+(of shards and row groups, read in lanes, mostly pairs of one shard: random pairs of a set written
+shuffled).
 """
 from __future__ import annotations
 
