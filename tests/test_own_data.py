@@ -25,7 +25,7 @@ import torch
 from common import hfsets
 from common.data import cache, hf, own
 from common.data.cache import file_lock, remove_lock, staging_path
-from common.data.loader import MNIST_SPEC, SHUFFLE_WINDOW, Split, TrainLoader, global_order, rank_places
+from common.data.loader import MNIST_SPEC, ORDER_VERSION, SHUFFLE_WINDOW, Split, TrainLoader, global_order, rank_places
 from common.data.reading import Reader
 from common.data.shardcache import FETCH_LOCK_COUNT, STAGING, ShardCache, fetch_lock
 from common.errors import UserError
@@ -33,6 +33,7 @@ from common.parallel.context import DistContext
 from common.shards import MANIFEST
 from common.shards import main as shards_main
 from common.train.flags import parse_args
+from common.train.state import order_changed
 from tests.conftest import (
     SharedLaunch,
     child_env,
@@ -474,6 +475,18 @@ def test_the_places_are_dealt_by_host_only_where_hosts_hold_equal_blocks_of_rank
     for batch in (36, 72):  # a rank's share odd (9 at 4 ranks) and even
         places = sorted(p for rank in range(world) for p in rank_places(rank, world, ctx.hosts, batch))
         assert places == list(range(batch)), batch
+
+
+@pytest.mark.quick
+def test_a_checkpoint_cut_mid_epoch_under_the_older_order_of_shards_is_refused_with_the_ways_out():
+    """Written before the lanes (no order recorded), mid-epoch, on shards or row groups: its epoch
+    would go on with other samples; at an epoch's end, or on a set without shards, it resumes."""
+    older = {"epoch": 1, "step_in_epoch": 7}
+    said = order_changed(older, grouped=True)
+    assert "step 7 of epoch 2" in said and "--resume PATH" in said and "the version that wrote it" in said, said
+    assert order_changed(older, grouped=False) == ""  # DistributedSampler's permutation is as it was
+    assert order_changed({**older, "step_in_epoch": 0}, grouped=True) == ""
+    assert order_changed({**older, "order": ORDER_VERSION}, grouped=True) == ""
 
 
 @pytest.mark.quick

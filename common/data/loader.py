@@ -52,6 +52,9 @@ def listed(names: Sequence[str]) -> str:
 CIFAR_SPEC = DataSpec(3, 32, 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), augment="pad-crop-flip")
 MNIST_SPEC = DataSpec(1, 28, 10, (0.1307,), (0.3081,), augment="none")
 SHUFFLE_WINDOW = 4  # shards: each epoch shuffles the shards, then deals each window of this many into as many lanes
+# The order of shards' samples (global_order), in checkpoints: 1 windows shuffled whole, 2 lanes. A
+# checkpoint written mid-epoch under another continues its epoch on other samples (common/train/state.py).
+ORDER_VERSION = 2
 
 
 @dataclass(frozen=True)

@@ -75,6 +75,7 @@ from common.train.state import (
     expected_bytes,
     load_training_state,
     model_mismatches,
+    order_changed,
     parse_checkpoint,
     training_state,
 )
@@ -416,6 +417,9 @@ class Checkpoints:
                                    "sizes); to resume, restore the files it was trained on; to train on these, "
                                    f"start a new run with --resume none (--weights {resumed.path} starts it from "
                                    "its weights)")
+        changed = order_changed(resumed.state, run.loader.split.groups is not None)
+        if changed:  # the same verdict on every rank
+            self.ctx.fail_together(f"checkpoint {resumed.path} {changed}")
         load_training_state(run, resumed.state)
 
     def save(self, run: Run, at: Position, wait: bool, on_saved: Callable[[str, float], None]) -> str:
