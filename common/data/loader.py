@@ -200,7 +200,7 @@ def dealt_into_lanes(window: list[torch.Tensor], start: int, g: torch.Generator)
     spare = torch.cat([lane[len(mine):] for lane, mine in zip(lanes, places)])
     order, lent = torch.empty(size, dtype=torch.int64), 0
     for lane, mine in zip(lanes, places):
-        short = len(mine) - min(len(lane), len(mine))
+        short = max(0, len(mine) - len(lane))
         order[mine] = torch.cat([lane[:len(mine)], spare[lent:lent + short]])
         lent += short
     return order
@@ -262,7 +262,7 @@ class TrainLoader:
         if full_steps == 0:
             raise UserError(f"--batch-size {global_batch} is larger than the training set ({len(split)} images)")
         self.split, self.spec, self.device = on_device(split, device), spec, device
-        self.global_batch, self.rank, self.world_size, self.seed = global_batch, rank, world_size, seed
+        self.global_batch, self.seed = global_batch, seed
         self.steps_per_epoch = min(full_steps, max_steps) if max_steps else full_steps
         self.normalize = Normalizer(spec, device, memory_format)
         self.per_sample = SampleAugment(augment, random_erase)
@@ -288,7 +288,7 @@ class TrainLoader:
         return b / float(weights.cpu()[labels].sum())
 
     def epoch(self, epoch: int, start_step: int = 0) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        """Global batch k is order[k*B:(k+1)*B]; this rank takes every W-th sample of it, from its rank."""
+        """Global batch k is order[k*B:(k+1)*B]; this rank takes the samples at its places of it."""
         indices = self.indices(epoch, start_step)
         if self.split.augments:
             draws = Draws(self.seed, epoch, start_step, self.global_batch, self.augment)
