@@ -533,10 +533,13 @@ class Chaos:
         since = (time.time() if since is None else since) + (fault.seconds if not fresh else 0.0)
 
         def wait() -> None:
-            while self.running():
+            while True:
+                ended = not self.running()  # read first: a run that trains and ends between two polls is read once more
                 if progress.trained_after(since, fresh):
                     fault.back = time.monotonic()
                     return
+                if ended:
+                    break
                 time.sleep(0.2)
             fault.notes.append("its target had not trained again when the run ended")
         threading.Thread(target=wait, daemon=True).start()
