@@ -24,8 +24,10 @@ The workers run this file (below: the script's own main, held at two steps): whi
 file exists, a worker waits before global step GATES[0] until it gets a signal (the stop for the
 join) and before GATES[1] until it gets one or the gate is removed (the leaving node's worker gets
 the signal; the staying one waits for the test, which removes the gate once the leaving agent has
-passed the TERM on). So the join and the leave land at known points on a host of any speed, and
-the rest of the run goes at full speed.
+passed the TERM on). The leaving node gets its TERM only once its worker has begun a step (it says so
+in a file): before that, a TERM is start-up's, which ends a worker at once, without the stop. So the
+join and the leave land at known points on a host of any speed, and the rest of the run goes at full
+speed.
 """
 from __future__ import annotations
 
@@ -148,9 +150,13 @@ def join_then_leave(script: str, flags: list[str], gate: Path) -> tuple[Console,
             joined = console.now()
             agents.append(start_agent("B", console, env, args))
             world2 = console.first_step_of_next_world(joined, "join")
+            # Rank 0's start-up line does not say that B's worker is past its own start-up (a loaded host
+            # can hold it there for a second or more): its first step does.
+            marked(gate, "training-B", "B's worker began no step", console)
             left = console.now()
             agents[1].send_signal(signal.SIGTERM)
-            signalled(gate, "B", console)  # the leaving agent passed the TERM on to its worker, held at the gate
+            # The leaving agent passed the TERM on to its worker, held at the gate.
+            marked(gate, "signalled-B", "node B's worker took no signal", console)
             gate.unlink()
             world1 = console.first_step_of_next_world(left, "leave")
             agents[0].wait(timeout=ENDS_PROMPTLY_S)
@@ -188,12 +194,11 @@ def test_a_node_joins_and_leaves_without_losing_a_step(mnist_root, tmp_path):
     assert dw == 0, "the same world sizes at the same steps: the same sums in the same order"
 
 
-def signalled(gate: Path, node: str, console: Console) -> None:
-    """Wait until the node's worker, held at a gate, has taken its signal."""
-    marker, deadline = gate.with_name(f"signalled-{node}"), time.monotonic() + ENDS_PROMPTLY_S
+def marked(gate: Path, name: str, failure: str, console: Console) -> None:
+    """Wait until a worker has written the file `name` beside the gate (see gated)."""
+    marker, deadline = gate.with_name(name), time.monotonic() + ENDS_PROMPTLY_S
     while not marker.exists():
-        assert time.monotonic() < deadline, \
-            f"node {node}'s worker took no signal within {ENDS_PROMPTLY_S} s; the agents said:\n{console.text()}"
+        assert time.monotonic() < deadline, f"{failure} within {ENDS_PROMPTLY_S} s; the agents said:\n{console.text()}"
         time.sleep(0.05)  # a poll with a deadline: the marker is a file the worker writes
 
 
@@ -255,17 +260,20 @@ def test_the_store_refuses_a_port_in_use_in_one_line():
 
 def gated(script: str, args: list[str], gate: Path) -> None:
     """SCRIPT's own main with ARGS, held at GATES while `gate` exists (see the module's docstring). A
-    worker released by a signal says so in a file beside the gate, named for its node."""
+    worker says in files beside the gate, named for its node, that it began a step (its stop handler
+    is in place) and that a signal released it."""
     begin_step = StopRequest.begin_step
+    node = os.environ.get("NODE_NAME", "?")
 
     def held(self: StopRequest, index: int) -> None:
+        gate.with_name(f"training-{node}").touch()
         deadline = time.monotonic() + ENDS_PROMPTLY_S * 2  # the test is gone or stuck: end, not hang
         while index in GATES and gate.exists() and not self.received:
             if time.monotonic() > deadline:
                 raise SystemExit(f"error: held before step {index + 1} for {ENDS_PROMPTLY_S * 2} s: the test is gone")
             time.sleep(0.01)  # a poll with a deadline: the gate is a file, the release a signal or its removal
         if index in GATES and gate.exists() and self.received:
-            gate.with_name(f"signalled-{os.environ.get('NODE_NAME', '?')}").touch()
+            gate.with_name(f"signalled-{node}").touch()
         begin_step(self, index)
     StopRequest.begin_step = held
     sys.argv = [script, *args]
