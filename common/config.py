@@ -19,6 +19,9 @@ from common.optimizers import OPTIMIZERS
 DATASETS = ("cifar10", "mnist", "synthetic", "imagefolder", "shards", "hf")
 INTERPOLATIONS = ("bilinear", "bicubic")  # --interpolation: torch's antialiased kernels of both take uint8 on a CPU
 OWN_DATASETS = ("imagefolder", "shards", "hf")  # your own images (common/shards.py, common/data/hf.py: their layouts)
+# Shards: each epoch shuffles the shards, then deals each window of this many into as many lanes
+# (--shard-lanes' default; common/data/loader.py's global_order; a checkpoint records its own).
+SHUFFLE_WINDOW = 4
 
 
 @dataclass(frozen=True)
@@ -59,6 +62,7 @@ class Config:
     skip_broken: bool
     cache_gb: float
     shard_cache_gb: float
+    shard_lanes: int
     verify_data: bool
     decode: str
     hf_image_key: str

@@ -20,7 +20,8 @@ receives rank 1's "time.time() pid" as it injects, for tests that time what foll
 FAULT at another point:
   sigterm-eval    every rank sends itself SIGTERM at its STEP-th evaluation batch
   sigterm-saving  rank 0's writer, writing the checkpoint of global step STEP, sends SIGTERM to
-                  every worker and torchrun in the middle of a 1 s write (a slow store)
+                  every worker and torchrun in the middle of its write (a slow store), once
+                  training has passed that save's stop check
 Without torchrun the job is this one process.
   sigkill  rank 1 SIGKILLs itself, on torchrun's first attempt only
   raise    rank 1 raises RuntimeError
@@ -36,6 +37,7 @@ import ctypes
 import os
 import signal
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -48,7 +50,9 @@ from common.train.app import main as run
 from common.train.checkpoint import CheckpointFolder
 from common.train.precision import Precision
 from common.train.preemption import FORCE_AFTER_S
+from common.train.run import Position
 from common.train.strategy import Strategy
+from common.train.trainer import Trainer
 from train_allreduce import AllReduceStrategy
 from train_ddp import DDPStrategy
 from train_dp import DataParallelStrategy
@@ -127,16 +131,25 @@ def signal_during_evaluation(model: torch.nn.Module, at_batch: int) -> None:
 
 
 def signal_during_save(global_step: int) -> None:
-    """Rank 0's checkpoint writer (only rank 0 writes) slows down and signals the job mid-write."""
-    write = CheckpointFolder.write
+    """Rank 0's checkpoint writer (only rank 0 writes) slows down and signals the job mid-write, once
+    rank 0's training has passed that save's stop check (a collective: every rank has), so that the
+    signal counts at the next save, which waits for this write, on a host of any speed."""
+    write, save = CheckpointFolder.write, Trainer.save
+    checked = threading.Event()
+
+    def save_then_mark(self: Trainer, at: Position, wait: bool, check_stop: bool = True) -> str:
+        path = save(self, at, wait, check_stop)
+        if self.run.global_step(at) == global_step:
+            checked.set()
+        return path
 
     def slow_write(self: CheckpointFolder, run: str, state: dict, previous: str | None = None) -> str:
         if state["global_step"] == global_step:
-            time.sleep(0.5)  # a slow store's 1 s write (the writer's thread, not training), signalled halfway
-            signal_job(signal.SIGTERM, torchrun_first=False)
+            checked.wait(timeout=120)  # bounded: a save that waits for its own write would never mark it
+            signal_job(signal.SIGTERM, torchrun_first=False)  # a slow store's write, signalled halfway
             time.sleep(0.5)  # the write's second half
         return write(self, run, state, previous)
-    CheckpointFolder.write = slow_write
+    CheckpointFolder.write, Trainer.save = slow_write, save_then_mark
 
 
 def faulty(base: type[Strategy], fault: str, at_step: int) -> Strategy:

@@ -22,11 +22,12 @@ assertion the ddp row and those two do not make.)
 
 The workers run this file (below: the script's own main, held at two steps): while the test's gate
 file exists, a worker waits before global step GATES[0] until it gets a signal (the stop for the
-join) and before GATES[1] until it gets one or the gate is removed (the leaving node's worker gets
-the signal; the staying one waits for the test, which removes the gate once the leaving agent has
-passed the TERM on). The leaving node gets its TERM only once its worker has begun a step (it says so
-in a file): before that, a TERM is start-up's, which ends a worker at once, without the stop. So the
-join and the leave land at known points on a host of any speed, and the rest of the run goes at full
+join, which the test asks for, by starting the second node, once the first is held there) and
+before GATES[1] until it gets one or the gate is removed (the leaving node's worker gets the signal;
+the staying one waits for the test, which removes the gate once the leaving agent has passed the
+TERM on). The leaving node gets its TERM only once its worker has begun a step (it says so in a
+file): before that, a TERM is start-up's, which ends a worker at once, without the stop. So the join
+and the leave land at known points on a host of any speed, and the rest of the run goes at full
 speed.
 """
 from __future__ import annotations
@@ -91,7 +92,8 @@ class Console:
         raise AssertionError(f"no {what} within {ENDS_PROMPTLY_S} s:\n{self.text()}")
 
     def first_step_of_next_world(self, after: float, what: str) -> float:
-        """When the first world formed after `after` trained its first step (rank 0's start-up line)."""
+        """When the first world formed after `after` began training (rank 0's start-up line, said as
+        its first step begins)."""
         return self.wait_for(STARTED, self.wait_for(WORLD, after, f"world after the {what}"), f"step after the {what}")
 
     def text(self) -> str:
@@ -146,7 +148,9 @@ def join_then_leave(script: str, flags: list[str], gate: Path) -> tuple[Console,
         args = ["tests/test_elastic.py", script, *flags]
         try:
             agents.append(start_agent("A", console, env, args))
-            console.wait_for(STARTED, 0, "first step of the first node")
+            # Held before step GATES[0] + 1 until the join's stop reaches it: B starts only then, so the
+            # stop is agreed on at that step however fast B's start-up is against A's first steps.
+            marked(gate, "held-A", "A's worker was not held at its first gate", console)
             joined = console.now()
             agents.append(start_agent("B", console, env, args))
             world2 = console.first_step_of_next_world(joined, "join")
@@ -261,13 +265,15 @@ def test_the_store_refuses_a_port_in_use_in_one_line():
 def gated(script: str, args: list[str], gate: Path) -> None:
     """SCRIPT's own main with ARGS, held at GATES while `gate` exists (see the module's docstring). A
     worker says in files beside the gate, named for its node, that it began a step (its stop handler
-    is in place) and that a signal released it."""
+    is in place), that it is held at a gate, and that a signal released it."""
     begin_step = StopRequest.begin_step
     node = os.environ.get("NODE_NAME", "?")
 
     def held(self: StopRequest, index: int) -> None:
         gate.with_name(f"training-{node}").touch()
         deadline = time.monotonic() + ENDS_PROMPTLY_S * 2  # the test is gone or stuck: end, not hang
+        if index in GATES and gate.exists() and not self.received:
+            gate.with_name(f"held-{node}").touch()
         while index in GATES and gate.exists() and not self.received:
             if time.monotonic() > deadline:
                 raise SystemExit(f"error: held before step {index + 1} for {ENDS_PROMPTLY_S * 2} s: the test is gone")

@@ -25,7 +25,17 @@ import torch
 from common import hfsets
 from common.data import cache, hf, own
 from common.data.cache import file_lock, remove_lock, staging_path
-from common.data.loader import MNIST_SPEC, ORDER_VERSION, SHUFFLE_WINDOW, Split, TrainLoader, global_order, rank_places
+from common.data.loader import (
+    MNIST_SPEC,
+    ORDER_VERSION,
+    SHUFFLE_WINDOW,
+    Split,
+    TrainLoader,
+    global_order,
+    nodes_per_shard,
+    rank_places,
+    shared_reads_notice,
+)
 from common.data.reading import Reader
 from common.data.shardcache import FETCH_LOCK_COUNT, STAGING, ShardCache, fetch_lock
 from common.errors import UserError
@@ -227,7 +237,7 @@ def test_a_row_group_cache_smaller_than_the_set_stays_in_its_budget_and_streams_
 def test_a_row_group_is_copied_in_pieces_and_a_reader_holds_no_image(sets, tmp_path):
     """The copy's memory is bounded by its pieces, not the row group: a quarter of the group's bytes
     asked for gives pieces of a quarter of its rows, which together are the column; a reader
-    process holds only row starts (8 bytes a row) of at most ROW_GROUPS_HELD groups."""
+    process holds only row starts (8 bytes a row) of at most two windows' groups (2 x --shard-lanes)."""
     files = hfsets.Files(str(sets["hf"]), {})
     name = "data/train-00000-of-00002.parquet"
     whole = files.columns(name, 0, ["image"])[0]
@@ -239,7 +249,7 @@ def test_a_row_group_is_copied_in_pieces_and_a_reader_holds_no_image(sets, tmp_p
     reader = streamed.train.source
     for i in range(len(reader)):
         reader.read(i)
-    assert 0 < len(reader.held) <= hf.ROW_GROUPS_HELD
+    assert 0 < len(reader.held) <= reader.cache.least == 2 * SHUFFLE_WINDOW
     assert all(starts.dtype == np.int64 and starts.nbytes <= 8 * 38 for starts, _ in reader.held.values())
 
 
@@ -435,13 +445,14 @@ def test_an_epoch_takes_each_sample_once_and_equal_steps_on_uneven_shards(sets, 
     assert len({sum(1 for _ in loader.epoch(2)) for loader in loaders}) == 1
 
 
-def shards_each_node_reads(groups: torch.Tensor, world: int, nodes: int, batch: int = 24) -> list[set[int]]:
+def shards_each_node_reads(groups: torch.Tensor, world: int, nodes: int, batch: int = 24,
+                           lanes: int = SHUFFLE_WINDOW) -> list[set[int]]:
     """The shards (row groups) each node's ranks read in an epoch: those of the samples at their places."""
     split = Split(torch.zeros(len(groups), 1, 1, 1, dtype=torch.uint8), torch.zeros(len(groups), dtype=torch.int64),
                   groups)
     read: list[set[int]] = [set() for _ in range(nodes)]
     for rank in range(world):
-        loader = TrainLoader(split, MNIST_SPEC, batch, rank, world, seed=5, device=CPU, nodes=nodes)
+        loader = TrainLoader(split, MNIST_SPEC, batch, rank, world, seed=5, device=CPU, nodes=nodes, lanes=lanes)
         read[rank // (world // nodes)] |= set(groups[torch.cat(loader.indices(2))].tolist())
     return read
 
@@ -461,6 +472,29 @@ def test_each_node_reads_only_the_shards_of_its_places_lanes():
     uneven = torch.arange(16).repeat_interleave(torch.tensor([12] * 15 + [5]))
     read = shards_each_node_reads(uneven, 4, 2)
     assert len(read[0] & read[1]) <= SHUFFLE_WINDOW - 1 and len(read[0] | read[1]) >= 15, read
+
+
+@pytest.mark.quick
+def test_shard_lanes_that_the_nodes_divide_give_each_node_its_own_shards_at_3_5_and_6_nodes():
+    """Where 4 lanes read each shard on every node of 3 (and 5, 6: gcd 1, 1, 2), K lanes a multiple of
+    the node count that divides the global batch give each node its own: disjoint, together the set
+    (60 shards of 10, a multiple of every K here: equal shards in full windows lend none). The run says
+    which K would."""
+    equal = torch.arange(60).repeat_interleave(10)
+    for world, nodes, batch, lanes in ((6, 3, 24, 6), (6, 3, 24, 12), (5, 5, 40, 5), (6, 6, 24, 6), (12, 6, 48, 12)):
+        assert nodes_per_shard(nodes, SHUFFLE_WINDOW, batch) > 1 and nodes_per_shard(nodes, lanes, batch) == 1
+        before = shards_each_node_reads(equal, world, nodes, batch)
+        assert sum(len(r) for r in before) >= 2 * 60, (world, nodes, before)  # each shard read by 2 or more nodes
+        read = shards_each_node_reads(equal, world, nodes, batch, lanes)
+        assert sum(len(r) for r in read) == 60 and set().union(*read) == set(range(60)), (world, nodes, lanes, read)
+    assert shared_reads_notice(3, SHUFFLE_WINDOW, 24) == (
+        "each shard (row group) is read by 3 of the 3 nodes (--shard-lanes 4): --shard-lanes 6 (a multiple of the "
+        "node count that divides the global batch 24) would have each node read only its own; it changes the "
+        "sample order, and a checkpoint cut mid-epoch resumes only with the lanes it was written with")
+    assert "--shard-lanes 8 (" in shared_reads_notice(8, SHUFFLE_WINDOW, 64)  # 2 readers at 8 nodes of 4 lanes
+    assert "--shard-lanes 3 (" in shared_reads_notice(3, SHUFFLE_WINDOW, 3)  # only the node count fits
+    assert shared_reads_notice(2, SHUFFLE_WINDOW, 24) == shared_reads_notice(3, 6, 24) == ""
+    assert nodes_per_shard(2, 4, 26) == 2  # lanes that do not divide the batch move with each step: every node
 
 
 @pytest.mark.quick
@@ -487,6 +521,23 @@ def test_a_checkpoint_cut_mid_epoch_under_the_older_order_of_shards_is_refused_w
     assert order_changed(older, grouped=False) == ""  # DistributedSampler's permutation is as it was
     assert order_changed({**older, "step_in_epoch": 0}, grouped=True) == ""
     assert order_changed({**older, "order": ORDER_VERSION}, grouped=True) == ""
+
+
+@pytest.mark.quick
+def test_a_checkpoint_cut_mid_epoch_under_other_shard_lanes_is_refused_with_the_ways_out():
+    """Another --shard-lanes deals the shards otherwise: mid-epoch, refused naming the lanes that
+    finish it; at an epoch's end, or without shards, the new lanes take over. A checkpoint that
+    records no lanes was written with the default."""
+    cut = {"epoch": 0, "step_in_epoch": 5, "order": ORDER_VERSION, "lanes": 6}
+    said = order_changed(cut, grouped=True, lanes=SHUFFLE_WINDOW)
+    assert said.startswith("was written at step 5 of epoch 1 with --shard-lanes 6: --shard-lanes 4 deals") and \
+        "pass --shard-lanes 6 to finish the epoch" in said and "--resume PATH" in said, said
+    assert order_changed(cut, grouped=True, lanes=6) == ""
+    assert order_changed({**cut, "step_in_epoch": 0}, grouped=True, lanes=12) == ""
+    assert order_changed(cut, grouped=False, lanes=12) == ""
+    unrecorded = {"epoch": 0, "step_in_epoch": 5, "order": ORDER_VERSION}
+    assert order_changed(unrecorded, grouped=True) == "" and "--shard-lanes 4 to finish" in order_changed(
+        unrecorded, grouped=True, lanes=8)
 
 
 @pytest.mark.quick
@@ -806,7 +857,7 @@ def ok(result) -> None:
 
 STREAMED = ("shards", "hf")  # the layouts whose streamed runs are cut: each its set in `sets` and its --dataset
 EQUIVALENCE_ROWS = {"shards": ("shards", ["--cache-gb", "0", "--workers", "2"]),  # row: (its set, its flags)
-                    "hf": ("hf", ["--cache-gb", "0", "--workers", "2"]),
+                    "hf": ("hf", ["--cache-gb", "0", "--workers", "2", "--shard-lanes", "3"]),
                     "varying": ("imagefolder", ["--image-size", "20"])}
 
 
@@ -873,8 +924,8 @@ def test_an_image_folder_learns_evaluates_exactly_and_is_decoded_once(shared, se
 
 def test_check_equivalence_holds_on_own_images(shared):
     """Covers (`shared`'s runs): streamed shards and a streamed Hugging Face parquet set with 2 workers
-    per rank; varying sizes with random-resized crops drawn per global batch. Each equals one process
-    within the tolerance."""
+    per rank (its row groups dealt into 3 lanes: the one-process reference deals them so too); varying
+    sizes with random-resized crops drawn per global batch. Each equals one process within the tolerance."""
     launch, _ = shared
     for name in EQUIVALENCE_ROWS:
         run = launch[f"equivalence-{name}"]
@@ -916,7 +967,7 @@ def test_a_streamed_run_cut_mid_epoch_resumes_to_the_same_weights(fault, layout,
         ok(restarted)
         assert "resumed from" in restarted.stdout
         state = latest_state(tmp_path / "run")
-    assert state["epoch"] == 2
+    assert state["epoch"] == 2 and state["lanes"] == SHUFFLE_WINDOW  # what a resume checks the order by
     reference = uninterrupted[layout]
     dw = max((state["model"][k] - reference[k]).abs().max().item() for k in reference)
     print(f"\n{fault} mid-epoch ({layout}) with 2 workers per rank, resumed: max |dw| = {dw:.3g}")
@@ -994,6 +1045,10 @@ def test_shards_from_the_store_are_fetched_once_and_a_small_cache_still_complete
      "--crop-pct must be in (0, 1]"),
     (["--dataset", "shards", "--data-dir", "d", "--image-size", "32", "--interpolation", "lanczos"],
      "--interpolation: invalid choice: 'lanczos'"),
+    (["--dataset", "imagefolder", "--data-dir", "d", "--shard-lanes", "6"],
+     "--shard-lanes applies to --dataset shards or hf (sets read by shards or row groups); drop it for --dataset "
+     "imagefolder"),
+    (["--dataset", "hf", "--data-dir", "d", "--shard-lanes", "0"], "--shard-lanes must be 1 or more"),
 ])
 def test_own_data_flags_are_checked_before_any_process_group(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:

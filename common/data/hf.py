@@ -3,7 +3,7 @@ own-data layout: indexed, then decoded into the node's cache or streamed like th
 
 The index (common/data/index.py) is a sharded table whose groups are the files' row groups (an
 Arrow file's record batches): a sample is row `offset` of group `group`. The epoch's order shuffles
-the groups and deals each window of SHUFFLE_WINDOW groups into as many lanes (loader.global_order);
+the groups and deals each window of K groups into K lanes (--shard-lanes K; loader.global_order);
 a node's ranks read only their places' lanes (loader.rank_places), but on a node each rank uses
 about 1/W of a window's rows, and a parquet row group's pages decompress only whole (pyarrow
 writes pages of up to 1,024 rows), so a row group is decompressed once per node into the node's
@@ -43,7 +43,6 @@ from common.hfsets import (
     rows_digest,
 )
 
-ROW_GROUPS_HELD = 2 * SHUFFLE_WINDOW  # a batch that spans two windows reads from both
 COPY_PIECE_BYTES = 16 * 2**20  # a row group is copied into the cache in pieces of this size (and pyarrow holds
 # the page it decodes: a process that copies holds about its largest page, one that reads holds no image)
 
@@ -136,12 +135,13 @@ def check_labels(found: ShardSamples, names: list[str] | None, where: str, label
 
 def check_shuffled(folder: Path, source: Source, classes: int) -> None:
     """Refuses training rows sorted by class: the stream shuffles row groups and the rows of
-    SHUFFLE_WINDOW of them at a time, so each batch would hold one or two classes."""
+    a few of them at a time (--shard-lanes), so each batch would hold one or two classes."""
     labels = np.fromfile(folder / "train_labels", dtype=np.int64)
     if classes > 1 and len(np.unique(labels)) > 1 and bool(np.all(np.diff(labels) >= 0)):
         raise UserError(f"the training rows of {source.root} are sorted by class: rows are shuffled within "
-                        f"{SHUFFLE_WINDOW} row groups at a time, so a batch would hold one or two classes; write the "
-                        "set shuffled (ds.shuffle(seed=0).flatten_indices(), then save_to_disk or to_parquet)")
+                        f"{SHUFFLE_WINDOW} (--shard-lanes) row groups at a time, so a batch would hold one or two "
+                        "classes; write the set shuffled (ds.shuffle(seed=0).flatten_indices(), then save_to_disk or "
+                        "to_parquet)")
 
 
 # ---------------------------------------------------------------- reading while training
@@ -158,8 +158,8 @@ class RowGroupCache(ShardCache):
     SMALLER = "write smaller row groups (row_group_size), or convert the set to shards (python -m common.shards)"
 
     def __init__(self, root: str, options: dict[str, Any], folder: Path, budget_bytes: int,
-                 versions: dict[str, str], image_key: str) -> None:
-        super().__init__(root, options, folder, budget_bytes, versions)
+                 versions: dict[str, str], image_key: str, lanes: int = SHUFFLE_WINDOW) -> None:
+        super().__init__(root, options, folder, budget_bytes, versions, lanes)
         self.files, self.image_key = Files(root, options), image_key
 
     def local(self, name: str) -> Path:
@@ -214,14 +214,14 @@ def row_starts(copy: BinaryIO) -> np.ndarray | None:
 
 
 def row_group_cache(index: SetIndex, folder: Path, options: dict[str, Any], budget_bytes: int,
-                    image_key: str) -> RowGroupCache | None:
+                    image_key: str, lanes: int = SHUFFLE_WINDOW) -> RowGroupCache | None:
     """The node's cache of the set's parquet row groups (None for Arrow files: those are mapped),
     each named by the set's fingerprint and sized by its rows' bytes as indexed."""
     sizes = {name: int(size) for table in (index.train, index.test) for name, size in group_bytes(table).items()}
     if not sizes or all(fmt_of(name.rsplit(GROUP_MARK, 1)[0]) == ARROW for name in sizes):
         return None
     versions = {name: f"{size}-{index.fingerprint}" for name, size in sizes.items()}
-    return RowGroupCache(index.root, options, folder, budget_bytes, versions, image_key)
+    return RowGroupCache(index.root, options, folder, budget_bytes, versions, image_key, lanes)
 
 
 def group_bytes(table: Table) -> dict[str, float]:
@@ -233,8 +233,8 @@ def group_bytes(table: Table) -> dict[str, float]:
 class HFReader(Reader):
     """A Reader whose samples are rows of SOURCE's files: sample i is row offset[i] of row group
     group[i], read from the node's copy of the row group (RowGroupCache), or from the mapped Arrow
-    file; a process holds the copies of the last ROW_GROUPS_HELD row groups it read open, with their
-    row starts (8 bytes a row), and no image."""
+    file; a process holds the copies of the last row groups it read open (as many as a node may read
+    at once: shardcache.least_held), with their row starts (8 bytes a row), and no image."""
 
     def __init__(self, table, root: str, view: Stored, channels: int, skip: bool, augment: str,
                  store: Ragged | None, image_key: str, options: dict[str, Any], cache: RowGroupCache | None) -> None:
@@ -267,7 +267,7 @@ class HFReader(Reader):
     def row_bytes(self, group: int, row: int) -> bytes:
         if group not in self.held:
             self.held[group] = self.cache.opened(self.table.names[group])
-            if len(self.held) > ROW_GROUPS_HELD:
+            if len(self.held) > self.cache.least:
                 self.held.popitem(last=False)[1][1].close()
         self.held.move_to_end(group)
         starts, copy = self.held[group]

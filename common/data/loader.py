@@ -6,11 +6,13 @@ gets the files onto each node.
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Iterator, Sequence
 
 import torch
 
+from common.config import SHUFFLE_WINDOW
 from common.data.augment import Draws, SampleAugment, draw_seed
 from common.errors import UserError
 
@@ -51,7 +53,6 @@ def listed(names: Sequence[str]) -> str:
 
 CIFAR_SPEC = DataSpec(3, 32, 10, (0.4914, 0.4822, 0.4465), (0.2470, 0.2435, 0.2616), augment="pad-crop-flip")
 MNIST_SPEC = DataSpec(1, 28, 10, (0.1307,), (0.3081,), augment="none")
-SHUFFLE_WINDOW = 4  # shards: each epoch shuffles the shards, then deals each window of this many into as many lanes
 # The order of shards' samples (global_order), in checkpoints: 1 windows shuffled whole, 2 lanes. A
 # checkpoint written mid-epoch under another continues its epoch on other samples (common/train/state.py).
 ORDER_VERSION = 2
@@ -67,6 +68,7 @@ class Split:
         return len(self.labels)
 
     augments = False  # its training batches are cropped and augmented by TrainLoader, on the rank
+    reads_shards = False  # in memory: training reads no shard (row group)
 
     def batches(self, indices: list[torch.Tensor], device: torch.device) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         """uint8 images and labels of each index batch, on `device`."""
@@ -165,54 +167,77 @@ def on_device(split: Split, device: torch.device) -> Split:
                  split.labels.pin_memory().to(device, non_blocking=True), split.groups)
 
 
-def global_order(size: int, seed: int, epoch: int, groups: torch.Tensor | None = None) -> torch.Tensor:
+def global_order(size: int, seed: int, epoch: int, groups: torch.Tensor | None = None,
+                 lanes: int = SHUFFLE_WINDOW) -> torch.Tensor:
     """The epoch's order of all samples, the same at every world size: DistributedSampler's
-    permutation; for shards (and row groups), the shards shuffled and taken SHUFFLE_WINDOW at a time,
-    so a bounded cache of shards serves the reads. A window's shards are dealt into lanes: the
-    sample at place i of the epoch is from lane i mod SHUFFLE_WINDOW, lane k holding the window's
-    k-th shard, its samples shuffled; so every batch mixes the window's shards evenly, and the
-    places of a node (rank_places: those equal to n mod N) read only the lanes equal to n mod
-    gcd(N, SHUFFLE_WINDOW), at every step: its ranks fetch and decompress those shards, no others."""
+    permutation; for shards (and row groups), the shards shuffled and taken `lanes` (K) at a time,
+    so a bounded cache of shards serves the reads. A window's shards are dealt into K lanes: the
+    sample at place i of the epoch is from lane i mod K, lane k holding the window's k-th shard, its
+    samples shuffled; so every batch mixes the window's shards evenly, and (K dividing the global
+    batch) the places of a node (rank_places: those equal to n mod N) read only the lanes equal to
+    n mod gcd(N, K), at every step: its ranks fetch and decompress those shards, no others."""
     g = torch.Generator().manual_seed(seed + epoch)  # DistributedSampler's seeding
     if groups is None:
         return torch.randperm(size, generator=g)
     by_group = torch.argsort(groups, stable=True).split(torch.bincount(groups).tolist())
     shards = torch.randperm(len(by_group), generator=g).tolist()
     windows, start = [], 0
-    for w in range(0, len(shards), SHUFFLE_WINDOW):
-        window = [by_group[s] for s in shards[w:w + SHUFFLE_WINDOW]]
-        windows.append(dealt_into_lanes(window, start, g))
+    for w in range(0, len(shards), lanes):
+        window = [by_group[s] for s in shards[w:w + lanes]]
+        windows.append(dealt_into_lanes(window, start, g, lanes))
         start += len(windows[-1])
     return torch.cat(windows)
 
 
-def dealt_into_lanes(window: list[torch.Tensor], start: int, g: torch.Generator) -> torch.Tensor:
+def dealt_into_lanes(window: list[torch.Tensor], start: int, g: torch.Generator, lanes: int) -> torch.Tensor:
     """A window's samples in the epoch's order from its place `start` on: place i holds a sample of
-    lane i mod SHUFFLE_WINDOW, lane k the window's k-th shard's samples, shuffled. Shards of unequal
-    sizes (and a last window of fewer) fill their lanes' places unevenly: a lane's samples beyond
-    its places fill the places other lanes lack (a shard read there too, for those samples)."""
+    lane i mod `lanes`, lane k the window's k-th shard's samples, shuffled. Shards of unequal sizes
+    (and a last window of fewer) fill their lanes' places unevenly: a lane's samples beyond its
+    places fill the places other lanes lack (a shard read there too, for those samples)."""
     size = sum(len(shard) for shard in window)
     # min: a window of fewer samples than lanes (a last shard of 1) leaves a lane no place
-    places = [torch.arange(min((lane - start) % SHUFFLE_WINDOW, size), size, SHUFFLE_WINDOW)
-              for lane in range(SHUFFLE_WINDOW)]
+    places = [torch.arange(min((lane - start) % lanes, size), size, lanes) for lane in range(lanes)]
     shuffled = [shard[torch.randperm(len(shard), generator=g)] for shard in window]
-    lanes = shuffled + [torch.zeros(0, dtype=torch.int64)] * (SHUFFLE_WINDOW - len(window))
-    spare = torch.cat([lane[len(mine):] for lane, mine in zip(lanes, places)])
+    dealt = shuffled + [torch.zeros(0, dtype=torch.int64)] * (lanes - len(window))
+    spare = torch.cat([lane[len(mine):] for lane, mine in zip(dealt, places)])
     order, lent = torch.empty(size, dtype=torch.int64), 0
-    for lane, mine in zip(lanes, places):
+    for lane, mine in zip(dealt, places):
         short = max(0, len(mine) - len(lane))
         order[mine] = torch.cat([lane[:len(mine)], spare[lent:lent + short]])
         lent += short
     return order
 
 
+def nodes_per_shard(nodes: int, lanes: int, global_batch: int) -> int:
+    """How many of N nodes read each shard (row group) of an epoch, lent samples aside (global_order):
+    N / gcd(N, K) where K lanes divide the global batch (a place keeps its lane from step to step),
+    else every node."""
+    return nodes // math.gcd(nodes, lanes) if global_batch % lanes == 0 else nodes
+
+
+def shared_reads_notice(nodes: int, lanes: int, global_batch: int) -> str:
+    """A line for a run on shards or row groups whose nodes read each other's (nodes_per_shard > 1),
+    naming a lane count that would give each node its own; "" where each node reads its own."""
+    readers = nodes_per_shard(nodes, lanes, global_batch)
+    if readers == 1:
+        return ""
+    # N divides the global batch (whole ranks per node, whole samples per rank), so N itself fits;
+    # a multiple of at least the default keeps each batch mixing as many shards.
+    fits = [k for k in range(nodes, 8 * nodes + 1, nodes) if global_batch % k == 0]
+    lanes_for_nodes = next((k for k in fits if k >= SHUFFLE_WINDOW), fits[0])
+    return (f"each shard (row group) is read by {readers} of the {nodes} nodes (--shard-lanes {lanes}): "
+            f"--shard-lanes {lanes_for_nodes} (a multiple of the node count that divides the global batch "
+            f"{global_batch}) would have each node read only its own; it changes the sample order, and a "
+            "checkpoint cut mid-epoch resumes only with the lanes it was written with")
+
+
 def rank_places(rank: int, world_size: int, nodes: int, global_batch: int) -> tuple[int, ...]:
     """This rank's places in each global batch (its rows' positions), the ranks' places one partition.
-    Node n of N takes the places n mod N: a node's places read N / gcd(N, SHUFFLE_WINDOW) of the
-    window's lanes (global_order), so its ranks fetch and decompress only those shards or row groups.
-    Its L ranks take consecutive runs of the node's places, which cycle through the node's lanes (a
-    rank's batch mixes every shard its node reads); in two halves where a rank's share is even, so
-    place g and its mixing partner g + B/2 stay on one rank (common/train/mixing.py)."""
+    Node n of N takes the places n mod N: where K lanes divide the global batch, a node's places read
+    K / gcd(N, K) of a window's K lanes (global_order), so its ranks fetch and decompress only those
+    shards or row groups. Its L ranks take consecutive runs of the node's places, which cycle through
+    the node's lanes (a rank's batch mixes every shard its node reads); in two halves where a rank's
+    share is even, so place g and its mixing partner g + B/2 stay on one rank (common/train/mixing.py)."""
     nodes = nodes if nodes > 1 and world_size % nodes == 0 else 1
     node, local = divmod(rank, world_size // nodes)
     mine, share = range(node, global_batch, nodes), global_batch // world_size
@@ -257,7 +282,7 @@ class TrainLoader:
     def __init__(self, split: Split, spec: DataSpec, global_batch: int, rank: int, world_size: int,
                  seed: int, device: torch.device, max_steps: int = 0,
                  memory_format: torch.memory_format = torch.contiguous_format, augment: str = "basic",
-                 random_erase: float = 0.0, nodes: int = 1) -> None:
+                 random_erase: float = 0.0, nodes: int = 1, lanes: int = SHUFFLE_WINDOW) -> None:
         full_steps = len(split) // global_batch
         if full_steps == 0:
             raise UserError(f"--batch-size {global_batch} is larger than the training set ({len(split)} images)")
@@ -268,12 +293,13 @@ class TrainLoader:
         self.per_sample = SampleAugment(augment, random_erase)
         self.augment = augment
         self.positions = rank_places(rank, world_size, nodes, global_batch)  # its rows' places in a global batch
+        self.lanes = lanes  # a set of shards: how many of them each window of the epoch deals (global_order)
         self.places = torch.tensor(self.positions, dtype=torch.int64)
         self._order: tuple[int, torch.Tensor] | None = None  # (epoch, its global order), for label_scale
 
     def order(self, epoch: int) -> torch.Tensor:
         if self._order is None or self._order[0] != epoch:
-            self._order = (epoch, global_order(len(self.split), self.seed, epoch, self.split.groups))
+            self._order = (epoch, global_order(len(self.split), self.seed, epoch, self.split.groups, self.lanes))
         return self._order[1]
 
     def label_scale(self, weights: torch.Tensor | None, epoch: int, step: int) -> float:

@@ -47,7 +47,7 @@ from common.data.device_decode import choose_decode
 from common.data.geometry import Geometry, Resampling, Stored, choose_geometry, stored_bytes
 from common.data.index import INDEX_FORMAT, SetIndex, TableWriter, map_index, publish, shapes_of, staging_for
 from common.data.indexing import ShardSamples, Survey, check_classes, index_folder, index_shards
-from common.data.loader import Dataset, DataSpec, Expected, Split
+from common.data.loader import SHUFFLE_WINDOW, Dataset, DataSpec, Expected, Split
 from common.data.reading import Ragged, Reader, Request, Streamed, batches_of
 from common.data.shardcache import ShardCache
 from common.data.shardformat import read_shard
@@ -79,6 +79,7 @@ class OwnData:
     device: str = "cpu"  # the rank's device, where --decode gpu decodes
     image_key: str = "image"  # hf: the columns of the images and of their classes
     label_key: str = "label"
+    lanes: int = SHUFFLE_WINDOW  # --shard-lanes: shards (row groups) a window of the epoch deals; two at once held
     resampling: Resampling = Resampling()  # --image-size's crop fraction and filter (--crop-pct, --interpolation)
     # evaluate.py: the model the set is scored by. Only the test split is decoded: no statistics are
     # measured on the training split (the checkpoint's normalization is used), no decoded copy of the
@@ -94,14 +95,14 @@ class OwnData:
         if not is_url(self.data_dir) or self.kind == "hf":
             return None
         return ShardCache(self.data_dir, self.storage_options, cache_folder(self.cache_dir, self.data_dir) / "shards",
-                          int(self.shard_cache_gb * 2**30), versions)
+                          int(self.shard_cache_gb * 2**30), versions, self.lanes)
 
     def stream_cache(self, index: SetIndex) -> ShardCache | None:
         """What a streamed set is read through on the node: shards from a URL, or (hf) copies of a
         parquet set's row groups, each decompressed once per node."""
         if self.kind == "hf":
             return hf.row_group_cache(index, self.cache_root / "rowgroups", self.storage_options,
-                                      int(self.shard_cache_gb * 2**30), self.image_key)
+                                      int(self.shard_cache_gb * 2**30), self.image_key, self.lanes)
         return self.shard_cache(index.versions)
 
 
@@ -129,6 +130,11 @@ def add_own_data_flags(group: argparse._ArgumentGroup) -> None:
         help="the most a node keeps of shards from a --data-dir URL, or of a parquet set's row groups "
              "(--dataset hf), while streaming; the least recently used are deleted beyond it "
              "(default: %(default)s)")
+    add("--shard-lanes", type=int, default=SHUFFLE_WINDOW, metavar="K",
+        help="--dataset shards or hf: each epoch shuffles the shards (row groups) and deals them K at a time "
+             "into K lanes, so every batch mixes K of them; with K a multiple of the node count that divides "
+             "the global batch, each node reads only its own shards (else several nodes read each; the run "
+             "says so); the node's shard cache must hold 2K (default: %(default)s)"),
     add("--verify-data", action="store_true",
         help="tell the set's files apart by their bytes, not their names, sizes and dates (which "
              "cp -p and rsync -a keep): reads the whole set at every start")
@@ -173,6 +179,12 @@ def check_own_data_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> N
     if a.crop_pct is not None and not 0 < a.crop_pct <= 1:
         p.error(f"--crop-pct must be in (0, 1]: the fraction of the resized short side the centre crop keeps "
                 f"(got {a.crop_pct:g})")
+    if a.shard_lanes != SHUFFLE_WINDOW and a.dataset not in ("shards", "hf"):
+        p.error(f"--shard-lanes applies to --dataset shards or hf (sets read by shards or row groups); drop it for "
+                f"--dataset {a.dataset}")
+    if a.shard_lanes < 1:
+        p.error(f"--shard-lanes must be 1 or more: the shards (row groups) each window of an epoch deals (got "
+                f"{a.shard_lanes})")
     if a.image_size < 0 or (a.workers is not None and a.workers < 0) or not 0 <= a.cache_gb < math.inf \
             or not 0 < a.shard_cache_gb < math.inf:
         p.error("--image-size, --workers and --cache-gb must be >= 0 and --shard-cache-gb > 0 (finite: for no bound, "

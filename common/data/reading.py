@@ -413,6 +413,11 @@ class Streamed:
         return len(self.source)
 
     @property
+    def reads_shards(self) -> bool:
+        """Training reads the set's shards (row groups), not the node's decoded copy."""
+        return self.source.store is None
+
+    @property
     def labels(self) -> torch.Tensor:
         return self.source.table.labels
 

@@ -29,7 +29,6 @@ from common.storage import StorageError, storage_for
 
 # A budget must hold this many of the largest shard: the window being read, and the next one that
 # workers already read from while the first one's last batches are still in flight.
-MIN_SHARDS = 2 * SHUFFLE_WINDOW
 # Eviction deletes down to this share of the budget: a cache at its budget is then listed once per
 # 1/LOW_WATER_PARTS of its bytes fetched, not after every miss.
 LOW_WATER_PARTS = 8
@@ -62,8 +61,9 @@ class ShardCache:
     SMALLER = "write smaller shards (python -m common.shards --shard-mb)"  # the other way out of a small budget
 
     def __init__(self, url: str, options: dict[str, Any], folder: Path, budget_bytes: int,
-                 versions: dict[str, str]) -> None:
+                 versions: dict[str, str], lanes: int = SHUFFLE_WINDOW) -> None:
         self.url, self.options, self.folder, self.budget = url.rstrip("/"), options, folder, budget_bytes
+        self.least = least_held(lanes)
         self.versions = versions  # shard name -> its version (size and ETag) in the store
         self.hits = self.misses = 0
         self._store, self._store_pid = None, 0
@@ -242,22 +242,28 @@ class ShardCache:
     def ahead(self) -> int:
         """How many shards the prefetcher may fetch beyond the one being read without evicting a
         shard that workers still read (eviction may go down to the low-water mark)."""
-        return max(1, self.low_water() // max(self.largest(), 1) - MIN_SHARDS)
+        return max(1, self.low_water() // max(self.largest(), 1) - self.least)
 
     def largest(self) -> int:
         """The largest shard's size, from its version (SIZE-TAG)."""
         return max(int(version.split("-")[0]) for version in self.versions.values())
 
     def check_budget(self) -> None:
-        check_budget(self.budget, self.largest(), "--shard-cache-gb", self.WHAT, self.SMALLER)
+        check_budget(self.budget, self.largest(), self.least, "--shard-cache-gb", self.WHAT, self.SMALLER)
 
 
-def check_budget(budget_bytes: int, largest: int, flag: str, what: str = "shard",
+def least_held(lanes: int) -> int:
+    """The shards (row groups) a node may read at once: a batch that spans two windows of `lanes`
+    (--shard-lanes; loader.global_order) reads from both."""
+    return 2 * lanes
+
+
+def check_budget(budget_bytes: int, largest: int, least: int, flag: str, what: str = "shard",
                  smaller: str = ShardCache.SMALLER) -> None:
-    if budget_bytes < MIN_SHARDS * largest:
-        need = MIN_SHARDS * largest / 2**30
+    if budget_bytes < least * largest:
+        need = least * largest / 2**30
         digits = max(2, 2 - math.floor(math.log10(need)))  # three significant digits, rounded up: enough
-        raise UserError(f"{flag} {budget_bytes / 2**30:g} holds fewer than {MIN_SHARDS} of the largest {what} "
+        raise UserError(f"{flag} {budget_bytes / 2**30:g} holds fewer than {least} of the largest {what} "
                         f"({largest / 2**20:.2f} MB); pass {flag} {math.ceil(need * 10**digits) / 10**digits:g} or "
                         f"more, or {smaller}")
 

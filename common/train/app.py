@@ -14,7 +14,7 @@ from common.config import OWN_DATASETS, Config, default_checkpoint_dir, default_
 from common.data.augment import Draws
 from common.data.fetch import load_dataset
 from common.data.geometry import Resampling, choose_resampling
-from common.data.loader import Dataset, TrainLoader
+from common.data.loader import Dataset, TrainLoader, shared_reads_notice
 from common.data.own import OwnData
 from common.data.reading import cores_per_rank, default_workers
 from common.errors import exit_quietly_after_the_printer
@@ -141,7 +141,7 @@ def build_run(cfg: Config, ctx: DistContext, strategy: Strategy) -> tuple[Run, L
     data = normalized_for_weights(data, weights)  # the weights' content says which torchvision file they are
     loader = ctx.together(lambda: TrainLoader(data.train, data.spec, cfg.batch_size, ctx.rank, ctx.world_size,
                                               cfg.seed, ctx.device, cfg.max_steps, memory_format, cfg.augment,
-                                              cfg.random_erase, ctx.hosts))
+                                              cfg.random_erase, ctx.hosts, cfg.shard_lanes))
     model = model.to(ctx.device, memory_format=memory_format)
     if cfg.sync_bn:
         convert_batchnorm(model)
@@ -216,7 +216,7 @@ def own_data(cfg: Config, ctx: DistContext, resampling: Resampling) -> OwnData |
     workers = default_workers(ctx.local_world_size) if cfg.workers is None else cfg.workers
     return OwnData(cfg.dataset, cfg.data_dir, cfg.cache_dir, cfg.storage_options, cfg.image_size, workers,
                    default_workers(1) + 1, cfg.skip_broken, cfg.cache_gb, cfg.shard_cache_gb, cfg.verify_data,
-                   cfg.decode, str(ctx.device), cfg.hf_image_key, cfg.hf_label_key, resampling)
+                   cfg.decode, str(ctx.device), cfg.hf_image_key, cfg.hf_label_key, cfg.shard_lanes, resampling)
 
 
 def process_age_s() -> float:
@@ -283,6 +283,8 @@ def describe(run: Run, checkpoints: Checkpoints, log: NullLogger) -> None:
         log.info(run.resampling.describe(cfg.image_size))
     if run.data.train.augments:
         describe_loader(run, log)
+    if run.data.train.reads_shards and (shared := shared_reads_notice(ctx.hosts, run.loader.lanes, cfg.batch_size)):
+        log.info(f"note: {shared}")
     shares = run.strategy.batch_shares(ctx.world_size)
     log.info(f"model {cfg.model}; "
              f"global batch {cfg.batch_size} = {cfg.batch_size // shares} per rank x {shares}"

@@ -64,7 +64,7 @@ def check_equivalence(run: Run, log: NullLogger) -> None:
     ref_precision = Precision(cfg.precision, ctx.device)
     ref_ema = EMA(cfg.ema, one_process, reference) if cfg.ema else None
     whole_batch = TrainLoader(data.train, data.spec, cfg.batch_size, 0, 1, cfg.seed, ctx.device, cfg.max_steps,
-                              run.memory_format, cfg.augment, cfg.random_erase)
+                              run.memory_format, cfg.augment, cfg.random_erase, lanes=cfg.shard_lanes)
     recipe = StepRecipe.of(cfg, run.class_weights)
     run.model.train()
     reference.train()

@@ -538,7 +538,7 @@ class SlotBatches:
     def _stream(self, slot: int, at: Position) -> Iterator:
         cfg, data, run = self.run.cfg, self.run.data, self.run
         loader = TrainLoader(data.train, data.spec, cfg.batch_size, slot, self.slots, cfg.seed, run.ctx.device,
-                             cfg.max_steps, run.memory_format, cfg.augment, cfg.random_erase)
+                             cfg.max_steps, run.memory_format, cfg.augment, cfg.random_erase, lanes=cfg.shard_lanes)
         return run.mixing.batches(loader.epoch(at.epoch, at.step), at.epoch, at.step)
 
     def done(self, at: Position) -> None:

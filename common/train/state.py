@@ -11,7 +11,7 @@ from typing import Any
 import torch
 
 from common import __version__
-from common.data.loader import ORDER_VERSION
+from common.data.loader import ORDER_VERSION, SHUFFLE_WINDOW
 from common.errors import first_line
 from common.optimizers import OPTIMIZERS
 from common.train.run import Position, Run
@@ -55,21 +55,28 @@ def training_state(run: Run, at: Position) -> dict[str, Any]:
         "strategy": run.strategy.state_dict(),  # e.g. PowerSGD's error feedback
         "epoch": at.epoch, "step_in_epoch": at.step, "global_step": run.global_step(at),
         "world_size": run.ctx.world_size, "config": run.cfg.as_plain_dict(), "identity": run.cfg.identity(),
-        "version": __version__, "data_content": run.data.content, "order": ORDER_VERSION,
+        "version": __version__, "data_content": run.data.content, "order": ORDER_VERSION, "lanes": run.loader.lanes,
         **({"ema": run.ema.state(), "ema_steps": run.ema.steps} if run.ema else {}),  # full, like "model"
     }
 
 
-def order_changed(state: dict[str, Any], grouped: bool) -> str:
-    """Why this version cannot continue the checkpoint's epoch, or "": one written mid-epoch, on shards
-    or row groups, under another order of their samples (before ORDER_VERSION 2: none recorded) would
-    go on with other samples, some trained twice that epoch and some never."""
-    if not grouped or not state.get("step_in_epoch") or state.get("order", 1) == ORDER_VERSION:
+def order_changed(state: dict[str, Any], grouped: bool, lanes: int = SHUFFLE_WINDOW) -> str:
+    """Why this run cannot continue the checkpoint's epoch, or "": one written mid-epoch, on shards
+    or row groups, under another order of their samples (before ORDER_VERSION 2: none recorded;
+    another --shard-lanes) would go on with other samples, some trained twice that epoch and some never."""
+    if not grouped or not state.get("step_in_epoch"):
         return ""
-    return (f"was written at step {state['step_in_epoch']} of epoch {state['epoch'] + 1} by a version that ordered "
-            "a sharded set's samples otherwise: this one would train the rest of that epoch on other samples; "
-            "resume from that run's checkpoint at an epoch's end (--resume PATH), or finish the epoch with "
-            "the version that wrote it")
+    where = f"was written at step {state['step_in_epoch']} of epoch {state['epoch'] + 1}"
+    if state.get("order", 1) != ORDER_VERSION:
+        return (f"{where} by a version that ordered a sharded set's samples otherwise: this one would train the "
+                "rest of that epoch on other samples; resume from that run's checkpoint at an epoch's end "
+                "(--resume PATH), or finish the epoch with the version that wrote it")
+    saved = state.get("lanes", SHUFFLE_WINDOW)
+    if saved == lanes:
+        return ""
+    return (f"{where} with --shard-lanes {saved}: --shard-lanes {lanes} deals the shards into other lanes, and the "
+            f"rest of that epoch would be other samples; pass --shard-lanes {saved} to finish the epoch (the next "
+            "run may change it), or resume from a checkpoint at an epoch's end (--resume PATH)")
 
 
 def load_training_state(run: Run, state: dict[str, Any]) -> None:
