@@ -35,7 +35,7 @@ from bench.strategies import run, synthetic, timing
 ROOT = Path(__file__).resolve().parent.parent
 MODEL, PER_RANK, STEPS, EVERY = "convnet", 16, 40, 10
 SIZES = [1 << 12, 1 << 15, 1 << 17, 1 << 19, 1 << 21]  # bytes: the convnet's blocks up to 16x its gradients
-IN_STEP_ROUNDS, IN_STEP_CALLS = 3, 12  # a collective timed in a step: interleaved rounds, steps to a mean
+IN_STEP_ROUNDS, IN_STEP_CALLS = 3, 6  # a collective timed in a step: interleaved rounds, steps to a median
 
 ROWS: dict[str, tuple[list[str], str, str]] = {  # label -> (script and flags, the model's name, the wire)
     "ddp": (["train_ddp.py"], "ddp", "shm"),
@@ -53,24 +53,16 @@ NOSYNC = ["-m", "bench.references", "nosync"]
 # --- in each torchrun process -------------------------------------------------------------------------
 
 
-def timed_ms(f: Callable[[], object], calls: int) -> list[float]:
-    """`calls` timed calls (ms), after a few untimed ones."""
+def median_ms(f: Callable[[], object], calls: int) -> float:
+    """Median of `calls` timed calls, after a few untimed ones."""
     for _ in range(3):
         f()
     times = []
     for _ in range(calls):
         start = time.perf_counter()
         f()
-        times.append(1000 * (time.perf_counter() - start))
-    return times
-
-
-def median_ms(f: Callable[[], object], calls: int) -> float:
-    return statistics.median(timed_ms(f, calls))
-
-
-def mean_ms(f: Callable[[], object], calls: int) -> float:
-    return statistics.fmean(timed_ms(f, calls))
+        times.append(time.perf_counter() - start)
+    return 1000 * statistics.median(times)
 
 
 def probe(chosen: list[str]) -> None:
@@ -126,12 +118,9 @@ def back_to_back(ops: dict[str, dict[str, Callable]]) -> dict[str, dict[str, lis
 
 def in_step(ops: dict[str, dict[str, Callable]], step: Callable[[], None]) -> dict[str, dict[str, list[float]]]:
     """Each collective as training issues it, after a step's compute: a step with it less the step
-    alone, medians over interleaved rounds of means over steps, ms per size. On a host whose cores
-    all compute, the collective's I/O threads then wait for a core and the ranks arrive apart (the
-    slowest rank's lead is inside this figure): 1-3.5 ms at W=2 where the same call costs 0.04-0.7
-    ms back to back. Means, not medians, within a round: a wait that misses its wake-up costs a
-    scheduler tick (the hand-written ring at W=2 in training: median 2.6 ms a call, mean 3.4), and
-    the suite's step clock, which the model is checked against, is a mean over steps."""
+    alone, medians over interleaved rounds, ms per size. On a host whose cores all compute, the
+    collective's I/O threads then wait for a core and the ranks arrive apart (the slowest rank's lead
+    is inside this figure): 1-3.5 ms at W=2 where the same call costs 0.04-0.7 ms back to back."""
     import torch
     import torch.distributed as dist
 
@@ -140,11 +129,11 @@ def in_step(ops: dict[str, dict[str, Callable]], step: Callable[[], None]) -> di
         for wire, table in ops.items():
             for op, call in table.items():
                 dist.barrier()
-                alone = mean_ms(step, IN_STEP_CALLS)
+                alone = median_ms(step, IN_STEP_CALLS)
                 for i, size in enumerate(SIZES):
                     tensor = torch.zeros(size // 4)
                     dist.barrier()
-                    both = mean_ms(lambda call=call, tensor=tensor: (step(), call(tensor)), IN_STEP_CALLS)
+                    both = median_ms(lambda call=call, tensor=tensor: (step(), call(tensor)), IN_STEP_CALLS)
                     rounds.setdefault((wire, op, i), []).append(both - alone)
     found: dict[str, dict[str, list[float]]] = {}
     for (wire, op, _), extra in rounds.items():  # below 0 where the step's jitter outweighs a small call
