@@ -269,6 +269,19 @@ def test_a_cache_budget_below_eight_row_groups_is_one_line_with_the_ways_out_whe
 
 
 @pytest.mark.quick
+def test_the_cache_budget_holds_two_windows_of_the_lanes_or_the_whole_set(sets, tmp_path):
+    """--shard-lanes K: the budget must hold 2K of the largest row group, its line naming fewer lanes
+    as a way out; never more than the set's row groups (a budget that holds them all is enough)."""
+    groups = len(dataset(options(sets["hf"], tmp_path / "count", "hf", cache_gb=0.0)).train.source.cache.versions)
+    assert 2 * 1 < groups < 2 * 16  # the set: between one window of one and two windows of 16
+    with pytest.raises(UserError, match=r"holds fewer than 2 of the largest row group .* or fewer --shard-lanes "
+                                        r"\(two windows of 1 are held\)"):
+        dataset(options(sets["hf"], tmp_path / "one", "hf", cache_gb=0.0, shard_cache_gb=1e-7, lanes=1))
+    whole = dataset(options(sets["hf"], tmp_path / "whole", "hf", cache_gb=0.0, shard_cache_gb=1.0, lanes=16))
+    assert whole.train.source.cache.least == groups
+
+
+@pytest.mark.quick
 @pytest.mark.parametrize("damage", ["emptied", "cut short", "zeroed"])
 def test_a_damaged_row_group_copy_is_made_again_never_read_as_rows(damage, sets, tmp_path):
     """A copy in the row-group cache left cut short or zeroed (a crash before its bytes reached the
@@ -489,8 +502,9 @@ def test_shard_lanes_that_the_nodes_divide_give_each_node_its_own_shards_at_3_5_
         assert sum(len(r) for r in read) == 60 and set().union(*read) == set(range(60)), (world, nodes, lanes, read)
     assert shared_reads_notice(3, SHUFFLE_WINDOW, 24) == (
         "each shard (row group) is read by 3 of the 3 nodes (--shard-lanes 4): --shard-lanes 6 (a multiple of the "
-        "node count that divides the global batch 24) would have each node read only its own; it changes the "
-        "sample order, and a checkpoint cut mid-epoch resumes only with the lanes it was written with")
+        "node count that divides the global batch 24) would have each node read only its own, each batch mixing 6 "
+        "of them; it changes the sample order, and a checkpoint cut mid-epoch resumes only with the lanes it was "
+        "written with")
     assert "--shard-lanes 8 (" in shared_reads_notice(8, SHUFFLE_WINDOW, 64)  # 2 readers at 8 nodes of 4 lanes
     assert "--shard-lanes 3 (" in shared_reads_notice(3, SHUFFLE_WINDOW, 3)  # only the node count fits
     assert shared_reads_notice(2, SHUFFLE_WINDOW, 24) == shared_reads_notice(3, 6, 24) == ""
@@ -535,6 +549,8 @@ def test_a_checkpoint_cut_mid_epoch_under_other_shard_lanes_is_refused_with_the_
     assert order_changed(cut, grouped=True, lanes=6) == ""
     assert order_changed({**cut, "step_in_epoch": 0}, grouped=True, lanes=12) == ""
     assert order_changed(cut, grouped=False, lanes=12) == ""
+    assert order_changed({**cut, "step_in_epoch": 10}, grouped=True, lanes=4, epoch_steps=10) == ""  # stopped in
+    assert order_changed(cut, grouped=True, lanes=4, epoch_steps=10) != ""  # its evaluation: no step left, not 5
     unrecorded = {"epoch": 0, "step_in_epoch": 5, "order": ORDER_VERSION}
     assert order_changed(unrecorded, grouped=True) == "" and "--shard-lanes 4 to finish" in order_changed(
         unrecorded, grouped=True, lanes=8)
@@ -1048,7 +1064,9 @@ def test_shards_from_the_store_are_fetched_once_and_a_small_cache_still_complete
     (["--dataset", "imagefolder", "--data-dir", "d", "--shard-lanes", "6"],
      "--shard-lanes applies to --dataset shards or hf (sets read by shards or row groups); drop it for --dataset "
      "imagefolder"),
-    (["--dataset", "hf", "--data-dir", "d", "--shard-lanes", "0"], "--shard-lanes must be 1 or more"),
+    (["--dataset", "hf", "--data-dir", "d", "--shard-lanes", "0"], "--shard-lanes must be 1 to 256"),
+    (["--dataset", "shards", "--data-dir", "d", "--shard-lanes", "1000000000"], "--shard-lanes must be 1 to 256"),
+    (["--dataset", "imagefolder", "--data-dir", "d", "--shard-lanes", "4"], "--shard-lanes applies to --dataset"),
 ])
 def test_own_data_flags_are_checked_before_any_process_group(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_:

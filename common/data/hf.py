@@ -139,9 +139,9 @@ def check_shuffled(folder: Path, source: Source, classes: int) -> None:
     labels = np.fromfile(folder / "train_labels", dtype=np.int64)
     if classes > 1 and len(np.unique(labels)) > 1 and bool(np.all(np.diff(labels) >= 0)):
         raise UserError(f"the training rows of {source.root} are sorted by class: rows are shuffled within "
-                        f"{SHUFFLE_WINDOW} (--shard-lanes) row groups at a time, so a batch would hold one or two "
-                        "classes; write the set shuffled (ds.shuffle(seed=0).flatten_indices(), then save_to_disk or "
-                        "to_parquet)")
+                        f"a few row groups at a time (--shard-lanes, {SHUFFLE_WINDOW} by default), so a batch would "
+                        "hold one or two classes; write the set shuffled (ds.shuffle(seed=0).flatten_indices(), then "
+                        "save_to_disk or to_parquet)")
 
 
 # ---------------------------------------------------------------- reading while training

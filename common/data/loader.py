@@ -227,7 +227,8 @@ def shared_reads_notice(nodes: int, lanes: int, global_batch: int) -> str:
     lanes_for_nodes = next((k for k in fits if k >= SHUFFLE_WINDOW), fits[0])
     return (f"each shard (row group) is read by {readers} of the {nodes} nodes (--shard-lanes {lanes}): "
             f"--shard-lanes {lanes_for_nodes} (a multiple of the node count that divides the global batch "
-            f"{global_batch}) would have each node read only its own; it changes the sample order, and a "
+            f"{global_batch}) would have each node read only its own, each batch mixing {lanes_for_nodes} of them; "
+            "it changes the sample order, and a "
             "checkpoint cut mid-epoch resumes only with the lanes it was written with")
 
 

@@ -57,6 +57,9 @@ from common.storage import StorageError, is_url, storage_for
 Say = Callable[[str], None]
 DECODE_FORMAT = 3  # in each decoded set's key: what decoding produces (3: decode_jpeg, whole training images)
 STATS_SAMPLES = 2048  # training images the normalization statistics are measured on (evenly spaced)
+# --shard-lanes' bound: two windows of row groups are open in every process (HFReader), under the
+# usual limit of 1,024 open files, and a batch mixes at most this many shards.
+MAX_LANES = 256
 DECODE_CHUNK = 256  # images per worker task while decoding into the cache
 STATS_CHUNK = 32  # images per worker task while measuring the statistics
 STATS_SHARDS = 8  # shards the statistics are measured on
@@ -130,11 +133,11 @@ def add_own_data_flags(group: argparse._ArgumentGroup) -> None:
         help="the most a node keeps of shards from a --data-dir URL, or of a parquet set's row groups "
              "(--dataset hf), while streaming; the least recently used are deleted beyond it "
              "(default: %(default)s)")
-    add("--shard-lanes", type=int, default=SHUFFLE_WINDOW, metavar="K",
+    add("--shard-lanes", type=int, default=None, metavar="K",
         help="--dataset shards or hf: each epoch shuffles the shards (row groups) and deals them K at a time "
              "into K lanes, so every batch mixes K of them; with K a multiple of the node count that divides "
              "the global batch, each node reads only its own shards (else several nodes read each; the run "
-             "says so); the node's shard cache must hold 2K (default: %(default)s)"),
+             f"says so); the node's shard cache must hold 2K (default: {SHUFFLE_WINDOW}; at most {MAX_LANES})"),
     add("--verify-data", action="store_true",
         help="tell the set's files apart by their bytes, not their names, sizes and dates (which "
              "cp -p and rsync -a keep): reads the whole set at every start")
@@ -179,12 +182,13 @@ def check_own_data_flags(p: argparse.ArgumentParser, a: argparse.Namespace) -> N
     if a.crop_pct is not None and not 0 < a.crop_pct <= 1:
         p.error(f"--crop-pct must be in (0, 1]: the fraction of the resized short side the centre crop keeps "
                 f"(got {a.crop_pct:g})")
-    if a.shard_lanes != SHUFFLE_WINDOW and a.dataset not in ("shards", "hf"):
+    if a.shard_lanes is not None and a.dataset not in ("shards", "hf"):
         p.error(f"--shard-lanes applies to --dataset shards or hf (sets read by shards or row groups); drop it for "
                 f"--dataset {a.dataset}")
-    if a.shard_lanes < 1:
-        p.error(f"--shard-lanes must be 1 or more: the shards (row groups) each window of an epoch deals (got "
-                f"{a.shard_lanes})")
+    if a.shard_lanes is not None and not 1 <= a.shard_lanes <= MAX_LANES:
+        p.error(f"--shard-lanes must be 1 to {MAX_LANES}: the shards (row groups) each window of an epoch deals, two "
+                f"windows of them open at once in every process (got {a.shard_lanes})")
+    a.shard_lanes = a.shard_lanes or SHUFFLE_WINDOW
     if a.image_size < 0 or (a.workers is not None and a.workers < 0) or not 0 <= a.cache_gb < math.inf \
             or not 0 < a.shard_cache_gb < math.inf:
         p.error("--image-size, --workers and --cache-gb must be >= 0 and --shard-cache-gb > 0 (finite: for no bound, "

@@ -63,7 +63,7 @@ class ShardCache:
     def __init__(self, url: str, options: dict[str, Any], folder: Path, budget_bytes: int,
                  versions: dict[str, str], lanes: int = SHUFFLE_WINDOW) -> None:
         self.url, self.options, self.folder, self.budget = url.rstrip("/"), options, folder, budget_bytes
-        self.least = least_held(lanes)
+        self.least, self.lanes = min(least_held(lanes), max(1, len(versions))), lanes
         self.versions = versions  # shard name -> its version (size and ETag) in the store
         self.hits = self.misses = 0
         self._store, self._store_pid = None, 0
@@ -249,12 +249,14 @@ class ShardCache:
         return max(int(version.split("-")[0]) for version in self.versions.values())
 
     def check_budget(self) -> None:
-        check_budget(self.budget, self.largest(), self.least, "--shard-cache-gb", self.WHAT, self.SMALLER)
+        fewer = f", or fewer --shard-lanes (two windows of {self.lanes} are held)" \
+            if self.lanes != SHUFFLE_WINDOW else ""
+        check_budget(self.budget, self.largest(), self.least, "--shard-cache-gb", self.WHAT, self.SMALLER + fewer)
 
 
 def least_held(lanes: int) -> int:
     """The shards (row groups) a node may read at once: a batch that spans two windows of `lanes`
-    (--shard-lanes; loader.global_order) reads from both."""
+    (--shard-lanes; loader.global_order) reads from both (a set of fewer shards: all of them)."""
     return 2 * lanes
 
 

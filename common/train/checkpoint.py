@@ -417,7 +417,8 @@ class Checkpoints:
                                    "sizes); to resume, restore the files it was trained on; to train on these, "
                                    f"start a new run with --resume none (--weights {resumed.path} starts it from "
                                    "its weights)")
-        changed = order_changed(resumed.state, run.loader.split.groups is not None, run.loader.lanes)
+        changed = order_changed(resumed.state, run.loader.split.groups is not None, run.loader.lanes,
+                                run.steps_per_epoch)
         if changed:  # the same verdict on every rank
             self.ctx.fail_together(f"checkpoint {resumed.path} {changed}")
         load_training_state(run, resumed.state)

@@ -60,11 +60,14 @@ def training_state(run: Run, at: Position) -> dict[str, Any]:
     }
 
 
-def order_changed(state: dict[str, Any], grouped: bool, lanes: int = SHUFFLE_WINDOW) -> str:
+def order_changed(state: dict[str, Any], grouped: bool, lanes: int = SHUFFLE_WINDOW,
+                  epoch_steps: int | None = None) -> str:
     """Why this run cannot continue the checkpoint's epoch, or "": one written mid-epoch, on shards
     or row groups, under another order of their samples (before ORDER_VERSION 2: none recorded;
-    another --shard-lanes) would go on with other samples, some trained twice that epoch and some never."""
-    if not grouped or not state.get("step_in_epoch"):
+    another --shard-lanes) would go on with other samples, some trained twice that epoch and some never.
+    One written after the epoch's last step (`epoch_steps`: a stop during its evaluation) has none left."""
+    step = state.get("step_in_epoch") or 0
+    if not grouped or not step or (epoch_steps is not None and step >= epoch_steps):
         return ""
     where = f"was written at step {state['step_in_epoch']} of epoch {state['epoch'] + 1}"
     if state.get("order", 1) != ORDER_VERSION:

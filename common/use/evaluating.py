@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Sequence
 
-from common.config import DATASETS, OWN_DATASETS
+from common.config import DATASETS, OWN_DATASETS, SHUFFLE_WINDOW
 from common.data.fetch import load_dataset
 from common.data.loader import Dataset, Expected
 from common.data.own import OwnData
@@ -159,7 +159,8 @@ def load_data(flags: Flags, saved: Saved, preprocessing: Preprocessing, ctx: Dis
                       default_workers(ctx.local_world_size) if flags.workers is None else flags.workers,
                       default_workers(1) + 1, flags.skip_broken, cfg["cache_gb"], cfg["shard_cache_gb"],
                       cfg["verify_data"], image_key=cfg.get("hf_image_key", "image"),
-                      label_key=cfg.get("hf_label_key", "label"), resampling=preprocessing.resampling,
+                      label_key=cfg.get("hf_label_key", "label"), lanes=cfg.get("shard_lanes", SHUFFLE_WINDOW),
+                      resampling=preprocessing.resampling,
                       evaluated=expected)
     data = load_dataset(dataset, data_dir, ctx=ctx, say=node_console(ctx), allow_download=flags.download,
                         download_from=flags.download_from, cache_dir=cache_dir, storage_options=flags.storage_options,
