@@ -450,6 +450,25 @@ def test_evaluate_decodes_only_the_test_split_and_checks_the_classes_before_deco
     assert own.prepare(fresh, lambda line: None)["decoded"] == trained["decoded"]  # and evaluate.py reads that copy
 
 
+@pytest.mark.quick
+@pytest.mark.parametrize("trained_with, lanes", [({"shard_lanes": 1}, 1), ({}, 4)])
+def test_evaluate_reads_a_streamed_set_with_the_lanes_it_was_trained_with(trained_with, lanes, monkeypatch):
+    """The node's shard cache holds two windows of the training's --shard-lanes: a run trained with 1
+    on a budget of two row groups is evaluated under the same budget (evaluate.py has no
+    --shard-cache-gb to raise it); a checkpoint from before the flag, with the default."""
+    config = {"dataset": "hf", "data_dir": "d", "cache_dir": "c", "image_size": 0, "cache_gb": 0.0,
+              "shard_cache_gb": 1e-4, "verify_data": False, "synthetic_shape": "", **trained_with}
+    saved = SimpleNamespace(path="ckpt.pt", config=config)
+    preprocessing = SimpleNamespace(spec=DataSpec(1, 28, 10, (0.5,), (0.2,), "none"), classes=tuple("0123456789"),
+                                    resampling=Resampling())
+    opened = []
+    monkeypatch.setattr(evaluating, "load_dataset", lambda *args, own_data, **kwargs: opened.append(own_data) or 1 / 0)
+    with pytest.raises(ZeroDivisionError):
+        evaluating.load_data(evaluating.parse_flags(["--checkpoint", "ckpt.pt"]), saved, preprocessing,
+                             SimpleNamespace(local_world_size=1, devices=(), is_node_primary=True))
+    assert [opts.lanes for opts in opened] == [lanes]
+
+
 EIGEN_NET = '''
 import torch
 
