@@ -228,8 +228,8 @@ def shared_reads_notice(nodes: int, lanes: int, global_batch: int) -> str:
     return (f"each shard (row group) is read by {readers} of the {nodes} nodes (--shard-lanes {lanes}): "
             f"--shard-lanes {lanes_for_nodes} (a multiple of the node count that divides the global batch "
             f"{global_batch}) would have each node read only its own, each batch mixing {lanes_for_nodes} of them; "
-            "it changes the sample order, and a "
-            "checkpoint cut mid-epoch resumes only with the lanes it was written with")
+            "it changes the sample order, and a checkpoint cut mid-epoch resumes only with the lanes it was "
+            "written with")
 
 
 def rank_places(rank: int, world_size: int, nodes: int, global_batch: int) -> tuple[int, ...]:

@@ -27,8 +27,6 @@ from common.data.loader import SHUFFLE_WINDOW
 from common.errors import UserError
 from common.storage import StorageError, storage_for
 
-# A budget must hold this many of the largest shard: the window being read, and the next one that
-# workers already read from while the first one's last batches are still in flight.
 # Eviction deletes down to this share of the budget: a cache at its budget is then listed once per
 # 1/LOW_WATER_PARTS of its bytes fetched, not after every miss.
 LOW_WATER_PARTS = 8
@@ -255,8 +253,10 @@ class ShardCache:
 
 
 def least_held(lanes: int) -> int:
-    """The shards (row groups) a node may read at once: a batch that spans two windows of `lanes`
-    (--shard-lanes; loader.global_order) reads from both (a set of fewer shards: all of them)."""
+    """The shards (row groups) a node may read at once, which a budget must hold of the largest: the
+    window of `lanes` being read (--shard-lanes; loader.global_order), and the next one that workers
+    already read from while the first one's last batches are still in flight (a set of fewer
+    shards: all of them)."""
     return 2 * lanes
 
 
