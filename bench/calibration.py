@@ -2,14 +2,16 @@
 the model against the suite's own step times.
 
 Measured: each collective the strategies use, over gloo and the shared-memory transport, at W=2 and
-4 (torchrun processes of this module: a line a + b n fitted to the median time of each size, and the
-ring's alpha and beta read from it), both back to back (the wire's own cost) and issued from a step
-(the cost training sees, and the model's: on CPU ranks the collective's threads wait for a core the
-step's compute held, and the ranks arrive apart); each strategy's step time (the suite's own clock: data +
-compute + sync) at W=1, 2 and 4 as real torchrun runs of train_*.py; the no-sync reference at each
-W, which is the model's compute (the ranks share the 2 cores: at W=4 two ranks per core). Rounds
-interleave every row, so the machine's drifting load (other jobs share it) hits all of them alike;
-medians are reported, with the range.
+4 (torchrun processes of this module: a line a + b n fitted to each size's time, and the ring's
+alpha and beta read from it), back to back (the wire's own cost) and issued from a step, both after
+the step's compute and at FSDP2's spacing, a block's compute apart (the cost training sees, and the
+model's: on CPU ranks the collective's threads wait for a core the step's compute held, and the
+ranks arrive apart); each strategy's step time (the suite's own clock: data + compute + sync) at
+W=1, 2 and 4 as real torchrun runs of train_*.py, and the no-sync reference's. A strategy's compute
+at W is its own step at W=1, where it sends nothing, scaled as the no-sync step scales from W=1 to W
+(the ranks share the 2 cores: at W=4 two ranks per core). Rounds interleave every row, so the
+machine's drifting load (other jobs share it) hits all of them alike; medians are reported, with
+the range.
 
 The model then puts each strategy's step together from those parts, as it does for a cluster, with
 two differences: CPU ranks have no spare core, so nothing overlaps the backward, and each collective
@@ -26,8 +28,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from bench import costmodel as cm
 from bench.strategies import run, synthetic, timing
@@ -35,7 +39,7 @@ from bench.strategies import run, synthetic, timing
 ROOT = Path(__file__).resolve().parent.parent
 MODEL, PER_RANK, STEPS, EVERY = "convnet", 16, 40, 10
 SIZES = [1 << 12, 1 << 15, 1 << 17, 1 << 19, 1 << 21]  # bytes: the convnet's blocks up to 16x its gradients
-IN_STEP_ROUNDS, IN_STEP_CALLS = 3, 6  # a collective timed in a step: interleaved rounds, steps to a median
+IN_STEP_ROUNDS, IN_STEP_CALLS = 3, 8  # a collective timed in a step: interleaved rounds, steps to a mean
 
 ROWS: dict[str, tuple[list[str], str, str]] = {  # label -> (script and flags, the model's name, the wire)
     "ddp": (["train_ddp.py"], "ddp", "shm"),
@@ -53,16 +57,24 @@ NOSYNC = ["-m", "bench.references", "nosync"]
 # --- in each torchrun process -------------------------------------------------------------------------
 
 
-def median_ms(f: Callable[[], object], calls: int) -> float:
-    """Median of `calls` timed calls, after a few untimed ones."""
+def timed_ms(f: Callable[[], object], calls: int) -> list[float]:
+    """`calls` timed calls, after a few untimed ones (ms)."""
     for _ in range(3):
         f()
     times = []
     for _ in range(calls):
         start = time.perf_counter()
         f()
-        times.append(time.perf_counter() - start)
-    return 1000 * statistics.median(times)
+        times.append(1000 * (time.perf_counter() - start))
+    return times
+
+
+def median_ms(f: Callable[[], object], calls: int) -> float:
+    return statistics.median(timed_ms(f, calls))
+
+
+def mean_ms(f: Callable[[], object], calls: int) -> float:
+    return statistics.fmean(timed_ms(f, calls))
 
 
 def probe(chosen: list[str]) -> None:
@@ -93,8 +105,8 @@ def probe(chosen: list[str]) -> None:
     ops = {wire: {op: call for op, call in table.items() if not chosen or op in chosen} for wire, table in ops.items()}
     convnet = ConvnetStep(shm, rank, world)
     with convnet.buckets.paused():  # else their hooks launch the buckets' all-reduces, which no step finishes
-        in_steps = in_step(ops, convnet.step(None))
-    found = {"back_to_back": back_to_back(ops), "in_step": in_steps, "step": convnet.timed()}
+        in_steps = in_step(ops, convnet)
+    found = {"back_to_back": back_to_back(ops), **in_steps, "step": convnet.timed()}
     if rank == 0:
         print("PROBE " + json.dumps(found), flush=True)
     dist.destroy_process_group()
@@ -116,28 +128,38 @@ def back_to_back(ops: dict[str, dict[str, Callable]]) -> dict[str, dict[str, lis
     return found
 
 
-def in_step(ops: dict[str, dict[str, Callable]], step: Callable[[], None]) -> dict[str, dict[str, list[float]]]:
-    """Each collective as training issues it, after a step's compute: a step with it less the step
-    alone, medians over interleaved rounds, ms per size. On a host whose cores all compute, the
-    collective's I/O threads then wait for a core and the ranks arrive apart (the slowest rank's lead
-    is inside this figure): 1-3.5 ms at W=2 where the same call costs 0.04-0.7 ms back to back."""
+def in_step(ops: dict[str, dict[str, Callable]], convnet: "ConvnetStep") -> dict[str, dict]:
+    """Each collective as training issues it, two ways: once after a step's compute (a step with it
+    less the step alone: where DDP's last bucket, the ring and ZeRO-1's reduce-scatter sit) and at
+    the spacing of FSDP2's calls (before each block's forward and after each block's backward: the
+    step with them less the step alone, per call); means of IN_STEP_CALLS steps (the suite's clock
+    is a mean, and a wait that misses its wake-up is a slow mode a median drops), medians over
+    interleaved rounds, ms per size. On a host whose cores all compute, a collective's I/O threads
+    wait for a core and the ranks arrive apart: 1-3.5 ms at W=2 where the same call costs 0.04-0.7
+    ms back to back; the first call after a whole step's compute pays the ranks' lead over the step,
+    a call a block after the last pays one block's."""
     import torch
     import torch.distributed as dist
 
-    rounds: dict[tuple[str, str, int], list[float]] = {}
+    rounds: dict[tuple[str, str, str, int], list[float]] = {}
+    step = convnet.step(None)
     for _ in range(IN_STEP_ROUNDS):
         for wire, table in ops.items():
             for op, call in table.items():
                 dist.barrier()
-                alone = median_ms(step, IN_STEP_CALLS)
+                alone = mean_ms(step, IN_STEP_CALLS)
                 for i, size in enumerate(SIZES):
                     tensor = torch.zeros(size // 4)
                     dist.barrier()
-                    both = median_ms(lambda call=call, tensor=tensor: (step(), call(tensor)), IN_STEP_CALLS)
-                    rounds.setdefault((wire, op, i), []).append(both - alone)
-    found: dict[str, dict[str, list[float]]] = {}
-    for (wire, op, _), extra in rounds.items():  # below 0 where the step's jitter outweighs a small call
-        found.setdefault(wire, {}).setdefault(op, []).append(statistics.median(extra))
+                    after = mean_ms(lambda call=call, tensor=tensor: (step(), call(tensor)), IN_STEP_CALLS)
+                    dist.barrier()
+                    with convnet.at_blocks(lambda call=call, tensor=tensor: call(tensor)) as calls:
+                        spaced = mean_ms(step, IN_STEP_CALLS)
+                    rounds.setdefault(("after_step", wire, op, i), []).append(after - alone)
+                    rounds.setdefault(("at_blocks", wire, op, i), []).append((spaced - alone) / calls)
+    found: dict[str, dict[str, dict[str, list[float]]]] = {}
+    for (placed, wire, op, _), extra in rounds.items():  # below 0 where the step's jitter outweighs a small call
+        found.setdefault(placed, {}).setdefault(wire, {}).setdefault(op, []).append(statistics.median(extra))
     return found
 
 
@@ -150,6 +172,7 @@ class ConvnetStep:
 
         from common.models import build_model
         from common.parallel.comm import GradientBuckets, launch_all_reduce
+        from train_fsdp import blocks
 
         self.model = build_model(MODEL, 1, 28, 10, 0).to(memory_format=torch.channels_last)
         self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01, momentum=0.9)
@@ -158,6 +181,24 @@ class ConvnetStep:
         self.buckets = GradientBuckets(self.model, 25, launch_all_reduce("torch", shm), rank=rank,
                                        device=torch.device("cpu"), scale=1.0 / world)
         self.world = world
+        self.units = blocks(self.model)
+        self.spaced: Callable[[], object] | None = None
+        for unit in self.units:  # FSDP2's places: before each unit's forward, after its backward
+            unit.register_forward_pre_hook(lambda module, args: self._spaced_call())
+            next(unit.parameters()).register_post_accumulate_grad_hook(lambda param: self._spaced_call())
+
+    def _spaced_call(self) -> None:
+        if self.spaced is not None:
+            self.spaced()
+
+    @contextmanager
+    def at_blocks(self, call: Callable[[], object]) -> Iterator[int]:
+        """Steps issue `call` where FSDP2 issues its collectives; yields how many a step."""
+        self.spaced = call
+        try:
+            yield 2 * len(self.units)
+        finally:
+            self.spaced = None
 
     def step(self, sync: object | None) -> Callable[[], None]:
         import torch.nn.functional as F
@@ -230,9 +271,9 @@ def measure_collectives(world: int, ops: tuple[str, ...] = ()) -> dict[str, dict
     return json.loads(lines[-1][len("PROBE "):])
 
 
-def lines_of(probes: list[dict], timed: str = "in_step") -> dict[str, dict[str, tuple[float, float]]]:
+def lines_of(probes: list[dict], timed: str = "after_step") -> dict[str, dict[str, tuple[float, float]]]:
     """Per wire and op: the line through the median (over rounds) time of each size, as `timed`
-    (in_step: what the model uses, the cost training sees; back_to_back: the wire's own)."""
+    (after_step and at_blocks: in a step, the cost training sees; back_to_back: the wire's own)."""
     def line(wire: str, op: str) -> tuple[float, float]:
         ms = [statistics.median(p[timed][wire][op][i] for p in probes) for i in range(len(SIZES))]
         return fit(SIZES, ms, relative=timed == "back_to_back")
@@ -254,14 +295,33 @@ def measured_step(script: list[str], world: int) -> tuple[float, float]:
     return timing(scalars).step_ms, scalars.get("mem/state_mb", [float("nan")])[-1]
 
 
-def model_ms(kind: str, wire: str, compute_s: float, world: int, lines: dict[str, dict[str, tuple[float, float]]],
+Lines = dict[str, dict[str, tuple[float, float]]]  # wire -> op -> (a seconds, b seconds per byte)
+
+
+@dataclass(frozen=True)
+class Prices:
+    """What a collective costs in a step at one W: the step's first call, after the step's compute
+    (less the slowest rank's lead, which the compute holds), and each later one, a block's compute
+    after the last (FSDP2's gathers, ZeRO-1's all-gather after the slice's update)."""
+
+    first: Lines
+    then: Lines
+
+
+def model_ms(kind: str, wire: str, compute_s: float, world: int, prices: Prices | None,
              sync_every: int) -> tuple[float, float]:
-    """(ms per step, state MB) the model gives, from the measured compute and collectives."""
+    """(ms per step, state MB) the model gives, from the measured compute and collectives: every
+    call priced as a later one, plus the first call's extra (the first price less the later, the
+    mean over the step's calls) once per meeting of the ranks."""
     w = convnet_workload(compute_s)
-    net = cm.Fitted(world if wire != "none" and world > 1 else 1, lines.get(wire, {}))
     s = cm.Strategy(kind, "", sync_every=sync_every)
-    step = cm.step(kind, w, s, net, False, world)
-    return 1000 * step.seconds, step.memory_bytes / cm.MB
+    ranks = world if wire != "none" and world > 1 else 1
+
+    def step(lines: Lines) -> cm.Step:
+        return cm.step(kind, w, s, cm.Fitted(ranks, lines.get(wire, {})), False, world)
+    first, then = (step(prices.first), step(prices.then)) if prices else (step({}), step({}))
+    seconds = then.seconds + (first.seconds - then.seconds) / max(1.0, first.calls)
+    return 1000 * seconds, first.memory_bytes / cm.MB
 
 
 def main(repeats: int, worlds: list[int], as_json: bool) -> None:
@@ -298,12 +358,16 @@ def lead_s(probes: list[dict]) -> float:
     return statistics.median(leads) / 1000 if leads else 0.0
 
 
-def per_call(probes: list[dict], lead: float) -> dict[str, dict[str, tuple[float, float]]]:
-    """Each collective's line as the model prices a call: timed in a step, less the lead (counted
-    once a step, in the compute), never below the same call back to back."""
-    in_step, alone = lines_of(probes), lines_of(probes, "back_to_back")
-    return {wire: {op: (max(a - lead, alone[wire][op][0]), b) for op, (a, b) in ops.items()}
-            for wire, ops in in_step.items()}
+def prices(probes: list[dict], lead: float) -> Prices:
+    """The lines the model prices calls by: the first call of a step timed after the step, less the
+    lead (counted once a step, in the compute); a later one timed at FSDP2's block spacing; neither
+    below the same call back to back."""
+    alone = lines_of(probes, "back_to_back")
+
+    def floored(lines: Lines, less: float) -> Lines:
+        return {wire: {op: (max(a - less, alone[wire][op][0]), b) for op, (a, b) in ops.items()}
+                for wire, ops in lines.items()}
+    return Prices(floored(lines_of(probes), lead), floored(lines_of(probes, "at_blocks"), 0.0))
 
 
 def lead_waited(kind: str, sync_every: int) -> float:
@@ -327,36 +391,48 @@ def in_process(probes: list[dict], world: int) -> dict[str, float]:
     buckets = statistics.median(t for p in probes for t in p["step"]["buckets"])
     lead = lead_s(probes)
     return {"nosync_ms": nosync, "buckets_ms": buckets, "straggling": straggling(probes),
-            "model_ms": model_ms("allreduce", "shm", nosync / 1000 + lead, world, per_call(probes, lead), 1)[0]}
+            "model_ms": model_ms("allreduce", "shm", nosync / 1000 + lead, world, prices(probes, lead), 1)[0]}
+
+
+def own_compute(steps: dict[tuple[str, int], list[float]], label: str, world: int) -> list[float]:
+    """Per round, the strategy's compute at W (ms): the no-sync step at W (the ranks share the cores
+    as the strategy's do; at W=4 two ranks per core) times the strategy's own step over the no-sync
+    step at W=1, where it sends nothing (its hooks, copies and bookkeeping: FSDP2's per-block
+    DTensor work is 2.2x the no-sync step there); that factor the median over the rounds, a
+    property of the strategy where one W=1 run moves by 10%."""
+    factor = statistics.median(alone / floor for alone, floor in zip(steps[(label, 1)], steps[("nosync", 1)]))
+    return [floor * factor for floor in steps[("nosync", world)]]
 
 
 def report(steps: dict[tuple[str, int], list[float]], memory: dict[tuple[str, int], float],
            probes: dict[int, list[dict]], worlds: list[int]) -> dict:
-    """The model's compute at W: the no-sync run's step at W (its ranks share the cores as the
-    strategies' do) and the slowest rank's lead, once a step; its collectives: the lines fitted to
-    them timed in a step at W, less that lead."""
+    """The model's compute for a strategy at W: its own step at W=1 scaled to W (own_compute), and
+    the slowest rank's lead once a step; its collectives: the lines fitted to them timed in a step
+    at W (Prices). Checked at every W > 1; W=1 is the model's input."""
     lead = {w: lead_s(probes[w]) if w in probes else 0.0 for w in worlds}
-    lines = {w: per_call(p, lead[w]) for w, p in probes.items()}
+    priced = {w: prices(p, lead[w]) for w, p in probes.items()}
     nosync = {w: statistics.median(steps[("nosync", w)]) / 1000 for w in worlds}
     rows = []
     for label, (script, kind, wire) in ROWS.items():
         every = int(script[script.index("--sync-every") + 1]) if "--sync-every" in script else 1
-        for world in worlds:
-            measured = steps[(label, world)]
+        for world in (w for w in worlds if w > 1):
+            measured, computes = steps[(label, world)], own_compute(steps, label, world)
             waited = lead[world] * lead_waited(kind, every)
-            # Each round's row against the no-sync run of the same round: the load drifts by the minute.
-            ratios = [model_ms(kind, wire, floor / 1000 + waited, world, lines.get(world, {}), every)[0] / ms
-                      for floor, ms in zip(steps[("nosync", world)], measured)]
-            predicted, model_mb = model_ms(kind, wire, nosync[world] + waited, world, lines.get(world, {}), every)
+            # Each round's row against the same round's runs: the load drifts by the minute.
+            ratios = [model_ms(kind, wire, compute / 1000 + waited, world, priced.get(world), every)[0] / ms
+                      for compute, ms in zip(computes, measured)]
+            predicted, model_mb = model_ms(kind, wire, statistics.median(computes) / 1000 + waited, world,
+                                           priced.get(world), every)
             rows.append({"strategy": label, "world": world, "measured_ms": statistics.median(measured),
                          "measured_range_ms": [min(measured), max(measured)], "model_ms": predicted,
-                         "ratio": statistics.median(ratios), "ratio_range": [min(ratios), max(ratios)],
+                         "compute_ms": statistics.median(computes), "ratio": statistics.median(ratios),
+                         "ratio_range": [min(ratios), max(ratios)],
                          "model_state_mb": model_mb, "logged_state_mb": memory[(label, world)]})
     per_sample = {w: 1000 * nosync[w] / PER_RANK for w in worlds}
     return {"compute_ms_per_sample": per_sample, "nosync_ms": {w: 1000 * nosync[w] for w in worlds},
             "straggling": {w: straggling(probes[w]) if w in probes else 1.0 for w in worlds},
             "collectives": {timed: {w: described(lines_of(p, timed), w) for w, p in probes.items()}
-                            for timed in ("back_to_back", "in_step")},
+                            for timed in ("back_to_back", "after_step", "at_blocks")},
             "lead_ms": {w: 1000 * s for w, s in lead.items()},
             "rows": rows, "in_process": {w: in_process(p, w) for w, p in probes.items()}}
 
@@ -376,8 +452,9 @@ def print_report(doc: dict) -> None:
           + ", ".join(f"W={w}: {ms:.3f}" for w, ms in doc["compute_ms_per_sample"].items())
           + "; the slowest rank's step over the mean rank's, steps started together: "
           + ", ".join(f"W={w}: {f:.2f} ({doc['lead_ms'][w]:.2f} ms ahead)" for w, f in doc["straggling"].items()))
-    print("\ncollectives: fitted a + b n (median time per size), back to back and issued from a step (the model "
-          "prices a call as the latter less the slowest rank's lead, which it counts once a step), and a ring's "
+    print("\ncollectives: fitted a + b n (median over rounds of each size's mean), back to back, after a step's "
+          "compute and at FSDP2's block spacing (the model prices a step's first call as after a step less the "
+          "slowest rank's lead, which it counts once a step, and each later call as at blocks), and a ring's "
           "alpha and beta read from the all-reduce\n")
     print("| W | wire | collective | timed | a (us) | b (ns/byte) | ring alpha (us) | ring beta (Gb/s) |\n"
           "|---|---|---|---|---|---|---|---|")
@@ -390,20 +467,23 @@ def print_report(doc: dict) -> None:
                     print(f"| {world} | {wire} | {op} | {timed.replace('_', ' ')} | {f['a_us']:.1f} | "
                           f"{f['b_ns_per_byte']:.3f} | {alpha} | {beta} |")
     print("\nin the probe's processes: the convnet's step without sync, with the suite's buckets over shared memory "
-          "(train_allreduce.py's sync), and the model (the first, the slowest rank's lead, the all-reduce's call)\n")
+          "(train_allreduce.py's sync), and the model (the first, the slowest rank's lead, the all-reduce's first "
+          "call)\n")
     print("| W | no sync ms | slowest / mean | buckets ms | model ms | model / measured |\n|---|---|---|---|---|---|")
     for world, r in doc["in_process"].items():
         print(f"| {world} | {r['nosync_ms']:.2f} | {r['straggling']:.2f} | {r['buckets_ms']:.2f} | "
               f"{r['model_ms']:.2f} | "
               f"{r['model_ms'] / r['buckets_ms']:.2f} |")
     print("\nthe model against the suite's step time: medians over the rounds; model / measured per round, its "
-          "compute from that round's no-sync run (target: within 15%)\n")
-    print("| strategy | W | measured ms (range) | model ms | model / measured: median (range) "
-          "| state MB: model / logged |\n|---|---|---|---|---|---|")
+          "compute the strategy's own step at W=1 of that round, scaled to W as the no-sync step scales "
+          "(target: within 15%)\n")
+    print("| strategy | W | measured ms (range) | compute ms | model ms | model / measured: median (range) "
+          "| state MB: model / logged |\n|---|---|---|---|---|---|---|")
     for r in doc["rows"]:
         lo, hi = r["measured_range_ms"]
         flag = "" if abs(r["ratio"] - 1) <= 0.15 else ", over 15%"
-        print(f"| {r['strategy']} | {r['world']} | {r['measured_ms']:.1f} ({lo:.1f}-{hi:.1f}) | {r['model_ms']:.1f} | "
+        print(f"| {r['strategy']} | {r['world']} | {r['measured_ms']:.1f} ({lo:.1f}-{hi:.1f}) | "
+              f"{r['compute_ms']:.1f} | {r['model_ms']:.1f} | "
               f"{r['ratio']:.2f} ({r['ratio_range'][0]:.2f}-{r['ratio_range'][1]:.2f}{flag}) | "
               f"{r['model_state_mb']:.2f} / {r['logged_state_mb']:.2f} |")
 

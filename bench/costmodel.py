@@ -201,6 +201,7 @@ class Step:
     exposed_s: float
     bytes_sent: float
     memory_bytes: float
+    calls: float = 1.0  # collectives a rank waits on per step (1/H: one every H steps)
     notes: list[str] = field(default_factory=list)
 
 
@@ -238,7 +239,7 @@ def bucketed(w: Workload, s: Strategy, net: Net, overlap: bool, world: int, coll
     exposed = overlapped(w.backward_s, [collective(b) for b in sizes], overlap)
     # Hand-written buckets hold a flat copy of the gradients; DDP's are views of them.
     memory = state_bytes(w, world, False, False) + (w.gradient_wire if extra_copy else 0)
-    return Step(w.compute_s + exposed, exposed, ring_bytes(w.gradient_wire, world), memory)
+    return Step(w.compute_s + exposed, exposed, ring_bytes(w.gradient_wire, world), memory, len(sizes))
 
 
 def ddp(w: Workload, s: Strategy, net: Net, overlap: bool, world: int) -> Step:
@@ -266,7 +267,7 @@ def dataparallel(w: Workload, s: Strategy, net: Net, overlap: bool, world: int) 
     gradients back onto it, through GPU 0's links; nothing overlaps (one Python thread drives all)."""
     exposed = net.reduce_broadcast(w.model_bytes)  # replicate the parameters, gather the gradients
     return Step(w.compute_s + exposed, exposed, 2 * w.model_bytes if world > 1 else 0.0,
-                state_bytes(w, 1, False, False))
+                state_bytes(w, 1, False, False), calls=0)  # one process: no ranks to wait on
 
 
 def zero1(w: Workload, s: Strategy, net: Net, overlap: bool, world: int) -> Step:
@@ -274,7 +275,7 @@ def zero1(w: Workload, s: Strategy, net: Net, overlap: bool, world: int) -> Step
     slice, all-gather the parameters: the bytes of one all-reduce, exposed (after the backward)."""
     exposed = net.reduce_scatter(w.gradient_wire) + net.all_gather(w.model_bytes)
     sent = (world - 1) / world * (w.gradient_wire + w.model_bytes) if world > 1 else 0.0
-    return Step(w.compute_s + exposed, exposed, sent, state_bytes(w, world, False, True))
+    return Step(w.compute_s + exposed, exposed, sent, state_bytes(w, world, False, True), calls=2)
 
 
 def fsdp2(w: Workload, s: Strategy, net: Net, overlap: bool, world: int) -> Step:
@@ -294,7 +295,8 @@ def fsdp2(w: Workload, s: Strategy, net: Net, overlap: bool, world: int) -> Step
         exposed = 0.0
     sent = (world - 1) / world * (2 * w.model_bytes + w.gradient_wire) if world > 1 else 0.0
     largest_unsharded = 2 * w.model_bytes / w.blocks  # one block's gathered parameters and gradients
-    return Step(w.compute_s + exposed, exposed, sent, state_bytes(w, world, True, True) + largest_unsharded)
+    return Step(w.compute_s + exposed, exposed, sent, state_bytes(w, world, True, True) + largest_unsharded,
+                calls=3 * w.blocks)
 
 
 def local_sgd(w: Workload, s: Strategy, net: Net, overlap: bool, world: int) -> Step:
@@ -308,7 +310,7 @@ def local_sgd(w: Workload, s: Strategy, net: Net, overlap: bool, world: int) -> 
     exposed = (per_sync + outer) / s.sync_every
     anchor = w.model_bytes * (2 if s.outer == "nesterov" else 1)  # last synchronized weights (+ outer momentum)
     return Step(w.compute_s + exposed, exposed, ring_bytes(n, world) / s.sync_every,
-                state_bytes(w, world, False, False) + anchor)
+                state_bytes(w, world, False, False) + anchor, calls=1 / s.sync_every)
 
 
 def replica_groups(w: Workload, s: Strategy, net: Net, overlap: bool, world: int) -> Step:
@@ -321,7 +323,8 @@ def replica_groups(w: Workload, s: Strategy, net: Net, overlap: bool, world: int
     cross = net.group_all_reduce(w.gradient_wire)
     exposed = inside + cross + max(0.0, s.quorum_s - w.compute_s)
     sent = ring_bytes(w.gradient_wire, net.local) + ring_bytes(w.gradient_wire, net.nodes)
-    step = Step(w.compute_s + exposed, exposed, sent, state_bytes(w, world, False, False) + w.gradient_wire)
+    step = Step(w.compute_s + exposed, exposed, sent, state_bytes(w, world, False, False) + w.gradient_wire,
+                calls=2)
     step.notes.append("one replica group per node")
     return step
 

@@ -368,6 +368,9 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
             p.error(f"--worlds {a.worlds}: a comma list of whole numbers, e.g. 1,2,4")
         if a.repeats < 1 or min(a.worlds) < 1:
             p.error("--repeats and every --worlds entry must be >= 1")
+        if 1 not in a.worlds:
+            p.error(f"--worlds {','.join(map(str, a.worlds))}: include 1 (each strategy's own compute is its "
+                    "step at W=1), e.g. 1,2,4")
         return a
     if a.published:
         return a

@@ -152,6 +152,7 @@ def test_the_json_document_has_the_documented_fields_and_the_plot_is_written(cap
     (["--model", "no_such_model", "--compute-ms", "10", "--batch-per-gpu", "8"], "--model"),
     (["--calibrate", "--worlds", "1,two"], "--worlds"),
     (["--calibrate", "--repeats", "0"], "--repeats"),
+    (["--calibrate", "--worlds", "2,4"], "--worlds"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(argv, names, capsys):
     code, out, err = run_cli([*argv, "--plot", "/dev/null"], capsys)
@@ -210,12 +211,37 @@ def test_a_line_is_fitted_through_timings_and_read_as_a_ring():
     assert cm.ring_all_reduce(1000, 4, link, 0) == pytest.approx(a + b * 1000)
 
 
+@pytest.mark.quick
+def test_a_step_pays_its_first_calls_price_once_and_each_later_calls_price():
+    """Calibration on CPU ranks: the first collective of a step costs what a call after a step's
+    compute costs (the ranks arrive apart), each later one what a call a block later costs."""
+    first = {"gloo": {op: (1e-3, 0.0) for op in ("all_reduce", "reduce_scatter", "all_gather")}}
+    then = {"gloo": {op: (0.25e-3, 0.0) for op in ("all_reduce", "reduce_scatter", "all_gather")}}
+    prices = calibration.Prices(first, then)
+    compute = 0.004
+    blocks = calibration.convnet_workload(compute).blocks
+    one = {kind: calibration.model_ms(kind, "gloo", compute, 2, prices, 1)[0] for kind in ("ddp", "zero1", "fsdp2")}
+    assert one["ddp"] == pytest.approx(4 + 1)  # one bucket: the first call only
+    assert one["zero1"] == pytest.approx(4 + 1 + 0.25)  # reduce-scatter, then the all-gather a slice later
+    assert one["fsdp2"] == pytest.approx(4 + 1 + (3 * blocks - 1) * 0.25)  # two gathers and a scatter per block
+    # Local SGD meets every H steps: the first call's price, once per H steps.
+    assert calibration.model_ms("localsgd", "gloo", compute, 2, prices, 4)[0] == pytest.approx(4 + 1 / 4)
+    assert calibration.model_ms("dp", "none", compute, 2, prices, 1)[0] == pytest.approx(4)  # one process
+
+
+@pytest.mark.quick
+def test_a_strategys_compute_is_its_own_step_at_world_1_scaled_as_the_no_sync_step_scales():
+    steps = {("nosync", 1): [5.0, 4.0, 4.0], ("nosync", 4): [10.0, 9.0, 8.0], ("fsdp", 1): [10.0, 8.0, 10.0]}
+    assert calibration.own_compute(steps, "fsdp", 4) == pytest.approx([20.0, 18.0, 16.0])  # the factor's median: 2
+    assert calibration.own_compute(steps, "nosync", 4) == pytest.approx([10.0, 9.0, 8.0])
+
+
 def test_one_calibration_at_world_2(capsys):
     """One launch: the all-reduces over gloo and shared memory at W=2, timed back to back and in a
     step, fitted; the suite's own bucketed sync (train_allreduce.py's, over shared memory) timed in
-    the same processes against a step without it. The model built from the all-reduce's in-step line
-    (less the slowest rank's lead, counted once in the compute) and the no-sync step must land near
-    the measured step. The bound is loose (a shared machine: the
+    the same processes against a step without it. The model built from the all-reduce's line timed
+    after a step (less the slowest rank's lead, counted once in the compute) and the no-sync step must
+    land near the measured step. The bound is loose (a shared machine: the
     15% target is the benchmark's, `python -m bench forecast --calibrate`): it catches a model off by
     its units, or one that prices collectives as back to back (under load: 0.48 of the step), not noise."""
     probes = calibration.measure_collectives(2, ("all_reduce",))
