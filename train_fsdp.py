@@ -372,6 +372,13 @@ def blocks(model: nn.Module) -> list[nn.Module]:
     return [m for m in units if not isinstance(m, FSDPModule)]  # BatchNorm already wrapped on its own (bf16)
 
 
+def units(model: nn.Module) -> int:
+    """How many groups FSDP2 gathers one at a time: the blocks, and the root where it holds
+    parameters of its own (a ResNet's root or the convnet's holds none: each gathers nothing)."""
+    own = sum(p.numel() for p in model.parameters()) - sum(p.numel() for b in blocks(model) for p in b.parameters())
+    return len(blocks(model)) + (1 if own else 0)
+
+
 def chosen_shard(argv: list[str] | None) -> str:
     """--shard picks the class; the full parser (with --help) still sees the flag, and refuses a bad
     value in its one line (this one would print its usage block, on every rank)."""

@@ -29,7 +29,7 @@ import sys
 import tempfile
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -213,16 +213,16 @@ class ConvnetStep:
         return one
 
     def timed(self) -> dict[str, list[float]]:
-        """Without sync and with the buckets, rounds interleaved (ms); and the slowest rank's step
-        against the mean rank's when started together."""
+        """Without sync and with the buckets, means of 10 steps, rounds interleaved (ms); and the
+        slowest rank's step against the mean rank's when started together (medians)."""
         timed: dict[str, list[float]] = {"nosync": [], "buckets": [], "slowest": [], "mean": []}
         for _ in range(5):
             with self.buckets.paused():
-                timed["nosync"].append(median_ms(self.step(None), 10))
+                timed["nosync"].append(mean_ms(self.step(None), 10))
                 slowest, mean = stragglers(self.step(None), self.world, 10)
                 timed["slowest"].append(slowest)
                 timed["mean"].append(mean)
-            timed["buckets"].append(median_ms(self.step(self.buckets), 10))
+            timed["buckets"].append(mean_ms(self.step(self.buckets), 10))
         return timed
 
 
@@ -282,10 +282,10 @@ def lines_of(probes: list[dict], timed: str = "after_step") -> dict[str, dict[st
 
 def convnet_workload(compute_s: float) -> cm.Workload:
     from common.models import build_model
-    from train_fsdp import blocks
+    from train_fsdp import units
 
     net = build_model(MODEL, 1, 28, 10, 0)
-    return cm.Workload(sum(p.numel() for p in net.parameters()), compute_s, PER_RANK, blocks=len(blocks(net)) + 1,
+    return cm.Workload(sum(p.numel() for p in net.parameters()), compute_s, PER_RANK, blocks=units(net),
                        buffers=sum(b.numel() for b in net.buffers() if b.is_floating_point()))
 
 
@@ -308,20 +308,29 @@ class Prices:
     then: Lines
 
 
-def model_ms(kind: str, wire: str, compute_s: float, world: int, prices: Prices | None,
+@dataclass(frozen=True)
+class Noting(cm.Fitted):
+    """Fitted lines that note each collective the model prices, in order: (op, bytes)."""
+
+    priced: list[tuple[str, float]] = field(default_factory=list)
+
+    def seconds(self, op: str, n: float) -> float:
+        self.priced.append((op, n))
+        return super().seconds(op, n)
+
+
+def model_ms(kind: str, wire: str, compute_s: float, world: int, priced: Prices,
              sync_every: int) -> tuple[float, float]:
     """(ms per step, state MB) the model gives, from the measured compute and collectives: every
-    call priced as a later one, plus the first call's extra (the first price less the later, the
-    mean over the step's calls) once per meeting of the ranks."""
+    call priced as a later one, then the step's first call (the first the strategy's model prices)
+    repriced as a first, once per meeting of the ranks (local SGD: one step in H)."""
     w = convnet_workload(compute_s)
-    s = cm.Strategy(kind, "", sync_every=sync_every)
     ranks = world if wire != "none" and world > 1 else 1
-
-    def step(lines: Lines) -> cm.Step:
-        return cm.step(kind, w, s, cm.Fitted(ranks, lines.get(wire, {})), False, world)
-    first, then = (step(prices.first), step(prices.then)) if prices else (step({}), step({}))
-    seconds = then.seconds + (first.seconds - then.seconds) / max(1.0, first.calls)
-    return 1000 * seconds, first.memory_bytes / cm.MB
+    first, then = (cm.Fitted(ranks, lines.get(wire, {})) for lines in (priced.first, priced.then))
+    noting = Noting(ranks, then.lines)
+    step = cm.step(kind, w, cm.Strategy(kind, "", sync_every=sync_every), noting, False, world)
+    extra = first.seconds(*noting.priced[0]) - then.seconds(*noting.priced[0]) if noting.priced else 0.0
+    return 1000 * (step.seconds + min(1.0, step.calls) * extra), step.memory_bytes / cm.MB
 
 
 def main(repeats: int, worlds: list[int], as_json: bool) -> None:
@@ -330,7 +339,7 @@ def main(repeats: int, worlds: list[int], as_json: bool) -> None:
           file=sys.stderr)
     steps: dict[tuple[str, int], list[float]] = {}
     memory: dict[tuple[str, int], float] = {}
-    probes: dict[int, list[dict[str, dict[str, list[float]]]]] = {}
+    probes: dict[int, list[dict]] = {}
     raw = Path(tempfile.gettempdir()) / f"forecast-calibration-{time.strftime('%Y%m%d-%H%M%S')}.json"
     for round_ in range(repeats):
         for world in worlds:
@@ -419,10 +428,10 @@ def report(steps: dict[tuple[str, int], list[float]], memory: dict[tuple[str, in
             measured, computes = steps[(label, world)], own_compute(steps, label, world)
             waited = lead[world] * lead_waited(kind, every)
             # Each round's row against the same round's runs: the load drifts by the minute.
-            ratios = [model_ms(kind, wire, compute / 1000 + waited, world, priced.get(world), every)[0] / ms
+            ratios = [model_ms(kind, wire, compute / 1000 + waited, world, priced[world], every)[0] / ms
                       for compute, ms in zip(computes, measured)]
             predicted, model_mb = model_ms(kind, wire, statistics.median(computes) / 1000 + waited, world,
-                                           priced.get(world), every)
+                                           priced[world], every)
             rows.append({"strategy": label, "world": world, "measured_ms": statistics.median(measured),
                          "measured_range_ms": [min(measured), max(measured)], "model_ms": predicted,
                          "compute_ms": statistics.median(computes), "ratio": statistics.median(ratios),

@@ -195,7 +195,8 @@ class Strategy:
 @dataclass
 class Step:
     """One step of one rank: its time, what of it is communication nobody hid, the bytes each rank
-    sends, and the training state each rank holds."""
+    sends, the training state each rank holds, and how many collectives it waits on (the ranks
+    meeting: calibration prices the first of a step apart)."""
 
     seconds: float
     exposed_s: float
@@ -267,7 +268,7 @@ def dataparallel(w: Workload, s: Strategy, net: Net, overlap: bool, world: int) 
     gradients back onto it, through GPU 0's links; nothing overlaps (one Python thread drives all)."""
     exposed = net.reduce_broadcast(w.model_bytes)  # replicate the parameters, gather the gradients
     return Step(w.compute_s + exposed, exposed, 2 * w.model_bytes if world > 1 else 0.0,
-                state_bytes(w, 1, False, False), calls=0)  # one process: no ranks to wait on
+                state_bytes(w, 1, False, False), calls=0)  # one process: no ranks to meet
 
 
 def zero1(w: Workload, s: Strategy, net: Net, overlap: bool, world: int) -> Step:
@@ -324,7 +325,7 @@ def replica_groups(w: Workload, s: Strategy, net: Net, overlap: bool, world: int
     exposed = inside + cross + max(0.0, s.quorum_s - w.compute_s)
     sent = ring_bytes(w.gradient_wire, net.local) + ring_bytes(w.gradient_wire, net.nodes)
     step = Step(w.compute_s + exposed, exposed, sent, state_bytes(w, world, False, False) + w.gradient_wire,
-                calls=2)
+                calls=2 if net.nodes > 1 else 1)
     step.notes.append("one replica group per node")
     return step
 
@@ -338,26 +339,26 @@ class Fitted:
     lines: dict[str, tuple[float, float]]  # collective -> (a, b)
     nodes: int = 1
 
-    def _time(self, op: str, n: float) -> float:
+    def seconds(self, op: str, n: float) -> float:
         if self.local <= 1:
             return 0.0
         a, b = self.lines[op]
         return a + b * n
 
     def all_reduce(self, n: float) -> float:
-        return self._time("all_reduce", n)
+        return self.seconds("all_reduce", n)
 
     def ring_all_reduce(self, n: float) -> float:
-        return self._time("all_reduce", n)  # the ring's own line (its wire: "ring")
+        return self.seconds("all_reduce", n)  # the ring's own line (its wire: "ring")
 
     def reduce_broadcast(self, n: float) -> float:
-        return self._time("reduce_broadcast", n)
+        return self.seconds("reduce_broadcast", n)
 
     def reduce_scatter(self, n: float) -> float:
-        return self._time("reduce_scatter", n)
+        return self.seconds("reduce_scatter", n)
 
     def all_gather(self, n: float) -> float:
-        return self._time("all_gather", n)
+        return self.seconds("all_gather", n)
 
     def all_reduce_in_node(self, n: float) -> float:
         return self.all_reduce(n)

@@ -312,13 +312,13 @@ def params_of(model: str) -> tuple[int, int, int]:
     """(parameters, FSDP blocks, float buffer elements) of a model the suite builds (ImageNet shape)."""
     from common.errors import UserError
     from common.models import build_model
-    from train_fsdp import blocks
+    from train_fsdp import units
 
     try:
         net = build_model(model, 3, 224, 1000, 0)
     except UserError as e:
         fail(f"--model {model}: {e}")
-    return (sum(p.numel() for p in net.parameters() if p.requires_grad), len(blocks(net)) + 1,
+    return (sum(p.numel() for p in net.parameters() if p.requires_grad), units(net),
             sum(b.numel() for b in net.buffers() if b.is_floating_point()))
 
 
@@ -359,7 +359,8 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--published", action="store_true", help="the model against Goyal et al. 2017 and the DDP paper")
     p.add_argument("--calibrate", action="store_true", help="measure here and check the model against the suite")
     p.add_argument("--repeats", type=int, default=3, help="--calibrate: interleaved rounds (default: %(default)s)")
-    p.add_argument("--worlds", default="1,2,4", help="--calibrate: world sizes (default: %(default)s)")
+    p.add_argument("--worlds", default="1,2,4",
+                   help="--calibrate: world sizes, 1 and those the model is checked at (default: %(default)s)")
     a = p.parse_args(argv)
     if a.calibrate:
         try:
@@ -368,9 +369,9 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
             p.error(f"--worlds {a.worlds}: a comma list of whole numbers, e.g. 1,2,4")
         if a.repeats < 1 or min(a.worlds) < 1:
             p.error("--repeats and every --worlds entry must be >= 1")
-        if 1 not in a.worlds:
+        if 1 not in a.worlds or max(a.worlds) == 1:
             p.error(f"--worlds {','.join(map(str, a.worlds))}: include 1 (each strategy's own compute is its "
-                    "step at W=1), e.g. 1,2,4")
+                    "step at W=1) and a larger W to check the model at, e.g. 1,2,4")
         return a
     if a.published:
         return a

@@ -17,12 +17,13 @@ pytestmark = pytest.mark.quick  # no launch: the quick tier (pytest -m quick)
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 CODE = re.compile(r"```.*?```|`[^`\n]*`", re.DOTALL)
+FENCED = re.compile(r"```.*?```", re.DOTALL)  # a heading's inline code is part of its anchor
 
 
 def anchors(page: Path) -> Iterator[str]:
     """The anchors GitHub gives the headings of a Markdown page."""
     seen: dict[str, int] = {}
-    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", CODE.sub("", page.read_text()), re.MULTILINE):
+    for heading in re.findall(r"^#{1,6} +(.+?) *#*$", FENCED.sub("", page.read_text()), re.MULTILINE):
         slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
         seen[slug] = seen.get(slug, -1) + 1
         yield slug if seen[slug] == 0 else f"{slug}-{seen[slug]}"

@@ -213,20 +213,25 @@ def test_a_line_is_fitted_through_timings_and_read_as_a_ring():
 
 @pytest.mark.quick
 def test_a_step_pays_its_first_calls_price_once_and_each_later_calls_price():
-    """Calibration on CPU ranks: the first collective of a step costs what a call after a step's
+    """Calibration on CPU ranks: the first collective of a step costs what that call after a step's
     compute costs (the ranks arrive apart), each later one what a call a block later costs."""
-    first = {"gloo": {op: (1e-3, 0.0) for op in ("all_reduce", "reduce_scatter", "all_gather")}}
-    then = {"gloo": {op: (0.25e-3, 0.0) for op in ("all_reduce", "reduce_scatter", "all_gather")}}
+    ops = ("all_reduce", "reduce_scatter", "all_gather")
+    first = {"gloo": {op: (3e-3 if op == "reduce_scatter" else 1e-3, 0.0) for op in ops}}
+    then = {"gloo": {op: (0.5e-3 if op == "reduce_scatter" else 0.25e-3, 0.0) for op in ops}}
     prices = calibration.Prices(first, then)
     compute = 0.004
-    blocks = calibration.convnet_workload(compute).blocks
-    one = {kind: calibration.model_ms(kind, "gloo", compute, 2, prices, 1)[0] for kind in ("ddp", "zero1", "fsdp2")}
-    assert one["ddp"] == pytest.approx(4 + 1)  # one bucket: the first call only
-    assert one["zero1"] == pytest.approx(4 + 1 + 0.25)  # reduce-scatter, then the all-gather a slice later
-    assert one["fsdp2"] == pytest.approx(4 + 1 + (3 * blocks - 1) * 0.25)  # two gathers and a scatter per block
-    # Local SGD meets every H steps: the first call's price, once per H steps.
-    assert calibration.model_ms("localsgd", "gloo", compute, 2, prices, 4)[0] == pytest.approx(4 + 1 / 4)
-    assert calibration.model_ms("dp", "none", compute, 2, prices, 1)[0] == pytest.approx(4)  # one process
+    units = calibration.convnet_workload(compute).blocks
+    assert units == 5  # the convnet's root holds no parameters of its own: FSDP2 gathers 5 groups
+
+    def ms(kind: str, wire: str = "gloo", every: int = 1) -> float:
+        return calibration.model_ms(kind, wire, compute, 2, prices, every)[0]
+    assert ms("ddp") == pytest.approx(4 + 1)  # one bucket: the first call only
+    assert ms("ft") == pytest.approx(4 + 1)  # one group: its sum inside the group, nothing across
+    assert ms("zero1") == pytest.approx(4 + 3 + 0.25)  # the reduce-scatter first, the all-gather a slice later
+    # Per block a gather before its forward and its backward, a reduce-scatter after: the first gather first.
+    assert ms("fsdp2") == pytest.approx(4 + 1 + (2 * units - 1) * 0.25 + units * 0.5)
+    assert ms("localsgd", every=4) == pytest.approx(4 + 1 / 4)  # the ranks meet once in H steps
+    assert ms("dp", "none") == pytest.approx(4)  # one process
 
 
 @pytest.mark.quick
