@@ -374,9 +374,11 @@ def blocks(model: nn.Module) -> list[nn.Module]:
 
 def units(model: nn.Module) -> int:
     """How many groups FSDP2 gathers one at a time: the blocks, and the root where it holds
-    parameters of its own (a ResNet's root or the convnet's holds none: each gathers nothing)."""
-    own = sum(p.numel() for p in model.parameters()) - sum(p.numel() for b in blocks(model) for p in b.parameters())
-    return len(blocks(model)) + (1 if own else 0)
+    parameters of its own (a ResNet's root or the convnet's holds none: it gathers nothing). The
+    cost model prices a root's group like a block's, though the root is not resharded after its
+    forward (one gather a step, not two)."""
+    in_blocks = {id(p) for b in blocks(model) for p in b.parameters()}
+    return len(blocks(model)) + (1 if any(id(p) not in in_blocks for p in model.parameters()) else 0)
 
 
 def chosen_shard(argv: list[str] | None) -> str:

@@ -366,7 +366,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     a = p.parse_args(argv)
     if a.calibrate:
         try:
-            a.worlds = [int(w) for w in a.worlds.split(",")]
+            a.worlds = sorted({int(w) for w in a.worlds.split(",")})
         except ValueError:
             p.error(f"--worlds {a.worlds}: a comma list of whole numbers, e.g. 1,2,4")
         if a.repeats < 1 or min(a.worlds) < 1:

@@ -153,6 +153,7 @@ def test_the_json_document_has_the_documented_fields_and_the_plot_is_written(cap
     (["--calibrate", "--worlds", "1,two"], "--worlds"),
     (["--calibrate", "--repeats", "0"], "--repeats"),
     (["--calibrate", "--worlds", "2,4"], "--worlds"),
+    (["--calibrate", "--worlds", "1"], "--worlds"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(argv, names, capsys):
     code, out, err = run_cli([*argv, "--plot", "/dev/null"], capsys)
