@@ -77,9 +77,10 @@ def mean_ms(f: Callable[[], object], calls: int) -> float:
     return statistics.fmean(timed_ms(f, calls))
 
 
-def probe(chosen: list[str]) -> None:
-    """Time every collective (or the `chosen` ones) at every size, back to back and issued from a
-    step; rank 0 prints one JSON line: kind -> wire -> op -> [ms per size], and the steps."""
+def probe(chosen: list[str], rounds: int) -> None:
+    """Time every collective (or the `chosen` ones: an op on every wire, or wire:op) at every size,
+    back to back and issued from a step; rank 0 prints one JSON line: kind -> wire -> op -> [ms per
+    size], and the steps."""
     import torch
     import torch.distributed as dist
 
@@ -102,10 +103,12 @@ def probe(chosen: list[str]) -> None:
                  "all_gather": lambda t: dist.all_gather_into_tensor(t, t[:t.numel() // world].clone())},
         "ring": {"all_reduce": ring_all_reduce},
     }
-    ops = {wire: {op: call for op, call in table.items() if not chosen or op in chosen} for wire, table in ops.items()}
+    ops = {wire: {op: call for op, call in table.items() if not chosen or {op, f"{wire}:{op}"} & set(chosen)}
+           for wire, table in ops.items()}
+    ops = {wire: table for wire, table in ops.items() if table}
     convnet = ConvnetStep(shm, rank, world)
     with convnet.buckets.paused():  # else their hooks launch the buckets' all-reduces, which no step finishes
-        in_steps = in_step(ops, convnet)
+        in_steps = in_step(ops, convnet, rounds)
     found = {"back_to_back": back_to_back(ops), **in_steps, "step": convnet.timed()}
     if rank == 0:
         print("PROBE " + json.dumps(found), flush=True)
@@ -128,7 +131,7 @@ def back_to_back(ops: dict[str, dict[str, Callable]]) -> dict[str, dict[str, lis
     return found
 
 
-def in_step(ops: dict[str, dict[str, Callable]], convnet: "ConvnetStep") -> dict[str, dict]:
+def in_step(ops: dict[str, dict[str, Callable]], convnet: "ConvnetStep", rounds: int) -> dict[str, dict]:
     """Each collective as training issues it, two ways: once after a step's compute (a step with it
     less the step alone: where DDP's last bucket, the ring and ZeRO-1's reduce-scatter sit) and at
     the spacing of FSDP2's calls (before each block's forward and after each block's backward: the
@@ -141,9 +144,9 @@ def in_step(ops: dict[str, dict[str, Callable]], convnet: "ConvnetStep") -> dict
     import torch
     import torch.distributed as dist
 
-    rounds: dict[tuple[str, str, str, int], list[float]] = {}
+    extras: dict[tuple[str, str, str, int], list[float]] = {}  # per round
     step = convnet.step(None)
-    for _ in range(IN_STEP_ROUNDS):
+    for _ in range(rounds):
         for wire, table in ops.items():
             for op, call in table.items():
                 dist.barrier()
@@ -155,10 +158,10 @@ def in_step(ops: dict[str, dict[str, Callable]], convnet: "ConvnetStep") -> dict
                     dist.barrier()
                     with convnet.at_blocks(lambda call=call, tensor=tensor: call(tensor)) as calls:
                         spaced = mean_ms(step, IN_STEP_CALLS)
-                    rounds.setdefault(("after_step", wire, op, i), []).append(after - alone)
-                    rounds.setdefault(("at_blocks", wire, op, i), []).append((spaced - alone) / calls)
+                    extras.setdefault(("after_step", wire, op, i), []).append(after - alone)
+                    extras.setdefault(("at_blocks", wire, op, i), []).append((spaced - alone) / calls)
     found: dict[str, dict[str, dict[str, list[float]]]] = {}
-    for (placed, wire, op, _), extra in rounds.items():  # below 0 where the step's jitter outweighs a small call
+    for (placed, wire, op, _), extra in extras.items():  # below 0 where the step's jitter outweighs a small call
         found.setdefault(placed, {}).setdefault(wire, {}).setdefault(op, []).append(statistics.median(extra))
     return found
 
@@ -260,11 +263,13 @@ def fit(sizes: list[int], ms: list[float], relative: bool = True) -> tuple[float
     return max(a, 0.0) / 1000, max(b, 0.0) / 1000  # seconds, seconds per byte
 
 
-def measure_collectives(world: int, ops: tuple[str, ...] = ()) -> dict[str, dict]:
-    """One torchrun launch of the probe at W (every collective, or only `ops`)."""
+def measure_collectives(world: int, ops: tuple[str, ...] = (), rounds: int = IN_STEP_ROUNDS) -> dict[str, dict]:
+    """One torchrun launch of the probe at W (every collective, or only `ops`; `rounds` of the
+    timings in a step)."""
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-                           "-m", "bench.calibration", *ops], cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                          capture_output=True, text=True, timeout=600, check=False)
+                           "-m", "bench.calibration", str(rounds), *ops], cwd=ROOT,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600,
+                          check=False)
     lines = [line for line in done.stdout.splitlines() if line.startswith("PROBE ")]
     if done.returncode or not lines:
         raise SystemExit(f"the collectives' probe at W={world} failed:\n{done.stderr[-2000:]}")
@@ -498,4 +503,4 @@ def print_report(doc: dict) -> None:
 
 
 if __name__ == "__main__":
-    probe(sys.argv[1:])
+    probe(sys.argv[2:], int(sys.argv[1]))  # rounds, then ops (measure_collectives)

@@ -244,13 +244,15 @@ def test_a_strategys_compute_is_its_own_step_at_world_1_scaled_as_the_no_sync_st
 
 def test_one_calibration_at_world_2(capsys):
     """One launch: the all-reduces over gloo and shared memory at W=2, timed back to back and in a
-    step, fitted; the suite's own bucketed sync (train_allreduce.py's, over shared memory) timed in
-    the same processes against a step without it. The model built from the all-reduce's line timed
-    after a step (less the slowest rank's lead, counted once in the compute) and the no-sync step must
-    land near the measured step. The bound is loose (a shared machine: the
-    15% target is the benchmark's, `python -m bench forecast --calibrate`): it catches a model off by
-    its units, or one that prices collectives as back to back (under load: 0.48 of the step), not noise."""
-    probes = calibration.measure_collectives(2, ("all_reduce",))
+    step (after it and at FSDP2's spacing), fitted; the suite's own bucketed sync
+    (train_allreduce.py's, over shared memory) timed in the same processes against a step without
+    it. The model built from the all-reduce's line timed after a step (less the slowest rank's
+    lead, counted once in the compute) and the no-sync step must land near the measured step. The
+    bound is loose (a shared machine: the 15% target is the benchmark's, `python -m bench forecast
+    --calibrate`): it catches a model off by its units, or one that prices collectives as back to
+    back (under load: 0.48 of the step), not noise. The ring is left out and one round of timings in
+    a step taken, not 3: with them the test took 46 s under CI's load; it reads the other two."""
+    probes = calibration.measure_collectives(2, ("shm:all_reduce", "gloo:all_reduce"), rounds=1)
     lines = calibration.lines_of([probes])
     for wire in ("shm", "gloo"):  # in a step, the step's jitter (0.3 ms) can hide the slope
         a, b = calibration.lines_of([probes], "back_to_back")[wire]["all_reduce"]
