@@ -21,11 +21,11 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from common.config import SHUFFLE_WINDOW
 from common.data.decoding import broken_message, header
 from common.data.geometry import Stored
 from common.data.index import SetIndex, Table, TableWriter
 from common.data.indexing import ShardSamples, Survey, parallel
-from common.data.loader import SHUFFLE_WINDOW
 from common.data.reading import Ragged, Reader
 from common.data.shardcache import GONE, ShardCache
 from common.errors import UserError

@@ -25,7 +25,7 @@ import torch
 
 from common import hfsets
 from common import shards as layout
-from common.config import INTERPOLATIONS, OWN_DATASETS
+from common.config import INTERPOLATIONS, OWN_DATASETS, SHUFFLE_WINDOW
 from common.data import hf, jpegcrop
 from common.data.cache import (
     META,
@@ -47,7 +47,7 @@ from common.data.device_decode import choose_decode
 from common.data.geometry import Geometry, Resampling, Stored, choose_geometry, stored_bytes
 from common.data.index import INDEX_FORMAT, SetIndex, TableWriter, map_index, publish, shapes_of, staging_for
 from common.data.indexing import ShardSamples, Survey, check_classes, index_folder, index_shards
-from common.data.loader import SHUFFLE_WINDOW, Dataset, DataSpec, Expected, Split
+from common.data.loader import Dataset, DataSpec, Expected, Split
 from common.data.reading import Ragged, Reader, Request, Streamed, batches_of
 from common.data.shardcache import ShardCache
 from common.data.shardformat import read_shard

@@ -22,8 +22,8 @@ import threading
 from pathlib import Path
 from typing import Any, BinaryIO, Callable, TypeVar
 
+from common.config import SHUFFLE_WINDOW
 from common.data.cache import cache_error, file_lock, remove_lock, staging_path, sweep_staging
-from common.data.loader import SHUFFLE_WINDOW
 from common.errors import UserError
 from common.storage import StorageError, storage_for
 

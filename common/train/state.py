@@ -11,7 +11,8 @@ from typing import Any
 import torch
 
 from common import __version__
-from common.data.loader import ORDER_VERSION, SHUFFLE_WINDOW
+from common.config import SHUFFLE_WINDOW
+from common.data.loader import ORDER_VERSION
 from common.errors import first_line
 from common.optimizers import OPTIMIZERS
 from common.train.run import Position, Run
