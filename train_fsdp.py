@@ -377,8 +377,9 @@ def units(model: nn.Module) -> int:
     parameters of its own (a ResNet's root or the convnet's holds none: it gathers nothing). The
     cost model prices a root's group like a block's, though the root is not resharded after its
     forward (one gather a step, not two)."""
-    in_blocks = {id(p) for b in blocks(model) for p in b.parameters()}
-    return len(blocks(model)) + (1 if any(id(p) not in in_blocks for p in model.parameters()) else 0)
+    groups = blocks(model)
+    in_blocks = {id(p) for b in groups for p in b.parameters()}
+    return len(groups) + (1 if any(id(p) not in in_blocks for p in model.parameters()) else 0)
 
 
 def chosen_shard(argv: list[str] | None) -> str:
