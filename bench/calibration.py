@@ -7,11 +7,12 @@ alpha and beta read from it), back to back (the wire's own cost) and issued from
 the step's compute and at FSDP2's spacing, a block's compute apart (the cost training sees, and the
 model's: on CPU ranks the collective's threads wait for a core the step's compute held, and the
 ranks arrive apart); each strategy's step time (the suite's own clock: data + compute + sync) at
-W=1, 2 and 4 as real torchrun runs of train_*.py, and the no-sync reference's. A strategy's compute
-at W is its own step at W=1, where it sends nothing, scaled as the no-sync step scales from W=1 to W
-(the ranks share the 2 cores: at W=4 two ranks per core). Rounds interleave every row, so the
-machine's drifting load (other jobs share it) hits all of them alike; medians are reported, with
-the range.
+W=1, 2 and 4 as real torchrun runs of train_*.py, each between two runs of the no-sync reference
+at the same W. A strategy's compute at W is its own step at W=1, where it sends nothing, scaled as
+the no-sync step beside it scales from W=1 to W (the ranks share the 2 cores: at W=4 two ranks per
+core): the host's load drifts by as much as the model's error over the minutes of a round (other
+jobs share it), and the runs either side of a run, seconds away, share its load. Rounds interleave
+every row; medians are reported, with the range.
 
 The model then puts each strategy's step together from those parts, as it does for a cluster, with
 two differences: CPU ranks have no spare core, so nothing overlaps the backward, and each collective
@@ -37,7 +38,7 @@ from bench import costmodel as cm
 from bench.strategies import run, synthetic, timing
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL, PER_RANK, STEPS, EVERY = "convnet", 16, 40, 10
+MODEL, PER_RANK, STEPS, EVERY = "convnet", 16, 80, 10
 SIZES = [1 << 12, 1 << 15, 1 << 17, 1 << 19, 1 << 21]  # bytes: the convnet's blocks up to 16x its gradients
 IN_STEP_ROUNDS, IN_STEP_CALLS = 3, 8  # a collective timed in a step: interleaved rounds, steps to a mean
 
@@ -338,26 +339,43 @@ def model_ms(kind: str, wire: str, compute_s: float, world: int, priced: Prices,
     return 1000 * (step.seconds + min(1.0, step.calls) * extra), step.memory_bytes / cm.MB
 
 
+def beside_no_sync(world: int, labels: list[str]) -> list[tuple[str, float, float, float]]:
+    """One round at W: a no-sync run, then each strategy's run followed by another no-sync run:
+    (label, ms per step, state MB, the no-sync step beside it: the mean of the runs just before and
+    just after, seconds apart, where the host's load drifts by 15% over the minutes of a round)."""
+    floors = [measured_step(NOSYNC, world)]
+    found = []
+    for label in labels:
+        ms, mb = measured_step(ROWS[label][0], world)
+        floors.append(measured_step(NOSYNC, world))
+        found.append((label, ms, mb, (floors[-2][0] + floors[-1][0]) / 2))
+    return [("nosync", ms, mb, ms) for ms, mb in floors] + found
+
+
 def main(repeats: int, worlds: list[int], as_json: bool) -> None:
     print(f"calibration: {os.cpu_count()} cores (shared with other jobs), gloo, one thread per rank, {MODEL} "
-          f"(MNIST shape), {PER_RANK} images per rank, {STEPS} steps per run; {repeats} interleaved rounds, medians",
-          file=sys.stderr)
+          f"(MNIST shape), {PER_RANK} images per rank, {STEPS} steps per run, each strategy's between two no-sync "
+          f"runs; {repeats} interleaved rounds, medians", file=sys.stderr)
     steps: dict[tuple[str, int], list[float]] = {}
+    beside: dict[tuple[str, int], list[float]] = {}
     memory: dict[tuple[str, int], float] = {}
     probes: dict[int, list[dict]] = {}
     raw = Path(tempfile.gettempdir()) / f"forecast-calibration-{time.strftime('%Y%m%d-%H%M%S')}.json"
+    labels = list(ROWS)
     for round_ in range(repeats):
         for world in worlds:
             if world > 1:
                 probes.setdefault(world, []).append(measure_collectives(world))
-            for label, (script, _, _) in {"nosync": (NOSYNC, "", ""), **ROWS}.items():
-                ms, mb = measured_step(script, world)
+            turn = round_ % len(labels)  # each round starts from another strategy: no row always first
+            for label, ms, mb, floor in beside_no_sync(world, labels[turn:] + labels[:turn]):
                 steps.setdefault((label, world), []).append(ms)
+                beside.setdefault((label, world), []).append(floor)
                 memory[(label, world)] = mb
         raw.write_text(json.dumps({"steps": [[k, w, v] for (k, w), v in steps.items()],
+                                   "beside": [[k, w, v] for (k, w), v in beside.items()],
                                    "memory": [[k, w, v] for (k, w), v in memory.items()], "probes": probes}))
         print(f"  round {round_ + 1} of {repeats} done; every timing so far: {raw}", file=sys.stderr)
-    doc = report(steps, memory, probes, worlds)
+    doc = report(steps, beside, memory, probes, worlds)
     if as_json:
         print(json.dumps(doc, indent=1))
     else:
@@ -408,19 +426,21 @@ def in_process(probes: list[dict], world: int) -> dict[str, float]:
             "model_ms": model_ms("allreduce", "shm", nosync / 1000 + lead, world, prices(probes, lead), 1)[0]}
 
 
-def own_compute(steps: dict[tuple[str, int], list[float]], label: str, world: int) -> list[float]:
-    """Per round, the strategy's compute at W (ms): the no-sync step at W (the ranks share the cores
-    as the strategy's do; at W=4 two ranks per core) times the strategy's own step over the no-sync
-    step at W=1, where it sends nothing (its hooks, copies and bookkeeping: FSDP2's per-block
-    DTensor work is 2.2x the no-sync step there); that factor the median over the rounds, a
-    property of the strategy where one W=1 run moves by 10%."""
-    factor = statistics.median(alone / floor for alone, floor in zip(steps[(label, 1)], steps[("nosync", 1)]))
-    return [floor * factor for floor in steps[("nosync", world)]]
+def own_compute(steps: dict[tuple[str, int], list[float]], beside: dict[tuple[str, int], list[float]], label: str,
+                world: int) -> list[float]:
+    """Per round, the strategy's compute at W (ms): the no-sync step beside its run at W (the ranks
+    share the cores as the strategy's do; at W=4 two ranks per core) times the strategy's own step
+    over the no-sync step beside it at W=1, where it sends nothing (its hooks, copies and
+    bookkeeping: FSDP2's per-block DTensor work is 2.2x the no-sync step there); that factor the
+    median over the rounds, a property of the strategy where one W=1 run moves by 10%."""
+    factor = statistics.median(alone / floor for alone, floor in zip(steps[(label, 1)], beside[(label, 1)]))
+    return [floor * factor for floor in beside[(label, world)]]
 
 
-def report(steps: dict[tuple[str, int], list[float]], memory: dict[tuple[str, int], float],
-           probes: dict[int, list[dict]], worlds: list[int]) -> dict:
-    """The model's compute for a strategy at W: its own step at W=1 scaled to W (own_compute), and
+def report(steps: dict[tuple[str, int], list[float]], beside: dict[tuple[str, int], list[float]],
+           memory: dict[tuple[str, int], float], probes: dict[int, list[dict]], worlds: list[int]) -> dict:
+    """The model's compute for a strategy at W: its own step at W=1 scaled to W by the no-sync runs
+    beside it (own_compute), and
     the slowest rank's lead once a step; its collectives: the lines fitted to them timed in a step
     at W (Prices). Checked at every W > 1; W=1 is the model's input."""
     lead = {w: lead_s(probes[w]) if w in probes else 0.0 for w in worlds}
@@ -430,9 +450,9 @@ def report(steps: dict[tuple[str, int], list[float]], memory: dict[tuple[str, in
     for label, (script, kind, wire) in ROWS.items():
         every = int(script[script.index("--sync-every") + 1]) if "--sync-every" in script else 1
         for world in (w for w in worlds if w > 1):
-            measured, computes = steps[(label, world)], own_compute(steps, label, world)
+            measured, computes = steps[(label, world)], own_compute(steps, beside, label, world)
             waited = lead[world] * lead_waited(kind, every)
-            # Each round's row against the same round's runs: the load drifts by the minute.
+            # Each run against the no-sync runs either side of it: the load drifts by the minute.
             ratios = [model_ms(kind, wire, compute / 1000 + waited, world, priced[world], every)[0] / ms
                       for compute, ms in zip(computes, measured)]
             predicted, model_mb = model_ms(kind, wire, statistics.median(computes) / 1000 + waited, world,
@@ -489,8 +509,8 @@ def print_report(doc: dict) -> None:
               f"{r['model_ms']:.2f} | "
               f"{r['model_ms'] / r['buckets_ms']:.2f} |")
     print("\nthe model against the suite's step time: medians over the rounds; model / measured per round, its "
-          "compute the strategy's own step at W=1 of that round, scaled to W as the no-sync step scales "
-          "(target: within 15%)\n")
+          "compute the no-sync step beside the run times the strategy's own step over the no-sync step beside it "
+          "at W=1 (target: within 15%)\n")
     print("| strategy | W | measured ms (range) | compute ms | model ms | model / measured: median (range) "
           "| state MB: model / logged |\n|---|---|---|---|---|---|---|")
     for r in doc["rows"]:

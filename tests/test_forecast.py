@@ -236,10 +236,28 @@ def test_a_step_pays_its_first_calls_price_once_and_each_later_calls_price():
 
 
 @pytest.mark.quick
-def test_a_strategys_compute_is_its_own_step_at_world_1_scaled_as_the_no_sync_step_scales():
-    steps = {("nosync", 1): [5.0, 4.0, 4.0], ("nosync", 4): [10.0, 9.0, 8.0], ("fsdp", 1): [10.0, 8.0, 10.0]}
-    assert calibration.own_compute(steps, "fsdp", 4) == pytest.approx([20.0, 18.0, 16.0])  # the factor's median: 2
-    assert calibration.own_compute(steps, "nosync", 4) == pytest.approx([10.0, 9.0, 8.0])
+def test_a_strategys_compute_is_its_own_step_at_world_1_scaled_as_the_no_sync_step_beside_it_scales():
+    """Each run against the no-sync runs beside it, not the round's: the host drifts between rows."""
+    steps = {("fsdp", 1): [10.0, 8.0, 12.0], ("fsdp", 4): [30.0, 30.0, 30.0]}
+    beside = {("fsdp", 1): [5.0, 4.0, 4.0], ("fsdp", 4): [10.0, 9.0, 8.0]}
+    assert calibration.own_compute(steps, beside, "fsdp", 4) == pytest.approx([20.0, 18.0, 16.0])  # factors 2, 2, 3
+
+
+@pytest.mark.quick
+def test_each_strategy_runs_between_two_no_sync_runs(monkeypatch):
+    """The no-sync step beside a run is the mean of the no-sync runs just before and after it; one
+    run between two strategies serves both."""
+    runs = iter([(["nosync"], 1.0), (["train_ddp.py"], 10.0), (["nosync"], 3.0), (["train_master.py"], 20.0),
+                 (["nosync"], 7.0)])
+
+    def measured_step(script: list[str], world: int) -> tuple[float, float]:
+        expected, ms = next(runs)
+        assert world == 2 and (script == calibration.NOSYNC if expected == ["nosync"] else script == expected)
+        return ms, 0.5
+    monkeypatch.setattr(calibration, "measured_step", measured_step)
+    found = calibration.beside_no_sync(2, ["ddp", "master"])
+    assert sorted(found) == sorted([("nosync", 1.0, 0.5, 1.0), ("ddp", 10.0, 0.5, 2.0), ("nosync", 3.0, 0.5, 3.0),
+                                    ("master", 20.0, 0.5, 5.0), ("nosync", 7.0, 0.5, 7.0)])
 
 
 def test_one_calibration_at_world_2(capsys):
