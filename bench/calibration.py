@@ -10,8 +10,8 @@ ranks arrive apart); each strategy's step time (the suite's own clock: data + co
 W=1, 2 and 4 as real torchrun runs of train_*.py, each between two runs of the no-sync reference
 at the same W. A strategy's compute at W is its own step at W=1, where it sends nothing, scaled as
 the no-sync step beside it scales from W=1 to W (the ranks share the 2 cores: at W=4 two ranks per
-core): the host's load drifts by as much as the model's error over the minutes of a round (other
-jobs share it), and the runs either side of a run, seconds away, share its load. Rounds interleave
+core): the host's load drifts by 15% and more over the minutes of a round (other jobs share it),
+and the runs either side of a run, seconds away, share its load. Rounds interleave
 every row; medians are reported, with the range.
 
 The model then puts each strategy's step together from those parts, as it does for a cluster, with
@@ -339,43 +339,64 @@ def model_ms(kind: str, wire: str, compute_s: float, world: int, priced: Prices,
     return 1000 * (step.seconds + min(1.0, step.calls) * extra), step.memory_bytes / cm.MB
 
 
-def beside_no_sync(world: int, labels: list[str]) -> list[tuple[str, float, float, float]]:
-    """One round at W: a no-sync run, then each strategy's run followed by another no-sync run:
-    (label, ms per step, state MB, the no-sync step beside it: the mean of the runs just before and
-    just after, seconds apart, where the host's load drifts by 15% over the minutes of a round)."""
-    floors = [measured_step(NOSYNC, world)]
-    found = []
+def beside_no_sync(world: int, labels: list[str]) -> tuple[list[float], list[tuple[str, float, float, float]]]:
+    """A no-sync run at W, then each strategy's run followed by another no-sync run: (the no-sync
+    runs' ms per step, in order; per strategy (label, ms per step, state MB, the mean of the no-sync
+    runs just before and just after it))."""
+    floors = [measured_step(NOSYNC, world)[0]]
+    found: list[tuple[str, float, float, float]] = []
     for label in labels:
         ms, mb = measured_step(ROWS[label][0], world)
-        floors.append(measured_step(NOSYNC, world))
-        found.append((label, ms, mb, (floors[-2][0] + floors[-1][0]) / 2))
-    return [("nosync", ms, mb, ms) for ms, mb in floors] + found
+        floors.append(measured_step(NOSYNC, world)[0])
+        found.append((label, ms, mb, (floors[-2] + floors[-1]) / 2))
+    return floors, found
+
+
+@dataclass
+class Timings:
+    """Every timing of a calibration as it comes: ms per step per (label, W), one a round for a
+    strategy, every run for the no-sync reference; the no-sync step beside each strategy's run; the
+    state MB logged; the probes per W; the order the rows ran in, per round and W."""
+
+    steps: dict[tuple[str, int], list[float]] = field(default_factory=dict)
+    beside: dict[tuple[str, int], list[float]] = field(default_factory=dict)
+    memory: dict[tuple[str, int], float] = field(default_factory=dict)
+    probes: dict[int, list[dict]] = field(default_factory=dict)
+    order: list[tuple[int, int, list[str]]] = field(default_factory=list)
+
+    def add_round(self, round_: int, worlds: list[int]) -> None:
+        labels = list(ROWS)
+        turn = round_ % len(labels)  # the first row of a W follows the probe's processes: not always the same row
+        labels = labels[turn:] + labels[:turn]
+        for world in worlds:
+            if world > 1:
+                self.probes.setdefault(world, []).append(measure_collectives(world))
+            floors, runs = beside_no_sync(world, labels)
+            self.steps.setdefault(("nosync", world), []).extend(floors)
+            for label, ms, mb, floor in runs:
+                self.steps.setdefault((label, world), []).append(ms)
+                self.beside.setdefault((label, world), []).append(floor)
+                self.memory[(label, world)] = mb
+            self.order.append((round_, world, labels))
+
+    def as_json(self) -> str:
+        def listed(table: dict[tuple[str, int], object]) -> list[list]:
+            return [[label, world, v] for (label, world), v in table.items()]
+        return json.dumps({"steps_per_run": STEPS, "order": self.order, "steps": listed(self.steps),
+                           "beside": listed(self.beside), "memory": listed(self.memory), "probes": self.probes})
 
 
 def main(repeats: int, worlds: list[int], as_json: bool) -> None:
     print(f"calibration: {os.cpu_count()} cores (shared with other jobs), gloo, one thread per rank, {MODEL} "
           f"(MNIST shape), {PER_RANK} images per rank, {STEPS} steps per run, each strategy's between two no-sync "
           f"runs; {repeats} interleaved rounds, medians", file=sys.stderr)
-    steps: dict[tuple[str, int], list[float]] = {}
-    beside: dict[tuple[str, int], list[float]] = {}
-    memory: dict[tuple[str, int], float] = {}
-    probes: dict[int, list[dict]] = {}
+    timings = Timings()
     raw = Path(tempfile.gettempdir()) / f"forecast-calibration-{time.strftime('%Y%m%d-%H%M%S')}.json"
-    labels = list(ROWS)
     for round_ in range(repeats):
-        for world in worlds:
-            if world > 1:
-                probes.setdefault(world, []).append(measure_collectives(world))
-            turn = round_ % len(labels)  # each round starts from another strategy: no row always first
-            for label, ms, mb, floor in beside_no_sync(world, labels[turn:] + labels[:turn]):
-                steps.setdefault((label, world), []).append(ms)
-                beside.setdefault((label, world), []).append(floor)
-                memory[(label, world)] = mb
-        raw.write_text(json.dumps({"steps": [[k, w, v] for (k, w), v in steps.items()],
-                                   "beside": [[k, w, v] for (k, w), v in beside.items()],
-                                   "memory": [[k, w, v] for (k, w), v in memory.items()], "probes": probes}))
+        timings.add_round(round_, worlds)
+        raw.write_text(timings.as_json())
         print(f"  round {round_ + 1} of {repeats} done; every timing so far: {raw}", file=sys.stderr)
-    doc = report(steps, beside, memory, probes, worlds)
+    doc = report(timings, worlds)
     if as_json:
         print(json.dumps(doc, indent=1))
     else:
@@ -426,23 +447,22 @@ def in_process(probes: list[dict], world: int) -> dict[str, float]:
             "model_ms": model_ms("allreduce", "shm", nosync / 1000 + lead, world, prices(probes, lead), 1)[0]}
 
 
-def own_compute(steps: dict[tuple[str, int], list[float]], beside: dict[tuple[str, int], list[float]], label: str,
-                world: int) -> list[float]:
+def own_compute(timings: Timings, label: str, world: int) -> list[float]:
     """Per round, the strategy's compute at W (ms): the no-sync step beside its run at W (the ranks
     share the cores as the strategy's do; at W=4 two ranks per core) times the strategy's own step
     over the no-sync step beside it at W=1, where it sends nothing (its hooks, copies and
     bookkeeping: FSDP2's per-block DTensor work is 2.2x the no-sync step there); that factor the
     median over the rounds, a property of the strategy where one W=1 run moves by 10%."""
+    steps, beside = timings.steps, timings.beside
     factor = statistics.median(alone / floor for alone, floor in zip(steps[(label, 1)], beside[(label, 1)]))
     return [floor * factor for floor in beside[(label, world)]]
 
 
-def report(steps: dict[tuple[str, int], list[float]], beside: dict[tuple[str, int], list[float]],
-           memory: dict[tuple[str, int], float], probes: dict[int, list[dict]], worlds: list[int]) -> dict:
+def report(timings: Timings, worlds: list[int]) -> dict:
     """The model's compute for a strategy at W: its own step at W=1 scaled to W by the no-sync runs
-    beside it (own_compute), and
-    the slowest rank's lead once a step; its collectives: the lines fitted to them timed in a step
-    at W (Prices). Checked at every W > 1; W=1 is the model's input."""
+    beside it (own_compute), and the slowest rank's lead once a step; its collectives: the lines
+    fitted to them timed in a step at W (Prices). Checked at every W > 1; W=1 is the model's input."""
+    steps, memory, probes = timings.steps, timings.memory, timings.probes
     lead = {w: lead_s(probes[w]) if w in probes else 0.0 for w in worlds}
     priced = {w: prices(p, lead[w]) for w, p in probes.items()}
     nosync = {w: statistics.median(steps[("nosync", w)]) / 1000 for w in worlds}
@@ -450,9 +470,8 @@ def report(steps: dict[tuple[str, int], list[float]], beside: dict[tuple[str, in
     for label, (script, kind, wire) in ROWS.items():
         every = int(script[script.index("--sync-every") + 1]) if "--sync-every" in script else 1
         for world in (w for w in worlds if w > 1):
-            measured, computes = steps[(label, world)], own_compute(steps, beside, label, world)
+            measured, computes = steps[(label, world)], own_compute(timings, label, world)
             waited = lead[world] * lead_waited(kind, every)
-            # Each run against the no-sync runs either side of it: the load drifts by the minute.
             ratios = [model_ms(kind, wire, compute / 1000 + waited, world, priced[world], every)[0] / ms
                       for compute, ms in zip(computes, measured)]
             predicted, model_mb = model_ms(kind, wire, statistics.median(computes) / 1000 + waited, world,

@@ -238,26 +238,78 @@ def test_a_step_pays_its_first_calls_price_once_and_each_later_calls_price():
 @pytest.mark.quick
 def test_a_strategys_compute_is_its_own_step_at_world_1_scaled_as_the_no_sync_step_beside_it_scales():
     """Each run against the no-sync runs beside it, not the round's: the host drifts between rows."""
-    steps = {("fsdp", 1): [10.0, 8.0, 12.0], ("fsdp", 4): [30.0, 30.0, 30.0]}
-    beside = {("fsdp", 1): [5.0, 4.0, 4.0], ("fsdp", 4): [10.0, 9.0, 8.0]}
-    assert calibration.own_compute(steps, beside, "fsdp", 4) == pytest.approx([20.0, 18.0, 16.0])  # factors 2, 2, 3
+    timings = calibration.Timings(steps={("fsdp", 1): [10.0, 8.0, 12.0], ("fsdp", 4): [30.0, 30.0, 30.0]},
+                                  beside={("fsdp", 1): [5.0, 4.0, 4.0], ("fsdp", 4): [10.0, 9.0, 8.0]})
+    assert calibration.own_compute(timings, "fsdp", 4) == pytest.approx([20.0, 18.0, 16.0])  # factors 2, 2, 3
 
 
 @pytest.mark.quick
 def test_each_strategy_runs_between_two_no_sync_runs(monkeypatch):
     """The no-sync step beside a run is the mean of the no-sync runs just before and after it; one
     run between two strategies serves both."""
-    runs = iter([(["nosync"], 1.0), (["train_ddp.py"], 10.0), (["nosync"], 3.0), (["train_master.py"], 20.0),
-                 (["nosync"], 7.0)])
+    nosync, ddp, master = calibration.NOSYNC, ["train_ddp.py"], ["train_master.py"]
+    runs = iter([(nosync, 1.0), (ddp, 10.0), (nosync, 3.0), (master, 20.0), (nosync, 7.0)])
 
     def measured_step(script: list[str], world: int) -> tuple[float, float]:
         expected, ms = next(runs)
-        assert world == 2 and (script == calibration.NOSYNC if expected == ["nosync"] else script == expected)
+        assert (script, world) == (expected, 2)
         return ms, 0.5
     monkeypatch.setattr(calibration, "measured_step", measured_step)
-    found = calibration.beside_no_sync(2, ["ddp", "master"])
-    assert sorted(found) == sorted([("nosync", 1.0, 0.5, 1.0), ("ddp", 10.0, 0.5, 2.0), ("nosync", 3.0, 0.5, 3.0),
-                                    ("master", 20.0, 0.5, 5.0), ("nosync", 7.0, 0.5, 7.0)])
+    assert calibration.beside_no_sync(2, ["ddp", "master"]) == (
+        [1.0, 3.0, 7.0], [("ddp", 10.0, 0.5, 2.0), ("master", 20.0, 0.5, 5.0)])
+
+
+@pytest.mark.quick
+def test_rounds_keep_each_run_beside_its_no_sync_runs_and_start_from_another_strategy(monkeypatch):
+    """Two rounds at W=1 and 2: each strategy's time and the no-sync step beside it stay paired by
+    round, whichever strategy a round starts from, and the raw file says the order they ran in."""
+    ran: list[tuple[str, int]] = []
+
+    def measured_step(script: list[str], world: int) -> tuple[float, float]:
+        ran.append((script[0], world))
+        return float(len(ran) ** 2), 0.25  # each run's time: its place in the whole calibration, squared
+    monkeypatch.setattr(calibration, "measured_step", measured_step)
+    monkeypatch.setattr(calibration, "measure_collectives", lambda world: {"world": world})
+    timings = calibration.Timings()
+    for round_ in range(2):
+        timings.add_round(round_, [1, 2])
+    labels = list(calibration.ROWS)
+    assert [order[2][0] for order in timings.order] == [labels[0], labels[0], labels[1], labels[1]]
+    assert timings.probes == {2: [{"world": 2}, {"world": 2}]}
+    runs_per_world = 2 * len(labels) + 1
+    for round_, world, order in timings.order:
+        first = (2 * round_ + world - 1) * runs_per_world  # the runs before this round's at this W
+        for label in labels:
+            place = first + 2 * order.index(label) + 2  # 1-based: after its no-sync run before it
+            assert timings.steps[(label, world)][round_] == place ** 2
+            assert timings.beside[(label, world)][round_] == place ** 2 + 1  # ((place - 1)² + (place + 1)²) / 2
+    assert len(timings.steps[("nosync", 2)]) == 2 * (len(labels) + 1)
+    raw = json.loads(timings.as_json())
+    assert raw["steps_per_run"] == calibration.STEPS and raw["order"][2] == [1, 1, labels[1:] + labels[:1]]
+
+
+@pytest.mark.quick
+def test_the_report_checks_each_strategy_against_its_own_rounds(capsys):
+    """DataParallel sends nothing: its model is its compute, the no-sync step beside its run at W
+    times its W=1 step over the no-sync step beside that; per round, against that round's time."""
+    sizes = len(calibration.SIZES)
+    wires = {"shm": ["all_reduce", "reduce_broadcast"], "gloo": ["all_reduce", "reduce_scatter", "all_gather"],
+             "ring": ["all_reduce"]}
+    timed = {wire: {op: [1.0] * sizes for op in ops} for wire, ops in wires.items()}
+    probe = {"back_to_back": timed, "after_step": timed, "at_blocks": timed,
+             "step": {"nosync": [5.0], "buckets": [6.0], "slowest": [5.0], "mean": [5.0]}}
+    steps, beside = {}, {}
+    for label in ["nosync", *calibration.ROWS]:
+        steps[(label, 1)], beside[(label, 1)] = [6.0, 6.0], [5.0, 5.0]
+        steps[(label, 2)], beside[(label, 2)] = [12.0, 30.0], [10.0, 20.0]  # a slow second round: its runs beside
+    memory = {(label, w): 0.5 for label in calibration.ROWS for w in (1, 2)}
+    doc = calibration.report(calibration.Timings(steps, beside, memory, {2: [probe]}), [1, 2])
+    assert {(r["strategy"], r["world"]) for r in doc["rows"]} == {(label, 2) for label in calibration.ROWS}
+    dp = next(r for r in doc["rows"] if r["strategy"] == "dp")
+    assert dp["ratio"] == pytest.approx(0.9) and dp["ratio_range"] == pytest.approx([0.8, 1.0])
+    assert dp["compute_ms"] == pytest.approx(18.0) and dp["measured_range_ms"] == [12.0, 30.0]
+    calibration.print_report(doc)
+    assert "| dp | 2 | 21.0 (12.0-30.0) | 18.0 | 18.0 | 0.90 (0.80-1.00) |" in capsys.readouterr().out
 
 
 def test_one_calibration_at_world_2(capsys):
