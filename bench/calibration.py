@@ -53,6 +53,11 @@ ROWS: dict[str, tuple[list[str], str, str]] = {  # label -> (script and flags, t
     "localsgd --sync-every 4": (["train_localsgd.py", "--sync-every", "4"], "localsgd", "gloo"),
 }
 NOSYNC = ["-m", "bench.references", "nosync"]
+# nn.DataParallel on a CPU host is one process, a pass-through whose W threads split each op (the
+# suite gives it every rank's threads): its compute is the no-sync step laid out so, not W processes'
+# (at W=2 it ran 6.6 ms against their 4.8 in 3 rounds of 5 on 2026-11-28).
+ONE_PROCESS = {"dp"}
+NOSYNC_ONE_PROCESS = "nosync, one process"
 
 
 # --- in each torchrun process -------------------------------------------------------------------------
@@ -295,9 +300,11 @@ def convnet_workload(compute_s: float) -> cm.Workload:
                        buffers=sum(b.numel() for b in net.buffers() if b.is_floating_point()))
 
 
-def measured_step(script: list[str], world: int) -> tuple[float, float]:
-    """(ms per step, training state MB) of one run: the suite's clock, intervals after the first."""
-    scalars = run(script, synthetic(MODEL, PER_RANK * world, STEPS, EVERY), world)
+def measured_step(script: list[str], world: int, one_process: bool = False) -> tuple[float, float]:
+    """(ms per step, training state MB) of one run at W, as W processes of a thread or one process of
+    W threads: the suite's clock, intervals after the first."""
+    processes, threads = (1, world) if one_process else (world, 1)
+    scalars = run(script, synthetic(MODEL, PER_RANK * world, STEPS, EVERY), processes, threads)
     return timing(scalars).step_ms, scalars.get("mem/state_mb", [float("nan")])[-1]
 
 
@@ -339,17 +346,30 @@ def model_ms(kind: str, wire: str, compute_s: float, world: int, priced: Prices,
     return 1000 * (step.seconds + min(1.0, step.calls) * extra), step.memory_bytes / cm.MB
 
 
-def beside_no_sync(world: int, labels: list[str]) -> tuple[list[float], list[tuple[str, float, float, float]]]:
-    """A no-sync run at W, then each strategy's run followed by another no-sync run: (the no-sync
-    runs' ms per step, in order; per strategy (label, ms per step, state MB, the mean of the no-sync
-    runs just before and just after it))."""
-    floors = [measured_step(NOSYNC, world)[0]]
+def reference_of(label: str) -> str:
+    return NOSYNC_ONE_PROCESS if label in ONE_PROCESS else "nosync"
+
+
+def beside_no_sync(world: int,
+                   labels: list[str]) -> tuple[list[tuple[str, float]], list[tuple[str, float, float, float]]]:
+    """Each strategy's run at W between two runs of its no-sync reference (one run between two rows
+    of the same reference serves both): (the references' runs in order, (reference, ms per step);
+    per strategy (label, ms per step, state MB, the mean of the runs just before and just after it))."""
+    floors: list[tuple[str, float]] = []
     found: list[tuple[str, float, float, float]] = []
     for label in labels:
+        reference = reference_of(label)
+        if not floors or floors[-1][0] != reference:
+            floors.append((reference, no_sync_step(reference, world)))
+        before = floors[-1][1]
         ms, mb = measured_step(ROWS[label][0], world)
-        floors.append(measured_step(NOSYNC, world)[0])
-        found.append((label, ms, mb, (floors[-2] + floors[-1]) / 2))
+        floors.append((reference, no_sync_step(reference, world)))
+        found.append((label, ms, mb, (before + floors[-1][1]) / 2))
     return floors, found
+
+
+def no_sync_step(reference: str, world: int) -> float:
+    return measured_step(NOSYNC, world, one_process=reference == NOSYNC_ONE_PROCESS)[0]
 
 
 @dataclass
@@ -372,7 +392,8 @@ class Timings:
             if world > 1:
                 self.probes.setdefault(world, []).append(measure_collectives(world))
             floors, runs = beside_no_sync(world, labels)
-            self.steps.setdefault(("nosync", world), []).extend(floors)
+            for reference, ms in floors:
+                self.steps.setdefault((reference, world), []).append(ms)
             for label, ms, mb, floor in runs:
                 self.steps.setdefault((label, world), []).append(ms)
                 self.beside.setdefault((label, world), []).append(floor)
@@ -389,7 +410,8 @@ class Timings:
 def main(repeats: int, worlds: list[int], as_json: bool) -> None:
     print(f"calibration: {os.cpu_count()} cores (shared with other jobs), gloo, one thread per rank, {MODEL} "
           f"(MNIST shape), {PER_RANK} images per rank, {STEPS} steps per run, each strategy's between two no-sync "
-          f"runs; {repeats} interleaved rounds, medians", file=sys.stderr)
+          f"runs (DataParallel's: one process of W threads, as it runs); {repeats} interleaved rounds, medians",
+          file=sys.stderr)
     timings = Timings()
     raw = Path(tempfile.gettempdir()) / f"forecast-calibration-{time.strftime('%Y%m%d-%H%M%S')}.json"
     for round_ in range(repeats):
@@ -482,7 +504,10 @@ def report(timings: Timings, worlds: list[int]) -> dict:
                          "ratio_range": [min(ratios), max(ratios)],
                          "model_state_mb": model_mb, "logged_state_mb": memory[(label, world)]})
     per_sample = {w: 1000 * nosync[w] / PER_RANK for w in worlds}
+    one_process = {w: statistics.median(steps[(NOSYNC_ONE_PROCESS, w)]) for w in worlds
+                   if (NOSYNC_ONE_PROCESS, w) in steps}
     return {"compute_ms_per_sample": per_sample, "nosync_ms": {w: 1000 * nosync[w] for w in worlds},
+            "nosync_one_process_ms": one_process,
             "straggling": {w: straggling(probes[w]) if w in probes else 1.0 for w in worlds},
             "collectives": {timed: {w: described(lines_of(p, timed), w) for w, p in probes.items()}
                             for timed in ("back_to_back", "after_step", "at_blocks")},
@@ -503,6 +528,8 @@ def described(lines: dict[str, dict[str, tuple[float, float]]], world: int) -> d
 def print_report(doc: dict) -> None:
     print("\ncompute (the no-sync reference), ms per sample: "
           + ", ".join(f"W={w}: {ms:.3f}" for w, ms in doc["compute_ms_per_sample"].items())
+          + "; its step as one process of W threads (DataParallel's compute), ms: "
+          + ", ".join(f"W={w}: {ms:.2f}" for w, ms in doc["nosync_one_process_ms"].items())
           + "; the slowest rank's step over the mean rank's, steps started together: "
           + ", ".join(f"W={w}: {f:.2f} ({doc['lead_ms'][w]:.2f} ms ahead)" for w, f in doc["straggling"].items()))
     print("\ncollectives: fitted a + b n (median over rounds of each size's mean), back to back, after a step's "

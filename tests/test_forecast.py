@@ -244,29 +244,36 @@ def test_a_strategys_compute_is_its_own_step_at_world_1_scaled_as_the_no_sync_st
 
 
 @pytest.mark.quick
-def test_each_strategy_runs_between_two_no_sync_runs(monkeypatch):
-    """The no-sync step beside a run is the mean of the no-sync runs just before and after it; one
-    run between two strategies serves both."""
-    nosync, ddp, master = calibration.NOSYNC, ["train_ddp.py"], ["train_master.py"]
-    runs = iter([(nosync, 1.0), (ddp, 10.0), (nosync, 3.0), (master, 20.0), (nosync, 7.0)])
+def test_each_strategy_runs_between_two_runs_of_its_no_sync_reference(monkeypatch):
+    """The no-sync step beside a run is the mean of its reference's runs just before and after it;
+    one run between two rows of the same reference serves both. DataParallel's reference is one
+    process of W threads, as DataParallel runs on a CPU host; the others', W processes of a thread."""
+    nosync, one = (calibration.NOSYNC, False), (calibration.NOSYNC, True)
+    runs = iter([(nosync, 1.0), ((["train_ddp.py"], False), 10.0), (nosync, 3.0),
+                 (one, 2.0), ((["train_dp.py"], False), 30.0), (one, 4.0),
+                 (nosync, 5.0), ((["train_master.py"], False), 20.0), (nosync, 9.0)])
 
-    def measured_step(script: list[str], world: int) -> tuple[float, float]:
+    def measured_step(script: list[str], world: int, one_process: bool = False) -> tuple[float, float]:
         expected, ms = next(runs)
-        assert (script, world) == (expected, 2)
+        assert (script, one_process, world) == (*expected, 2)
         return ms, 0.5
     monkeypatch.setattr(calibration, "measured_step", measured_step)
-    assert calibration.beside_no_sync(2, ["ddp", "master"]) == (
-        [1.0, 3.0, 7.0], [("ddp", 10.0, 0.5, 2.0), ("master", 20.0, 0.5, 5.0)])
+    floors, found = calibration.beside_no_sync(2, ["ddp", "dp", "master"])
+    assert found == [("ddp", 10.0, 0.5, 2.0), ("dp", 30.0, 0.5, 3.0), ("master", 20.0, 0.5, 7.0)]
+    one_process = calibration.NOSYNC_ONE_PROCESS
+    assert floors == [("nosync", 1.0), ("nosync", 3.0), (one_process, 2.0), (one_process, 4.0), ("nosync", 5.0),
+                      ("nosync", 9.0)]
 
 
 @pytest.mark.quick
 def test_rounds_keep_each_run_beside_its_no_sync_runs_and_start_from_another_strategy(monkeypatch):
-    """Two rounds at W=1 and 2: each strategy's time and the no-sync step beside it stay paired by
-    round, whichever strategy a round starts from, and the raw file says the order they ran in."""
-    ran: list[tuple[str, int]] = []
+    """Two rounds at W=1 and 2: each strategy's time and the no-sync step beside it (its reference's
+    runs just before and after it) stay paired by round, whichever strategy a round starts from, and
+    the raw file says the order they ran in."""
+    ran: list[tuple[str, int, bool]] = []
 
-    def measured_step(script: list[str], world: int) -> tuple[float, float]:
-        ran.append((script[0], world))
+    def measured_step(script: list[str], world: int, one_process: bool = False) -> tuple[float, float]:
+        ran.append((" ".join(script), world, one_process))
         return float(len(ran) ** 2), 0.25  # each run's time: its place in the whole calibration, squared
     monkeypatch.setattr(calibration, "measured_step", measured_step)
     monkeypatch.setattr(calibration, "measure_collectives", lambda world: {"world": world})
@@ -276,14 +283,17 @@ def test_rounds_keep_each_run_beside_its_no_sync_runs_and_start_from_another_str
     labels = list(calibration.ROWS)
     assert [order[2][0] for order in timings.order] == [labels[0], labels[0], labels[1], labels[1]]
     assert timings.probes == {2: [{"world": 2}, {"world": 2}]}
-    runs_per_world = 2 * len(labels) + 1
-    for round_, world, order in timings.order:
-        first = (2 * round_ + world - 1) * runs_per_world  # the runs before this round's at this W
-        for label in labels:
-            place = first + 2 * order.index(label) + 2  # 1-based: after its no-sync run before it
-            assert timings.steps[(label, world)][round_] == place ** 2
-            assert timings.beside[(label, world)][round_] == place ** 2 + 1  # ((place - 1)² + (place + 1)²) / 2
-    assert len(timings.steps[("nosync", 2)]) == 2 * (len(labels) + 1)
+    nosync = " ".join(calibration.NOSYNC)
+    for label, (script, _, _) in calibration.ROWS.items():
+        for world in (1, 2):
+            places = [i + 1 for i, run in enumerate(ran) if run == (" ".join(script), world, False)]
+            assert timings.steps[(label, world)] == [place ** 2 for place in places]
+            one_process = label in calibration.ONE_PROCESS
+            for place in places:
+                assert ran[place - 2] == ran[place] == (nosync, world, one_process)
+            assert timings.beside[(label, world)] == [((place - 1) ** 2 + (place + 1) ** 2) / 2 for place in places]
+    no_sync_runs = [i + 1 for i, run in enumerate(ran) if run == (nosync, 2, False)]
+    assert timings.steps[("nosync", 2)] == [place ** 2 for place in no_sync_runs]
     raw = json.loads(timings.as_json())
     assert raw["steps_per_run"] == calibration.STEPS and raw["order"][2] == [1, 1, labels[1:] + labels[:1]]
 
@@ -299,7 +309,7 @@ def test_the_report_checks_each_strategy_against_its_own_rounds(capsys):
     probe = {"back_to_back": timed, "after_step": timed, "at_blocks": timed,
              "step": {"nosync": [5.0], "buckets": [6.0], "slowest": [5.0], "mean": [5.0]}}
     steps, beside = {}, {}
-    for label in ["nosync", *calibration.ROWS]:
+    for label in ["nosync", calibration.NOSYNC_ONE_PROCESS, *calibration.ROWS]:
         steps[(label, 1)], beside[(label, 1)] = [6.0, 6.0], [5.0, 5.0]
         steps[(label, 2)], beside[(label, 2)] = [12.0, 30.0], [10.0, 20.0]  # a slow second round: its runs beside
     memory = {(label, w): 0.5 for label in calibration.ROWS for w in (1, 2)}
@@ -308,6 +318,7 @@ def test_the_report_checks_each_strategy_against_its_own_rounds(capsys):
     dp = next(r for r in doc["rows"] if r["strategy"] == "dp")
     assert dp["ratio"] == pytest.approx(0.9) and dp["ratio_range"] == pytest.approx([0.8, 1.0])
     assert dp["compute_ms"] == pytest.approx(18.0) and dp["measured_range_ms"] == [12.0, 30.0]
+    assert doc["nosync_one_process_ms"] == {1: 6.0, 2: 21.0}
     calibration.print_report(doc)
     assert "| dp | 2 | 21.0 (12.0-30.0) | 18.0 | 18.0 | 0.90 (0.80-1.00) |" in capsys.readouterr().out
 
