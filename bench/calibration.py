@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from bench import costmodel as cm
-from bench.strategies import run, synthetic, timing
+from bench.strategies import ONE_PROCESS, run, synthetic, timing
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL, PER_RANK, STEPS, EVERY = "convnet", 16, 80, 10
@@ -53,11 +53,7 @@ ROWS: dict[str, tuple[list[str], str, str]] = {  # label -> (script and flags, t
     "localsgd --sync-every 4": (["train_localsgd.py", "--sync-every", "4"], "localsgd", "gloo"),
 }
 NOSYNC = ["-m", "bench.references", "nosync"]
-# nn.DataParallel on a CPU host is one process, a pass-through whose W threads split each op (the
-# suite gives it every rank's threads): its compute is the no-sync step laid out so, not W processes'
-# (at W=2 it ran 6.6 ms against their 4.8 in 3 rounds of 5 on 2026-11-28).
-ONE_PROCESS = {"dp"}
-NOSYNC_ONE_PROCESS = "nosync, one process"
+NOSYNC_ONE_PROCESS = "nosync, one process"  # the reference laid out as train_dp.py runs: see reference_of
 
 
 # --- in each torchrun process -------------------------------------------------------------------------
@@ -301,8 +297,9 @@ def convnet_workload(compute_s: float) -> cm.Workload:
 
 
 def measured_step(script: list[str], world: int, one_process: bool = False) -> tuple[float, float]:
-    """(ms per step, training state MB) of one run at W, as W processes of a thread or one process of
-    W threads: the suite's clock, intervals after the first."""
+    """(ms per step, training state MB) of one run at W (the global batch W ranks' images): a
+    torchrun script as W processes of a thread, or with `one_process` as one process of W threads
+    (train_dp.py always runs so); the suite's clock, intervals after the first."""
     processes, threads = (1, world) if one_process else (world, 1)
     scalars = run(script, synthetic(MODEL, PER_RANK * world, STEPS, EVERY), processes, threads)
     return timing(scalars).step_ms, scalars.get("mem/state_mb", [float("nan")])[-1]
@@ -346,8 +343,11 @@ def model_ms(kind: str, wire: str, compute_s: float, world: int, priced: Prices,
     return 1000 * (step.seconds + min(1.0, step.calls) * extra), step.memory_bytes / cm.MB
 
 
-def reference_of(label: str) -> str:
-    return NOSYNC_ONE_PROCESS if label in ONE_PROCESS else "nosync"
+def reference_of(label: str, world: int) -> str:
+    """The no-sync reference a row runs beside, laid out as the row runs: nn.DataParallel on a CPU
+    host is one process, a pass-through whose W threads split each op, not W processes (at W=2 it
+    ran 6.6 ms against their 4.8 in 3 rounds of 5 on 2026-11-28); at W=1 the two layouts are one."""
+    return NOSYNC_ONE_PROCESS if ROWS[label][0][0] in ONE_PROCESS and world > 1 else "nosync"
 
 
 def beside_no_sync(world: int,
@@ -358,7 +358,7 @@ def beside_no_sync(world: int,
     floors: list[tuple[str, float]] = []
     found: list[tuple[str, float, float, float]] = []
     for label in labels:
-        reference = reference_of(label)
+        reference = reference_of(label, world)
         if not floors or floors[-1][0] != reference:
             floors.append((reference, no_sync_step(reference, world)))
         before = floors[-1][1]
@@ -369,13 +369,15 @@ def beside_no_sync(world: int,
 
 
 def no_sync_step(reference: str, world: int) -> float:
+    """One run of the no-sync reference at W, laid out as `reference` names (ms per step)."""
     return measured_step(NOSYNC, world, one_process=reference == NOSYNC_ONE_PROCESS)[0]
 
 
 @dataclass
 class Timings:
     """Every timing of a calibration as it comes: ms per step per (label, W), one a round for a
-    strategy, every run for the no-sync reference; the no-sync step beside each strategy's run; the
+    strategy, every run for each no-sync reference ("nosync" and NOSYNC_ONE_PROCESS, each in the
+    order they ran); the no-sync step beside each strategy's run; the
     state MB logged; the probes per W; the order the rows ran in, per round and W."""
 
     steps: dict[tuple[str, int], list[float]] = field(default_factory=dict)
@@ -528,7 +530,7 @@ def described(lines: dict[str, dict[str, tuple[float, float]]], world: int) -> d
 def print_report(doc: dict) -> None:
     print("\ncompute (the no-sync reference), ms per sample: "
           + ", ".join(f"W={w}: {ms:.3f}" for w, ms in doc["compute_ms_per_sample"].items())
-          + "; its step as one process of W threads (DataParallel's compute), ms: "
+          + "; DataParallel's reference, one process of W threads, ms per step: "
           + ", ".join(f"W={w}: {ms:.2f}" for w, ms in doc["nosync_one_process_ms"].items())
           + "; the slowest rank's step over the mean rank's, steps started together: "
           + ", ".join(f"W={w}: {f:.2f} ({doc['lead_ms'][w]:.2f} ms ahead)" for w, f in doc["straggling"].items()))

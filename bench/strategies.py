@@ -50,11 +50,14 @@ class Timing:
         return self.data_ms + self.compute_ms + self.sync_ms
 
 
+ONE_PROCESS = {"train_dp.py"}  # nn.DataParallel: one process, given every rank's threads
+
+
 def launcher(script: str, world: int, threads: int) -> tuple[list[str], dict[str, str]]:
     """torchrun for the distributed scripts; train_dp.py is one process, given every rank's threads.
     The checkout is on PYTHONPATH: a script outside its root (tests/faults.py) imports `common` too."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    if script == "train_dp.py":
+    if script in ONE_PROCESS:
         return [sys.executable], {**env, "OMP_NUM_THREADS": str(threads * world)}
     return ([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}"],
             {**env, "OMP_NUM_THREADS": str(threads)})

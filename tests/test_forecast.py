@@ -266,6 +266,40 @@ def test_each_strategy_runs_between_two_runs_of_its_no_sync_reference(monkeypatc
 
 
 @pytest.mark.quick
+@pytest.mark.parametrize("labels, world, expected", [
+    (["dp"], 2, ["one", "dp", "one"]),
+    (["dp", "ddp"], 2, ["one", "dp", "one", "nosync", "ddp", "nosync"]),
+    (["ddp", "dp"], 2, ["nosync", "ddp", "nosync", "one", "dp", "one"]),
+    (["dp", "ddp"], 1, ["nosync", "dp", "nosync", "ddp", "nosync"]),  # at W=1 one process either way
+])
+def test_a_reference_switch_runs_the_new_reference_first(monkeypatch, labels, world, expected):
+    names = {" ".join(calibration.NOSYNC): "nosync", "train_dp.py": "dp", "train_ddp.py": "ddp"}
+    ran: list[str] = []
+
+    def measured_step(script: list[str], at: int, one_process: bool = False) -> tuple[float, float]:
+        ran.append("one" if one_process else names[" ".join(script)])
+        return 1.0, 0.5
+    monkeypatch.setattr(calibration, "measured_step", measured_step)
+    calibration.beside_no_sync(world, labels)
+    assert ran == expected
+
+
+@pytest.mark.quick
+def test_a_run_is_laid_out_as_its_strategy_runs(monkeypatch):
+    """The global batch is W ranks' images; the one-process reference is one process of W threads."""
+    launched: list[tuple[str, str, int, int]] = []
+
+    def run(script: list[str], flags: list[str], processes: int, threads: int = 1) -> dict[str, list[float]]:
+        launched.append((script[-1], flags[flags.index("--batch-size") + 1], processes, threads))
+        return {"time/data_ms": [0.0, 1.0], "time/compute_ms": [0.0, 2.0], "time/sync_ms": [0.0, 3.0]}
+    monkeypatch.setattr(calibration, "run", run)
+    per_rank = str(calibration.PER_RANK * 4)
+    assert calibration.no_sync_step(calibration.NOSYNC_ONE_PROCESS, 4) == pytest.approx(6.0)
+    calibration.no_sync_step("nosync", 4)
+    assert launched == [("nosync", per_rank, 1, 4), ("nosync", per_rank, 4, 1)]
+
+
+@pytest.mark.quick
 def test_rounds_keep_each_run_beside_its_no_sync_runs_and_start_from_another_strategy(monkeypatch):
     """Two rounds at W=1 and 2: each strategy's time and the no-sync step beside it (its reference's
     runs just before and after it) stay paired by round, whichever strategy a round starts from, and
@@ -288,7 +322,7 @@ def test_rounds_keep_each_run_beside_its_no_sync_runs_and_start_from_another_str
         for world in (1, 2):
             places = [i + 1 for i, run in enumerate(ran) if run == (" ".join(script), world, False)]
             assert timings.steps[(label, world)] == [place ** 2 for place in places]
-            one_process = label in calibration.ONE_PROCESS
+            one_process = script[0] == "train_dp.py" and world > 1
             for place in places:
                 assert ran[place - 2] == ran[place] == (nosync, world, one_process)
             assert timings.beside[(label, world)] == [((place - 1) ** 2 + (place + 1) ** 2) / 2 for place in places]
