@@ -118,7 +118,10 @@ def test_a_signal_to_the_launcher_stops_training_with_a_checkpoint(script, name,
             proc.kill()
     out.join(timeout=30)
     err.join(timeout=30)
-    stopped = [line for line in err.lines if line.startswith(f"stopped by {name} after step")]
+    # Rank 0's stderr; local_two_nodes.sh's node 1 may hold rank 0 (c10d ranks agents by pid, which wraps),
+    # and its lines arrive on stdout behind a prefix.
+    rank_0 = [*err.lines, *(line.removeprefix("[node 1] ") for line in out.lines if line.startswith("[node 1] "))]
+    stopped = [line for line in rank_0 if line.startswith(f"stopped by {name} after step")]
     saved = sorted(ckpt.rglob("*.pt")) if ckpt.exists() else []
     to = f"{script}'s process group" if group else script
     print(f"\n{name} to {to}: launcher exited {exited:.1f} s later (status {proc.returncode}), every process gone "
