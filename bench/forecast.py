@@ -359,7 +359,7 @@ def parse(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--published", action="store_true", help="the model against Goyal et al. 2017 and the DDP paper")
     p.add_argument("--calibrate", action="store_true", help="measure here and check the model against the suite")
     p.add_argument("--repeats", type=int, default=5,
-                   help="--calibrate: interleaved rounds, about 8 minutes each; 3 rounds on this 2-core host can "
+                   help="--calibrate: interleaved rounds, about 10 minutes each; 3 rounds on this 2-core host can "
                         "move a row by 20%% (default: %(default)s)")
     p.add_argument("--worlds", default="1,2,4",
                    help="--calibrate: world sizes, 1 and those the model is checked at (default: %(default)s)")

@@ -316,7 +316,7 @@ def test_rounds_keep_each_run_beside_its_no_sync_runs_and_start_from_another_str
         timings.add_round(round_, [1, 2])
     labels = list(calibration.ROWS)
     assert [order[2][0] for order in timings.order] == [labels[0], labels[0], labels[1], labels[1]]
-    assert timings.probes == {2: [{"world": 2}, {"world": 2}]}
+    assert timings.probes == {2: [{"world": 2}] * 4}  # two launches a round, before and after the rows
     nosync = " ".join(calibration.NOSYNC)
     for label, (script, _, _) in calibration.ROWS.items():
         for world in (1, 2):
